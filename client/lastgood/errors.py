@@ -1,0 +1,31 @@
+"""Errors the client raises. Each says what went wrong in words an operator can act on."""
+
+from __future__ import annotations
+
+
+class LastgoodError(Exception):
+    """Base class of every error lastgood raises on purpose."""
+
+
+class ServiceError(LastgoodError):
+    """The service refused a request; `code` is the gRPC status name or HTTP status."""
+
+    def __init__(self, message: str, code: str | int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class SaveFailed(LastgoodError):
+    """A background save did not commit; last-good did not move."""
+
+
+class CorruptCheckpoint(LastgoodError):
+    """Bytes read back do not match the hash recorded at commit."""
+
+
+class NoUsableCheckpoint(LastgoodError):
+    """Every candidate checkpoint of the run failed verification."""
+
+
+class FormatError(LastgoodError):
+    """A shard file is not a valid lastgood safetensors file."""

@@ -1,0 +1,149 @@
+"""The shard file format: a plain safetensors file, laid out for zero-copy staging.
+
+Layout: 8-byte little-endian header length N, N bytes of JSON (padded with spaces so the
+data section starts 8-byte aligned), then the tensor bytes packed without holes. Tensors
+are ordered by element size, largest first, so that every tensor starts at an offset
+aligned to its element size: the stager can copy a tensor straight into its final place
+in the file, and the reader can view it in place without a copy.
+
+This module is torch-free: the service uses it to validate headers and build the
+manifest's tensor index.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+
+from .errors import FormatError
+
+FORMAT_VERSION = "1"
+META_FORMAT = "lastgood.format"
+META_STATE = "lastgood.state"
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself uses
+
+DTYPE_SIZES: dict[str, int] = {
+    "F64": 8, "I64": 8, "U64": 8, "C64": 8,
+    "F32": 4, "I32": 4, "U32": 4,
+    "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+    "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1,
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # safetensors dtype name
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_SIZES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Layout:
+    header: bytes                    # the 8-byte length plus the padded JSON
+    offsets: dict[str, tuple[int, int]]  # name -> absolute [start, end) in the file
+    size: int                        # total file size
+
+    @property
+    def data_start(self) -> int:
+        return len(self.header)
+
+
+def plan_layout(specs: list[TensorSpec], metadata: dict[str, str]) -> Layout:
+    """Order tensors for alignment, assign offsets and build the header bytes."""
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise FormatError("duplicate tensor names in one shard")
+    for s in specs:
+        if s.dtype not in DTYPE_SIZES:
+            raise FormatError(f"tensor {s.name!r}: unsupported dtype {s.dtype}")
+        if s.name == "__metadata__":
+            raise FormatError("'__metadata__' is reserved")
+    ordered = sorted(specs, key=lambda s: -DTYPE_SIZES[s.dtype])  # stable
+    header: dict[str, object] = {"__metadata__": dict(metadata)}
+    rel: dict[str, tuple[int, int]] = {}
+    pos = 0
+    for s in ordered:
+        rel[s.name] = (pos, pos + s.nbytes)
+        header[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [pos, pos + s.nbytes]}
+        pos += s.nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode()
+    raw += b" " * ((-(8 + len(raw))) % 8)
+    head = struct.pack("<Q", len(raw)) + raw
+    start = len(head)
+    return Layout(
+        header=head,
+        offsets={k: (start + a, start + b) for k, (a, b) in rel.items()},
+        size=start + pos,
+    )
+
+
+def header_length(prefix: bytes | memoryview) -> int:
+    """Total header size (8 + N) from the first 8 bytes of a file."""
+    if len(prefix) < 8:
+        raise FormatError("file shorter than the 8-byte safetensors header length")
+    (n,) = struct.unpack("<Q", bytes(prefix[:8]))
+    if n > MAX_HEADER_BYTES:
+        raise FormatError(f"safetensors header of {n} bytes exceeds the {MAX_HEADER_BYTES} limit")
+    return 8 + n
+
+
+def parse_header(head: bytes | memoryview, file_size: int | None = None) -> tuple[dict, dict[str, str]]:
+    """Parse and validate a safetensors header.
+
+    Returns (tensors, metadata) where tensors maps name -> {dtype, shape, data_offsets}
+    with offsets relative to the data section, as in the file. Checks that every entry is
+    well formed, that the sizes agree with dtype and shape, and that the tensors cover the
+    data section exactly, with no holes or overlaps (as safetensors requires).
+    """
+    total = header_length(head)
+    if len(head) < total:
+        raise FormatError("truncated safetensors header")
+    try:
+        obj = json.loads(bytes(head[8:total]).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"safetensors header is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise FormatError("safetensors header is not a JSON object")
+    meta = obj.pop("__metadata__", {}) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise FormatError("__metadata__ must map strings to strings")
+    spans = []
+    for name, e in obj.items():
+        if not isinstance(e, dict):
+            raise FormatError(f"tensor {name!r}: entry is not an object")
+        dtype, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+        if dtype not in DTYPE_SIZES:
+            raise FormatError(f"tensor {name!r}: unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise FormatError(f"tensor {name!r}: bad shape {shape!r}")
+        if (not isinstance(offs, list) or len(offs) != 2
+                or not all(isinstance(o, int) and o >= 0 for o in offs) or offs[0] > offs[1]):
+            raise FormatError(f"tensor {name!r}: bad data_offsets {offs!r}")
+        if TensorSpec(name, dtype, tuple(shape)).nbytes != offs[1] - offs[0]:
+            raise FormatError(f"tensor {name!r}: {offs[1] - offs[0]} bytes do not fit dtype {dtype} and shape {shape}")
+        spans.append((offs[0], offs[1], name))
+    spans.sort()
+    pos = 0
+    for a, b, name in spans:
+        if a != pos:
+            raise FormatError(f"tensor {name!r}: data section has a hole or overlap at byte {pos}")
+        pos = b
+    if file_size is not None and total + pos != file_size:
+        raise FormatError(f"data section is {file_size - total} bytes but the tensors cover {pos}")
+    return obj, meta
+
+
+def tensor_index(tensors: dict) -> dict[str, dict]:
+    """The manifest's tensor index: name -> dtype, shape, [start, end) relative to the data section."""
+    return {
+        name: {"dtype": e["dtype"], "shape": e["shape"], "offsets": e["data_offsets"]}
+        for name, e in sorted(tensors.items())
+    }

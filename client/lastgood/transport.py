@@ -1,0 +1,154 @@
+"""The client's wire: gRPC for the data path, REST for catalog reads. torch-free.
+
+The only thing configured is the REST base URL; the gRPC endpoint is learned from
+GET /api/v1/info. Unary calls are retried on UNAVAILABLE (the service restarting);
+everything the service refuses surfaces as ServiceError with its message.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+
+from .errors import ServiceError
+from .hashing import StreamHasher
+from .manifest import Manifest
+from .v1 import lastgood_pb2 as pb
+from .v1 import lastgood_pb2_grpc as pb_grpc
+
+CHUNK = 4 * 1024 * 1024
+_RETRY = (grpc.StatusCode.UNAVAILABLE,)
+
+
+def _service_error(e: grpc.RpcError, what: str) -> ServiceError:
+    code = e.code() if hasattr(e, "code") else None
+    name = code.name if code is not None else "UNKNOWN"
+    return ServiceError(f"{what}: {name}: {e.details() if hasattr(e, 'details') else e}", name)
+
+
+class Transport:
+    def __init__(self, base_url: str, timeout: float = 30.0, retries: int = 5) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.retries = retries
+        info = self.get_json("/api/v1/info")
+        self.grpc_target = info["grpc_target"]
+        self.chunk = min(CHUNK, int(info.get("max_chunk_bytes", CHUNK)))
+        limit = self.chunk + 64 * 1024
+        self._channel = grpc.insecure_channel(self.grpc_target, options=[
+            ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
+        self._stub = pb_grpc.CheckpointsStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    # ---------------------------------------------------------------- REST
+    def _request(self, method: str, path: str, query: dict | None = None) -> bytes:
+        url = self.base_url + path + ("?" + urllib.parse.urlencode(query) if query else "")
+        req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return resp.read()
+        except urllib.error.HTTPError as e:
+            body = e.read()
+            try:
+                msg = json.loads(body)["error"]["message"]
+            except Exception:
+                msg = body[:500].decode(errors="replace")
+            raise ServiceError(f"{method} {path}: HTTP {e.code}: {msg}", e.code) from None
+        except urllib.error.URLError as e:
+            raise ServiceError(f"cannot reach the lastgood service at {self.base_url}: {e.reason}") from None
+
+    def get_json(self, path: str, query: dict | None = None):
+        return json.loads(self._request("GET", path, query))
+
+    def post_json(self, path: str):
+        return json.loads(self._request("POST", path))
+
+    def last_good(self, run: str) -> dict | None:
+        try:
+            return self.get_json(f"/api/v1/runs/{run}/last-good")
+        except ServiceError as e:
+            if e.code == 404:
+                return None
+            raise
+
+    def committed(self, run: str, limit: int = 100) -> list[dict]:
+        try:
+            return self.get_json(f"/api/v1/runs/{run}/checkpoints",
+                                 {"status": "COMMITTED", "limit": limit})["items"]
+        except ServiceError as e:
+            if e.code == 404:
+                return []
+            raise
+
+    def verify(self, checkpoint_id: int) -> dict:
+        return self.post_json(f"/api/v1/checkpoints/{checkpoint_id}/verify")
+
+    # ---------------------------------------------------------------- gRPC
+    def _unary(self, what: str, method, request, timeout: float | None = None):
+        delay = 0.2
+        for attempt in range(self.retries + 1):
+            try:
+                return method(request, timeout=timeout or self.timeout)
+            except grpc.RpcError as e:
+                if e.code() in _RETRY and attempt < self.retries:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+                    continue
+                raise _service_error(e, what) from None
+
+    def begin(self, run: str, step: int, world_size: int, parent_id: int | None, attempt: str,
+              rank: int) -> pb.BeginCheckpointResponse:
+        return self._unary("BeginCheckpoint", self._stub.BeginCheckpoint, pb.BeginCheckpointRequest(
+            run=run, step=step, world_size=world_size, parent_id=parent_id or 0, attempt=attempt, rank=rank))
+
+    def put_shard(self, checkpoint_id: int, rank: int, file_name: str, data: memoryview,
+                  xxh3: str) -> pb.PutShardResponse:
+        def messages() -> Iterator[pb.PutShardRequest]:
+            yield pb.PutShardRequest(header=pb.ShardHeader(
+                checkpoint_id=checkpoint_id, rank=rank, file_name=file_name, size=data.nbytes, xxh3_128=xxh3))
+            for off in range(0, data.nbytes, self.chunk):
+                yield pb.PutShardRequest(chunk=bytes(data[off:off + self.chunk]))
+
+        return self._unary("PutShard", lambda _r, timeout: self._stub.PutShard(messages(), timeout=timeout),
+                           None, timeout=max(self.timeout, 3600.0))
+
+    def commit_rank(self, checkpoint_id: int, rank: int, files: list[str], wait: float) -> pb.CommitRankResponse:
+        return self._unary("CommitRank", self._stub.CommitRank, pb.CommitRankRequest(
+            checkpoint_id=checkpoint_id, rank=rank, files=files, wait_seconds=wait), timeout=wait + self.timeout)
+
+    def abort(self, checkpoint_id: int, reason: str, rank: int) -> None:
+        self._unary("AbortCheckpoint", self._stub.AbortCheckpoint,
+                    pb.AbortCheckpointRequest(checkpoint_id=checkpoint_id, reason=reason, rank=rank))
+
+    def manifest(self, checkpoint_id: int) -> Manifest:
+        resp = self._unary("GetManifest", self._stub.GetManifest, pb.GetManifestRequest(checkpoint_id=checkpoint_id))
+        return Manifest.from_bytes(resp.manifest)
+
+    def read_file(self, checkpoint_id: int, rank: int, file_name: str, size: int) -> tuple[bytearray, str]:
+        """The whole file, and the xxh3-128 of what arrived (hashed while receiving)."""
+        buf = bytearray(size)
+        view = memoryview(buf)
+        hasher = StreamHasher()
+        pos = 0
+        try:
+            for msg in self._stub.GetShard(pb.GetShardRequest(checkpoint_id=checkpoint_id, rank=rank,
+                                                              file_name=file_name), timeout=max(self.timeout, 3600.0)):
+                n = len(msg.chunk)
+                if pos + n > size:
+                    raise ServiceError(f"GetShard sent more than the manifest's {size} bytes for {file_name}")
+                view[pos:pos + n] = msg.chunk
+                hasher.update(msg.chunk)
+                pos += n
+        except grpc.RpcError as e:
+            raise _service_error(e, "GetShard") from None
+        if pos != size:
+            raise ServiceError(f"GetShard ended after {pos} of {size} bytes of {file_name}")
+        return buf, hasher.hexdigest()
