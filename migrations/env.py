@@ -1,0 +1,47 @@
+"""Alembic environment for the lastgood catalog.
+
+The URL comes from the Config the service builds (`lastgood_service.catalog.db`), or from
+LASTGOOD_CATALOG_URL when alembic is run by hand (`alembic -c migrations/alembic.ini upgrade head`).
+"""
+
+from __future__ import annotations
+
+import os
+
+from alembic import context
+from sqlalchemy import create_engine, pool
+
+from lastgood_service.catalog.models import Base
+
+config = context.config
+target_metadata = Base.metadata
+
+
+def _url() -> str:
+    url = config.get_main_option("sqlalchemy.url") or os.environ.get("LASTGOOD_CATALOG_URL")
+    if not url:
+        raise RuntimeError("set LASTGOOD_CATALOG_URL to the catalog's SQLAlchemy URL")
+    return url
+
+
+def run_migrations_offline() -> None:
+    context.configure(url=_url(), target_metadata=target_metadata, literal_binds=True,
+                      render_as_batch=True)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    engine = create_engine(_url(), poolclass=pool.NullPool)
+    with engine.connect() as connection:
+        context.configure(connection=connection, target_metadata=target_metadata,
+                          render_as_batch=True)
+        with context.begin_transaction():
+            context.run_migrations()
+    engine.dispose()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()

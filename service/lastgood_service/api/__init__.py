@@ -1,0 +1,1 @@
+"""Thin transports: REST (FastAPI) and gRPC call the same domain functions."""

@@ -1,0 +1,24 @@
+"""The one table from domain errors to HTTP statuses and gRPC codes."""
+
+from __future__ import annotations
+
+import grpc
+
+from ..domain import errors as e
+
+TABLE: dict[type[e.DomainError], tuple[int, grpc.StatusCode, str]] = {
+    e.NotFound: (404, grpc.StatusCode.NOT_FOUND, "not_found"),
+    e.InvalidArgument: (400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
+    e.Conflict: (409, grpc.StatusCode.ALREADY_EXISTS, "conflict"),
+    e.FailedPrecondition: (409, grpc.StatusCode.FAILED_PRECONDITION, "failed_precondition"),
+    e.HashMismatch: (422, grpc.StatusCode.DATA_LOSS, "hash_mismatch"),
+    e.OutOfRange: (416, grpc.StatusCode.OUT_OF_RANGE, "out_of_range"),
+    e.TooLarge: (413, grpc.StatusCode.RESOURCE_EXHAUSTED, "too_large"),
+}
+
+
+def lookup(exc: e.DomainError) -> tuple[int, grpc.StatusCode, str]:
+    for cls in type(exc).__mro__:
+        if cls in TABLE:
+            return TABLE[cls]
+    return 400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"

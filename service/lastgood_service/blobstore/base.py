@@ -1,0 +1,80 @@
+"""The one BlobStore interface every backend implements.
+
+Protocol (the service relies on each step):
+  1. `open_writer()` returns a BlobWriter onto a temporary, invisible object.
+  2. `write(buf)` appends bytes; nothing is visible yet.
+  3. `publish(key)` makes the bytes durable and visible under `key` atomically: after it
+     returns, a crash cannot lose them, and no reader ever sees a partial blob. Publishing
+     the same bytes twice under one key is harmless (keys derive from ids and hashes).
+  4. `abort()` discards the temporary object; it is safe after a failed write or publish.
+Readers: `get(key, offset, length)` yields the bytes of a range in chunks; `stat` returns
+size or None; `list(prefix)` walks keys; `delete` is idempotent.
+
+Keys are produced by the service from ids and hashes, never from user strings; stores
+still refuse keys that could escape their namespace.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+_KEY = re.compile(r"^[a-z0-9][a-z0-9._-]*(/[a-z0-9][a-z0-9._-]*)*$")
+READ_CHUNK = 4 * 1024 * 1024
+
+
+def check_key(key: str) -> str:
+    if not _KEY.match(key) or ".." in key:
+        raise ValueError(f"invalid blob key {key!r}")
+    return key
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    key: str
+    size: int
+
+
+class BlobWriter(abc.ABC):
+    @abc.abstractmethod
+    def write(self, data) -> None: ...
+
+    @abc.abstractmethod
+    def publish(self, key: str) -> None: ...
+
+    @abc.abstractmethod
+    def abort(self) -> None: ...
+
+    def __enter__(self) -> "BlobWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+class BlobStore(abc.ABC):
+    @abc.abstractmethod
+    def open_writer(self) -> BlobWriter: ...
+
+    @abc.abstractmethod
+    def get(self, key: str, offset: int = 0, length: int | None = None) -> Iterator[bytes]: ...
+
+    @abc.abstractmethod
+    def stat(self, key: str) -> BlobInfo | None: ...
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[BlobInfo]: ...
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        with self.open_writer() as w:
+            w.write(data)
+            w.publish(key)
+
+    def read_all(self, key: str) -> bytes:
+        return b"".join(self.get(key))

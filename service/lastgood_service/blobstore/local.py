@@ -1,0 +1,116 @@
+"""Local-filesystem blob store: write to tmp/, fsync the file, rename into place, fsync the directory.
+
+The rename is atomic on POSIX, so a reader sees either no blob or the whole blob; the two
+fsyncs make the bytes and the directory entry survive power loss before publish returns.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from .base import READ_CHUNK, BlobInfo, BlobStore, BlobWriter, check_key
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _LocalWriter(BlobWriter):
+    def __init__(self, store: "LocalBlobStore") -> None:
+        self._store = store
+        self._tmp = store.tmp_dir / f"{uuid.uuid4().hex}.part"
+        self._f = open(self._tmp, "wb", buffering=0)
+        self._done = False
+
+    def write(self, data) -> None:
+        mv = memoryview(data)
+        while mv.nbytes:
+            n = self._f.write(mv)
+            mv = mv[n:]
+
+    def publish(self, key: str) -> None:
+        dest = self._store._path(key)
+        os.fsync(self._f.fileno())
+        self._f.close()
+        new_dirs = self._store._makedirs(dest.parent)
+        os.replace(self._tmp, dest)
+        _fsync_dir(dest.parent)
+        for d in new_dirs:  # make each newly created directory's entry durable too
+            _fsync_dir(d.parent)
+        self._done = True
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._f.close()
+        finally:
+            self._tmp.unlink(missing_ok=True)
+
+
+class LocalBlobStore(BlobStore):
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = Path(root).resolve()
+        self.blob_dir = self.root / "blobs"
+        self.tmp_dir = self.root / "tmp"
+        self.blob_dir.mkdir(parents=True, exist_ok=True)
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        return self.blob_dir / check_key(key)
+
+    def _makedirs(self, d: Path) -> list[Path]:
+        created = []
+        p = d
+        while not p.exists():
+            created.append(p)
+            p = p.parent
+        d.mkdir(parents=True, exist_ok=True)
+        return list(reversed(created))
+
+    def open_writer(self) -> BlobWriter:
+        return _LocalWriter(self)
+
+    def get(self, key: str, offset: int = 0, length: int | None = None) -> Iterator[bytes]:
+        path = self._path(key)
+        f = open(path, "rb")  # raises FileNotFoundError before the first yield is asked for
+        return self._read(f, offset, length)
+
+    @staticmethod
+    def _read(f, offset: int, length: int | None) -> Iterator[bytes]:
+        with f:
+            f.seek(offset)
+            left = length
+            while left is None or left > 0:
+                n = READ_CHUNK if left is None else min(READ_CHUNK, left)
+                buf = f.read(n)
+                if not buf:
+                    return
+                if left is not None:
+                    left -= len(buf)
+                yield buf
+
+    def stat(self, key: str) -> BlobInfo | None:
+        try:
+            return BlobInfo(key, self._path(key).stat().st_size)
+        except FileNotFoundError:
+            return None
+
+    def list(self, prefix: str = "") -> Iterator[BlobInfo]:
+        for dirpath, _dirs, files in os.walk(self.blob_dir):
+            for name in files:
+                p = Path(dirpath) / name
+                key = p.relative_to(self.blob_dir).as_posix()
+                if key.startswith(prefix):
+                    yield BlobInfo(key, p.stat().st_size)
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)

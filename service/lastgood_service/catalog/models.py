@@ -1,0 +1,123 @@
+"""SQLAlchemy 2.0 models of the catalog. The Alembic migrations must agree with these."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from sqlalchemy import (BigInteger, DateTime, ForeignKey, Index, Integer, MetaData, String, Text,
+                        TypeDecorator, UniqueConstraint)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+PENDING, COMMITTED, ABANDONED, CORRUPT = "PENDING", "COMMITTED", "ABANDONED", "CORRUPT"
+STATUSES = (PENDING, COMMITTED, ABANDONED, CORRUPT)
+VERIFIED = "VERIFIED"
+
+
+class UTCDateTime(TypeDecorator):
+    """Timezone-aware UTC on every backend (SQLite stores naive values)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        if value is not None and value.tzinfo is None:
+            raise ValueError("naive datetime given to the catalog")
+        return value.astimezone(dt.timezone.utc) if value is not None else None
+
+    def process_result_value(self, value, dialect):
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=dt.timezone.utc)
+        return value
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention={
+        "ix": "ix_%(column_0_label)s",
+        "uq": "uq_%(table_name)s_%(column_0_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    })
+
+
+class Run(Base):
+    __tablename__ = "runs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+    last_good_id: Mapped[int | None] = mapped_column(
+        ForeignKey("checkpoints.id", use_alter=True), nullable=True)
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (
+        UniqueConstraint("run_id", "step", "attempt", name="uq_checkpoints_run_step_attempt"),
+        Index("ix_checkpoints_run_status_step", "run_id", "status", "step"),
+        Index("ix_checkpoints_status_lease", "status", "lease_expires_at"),
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    step: Mapped[int] = mapped_column(BigInteger)
+    attempt: Mapped[str] = mapped_column(String(64))
+    world_size: Mapped[int] = mapped_column(Integer)
+    parent_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id"), nullable=True)
+    status: Mapped[str] = mapped_column(String(16))
+    bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    lease_expires_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+    committed_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    manifest_key: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    manifest_hash: Mapped[str | None] = mapped_column(String(32), nullable=True)
+
+
+class Shard(Base):
+    __tablename__ = "shards"
+    __table_args__ = (
+        UniqueConstraint("checkpoint_id", "rank", "file_name", name="uq_shards_ckpt_rank_file"),
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"))
+    rank: Mapped[int] = mapped_column(Integer)
+    file_name: Mapped[str] = mapped_column(String(200))
+    size: Mapped[int] = mapped_column(BigInteger)
+    xxh3_128: Mapped[str] = mapped_column(String(32))
+    blob_key: Mapped[str] = mapped_column(String(256))
+    status: Mapped[str] = mapped_column(String(16))
+    index_json: Mapped[str | None] = mapped_column(Text, nullable=True)  # safetensors tensor index
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+
+
+class Vote(Base):
+    """A rank's commit vote: the exact list of files it uploaded."""
+
+    __tablename__ = "votes"
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    files_json: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+
+
+class Tag(Base):
+    __tablename__ = "tags"
+    __table_args__ = (Index("ix_tags_run_name", "run_id", "name"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"))
+    name: Mapped[str] = mapped_column(String(128))
+    kind: Mapped[str] = mapped_column(String(16))  # tag, alias, pin, system
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+
+
+class Event(Base):
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_run_at", "run_id", "at"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id"), nullable=True)
+    checkpoint_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id"), nullable=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+    data_json: Mapped[str] = mapped_column(Text, default="{}")

@@ -1,0 +1,510 @@
+"""The two-phase commit: begin, put, vote, commit, abort, expiry, recovery, verification.
+
+Invariants (shared/design.md), and where this module keeps them:
+  I1 no acknowledged commit is lost: a rank hears COMMITTED only after the one transaction
+     that marks the checkpoint COMMITTED and moves last-good has committed; blobs were
+     published durably (fsync + rename + fsync dir) before they were recorded VERIFIED.
+  I2 nothing is visible unless complete: a checkpoint becomes COMMITTED only when every
+     rank voted with exactly its verified files; reads serve COMMITTED checkpoints only;
+     `verify` re-hashes and marks CORRUPT.
+  I3 last-good moves only in the commit transaction (or away from a CORRUPT checkpoint);
+     a failed save never touches it.
+Commit is exactly-once under races: the status change is a conditional UPDATE
+(`WHERE status = 'PENDING'`), so of two committers, or a committer and the lease reaper,
+exactly one wins. No database work happens per chunk.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from lastgood import names
+from lastgood.errors import FormatError
+from lastgood.format import header_length, parse_header, tensor_index
+from lastgood.hashing import StreamHasher, hash_bytes, is_valid_hex
+from lastgood.manifest import FileEntry, Manifest
+
+from ..blobstore import BlobStore
+from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, PENDING, VERIFIED, Checkpoint, Event, Run,
+                              Shard, Vote, utcnow)
+from ..settings import Settings
+from .errors import (Conflict, FailedPrecondition, HashMismatch, InvalidArgument, NotFound, OutOfRange,
+                     TooLarge)
+
+log = logging.getLogger("lastgood.commit")
+
+
+def shard_key(checkpoint_id: int, rank: int, xxh3: str) -> str:
+    return f"ckpt/{checkpoint_id}/r{rank}/{xxh3}"
+
+
+def manifest_key(checkpoint_id: int) -> str:
+    return f"ckpt/{checkpoint_id}/manifest.json"
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    checkpoint_id: int
+    rank: int
+    file_name: str
+    size: int
+    xxh3_128: str
+
+
+@dataclass(frozen=True)
+class PutResult:
+    already_present: bool
+    size: int
+    xxh3_128: str
+
+
+@dataclass(frozen=True)
+class VoteResult:
+    checkpoint_id: int
+    status: str
+    missing_ranks: list[int]
+
+
+def add_event(s: Session, kind: str, run_id: int | None, checkpoint_id: int | None, **data) -> None:
+    s.add(Event(run_id=run_id, checkpoint_id=checkpoint_id, kind=kind, at=utcnow(),
+                data_json=json.dumps(data, sort_keys=True, default=str)))
+
+
+class CommitService:
+    def __init__(self, settings: Settings, sessions: sessionmaker[Session], blobs: BlobStore,
+                 clock: Callable[[], dt.datetime] = utcnow) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.blobs = blobs
+        self.clock = clock
+        self._changed = threading.Condition()
+
+    # ---------------------------------------------------------------- helpers
+    def _lease(self) -> dt.datetime:
+        return self.clock() + dt.timedelta(seconds=self.settings.lease_seconds)
+
+    def _get_checkpoint(self, s: Session, checkpoint_id: int) -> Checkpoint:
+        ck = s.get(Checkpoint, checkpoint_id) if checkpoint_id > 0 else None
+        if ck is None:
+            raise NotFound(f"checkpoint {checkpoint_id} does not exist")
+        return ck
+
+    def _require_pending(self, ck: Checkpoint, what: str) -> None:
+        if ck.status != PENDING:
+            raise FailedPrecondition(f"cannot {what}: checkpoint {ck.id} is {ck.status}, not PENDING")
+
+    def _check_rank(self, ck: Checkpoint, rank: int) -> None:
+        if not 0 <= rank < ck.world_size:
+            raise InvalidArgument(f"rank {rank} is outside world size {ck.world_size} of checkpoint {ck.id}")
+
+    def _renew(self, checkpoint_id: int) -> None:
+        with self.sessions() as s, s.begin():
+            s.execute(update(Checkpoint)
+                      .where(Checkpoint.id == checkpoint_id, Checkpoint.status == PENDING)
+                      .values(lease_expires_at=self._lease()))
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    # ---------------------------------------------------------------- begin
+    def begin(self, run: str, step: int, world_size: int, parent_id: int | None, attempt: str,
+              rank: int = 0) -> Checkpoint:
+        try:
+            names.check_run_name(run)
+            names.check_attempt(attempt)
+        except names.InvalidName as e:
+            raise InvalidArgument(str(e)) from None
+        if step < 0:
+            raise InvalidArgument(f"step must be >= 0, got {step}")
+        if not 1 <= world_size <= self.settings.max_world_size:
+            raise InvalidArgument(f"world size must be 1..{self.settings.max_world_size}, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise InvalidArgument(f"rank {rank} is outside world size {world_size}")
+        parent_id = parent_id or None
+        for _ in range(3):
+            try:
+                return self._begin_once(run, step, world_size, parent_id, attempt, rank)
+            except IntegrityError:  # a concurrent begin of the same (run, step, attempt) won
+                continue
+        raise Conflict(f"concurrent begin of {run} step {step} attempt {attempt} did not settle")
+
+    def _begin_once(self, run_name, step, world_size, parent_id, attempt, rank) -> Checkpoint:
+        with self.sessions() as s, s.begin():
+            run = s.scalar(select(Run).where(Run.name == run_name))
+            if run is None:
+                run = Run(name=run_name, created_at=self.clock())
+                s.add(run)
+                s.flush()
+            ck = s.scalar(select(Checkpoint).where(
+                Checkpoint.run_id == run.id, Checkpoint.step == step, Checkpoint.attempt == attempt))
+            if ck is not None:
+                if ck.world_size != world_size:
+                    raise Conflict(f"checkpoint {ck.id} ({run_name} step {step} attempt {attempt}) has world size "
+                                   f"{ck.world_size}; this rank says {world_size}")
+                if (ck.parent_id or None) != parent_id:
+                    raise Conflict(f"checkpoint {ck.id} has parent {ck.parent_id}; this rank says {parent_id}")
+                if ck.status in (ABANDONED, CORRUPT):
+                    raise FailedPrecondition(f"checkpoint {ck.id} ({run_name} step {step} attempt {attempt}) is "
+                                             f"{ck.status}; save again under a new attempt")
+                if ck.status == PENDING:
+                    ck.lease_expires_at = self._lease()
+                return ck
+            if parent_id is not None:
+                parent = s.get(Checkpoint, parent_id)
+                if parent is None or parent.run_id != run.id:
+                    raise NotFound(f"parent checkpoint {parent_id} does not exist in run {run_name}")
+            now = self.clock()
+            ck = Checkpoint(run_id=run.id, step=step, attempt=attempt, world_size=world_size,
+                            parent_id=parent_id, status=PENDING, bytes=0, lease_expires_at=self._lease(),
+                            created_at=now)
+            s.add(ck)
+            s.flush()
+            add_event(s, "begin", run.id, ck.id, step=step, world_size=world_size, attempt=attempt, rank=rank)
+            return ck
+
+    # ---------------------------------------------------------------- put
+    def put_shard(self, header: ShardHeader, chunks: Iterable[bytes]) -> PutResult:
+        """Stream one shard file into a temporary blob, hashing as bytes arrive; publish it
+        durably and record it VERIFIED only if size and hash match the client's."""
+        try:
+            names.check_file_name(header.file_name)
+        except names.InvalidName as e:
+            raise InvalidArgument(str(e)) from None
+        if not is_valid_hex(header.xxh3_128):
+            raise InvalidArgument("xxh3_128 must be 32 lowercase hex digits")
+        if header.size < 0:
+            raise InvalidArgument(f"size must be >= 0, got {header.size}")
+        if header.size > self.settings.max_shard_bytes:
+            raise TooLarge(f"shard of {header.size} bytes exceeds the limit of {self.settings.max_shard_bytes}")
+        with self.sessions() as s, s.begin():
+            ck = self._get_checkpoint(s, header.checkpoint_id)
+            self._check_rank(ck, header.rank)
+            existing = self._find_shard(s, header)
+            if existing is not None:
+                return self._same_or_conflict(existing, header)
+            self._require_pending(ck, "upload")
+            ck.lease_expires_at = self._lease()
+
+        hasher = StreamHasher()
+        index_json = None
+        want_index = header.file_name.endswith(".safetensors")
+        prefix = bytearray()
+        renew_every = self.settings.lease_seconds / 4
+        last_renew = time.monotonic()
+        with self.blobs.open_writer() as w:
+            for chunk in chunks:
+                if len(chunk) > self.settings.max_chunk_bytes:
+                    raise InvalidArgument(f"chunk of {len(chunk)} bytes exceeds {self.settings.max_chunk_bytes}")
+                if hasher.size + len(chunk) > header.size:
+                    raise InvalidArgument(f"stream is longer than the declared {header.size} bytes")
+                hasher.update(chunk)
+                w.write(chunk)
+                if want_index and index_json is None:
+                    prefix += chunk
+                    index_json = self._try_index(prefix, header.size)
+                    if index_json is not None:
+                        prefix = bytearray()
+                if time.monotonic() - last_renew > renew_every:
+                    self._renew(header.checkpoint_id)
+                    last_renew = time.monotonic()
+            if hasher.size != header.size:
+                raise InvalidArgument(f"stream ended after {hasher.size} of the declared {header.size} bytes")
+            if want_index and index_json is None:
+                index_json = self._try_index(prefix, header.size, final=True)
+            digest = hasher.hexdigest()
+            if digest != header.xxh3_128:
+                self._record_mismatch(header, digest)
+                raise HashMismatch(f"xxh3-128 of the received bytes is {digest}, the client declared "
+                                   f"{header.xxh3_128}: shard rejected")
+            key = shard_key(header.checkpoint_id, header.rank, digest)
+            w.publish(key)
+
+        with self.sessions() as s:
+            try:
+                with s.begin():
+                    ck = self._get_checkpoint(s, header.checkpoint_id)
+                    self._require_pending(ck, "record the shard")
+                    s.add(Shard(checkpoint_id=ck.id, rank=header.rank, file_name=header.file_name,
+                                size=header.size, xxh3_128=digest, blob_key=key, status=VERIFIED,
+                                index_json=index_json, created_at=self.clock()))
+                    ck.lease_expires_at = self._lease()
+            except IntegrityError:  # the same file arrived twice at once
+                with s.begin():
+                    return self._same_or_conflict(self._find_shard(s, header), header)
+        return PutResult(False, header.size, digest)
+
+    @staticmethod
+    def _find_shard(s: Session, h: ShardHeader) -> Shard | None:
+        return s.scalar(select(Shard).where(Shard.checkpoint_id == h.checkpoint_id, Shard.rank == h.rank,
+                                            Shard.file_name == h.file_name))
+
+    @staticmethod
+    def _same_or_conflict(existing: Shard, h: ShardHeader) -> PutResult:
+        if existing.size == h.size and existing.xxh3_128 == h.xxh3_128:
+            return PutResult(True, existing.size, existing.xxh3_128)
+        raise Conflict(f"rank {h.rank} already uploaded {h.file_name!r} to checkpoint {h.checkpoint_id} "
+                       f"with different bytes ({existing.size} bytes, xxh3 {existing.xxh3_128})")
+
+    @staticmethod
+    def _try_index(prefix: bytearray, size: int, final: bool = False) -> str | None:
+        """Parse the safetensors header once its bytes are in; None while it is incomplete."""
+        try:
+            if len(prefix) < 8:
+                if final:
+                    raise FormatError("file shorter than a safetensors header")
+                return None
+            n = header_length(prefix)
+            if len(prefix) < n:
+                if final:
+                    raise FormatError("truncated safetensors header")
+                return None
+            tensors, _meta = parse_header(bytes(prefix[:n]), file_size=size)
+        except FormatError as e:
+            raise InvalidArgument(f"not a valid safetensors file: {e}") from None
+        return json.dumps({"data_start": n, "tensors": tensor_index(tensors)}, separators=(",", ":"))
+
+    def _record_mismatch(self, h: ShardHeader, digest: str) -> None:
+        log.warning("hash mismatch on checkpoint %s rank %s file %s", h.checkpoint_id, h.rank, h.file_name)
+        with self.sessions() as s, s.begin():
+            ck = s.get(Checkpoint, h.checkpoint_id)
+            add_event(s, "hash_mismatch", ck.run_id if ck else None, h.checkpoint_id, rank=h.rank,
+                      file=h.file_name, declared=h.xxh3_128, received=digest)
+
+    # ---------------------------------------------------------------- vote and commit
+    def vote(self, checkpoint_id: int, rank: int, files: list[str], wait_seconds: float = 0.0) -> VoteResult:
+        if len(set(files)) != len(files):
+            raise InvalidArgument("the vote lists a file twice")
+        with self.sessions() as s, s.begin():
+            ck = self._get_checkpoint(s, checkpoint_id)
+            self._check_rank(ck, rank)
+            prior = s.get(Vote, (checkpoint_id, rank))
+            if prior is not None:
+                if sorted(json.loads(prior.files_json)) != sorted(files):
+                    raise Conflict(f"rank {rank} already voted on checkpoint {checkpoint_id} with other files")
+            else:
+                self._require_pending(ck, "vote")
+                have = {sh.file_name: sh for sh in s.scalars(
+                    select(Shard).where(Shard.checkpoint_id == checkpoint_id, Shard.rank == rank))}
+                missing = sorted(set(files) - set(have))
+                extra = sorted(set(have) - set(files))
+                if missing:
+                    raise FailedPrecondition(f"rank {rank} votes for files that are not verified: {missing}")
+                if extra:
+                    raise FailedPrecondition(f"rank {rank} uploaded files its vote leaves out: {extra}")
+                s.add(Vote(checkpoint_id=checkpoint_id, rank=rank, files_json=json.dumps(sorted(files)),
+                           created_at=self.clock()))
+                ck.lease_expires_at = self._lease()
+            voted = s.scalar(select(func.count()).select_from(Vote).where(Vote.checkpoint_id == checkpoint_id))
+            complete = ck.status == PENDING and voted == ck.world_size
+        if complete:
+            self.try_commit(checkpoint_id)
+        return self.wait_for(checkpoint_id, min(max(wait_seconds, 0.0), self.settings.commit_wait_max))
+
+    def wait_for(self, checkpoint_id: int, timeout: float) -> VoteResult:
+        deadline = time.monotonic() + timeout
+        while True:
+            result = self._vote_state(checkpoint_id)
+            left = deadline - time.monotonic()
+            if result.status != PENDING or left <= 0:
+                if result.status in (ABANDONED, CORRUPT):
+                    raise FailedPrecondition(f"checkpoint {checkpoint_id} is {result.status}")
+                return result
+            with self._changed:
+                # woken by a commit in this process; the timeout re-reads the catalog, where
+                # a commit by another replica shows up
+                self._changed.wait(min(left, 0.25))
+
+    def _vote_state(self, checkpoint_id: int) -> VoteResult:
+        with self.sessions() as s, s.begin():
+            ck = self._get_checkpoint(s, checkpoint_id)
+            voted = set(s.scalars(select(Vote.rank).where(Vote.checkpoint_id == checkpoint_id)))
+            return VoteResult(ck.id, ck.status, sorted(set(range(ck.world_size)) - voted))
+
+    def try_commit(self, checkpoint_id: int, *, recovering: bool = False) -> bool:
+        """Write the manifest, then commit in one transaction. True if this call committed."""
+        with self.sessions() as s, s.begin():
+            ck = self._get_checkpoint(s, checkpoint_id)
+            if ck.status != PENDING:
+                return False
+            run = s.get(Run, ck.run_id)
+            votes = {v.rank: set(json.loads(v.files_json)) for v in
+                     s.scalars(select(Vote).where(Vote.checkpoint_id == checkpoint_id))}
+            shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == checkpoint_id)))
+            if set(votes) != set(range(ck.world_size)):
+                return False
+            by_rank: dict[int, list[FileEntry]] = {r: [] for r in votes}
+            for sh in shards:
+                if sh.status != VERIFIED or sh.file_name not in votes.get(sh.rank, ()):
+                    raise FailedPrecondition(f"shard {sh.file_name!r} of rank {sh.rank} is not part of a vote")
+                idx = json.loads(sh.index_json) if sh.index_json else {}
+                by_rank[sh.rank].append(FileEntry(sh.file_name, sh.size, sh.xxh3_128,
+                                                  idx.get("data_start"), idx.get("tensors")))
+            if any({f.name for f in by_rank[r]} != votes[r] for r in votes):
+                raise FailedPrecondition(f"checkpoint {checkpoint_id}: votes and verified shards disagree")
+            manifest = Manifest(ck.id, run.name, ck.step, ck.attempt, ck.world_size, ck.parent_id, by_rank)
+        body = manifest.to_bytes()
+        key = manifest_key(checkpoint_id)
+        stored = self.blobs.stat(key)
+        if stored is None or self.blobs.read_all(key) != body:
+            if recovering:
+                return False
+            self.blobs.put_bytes(key, body)
+        with self.sessions() as s, s.begin():
+            now = self.clock()
+            won = s.execute(update(Checkpoint)
+                            .where(Checkpoint.id == checkpoint_id, Checkpoint.status == PENDING)
+                            .values(status=COMMITTED, committed_at=now, bytes=manifest.total_bytes(),
+                                    manifest_key=key, manifest_hash=hash_bytes(body))).rowcount == 1
+            if won:
+                ck = s.get(Checkpoint, checkpoint_id)
+                s.refresh(ck)
+                moved = self._maybe_move_last_good(s, ck)
+                add_event(s, "commit", ck.run_id, ck.id, step=ck.step, bytes=ck.bytes, last_good=moved,
+                          recovered=recovering)
+        if won:
+            log.info("committed checkpoint %s (%s step %s)", checkpoint_id, manifest.run, manifest.step)
+            self._notify()
+        return won
+
+    @staticmethod
+    def _maybe_move_last_good(s: Session, ck: Checkpoint) -> bool:
+        """I3: a commit becomes last-good if it is a newer step than the current one, or if
+        it was begun after the current one committed (the trainer restored an older
+        checkpoint on purpose and branched from it)."""
+        run = s.get(Run, ck.run_id)
+        cur = s.get(Checkpoint, run.last_good_id) if run.last_good_id else None
+        if cur is None or ck.step > cur.step or (cur.committed_at is not None and ck.created_at > cur.committed_at):
+            run.last_good_id = ck.id
+            return True
+        return False
+
+    # ---------------------------------------------------------------- abort, expiry, recovery
+    def abort(self, checkpoint_id: int, reason: str = "", rank: int | None = None) -> str:
+        with self.sessions() as s, s.begin():
+            ck = self._get_checkpoint(s, checkpoint_id)
+            if ck.status == ABANDONED:
+                return ABANDONED
+            if ck.status != PENDING:
+                raise FailedPrecondition(f"cannot abort checkpoint {checkpoint_id}: it is {ck.status}")
+            s.execute(update(Checkpoint).where(Checkpoint.id == checkpoint_id, Checkpoint.status == PENDING)
+                      .values(status=ABANDONED))
+            add_event(s, "abort", ck.run_id, ck.id, reason=reason[:1000], rank=rank)
+        self._notify()
+        return ABANDONED
+
+    def expire_leases(self) -> list[int]:
+        """Mark PENDING checkpoints whose lease ran out ABANDONED (a rank died)."""
+        now = self.clock()
+        with self.sessions() as s, s.begin():
+            due = list(s.scalars(select(Checkpoint).where(Checkpoint.status == PENDING,
+                                                          Checkpoint.lease_expires_at < now)))
+            expired = []
+            for ck in due:
+                if s.execute(update(Checkpoint)
+                             .where(Checkpoint.id == ck.id, Checkpoint.status == PENDING,
+                                    Checkpoint.lease_expires_at < now)
+                             .values(status=ABANDONED)).rowcount == 1:
+                    voted = sorted(s.scalars(select(Vote.rank).where(Vote.checkpoint_id == ck.id)))
+                    add_event(s, "expired", ck.run_id, ck.id, step=ck.step, voted_ranks=voted)
+                    expired.append(ck.id)
+        if expired:
+            log.warning("lease expired, checkpoints abandoned: %s", expired)
+            self._notify()
+        return expired
+
+    def recover(self) -> list[int]:
+        """At start-up: roll a PENDING checkpoint forward when every rank voted, its manifest
+        blob is written and every verified shard is present; leave the rest to expiry."""
+        with self.sessions() as s, s.begin():
+            pending = list(s.scalars(select(Checkpoint.id).where(Checkpoint.status == PENDING)))
+        rolled = []
+        for cid in pending:
+            if self.blobs.stat(manifest_key(cid)) is None:
+                continue
+            with self.sessions() as s, s.begin():
+                shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == cid)))
+            if all((info := self.blobs.stat(sh.blob_key)) is not None and info.size == sh.size for sh in shards):
+                if self.try_commit(cid, recovering=True):
+                    rolled.append(cid)
+        if rolled:
+            log.warning("recovery rolled forward checkpoints %s", rolled)
+        return rolled
+
+    # ---------------------------------------------------------------- verification
+    def verify(self, checkpoint_id: int) -> dict:
+        """Re-hash every shard of a committed checkpoint. A mismatch or a missing blob marks
+        it CORRUPT, records an event and moves last-good back to the newest good commit."""
+        with self.sessions() as s, s.begin():
+            ck = self._get_checkpoint(s, checkpoint_id)
+            if ck.status not in (COMMITTED, CORRUPT):
+                raise FailedPrecondition(f"checkpoint {checkpoint_id} is {ck.status}; only committed ones are verified")
+            shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == checkpoint_id)
+                                    .order_by(Shard.rank, Shard.file_name)))
+        bad = []
+        for sh in shards:
+            h = StreamHasher()
+            try:
+                for chunk in self.blobs.get(sh.blob_key):
+                    h.update(chunk)
+                got = h.hexdigest() if h.size == sh.size else f"size {h.size}"
+            except FileNotFoundError:
+                got = "missing"
+            if got != sh.xxh3_128:
+                bad.append({"rank": sh.rank, "file": sh.file_name, "expected": sh.xxh3_128, "found": got})
+        if bad:
+            self._mark_corrupt(checkpoint_id, bad)
+        return {"checkpoint_id": checkpoint_id, "ok": not bad, "files": len(shards), "bad": bad,
+                "status": CORRUPT if bad else ck.status}
+
+    def _mark_corrupt(self, checkpoint_id: int, bad: list[dict]) -> None:
+        log.error("checkpoint %s is CORRUPT: %s", checkpoint_id, bad)
+        with self.sessions() as s, s.begin():
+            ck = self._get_checkpoint(s, checkpoint_id)
+            first = ck.status != CORRUPT
+            ck.status = CORRUPT
+            run = s.get(Run, ck.run_id)
+            if run.last_good_id == ck.id:
+                prev = s.scalar(select(Checkpoint).where(Checkpoint.run_id == run.id, Checkpoint.status == COMMITTED,
+                                                         Checkpoint.id != ck.id)
+                                .order_by(Checkpoint.committed_at.desc(), Checkpoint.id.desc()).limit(1))
+                run.last_good_id = prev.id if prev else None
+            if first:
+                add_event(s, "corrupt", ck.run_id, ck.id, bad=bad, last_good=run.last_good_id)
+        self._notify()
+
+    # ---------------------------------------------------------------- reads
+    def shard_for_read(self, checkpoint_id: int, rank: int, file_name: str) -> Shard:
+        with self.sessions() as s, s.begin():
+            ck = self._get_checkpoint(s, checkpoint_id)
+            if ck.status != COMMITTED:
+                raise FailedPrecondition(f"checkpoint {checkpoint_id} is {ck.status}; only committed checkpoints are readable")
+            self._check_rank(ck, rank)
+            sh = s.scalar(select(Shard).where(Shard.checkpoint_id == checkpoint_id, Shard.rank == rank,
+                                              Shard.file_name == file_name))
+            if sh is None:
+                raise NotFound(f"checkpoint {checkpoint_id} rank {rank} has no file {file_name!r}")
+            return sh
+
+    def read_range(self, sh: Shard, offset: int, length: int | None):
+        if offset < 0 or offset > sh.size or (length is not None and (length < 0 or offset + length > sh.size)):
+            raise OutOfRange(f"range offset={offset} length={length} is outside the file's {sh.size} bytes")
+        return self.blobs.get(sh.blob_key, offset, length)
+
+    def manifest_bytes(self, checkpoint_id: int) -> bytes:
+        with self.sessions() as s, s.begin():
+            ck = self._get_checkpoint(s, checkpoint_id)
+            if ck.status != COMMITTED:
+                raise FailedPrecondition(f"checkpoint {checkpoint_id} is {ck.status}; it has no visible manifest")
+            key = ck.manifest_key
+        return self.blobs.read_all(key)

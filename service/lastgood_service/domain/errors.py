@@ -1,0 +1,35 @@
+"""Domain errors. Transports map each class to one HTTP status and one gRPC code (api/errors.py)."""
+
+from __future__ import annotations
+
+
+class DomainError(Exception):
+    """A request the service refuses; the message is shown to the caller as it is."""
+
+
+class NotFound(DomainError):
+    pass
+
+
+class InvalidArgument(DomainError):
+    pass
+
+
+class Conflict(DomainError):
+    """The request contradicts what is already recorded (different bytes, world size, vote)."""
+
+
+class FailedPrecondition(DomainError):
+    """The request is valid but the checkpoint is not in a state that allows it."""
+
+
+class HashMismatch(DomainError):
+    pass
+
+
+class OutOfRange(DomainError):
+    pass
+
+
+class TooLarge(DomainError):
+    pass

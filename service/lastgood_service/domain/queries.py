@@ -1,0 +1,110 @@
+"""Read-only views of the catalog for the REST API. Plain dicts out; no HTTP types here."""
+
+from __future__ import annotations
+
+import json
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from lastgood import names
+
+from ..catalog.models import STATUSES, Checkpoint, Event, Run
+from .errors import InvalidArgument, NotFound
+
+MAX_PAGE = 1000
+
+
+def _iso(t):
+    return t.isoformat() if t is not None else None
+
+
+def checkpoint_view(ck: Checkpoint, run: Run) -> dict:
+    return {
+        "id": ck.id, "run": run.name, "step": ck.step, "attempt": ck.attempt, "world_size": ck.world_size,
+        "parent_id": ck.parent_id, "status": ck.status, "bytes": ck.bytes,
+        "created_at": _iso(ck.created_at), "committed_at": _iso(ck.committed_at),
+        "lease_expires_at": _iso(ck.lease_expires_at) if ck.status == "PENDING" else None,
+        "last_good": run.last_good_id == ck.id,
+    }
+
+
+def _page(limit: int, offset: int) -> None:
+    if not 1 <= limit <= MAX_PAGE:
+        raise InvalidArgument(f"limit must be 1..{MAX_PAGE}, got {limit}")
+    if offset < 0:
+        raise InvalidArgument(f"offset must be >= 0, got {offset}")
+
+
+class Queries:
+    def __init__(self, sessions: sessionmaker[Session]) -> None:
+        self.sessions = sessions
+
+    def _run(self, s: Session, name: str) -> Run:
+        try:
+            names.check_run_name(name)
+        except names.InvalidName as e:
+            raise InvalidArgument(str(e)) from None
+        run = s.scalar(select(Run).where(Run.name == name))
+        if run is None:
+            raise NotFound(f"run {name!r} does not exist")
+        return run
+
+    def list_runs(self, limit: int = 100, offset: int = 0) -> dict:
+        _page(limit, offset)
+        with self.sessions() as s, s.begin():
+            total = s.scalar(select(func.count()).select_from(Run))
+            runs = list(s.scalars(select(Run).order_by(Run.name).limit(limit).offset(offset)))
+            items = [self._run_view(s, r) for r in runs]
+        return {"items": items, "total": total, "limit": limit, "offset": offset}
+
+    def _run_view(self, s: Session, run: Run) -> dict:
+        counts = dict(s.execute(select(Checkpoint.status, func.count()).where(Checkpoint.run_id == run.id)
+                                .group_by(Checkpoint.status)).all())
+        lg = s.get(Checkpoint, run.last_good_id) if run.last_good_id else None
+        return {"name": run.name, "created_at": _iso(run.created_at),
+                "last_good": checkpoint_view(lg, run) if lg else None,
+                "checkpoints": {st: counts.get(st, 0) for st in STATUSES}}
+
+    def get_run(self, name: str) -> dict:
+        with self.sessions() as s, s.begin():
+            return self._run_view(s, self._run(s, name))
+
+    def list_checkpoints(self, run_name: str, status: str | None = None, limit: int = 100, offset: int = 0) -> dict:
+        _page(limit, offset)
+        if status is not None and status not in STATUSES:
+            raise InvalidArgument(f"status must be one of {', '.join(STATUSES)}, got {status!r}")
+        with self.sessions() as s, s.begin():
+            run = self._run(s, run_name)
+            q = select(Checkpoint).where(Checkpoint.run_id == run.id)
+            if status:
+                q = q.where(Checkpoint.status == status)
+            total = s.scalar(select(func.count()).select_from(q.subquery()))
+            rows = s.scalars(q.order_by(Checkpoint.step.desc(), Checkpoint.id.desc()).limit(limit).offset(offset))
+            return {"items": [checkpoint_view(ck, run) for ck in rows], "total": total,
+                    "limit": limit, "offset": offset}
+
+    def get_checkpoint(self, checkpoint_id: int) -> dict:
+        with self.sessions() as s, s.begin():
+            ck = s.get(Checkpoint, checkpoint_id)
+            if ck is None:
+                raise NotFound(f"checkpoint {checkpoint_id} does not exist")
+            return checkpoint_view(ck, s.get(Run, ck.run_id))
+
+    def last_good(self, run_name: str) -> dict:
+        with self.sessions() as s, s.begin():
+            run = self._run(s, run_name)
+            if run.last_good_id is None:
+                raise NotFound(f"run {run_name!r} has no committed checkpoint")
+            return checkpoint_view(s.get(Checkpoint, run.last_good_id), run)
+
+    def events(self, run_name: str, limit: int = 100, offset: int = 0) -> dict:
+        _page(limit, offset)
+        with self.sessions() as s, s.begin():
+            run = self._run(s, run_name)
+            q = select(Event).where(Event.run_id == run.id)
+            total = s.scalar(select(func.count()).select_from(q.subquery()))
+            rows = s.scalars(q.order_by(Event.at, Event.id).limit(limit).offset(offset))
+            items = [{"id": e.id, "kind": e.kind, "at": _iso(e.at), "checkpoint_id": e.checkpoint_id,
+                      "data": json.loads(e.data_json)} for e in rows]
+        return {"items": items, "total": total, "limit": limit, "offset": offset}

@@ -1,0 +1,49 @@
+"""One typed settings object, built in `main` and passed down. Nothing connects at import."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MiB = 1024 * 1024
+
+
+def _default_migrations_dir() -> Path:
+    # The repo's top-level migrations/ folder; the service is installed editable (make run)
+    # or the folder is copied next to it and named with LASTGOOD_MIGRATIONS_DIR.
+    return Path(__file__).resolve().parents[2] / "migrations"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LASTGOOD_", extra="ignore")
+
+    data_dir: Path = Field(Path("data"), description="holds the embedded catalog and blob store")
+    catalog_url: str | None = Field(None, description="SQLAlchemy URL; default sqlite:///<data_dir>/catalog.db")
+    blob_url: str | None = Field(None, description="blob store URL; default file://<data_dir>/blobs")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_host: str = "127.0.0.1"
+    grpc_port: int = Field(50051, description="0 picks a free port")
+    grpc_advertise: str | None = Field(None, description="host:port clients dial; default grpc_host:bound port")
+    grpc_workers: int = Field(64, ge=4, description="threads serving gRPC calls")
+
+    lease_seconds: float = Field(60.0, gt=0, description="a pending checkpoint with no rank activity for this long is ABANDONED")
+    reaper_interval: float = Field(1.0, gt=0, description="how often expired leases are looked for")
+    commit_wait_max: float = Field(5.0, ge=0, description="longest one CommitRank call waits for the other ranks")
+
+    max_shard_bytes: int = Field(256 * 1024**3, gt=0, description="largest shard file accepted")
+    max_chunk_bytes: int = Field(4 * MiB, gt=0, description="largest chunk in one PutShard message")
+    max_world_size: int = Field(65536, gt=0)
+
+    migrations_dir: Path = Field(default_factory=_default_migrations_dir)
+    auto_migrate: bool = Field(True, description="run `alembic upgrade head` at start")
+    log_level: str = "INFO"
+
+    def resolved_catalog_url(self) -> str:
+        return self.catalog_url or f"sqlite:///{(self.data_dir / 'catalog.db').resolve()}"
+
+    def resolved_blob_url(self) -> str:
+        return self.blob_url or f"file://{(self.data_dir / 'blobs').resolve()}"
