@@ -1,0 +1,68 @@
+"""Rank, world size, launch identity and the few collectives restore needs.
+
+Collectives use tensors only (broadcast/all_reduce of int64), never the object
+collectives, which pickle.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import torch
+import torch.distributed as dist
+
+
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_world() -> tuple[int, int]:
+    if initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return 0, 1
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_int(value: int, src: int = 0) -> int:
+    if not initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_device())
+    dist.broadcast(t, src)
+    return int(t.item())
+
+
+def all_min(value: int) -> int:
+    if not initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def launch_attempt(world_size: int) -> str:
+    """One id shared by every rank of this launch of the job.
+
+    Saves of the same step by a relaunched job must not collide with the abandoned
+    attempt of the previous launch, so the id changes on every launch: explicitly via
+    LASTGOOD_ATTEMPT; else drawn by rank 0 and broadcast when torch.distributed is up;
+    else from torchrun's elastic run id and restart count.
+    """
+    if os.environ.get("LASTGOOD_ATTEMPT"):
+        return os.environ["LASTGOOD_ATTEMPT"]
+    if initialized():
+        return f"{broadcast_int(secrets.randbits(62)):016x}"
+    if world_size == 1:
+        return secrets.token_hex(8)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":
+        return f"{run_id}:{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"[:64]
+    raise RuntimeError("several ranks but no torch.distributed process group and no torchrun run id: "
+                       "set LASTGOOD_ATTEMPT to one value per launch, the same on every rank")

@@ -1,0 +1,39 @@
+"""Every random number generator a training step can draw from.
+
+Captured without being asked: Python `random`, NumPy's global generator, torch's CPU
+generator, and torch CUDA's generator on every device. Named `torch.Generator`s passed to
+TrainState are captured by TrainState itself.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from .errors import LastgoodError
+
+
+def capture() -> dict:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
+    return state
+
+
+def restore(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda:
+        if not torch.cuda.is_available() or torch.cuda.device_count() != len(cuda):
+            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            raise LastgoodError(f"checkpoint holds CUDA RNG states of {len(cuda)} devices; this process sees {have}")
+        for i, s in enumerate(cuda):
+            torch.cuda.set_rng_state(s, i)

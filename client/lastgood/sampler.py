@@ -1,0 +1,96 @@
+"""ResumableDistributedSampler: DistributedSampler with a position that survives restarts.
+
+Same order as torch's DistributedSampler for the same seed and epoch (a permutation of the
+dataset from `seed + epoch`, padded to a multiple of the world size, dealt round-robin).
+It also keeps how many samples of the epoch this rank's loop has consumed (counted by
+lastgood as batches reach the loop, never as workers prefetch them), so a restored run
+resumes mid-epoch at the exact next sample. `set_epoch` works as usual: calling it with
+the restored epoch keeps the restored position; any other epoch starts at its beginning.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch.utils.data import Sampler
+
+from .errors import LastgoodError
+
+
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+
+
+class ResumableDistributedSampler(Sampler[int]):
+    def __init__(self, dataset, num_replicas: int | None = None, rank: int | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        ws, rk = _world()
+        self.num_replicas = ws if num_replicas is None else num_replicas
+        self.rank = rk if rank is None else rank
+        if not 0 <= self.rank < self.num_replicas:
+            raise ValueError(f"rank {self.rank} outside [0, {self.num_replicas})")
+        self.dataset_len = len(dataset)
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        if drop_last and self.dataset_len % self.num_replicas:
+            self.num_samples = math.ceil((self.dataset_len - self.num_replicas) / self.num_replicas)
+        else:
+            self.num_samples = math.ceil(self.dataset_len / self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
+        self.epoch = 0
+        self._start = 0        # where the next iteration of this epoch begins
+        self._iter_start = 0   # where the latest iteration began
+        self._consumed = 0     # samples of this epoch the loop has taken
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._start = 0
+
+    def _indices(self) -> list[int]:
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.dataset_len, generator=g).tolist()
+        else:
+            order = list(range(self.dataset_len))
+        if self.drop_last:
+            order = order[: self.total_size]
+        elif len(order) < self.total_size:
+            pad = self.total_size - len(order)
+            order += (order * math.ceil(pad / len(order)))[:pad]
+        return order[self.rank: self.total_size: self.num_replicas]
+
+    def __iter__(self):
+        self._iter_start = self._start
+        return iter(self._indices()[self._start:])
+
+    def __len__(self) -> int:
+        return self.num_samples - self._start
+
+    # called by lastgood's loader adapter -------------------------------------------
+    def _begin_iteration(self) -> None:
+        self._consumed = self._iter_start
+        self._start = 0
+
+    def _advance(self, n: int) -> None:
+        self._consumed = min(self._consumed + n, self.num_samples)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "consumed": self._consumed, "num_replicas": self.num_replicas,
+                "rank": self.rank, "seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last,
+                "dataset_len": self.dataset_len,
+                # position in the epoch's global order, independent of the world size
+                "global_position": self._consumed * self.num_replicas}
+
+    def load_state_dict(self, sd: dict) -> None:
+        for key in ("num_replicas", "seed", "shuffle", "drop_last", "dataset_len"):
+            if sd[key] != getattr(self, key):
+                raise LastgoodError(f"sampler {key} was {sd[key]!r} at save time and is {getattr(self, key)!r} now")
+        self.epoch = sd["epoch"]
+        self._start = self._consumed = self._iter_start = sd["consumed"]

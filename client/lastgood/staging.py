@@ -1,0 +1,96 @@
+"""Snapshots: copy the state into reusable CPU buffers laid out as the final shard file.
+
+`save()` blocks only for this copy. The buffer *is* the safetensors file (header, then
+tensors at their final offsets), so hashing and upload read it in place, with no second
+copy. Buffers come from a small pool: a snapshot never lands in a buffer whose upload is
+still running, and when every buffer is busy the next `save()` waits for one, so training
+can never change memory that an upload is reading. With CUDA present the buffers are
+pinned, so device-to-host copies run at full speed and asynchronously until one sync.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .dtypes import ST_TO_TORCH, st_dtype
+from .format import FORMAT_VERSION, META_FORMAT, META_STATE, Layout, TensorSpec, plan_layout
+
+
+@dataclass
+class Snapshot:
+    step: int
+    buffer: torch.Tensor  # uint8, at least layout.size bytes
+    layout: Layout
+
+    def view(self) -> memoryview:
+        """The file's bytes, zero-copy."""
+        return memoryview(self.buffer.numpy()).cast("B")[: self.layout.size]
+
+
+class StagingPool:
+    def __init__(self, slots: int = 2, pin: bool | None = None) -> None:
+        self.slots = slots
+        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._free: list[torch.Tensor] = []
+        self._in_use = 0
+        self._cv = threading.Condition()
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        with self._cv:
+            self._cv.wait_for(lambda: self._in_use < self.slots)
+            self._in_use += 1
+            fits = [b for b in self._free if b.numel() >= nbytes]
+            if fits:
+                buf = min(fits, key=lambda b: b.numel())
+                self._free.remove(buf)
+                return buf
+            if len(self._free) + self._in_use > self.slots and self._free:
+                self._free.remove(min(self._free, key=lambda b: b.numel()))  # too small to keep
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        except Exception:
+            self.release(None)
+            raise
+
+    def release(self, buf: torch.Tensor | None) -> None:
+        with self._cv:
+            self._in_use -= 1
+            if buf is not None:
+                self._free.append(buf)
+            self._cv.notify()
+
+
+def snapshot(step: int, json_state: dict, tensors: dict, pool: StagingPool) -> Snapshot:
+    specs = [TensorSpec(name, st_dtype(t), tuple(t.shape)) for name, t in tensors.items()]
+    meta = {META_FORMAT: FORMAT_VERSION,
+            META_STATE: json.dumps(json_state, separators=(",", ":"), allow_nan=False)}
+    layout = plan_layout(specs, meta)
+    buf = pool.acquire(layout.size)
+    try:
+        buf[: layout.data_start].copy_(torch.frombuffer(bytearray(layout.header), dtype=torch.uint8))
+        cuda_devices = set()
+        for spec in specs:
+            start, end = layout.offsets[spec.name]
+            if end == start:
+                continue
+            src = tensors[spec.name]
+            if isinstance(src, np.ndarray):
+                buf[start:end].numpy()[:] = np.ascontiguousarray(src).view(np.uint8).reshape(-1)
+                continue
+            dst = buf[start:end].view(ST_TO_TORCH[spec.dtype]).view(spec.shape)
+            if src.device.type == "cuda":
+                cuda_devices.add(src.device)
+                dst.copy_(src.detach(), non_blocking=pool.pin)
+            else:
+                dst.copy_(src.detach())
+        for device in cuda_devices:  # the non-blocking copies must land before save() returns
+            torch.cuda.synchronize(device)
+    except BaseException:
+        pool.release(buf)
+        raise
+    return Snapshot(step, buf, layout)

@@ -1,0 +1,173 @@
+"""TrainState: everything a bit-exact resume needs, captured as tensors plus typed JSON.
+
+Order matters. Capture: components first (a loader's state_dict() may draw from the
+global RNG), then named generators, then the global RNGs last, so the stored RNG state
+is the one training continues from. Restore: the same order, RNGs last, so nothing a
+load_state_dict() does can disturb them afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import loaders, rng
+from .codec import Encoder, decode
+from .dtypes import ST_TO_NUMPY, ST_TO_TORCH
+from .errors import LastgoodError
+
+STATE_VERSION = 1
+_RESERVED = {"extra", "rng", "step"}
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    # DDP adds a "module." prefix to every key; store the plain model's names.
+    inner = getattr(module, "module", None)
+    if isinstance(module, nn.parallel.DistributedDataParallel) and isinstance(inner, nn.Module):
+        return inner
+    return module
+
+
+@dataclass
+class Captured:
+    json_state: dict
+    tensors: dict  # name -> torch.Tensor | np.ndarray
+
+
+class TrainState:
+    """Named training state. Anything with state_dict()/load_state_dict() works: modules,
+    optimizers, LR schedulers, StatefulDataLoader, a DataLoader over a
+    ResumableDistributedSampler; `torch.Generator`s are saved by name; `extra` is a dict of
+    JSON values restored in place (keep a reference and update it, e.g. the epoch)."""
+
+    def __init__(self, extra: dict | None = None, **components) -> None:
+        for name, obj in components.items():
+            if name in _RESERVED or "." in name or not name.isidentifier():
+                raise ValueError(f"invalid component name {name!r}")
+            if not (isinstance(obj, torch.Generator) or loaders.is_loader(obj)
+                    or (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict"))):
+                raise TypeError(f"component {name!r} ({type(obj).__name__}) has no state_dict()/load_state_dict()")
+        if extra is not None and not isinstance(extra, dict):
+            raise TypeError("extra must be a dict of JSON values")
+        self.components = dict(components)
+        self.extra = {} if extra is None else extra
+        self._adapters = {n: loaders.adapt(o) for n, o in components.items() if loaders.is_loader(o)}
+
+    # ------------------------------------------------------------------ naming
+    def _param_names(self) -> dict[int, str]:
+        names = {}
+        for cname, obj in self.components.items():
+            if isinstance(obj, nn.Module):
+                for pname, p in _unwrap(obj).named_parameters():
+                    names.setdefault(id(p), f"{cname}.{pname}")
+        return names
+
+    @staticmethod
+    def _optimizer_renamer(opt: torch.optim.Optimizer, cname: str, pnames: dict[int, str]):
+        by_index = [pnames.get(id(p)) for g in opt.param_groups for p in g["params"]]
+
+        def rename(path: list[str]) -> list[str]:
+            # optimizer.state.<index>.exp_avg -> optimizer.state.<param name>.exp_avg
+            if len(path) >= 3 and path[1] == "state" and path[2].isdigit():
+                i = int(path[2])
+                if i < len(by_index) and by_index[i]:
+                    return [cname, "state", by_index[i], *path[3:]]
+            return path
+
+        return rename, by_index
+
+    def _kind(self, name: str) -> str:
+        obj = self.components[name]
+        if name in self._adapters:
+            return "loader"
+        if isinstance(obj, torch.Generator):
+            return "generator"
+        if isinstance(obj, nn.Module):
+            return "module"
+        if isinstance(obj, torch.optim.Optimizer):
+            return "optimizer"
+        return "stateful"
+
+    # ------------------------------------------------------------------ capture
+    def capture(self, step: int, rank: int, world_size: int) -> Captured:
+        enc = Encoder()
+        pnames = self._param_names()
+        comps, param_index = {}, {}
+        order = sorted(self.components, key=lambda n: self._kind(n) in ("loader", "generator"))
+        for name in order:
+            obj, kind = self.components[name], self._kind(name)
+            rename = None
+            if kind == "loader":
+                sd = self._adapters[name].state_dict()
+            elif kind == "generator":
+                sd = obj.get_state()
+            elif kind == "module":
+                sd = _unwrap(obj).state_dict()
+            else:
+                sd = obj.state_dict()
+                if kind == "optimizer":
+                    rename, param_index[name] = self._optimizer_renamer(obj, name, pnames)
+            comps[name] = {"kind": kind, "state": enc.encode(sd, [name], rename)}
+        extra = enc.encode(self.extra, ["extra"])
+        rng_state = enc.encode(rng.capture(), ["rng"])  # last: see the module docstring
+        return Captured({"version": STATE_VERSION, "step": step, "rank": rank, "world_size": world_size,
+                         "components": comps, "extra": extra, "rng": rng_state,
+                         "param_index": param_index}, enc.tensors)
+
+    # ------------------------------------------------------------------ restore
+    def apply(self, json_state: dict, tensor, array) -> None:
+        """Load captured state in place; `tensor(name, device)` / `array(name)` resolve refs."""
+        if json_state.get("version") != STATE_VERSION:
+            raise LastgoodError(f"unsupported state version {json_state.get('version')!r}")
+        saved = json_state["components"]
+        missing = sorted(set(self.components) - set(saved))
+        unknown = sorted(set(saved) - set(self.components))
+        if missing or unknown:
+            raise LastgoodError(f"TrainState does not match the checkpoint: not in checkpoint {missing}, "
+                                f"not in this TrainState {unknown}")
+        order = sorted(self.components, key=lambda n: self._kind(n) in ("loader", "generator"))
+        for name in order:
+            obj, kind = self.components[name], self._kind(name)
+            if saved[name]["kind"] != kind:
+                raise LastgoodError(f"component {name!r} was a {saved[name]['kind']} at save time, is a {kind} now")
+            sd = decode(saved[name]["state"], tensor, array)
+            if kind == "loader":
+                self._adapters[name].load_state_dict(sd)
+            elif kind == "generator":
+                obj.set_state(sd)
+            elif kind == "module":
+                _unwrap(obj).load_state_dict(sd, strict=True)
+            else:
+                obj.load_state_dict(sd)
+        restored_extra = decode(json_state["extra"], tensor, array)
+        self.extra.clear()
+        self.extra.update(restored_extra)
+        rng.restore(decode(json_state["rng"], tensor, array))
+
+
+def tensor_from_buffer(buf, spec: dict, data_start: int, device: str | None, copy: bool) -> torch.Tensor:
+    dtype = ST_TO_TORCH[spec["dtype"]]
+    a, b = spec["data_offsets"]
+    shape = tuple(spec["shape"])
+    if b == a:
+        t = torch.empty(shape, dtype=dtype)
+    else:
+        t = torch.frombuffer(buf, dtype=torch.uint8, count=b - a, offset=data_start + a).view(dtype).view(shape)
+        if copy:
+            t = t.clone()
+    if device is not None and device != "cpu":
+        dev = torch.device(device)
+        if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+            raise LastgoodError(f"checkpoint holds a tensor on {device}, which this process does not have")
+        t = t.to(dev)
+    return t
+
+
+def array_from_buffer(buf, spec: dict, data_start: int) -> np.ndarray:
+    dtype = ST_TO_NUMPY[spec["dtype"]]
+    a, b = spec["data_offsets"]
+    return np.frombuffer(buf, dtype=dtype, count=(b - a) // dtype.itemsize,
+                         offset=data_start + a).reshape(spec["shape"]).copy()
