@@ -35,18 +35,23 @@ def is_loader(obj) -> bool:
 
 
 def _rng_neutral_first_iterator(loader: DataLoader) -> None:
-    """Make the loader's next `_get_iterator()` call leave every global RNG untouched."""
-    original = getattr(type(loader), "_get_iterator", None)
-    if original is None:
+    """Make the loader's next `_get_iterator()` call leave every global RNG untouched,
+    then put back whatever `_get_iterator` was before (an adapter's wrapper, or none)."""
+    if getattr(type(loader), "_get_iterator", None) is None:
         warnings.warn("this DataLoader has no _get_iterator; a resumed run may draw one extra "
                       "random number and lose bit-exactness", stacklevel=3)
         return
+    previous = loader.__dict__.get("_get_iterator")
+    current = loader._get_iterator
 
     def once():
-        del loader._get_iterator  # back to the class's method for every later epoch
+        if previous is None:
+            del loader._get_iterator
+        else:
+            loader._get_iterator = previous
         saved = rng.capture()
         try:
-            return original(loader)
+            return current()
         finally:
             rng.restore(saved)
 
@@ -88,8 +93,7 @@ class PlainLoaderAdapter:
         self._install()
 
     def _install(self) -> None:
-        loader, sampler = self.loader, self.sampler
-        cls_get = type(loader)._get_iterator
+        loader, cls_get = self.loader, type(self.loader)._get_iterator
 
         def get_iterator():
             it = cls_get(loader)
@@ -97,44 +101,23 @@ class PlainLoaderAdapter:
             return it
 
         loader._get_iterator = get_iterator
-        self._get_iterator = get_iterator
-        self._sampler = sampler
 
     def _wrap(self, it) -> None:
-        sampler = self.sampler
-        sampler._begin_iteration()
-        cls_next, cls_reset = type(it)._next_data, type(it)._reset
+        sampler, batch_size, cls_next = self.sampler, self.loader.batch_size, type(it)._next_data
 
         def next_data():
-            batch = cls_next(it)
-            sampler._advance(self.loader.batch_size)
+            batch = cls_next(it)  # raises StopIteration at the end of the epoch
+            sampler._advance(batch_size)
             return batch
 
-        def reset(loader, first_iter=False):
-            out = cls_reset(it, loader, first_iter)  # calls iter(sampler) for the new epoch
-            sampler._begin_iteration()
-            return out
-
         it._next_data = next_data
-        it._reset = reset
 
     def state_dict(self):
         return {"sampler": self.sampler.state_dict()}
 
     def load_state_dict(self, sd) -> None:
         self.sampler.load_state_dict(sd["sampler"])
-        # the first iterator after restore must not draw from the global RNG
-        wrapped = self._get_iterator
-
-        def once():
-            self.loader._get_iterator = wrapped
-            saved = rng.capture()
-            try:
-                return wrapped()
-            finally:
-                rng.restore(saved)
-
-        self.loader._get_iterator = once
+        _rng_neutral_first_iterator(self.loader)
 
 
 def adapt(loader: DataLoader):

@@ -44,7 +44,6 @@ class ResumableDistributedSampler(Sampler[int]):
         self.total_size = self.num_samples * self.num_replicas
         self.epoch = 0
         self._start = 0        # where the next iteration of this epoch begins
-        self._iter_start = 0   # where the latest iteration began
         self._consumed = 0     # samples of this epoch the loop has taken
 
     def set_epoch(self, epoch: int) -> None:
@@ -67,17 +66,17 @@ class ResumableDistributedSampler(Sampler[int]):
         return order[self.rank: self.total_size: self.num_replicas]
 
     def __iter__(self):
-        self._iter_start = self._start
-        return iter(self._indices()[self._start:])
+        # A new pass over the epoch starts here (DataLoader calls this lazily, at the
+        # first batch, or up front when workers prefetch): the restored position applies
+        # to this pass only.
+        start, self._start = self._start, 0
+        self._consumed = start
+        return iter(self._indices()[start:])
 
     def __len__(self) -> int:
-        return self.num_samples - self._start
+        return self.num_samples
 
-    # called by lastgood's loader adapter -------------------------------------------
-    def _begin_iteration(self) -> None:
-        self._consumed = self._iter_start
-        self._start = 0
-
+    # called by lastgood's loader adapter as each batch reaches the loop -------------
     def _advance(self, n: int) -> None:
         self._consumed = min(self._consumed + n, self.num_samples)
 
@@ -93,4 +92,4 @@ class ResumableDistributedSampler(Sampler[int]):
             if sd[key] != getattr(self, key):
                 raise LastgoodError(f"sampler {key} was {sd[key]!r} at save time and is {getattr(self, key)!r} now")
         self.epoch = sd["epoch"]
-        self._start = self._consumed = self._iter_start = sd["consumed"]
+        self._start = self._consumed = sd["consumed"]

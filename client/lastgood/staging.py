@@ -44,16 +44,15 @@ class StagingPool:
         with self._cv:
             self._cv.wait_for(lambda: self._in_use < self.slots)
             self._in_use += 1
-            fits = [b for b in self._free if b.numel() >= nbytes]
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fits:
-                buf = min(fits, key=lambda b: b.numel())
-                self._free.remove(buf)
-                return buf
-            if len(self._free) + self._in_use > self.slots and self._free:
-                self._free.remove(min(self._free, key=lambda b: b.numel()))  # too small to keep
+                return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+            if self._free and len(self._free) + self._in_use > self.slots:
+                # too small for this state: drop the smallest instead of growing the pool
+                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
         try:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
-        except Exception:
+        except BaseException:
             self.release(None)
             raise
 
