@@ -41,6 +41,9 @@ class Settings(BaseSettings):
     migrations_dir: Path = Field(default_factory=_default_migrations_dir)
     auto_migrate: bool = Field(True, description="run `alembic upgrade head` at start")
     log_level: str = "INFO"
+    failpoint: str | None = Field(
+        None, description="testing only: crash_before_manifest or crash_after_manifest makes the "
+                          "process exit abruptly at that point of a commit, to prove recovery")
 
     def resolved_catalog_url(self) -> str:
         return self.catalog_url or f"sqlite:///{(self.data_dir / 'catalog.db').resolve()}"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -112,6 +113,12 @@ class CommitService:
             s.execute(update(Checkpoint)
                       .where(Checkpoint.id == checkpoint_id, Checkpoint.status == PENDING)
                       .values(lease_expires_at=self._lease()))
+
+    def _failpoint(self, name: str) -> None:
+        """Crash the process here when the (testing-only) failpoint setting names this point."""
+        if self.settings.failpoint == name:
+            log.critical("failpoint %s: exiting abruptly", name)
+            os._exit(77)
 
     def _notify(self) -> None:
         with self._changed:
@@ -355,11 +362,13 @@ class CommitService:
             manifest = Manifest(ck.id, run.name, ck.step, ck.attempt, ck.world_size, ck.parent_id, by_rank)
         body = manifest.to_bytes()
         key = manifest_key(checkpoint_id)
+        self._failpoint("crash_before_manifest")
         stored = self.blobs.stat(key)
         if stored is None or self.blobs.read_all(key) != body:
             if recovering:
                 return False
             self.blobs.put_bytes(key, body)
+        self._failpoint("crash_after_manifest")
         with self.sessions() as s, s.begin():
             now = self.clock()
             won = s.execute(update(Checkpoint)
