@@ -1,0 +1,149 @@
+"""Example trainer: a small GPT on CPU with DDP (gloo), written the way users write theirs.
+
+    torchrun --nproc-per-node=2 examples/gpt/train.py --url http://127.0.0.1:8000 --run-name demo --out /tmp/out
+
+Uses torch's own DistributedSampler with set_epoch every epoch and a StatefulDataLoader
+with a worker process and no explicit generator (or, with --loader plain, a plain
+DataLoader over lastgood.ResumableDistributedSampler). Nothing is seeded per epoch by
+hand: lastgood's restore must make the resumed run bit-identical on its own.
+
+Writes, per rank: losses-rank{R}.jsonl (step, exact loss, sample ids) and at the end
+final-rank{R}.safetensors + final-rank{R}.json (parameters, optimizer state, RNG states).
+
+Fault injection for tests: LASTGOOD_EXAMPLE_KILL="RANK:STEP:WHEN" makes RANK SIGKILL
+itself at STEP, WHEN = after_save (right after save() returned, upload in flight) or
+after_step (after the optimizer step; no save at that step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import lastgood  # noqa: E402
+from model import GPT, GPTConfig, TokenWindows  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default=os.environ.get("LASTGOOD_URL", "http://127.0.0.1:8000"))
+    p.add_argument("--run-name", default="gpt-small")
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--every", type=int, default=3, help="save after every N-th step")
+    p.add_argument("--samples", type=int, default=48)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--loader", choices=["stateful", "plain"], default="stateful")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def maybe_die(rank: int, step: int, when: str) -> None:
+    spec = os.environ.get("LASTGOOD_EXAMPLE_KILL")
+    if spec:
+        r, s, w = spec.split(":")
+        if int(r) == rank and int(s) == step and w == when:
+            print(f"[rank {rank}] fault injection: SIGKILL at step {step} ({when})", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def dump_final(out: Path, rank: int, model, opt, step: int, epoch: int) -> None:
+    tensors = {f"model.{k}": v.detach().clone() for k, v in model.module.state_dict().items()
+               if k != "head.weight"}  # tied to tok.weight; safetensors refuses shared storage
+    for i, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            tensors[f"opt.{i}.{k}"] = v.detach().clone()
+    tensors["rng.torch"] = torch.get_rng_state()
+    np_state = np.random.get_state()
+    tensors["rng.numpy"] = torch.from_numpy(np_state[1].astype(np.int64))
+    save_file(tensors, str(out / f"final-rank{rank}.safetensors"))
+    meta = {"step": step, "epoch": epoch, "python_rng": list(random.getstate()[1]),
+            "numpy_rng_pos": int(np_state[2]), "param_groups": opt.state_dict()["param_groups"]}
+    (out / f"final-rank{rank}.json").write_text(json.dumps(meta))
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    torch.manual_seed(args.seed)  # the usual one-time seeding; nothing more
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    cfg = GPTConfig()
+    model = DDP(GPT(cfg))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    warmup = 4
+
+    def lr_lambda(s: int) -> float:  # linear warm-up, then cosine to 10 %
+        if s < warmup:
+            return (s + 1) / warmup
+        t = (s - warmup) / max(1, args.steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    data = TokenWindows(args.samples, cfg.ctx, cfg.vocab)
+    if args.loader == "stateful":
+        sampler = DistributedSampler(data, shuffle=True, seed=args.seed)
+        loader = StatefulDataLoader(data, batch_size=args.batch, sampler=sampler, num_workers=args.workers)
+    else:
+        sampler = lastgood.ResumableDistributedSampler(data, shuffle=True, seed=args.seed)
+        loader = DataLoader(data, batch_size=args.batch, sampler=sampler, num_workers=args.workers)
+
+    progress = {"epoch": 0}
+    ckpt = lastgood.Checkpointer(args.url, run=args.run_name)
+    state = lastgood.TrainState(model=model, optimizer=opt, scheduler=sched, loader=loader, extra=progress)
+    start = ckpt.restore(state)
+    step = 0 if start is None else start + 1
+    print(f"[rank {rank}] starting at step {step} (restored: {start})", flush=True)
+
+    losses = open(out / f"losses-rank{rank}.jsonl", "a")
+    while step < args.steps:
+        sampler.set_epoch(progress["epoch"])
+        for ids, x, y in loader:
+            model.train()
+            loss = model(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.write(json.dumps({"step": step, "loss": loss.item().hex(), "ids": ids.tolist(),
+                                     "epoch": progress["epoch"]}) + "\n")
+            losses.flush()
+            if (step + 1) % args.every == 0:
+                ckpt.save(step, state)
+                maybe_die(rank, step, "after_save")
+            else:
+                maybe_die(rank, step, "after_step")
+            step += 1
+            if step >= args.steps:
+                break
+        else:
+            progress["epoch"] += 1
+    ckpt.wait()
+    ckpt.close()
+    dump_final(out, rank, model, opt, step, progress["epoch"])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
