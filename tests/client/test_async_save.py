@@ -1,0 +1,147 @@
+"""save() is asynchronous and isolated; failures surface in wait(); restore falls back
+past a corrupt checkpoint."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+import torch
+from torch import nn
+
+import lastgood
+from lastgood.staging import StagingPool
+
+
+def big_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])  # ~8 MiB of weights
+
+
+def weights(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_in_flight_upload_never_sees_later_training_writes(service, run_name):
+    model = big_model()
+    state = lastgood.TrainState(model=model)
+    expected = {}
+    with lastgood.Checkpointer(service.url, run=run_name) as ckpt:
+        for step in range(4):
+            expected[step] = weights(model)
+            ckpt.save(step, state)
+            with torch.no_grad():  # "training" overwrites the weights at once
+                for p in model.parameters():
+                    p.mul_(-1.5).add_(1.0)
+        ckpt.wait()
+    listing = service.get(f"/api/v1/runs/{run_name}/checkpoints").json()["items"]
+    assert sorted(c["step"] for c in listing) == [0, 1, 2, 3]
+    assert all(c["status"] == "COMMITTED" for c in listing)
+    for c in listing:
+        fresh = big_model(seed=1)
+        with lastgood.Checkpointer(service.url, run=run_name) as ckpt:
+            ckpt.restore(lastgood.TrainState(model=fresh), checkpoint_id=c["id"])
+        for k, v in fresh.state_dict().items():
+            assert torch.equal(v, expected[c["step"]][k]), (c["step"], k)
+
+
+def test_save_returns_before_the_commit(service, run_name, monkeypatch):
+    """With two ranks, rank 0's save() returns although nothing can commit before rank 1 votes."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LASTGOOD_ATTEMPT", "launch-1")
+    monkeypatch.setenv("RANK", "0")
+    ck0 = lastgood.Checkpointer(service.url, run=run_name)
+    monkeypatch.setenv("RANK", "1")
+    ck1 = lastgood.Checkpointer(service.url, run=run_name)
+    m0, m1 = nn.Linear(4, 4), nn.Linear(4, 4)
+    ck0.save(10, lastgood.TrainState(model=m0))
+    assert service.get(f"/api/v1/runs/{run_name}/last-good").status_code in (404,)  # not committed yet
+    ck1.save(10, lastgood.TrainState(model=m1))
+    ck0.wait()
+    ck1.wait()
+    lg = service.get(f"/api/v1/runs/{run_name}/last-good").json()
+    assert lg["step"] == 10 and lg["world_size"] == 2
+    assert [r["rank"] for r in lg["manifest"]["ranks"]] == [0, 1]
+    ck0.close(), ck1.close()
+
+
+def test_failed_save_raises_in_wait_and_never_moves_last_good(service, run_name, monkeypatch):
+    monkeypatch.setenv("LASTGOOD_ATTEMPT", "same-launch")
+    good = nn.Linear(8, 8)
+    with lastgood.Checkpointer(service.url, run=run_name) as ckpt:
+        ckpt.save(3, lastgood.TrainState(model=good))
+        ckpt.wait()
+        first = ckpt.last_saved.checkpoint_id
+    # a zombie of the same launch saves the same step with other bytes: refused
+    zombie = lastgood.Checkpointer(service.url, run=run_name)
+    zombie.save(3, lastgood.TrainState(model=nn.Linear(8, 8)))
+    with pytest.raises(lastgood.SaveFailed, match="different bytes"):
+        zombie.wait()
+    zombie.close()
+    lg = service.get(f"/api/v1/runs/{run_name}/last-good").json()
+    assert lg["id"] == first
+    restored = nn.Linear(8, 8)
+    with lastgood.Checkpointer(service.url, run=run_name) as ckpt:
+        assert ckpt.restore(lastgood.TrainState(model=restored)) == 3
+    assert torch.equal(restored.weight, good.weight)
+
+
+def test_failed_save_when_the_service_is_gone(make_service, run_name):
+    svc = make_service()
+    model = nn.Linear(4, 4)
+    ckpt = lastgood.Checkpointer(svc.url, run=run_name)
+    ckpt.save(1, lastgood.TrainState(model=model))
+    ckpt.wait()
+    ckpt.transport.retries = 1
+    data_dir = svc.data_dir
+    svc.stop()
+    ckpt.save(2, lastgood.TrainState(model=model))
+    with pytest.raises(lastgood.SaveFailed):
+        ckpt.wait()
+    ckpt.transport.close()
+    svc2 = make_service(data_dir=data_dir)
+    assert httpx.get(f"{svc2.url}/api/v1/runs/{run_name}/last-good").json()["step"] == 1
+
+
+def test_staging_pool_blocks_until_a_buffer_is_free():
+    pool = StagingPool(slots=1, pin=False)
+    first = pool.acquire(100)
+    got = []
+    t = threading.Thread(target=lambda: got.append(pool.acquire(50)))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and not got  # the only buffer is busy: the snapshot waits
+    pool.release(first)
+    t.join(10)
+    assert got and got[0].data_ptr() == first.data_ptr()  # and the buffer is reused
+
+
+def test_restore_falls_back_past_a_corrupt_checkpoint(make_service, run_name):
+    svc = make_service()
+    model = nn.Linear(16, 16)
+    state = lastgood.TrainState(model=model)
+    saved = {}
+    with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
+        for step in (1, 2):
+            saved[step] = weights(model)
+            ckpt.save(step, state)
+            ckpt.wait()
+            with torch.no_grad():
+                model.weight.add_(1)
+        newest = ckpt.last_saved.checkpoint_id
+    # control: intact, restore picks the newest
+    with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
+        assert ckpt.restore(lastgood.TrainState(model=nn.Linear(16, 16))) == 2
+    blob = next((svc.blob_root / "blobs" / "ckpt" / str(newest)).glob("r0/*"))
+    raw = bytearray(blob.read_bytes())
+    raw[-1] ^= 0xFF  # flip bits in the last tensor byte
+    blob.write_bytes(bytes(raw))
+    fresh = nn.Linear(16, 16)
+    with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
+        assert ckpt.restore(lastgood.TrainState(model=fresh)) == 1
+    assert torch.equal(fresh.weight, saved[1]["weight"])
+    assert svc.get(f"/api/v1/checkpoints/{newest}").json()["status"] == "CORRUPT"
+    assert svc.get(f"/api/v1/runs/{run_name}/last-good").json()["step"] == 1
+    kinds = [e["kind"] for e in svc.get(f"/api/v1/runs/{run_name}/events").json()["items"]]
+    assert "corrupt" in kinds
