@@ -1,0 +1,38 @@
+# Two commands on a fresh machine: `make run` and `make test` (see README.md).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+SERVICE_STAMP := $(VENV)/.installed-service
+DEV_STAMP := $(VENV)/.installed-dev
+
+.PHONY: run test demo proto clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# the service and the torch-free client: enough to run the service
+$(SERVICE_STAMP): $(BIN)/python client/pyproject.toml service/pyproject.toml
+	$(BIN)/pip install -q -e client -e service
+	touch $@
+
+# plus torch (the CPU wheel pinned in requirements-dev.txt) and the test tools
+$(DEV_STAMP): $(SERVICE_STAMP) requirements-dev.txt
+	$(BIN)/pip install -q -r requirements-dev.txt -e 'client[torch,data]'
+	touch $@
+
+run: $(SERVICE_STAMP)
+	$(BIN)/lastgood-service
+
+test: $(DEV_STAMP)
+	$(BIN)/python -m pytest
+
+demo: $(DEV_STAMP)
+	$(BIN)/python examples/gpt/demo.py
+
+proto: $(DEV_STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I client/proto --python_out=client --pyi_out=client \
+		--grpc_python_out=client client/proto/lastgood/v1/lastgood.proto
+
+clean:
+	rm -rf $(VENV) data
