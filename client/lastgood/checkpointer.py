@@ -51,8 +51,7 @@ class Checkpointer:
         self.run = names.check_run_name(run)
         self.rank, self.world_size = distributed.rank_world()
         self.transport = Transport(url)
-        info = self.transport.get_json("/api/v1/info")
-        self.commit_timeout = commit_timeout or 2 * float(info.get("lease_seconds", 60)) + 60
+        self.commit_timeout = commit_timeout or 2 * float(self.transport.info.get("lease_seconds", 60)) + 60
         self.attempt = names.check_attempt(attempt or distributed.launch_attempt(self.world_size))
         self.file_name = shard_file_name(self.rank)
         self.parent_id: int | None = None

@@ -8,13 +8,19 @@ everything the service refuses surfaces as ServiceError with its message.
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 
-import grpc
+# DataLoader workers fork the trainer process while the upload thread may be inside gRPC.
+# The children never use gRPC, so its fork handlers would only log warnings and stall the
+# fork; keep them off unless the user asked for them (read when grpc is first imported).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+import grpc  # noqa: E402
 
 from .errors import ServiceError
 from .hashing import StreamHasher
@@ -37,7 +43,7 @@ class Transport:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.retries = retries
-        info = self.get_json("/api/v1/info")
+        self.info = info = self.get_json("/api/v1/info")
         self.grpc_target = info["grpc_target"]
         self.chunk = min(CHUNK, int(info.get("max_chunk_bytes", CHUNK)))
         limit = self.chunk + 64 * 1024
