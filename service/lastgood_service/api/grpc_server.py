@@ -12,7 +12,7 @@ from lastgood.v1 import lastgood_pb2 as pb
 from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
 
 from ..domain.commit import CommitService, ShardHeader
-from ..domain.errors import DomainError, InvalidArgument, NotFound
+from ..domain.errors import DomainError, InvalidArgument
 from ..domain.queries import Queries
 from .errors import lookup
 
@@ -106,13 +106,8 @@ class Servicer(pb_grpc.CheckpointsServicer):
     @_mapped_stream
     def GetShard(self, request, context):
         sh = self.commits.shard_for_read(request.checkpoint_id, request.rank, request.file_name)
-        try:
-            chunks = self.commits.read_range(sh, request.offset, request.length or None)
-            for chunk in chunks:
-                yield pb.GetShardResponse(chunk=chunk)
-        except FileNotFoundError:
-            raise NotFound(f"blob of checkpoint {request.checkpoint_id} rank {request.rank} "
-                           f"file {request.file_name!r} is missing from the store") from None
+        for chunk in self.commits.read_range(sh, request.offset, request.length or None):
+            yield pb.GetShardResponse(chunk=chunk)
 
 
 def start_grpc_server(servicer: Servicer, host: str, port: int, workers: int, max_message: int) -> tuple[grpc.Server, int]:

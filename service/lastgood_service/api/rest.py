@@ -36,7 +36,7 @@ def _error(status: int, code: str, message: str, headers: dict | None = None) ->
     return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
 
 
-_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_RANGE = re.compile(r"^bytes=(\d{0,19})-(\d{0,19})$", re.ASCII)  # 19 digits: any int64 offset
 
 
 def parse_range(header: str, size: int) -> tuple[int, int]:

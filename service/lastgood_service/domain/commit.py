@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -201,6 +202,7 @@ class CommitService:
             if existing is not None:
                 return self._same_or_conflict(existing, header)
             self._require_pending(ck, "upload")
+            self._require_not_voted(s, header)
             ck.lease_expires_at = self._lease()
 
         hasher = StreamHasher()
@@ -242,6 +244,7 @@ class CommitService:
                 with s.begin():
                     ck = self._get_checkpoint(s, header.checkpoint_id)
                     self._require_pending(ck, "record the shard")
+                    self._require_not_voted(s, header)
                     s.add(Shard(checkpoint_id=ck.id, rank=header.rank, file_name=header.file_name,
                                 size=header.size, xxh3_128=digest, blob_key=key, status=VERIFIED,
                                 index_json=index_json, created_at=self.clock()))
@@ -250,6 +253,12 @@ class CommitService:
                 with s.begin():
                     return self._same_or_conflict(self._find_shard(s, header), header)
         return PutResult(False, header.size, digest)
+
+    @staticmethod
+    def _require_not_voted(s: Session, h: ShardHeader) -> None:
+        if s.get(Vote, (h.checkpoint_id, h.rank)) is not None:
+            raise FailedPrecondition(f"rank {h.rank} already voted on checkpoint {h.checkpoint_id}; "
+                                     f"its vote named all its files, so {h.file_name!r} cannot be added")
 
     @staticmethod
     def _find_shard(s: Session, h: ShardHeader) -> Shard | None:
@@ -292,6 +301,8 @@ class CommitService:
     def vote(self, checkpoint_id: int, rank: int, files: list[str], wait_seconds: float = 0.0) -> VoteResult:
         if len(set(files)) != len(files):
             raise InvalidArgument("the vote lists a file twice")
+        if not math.isfinite(wait_seconds):
+            raise InvalidArgument(f"wait_seconds must be a finite number, got {wait_seconds}")
         with self.sessions() as s, s.begin():
             ck = self._get_checkpoint(s, checkpoint_id)
             self._check_rank(ck, rank)
@@ -508,7 +519,12 @@ class CommitService:
     def read_range(self, sh: Shard, offset: int, length: int | None):
         if offset < 0 or offset > sh.size or (length is not None and (length < 0 or offset + length > sh.size)):
             raise OutOfRange(f"range offset={offset} length={length} is outside the file's {sh.size} bytes")
-        return self.blobs.get(sh.blob_key, offset, length)
+        try:
+            return self.blobs.get(sh.blob_key, offset, length)
+        except FileNotFoundError:
+            raise NotFound(f"the blob of checkpoint {sh.checkpoint_id} rank {sh.rank} file {sh.file_name!r} is "
+                           f"missing from the store; POST /api/v1/checkpoints/{sh.checkpoint_id}/verify "
+                           f"marks the checkpoint CORRUPT") from None
 
     def manifest_bytes(self, checkpoint_id: int) -> bytes:
         with self.sessions() as s, s.begin():
@@ -516,4 +532,7 @@ class CommitService:
             if ck.status != COMMITTED:
                 raise FailedPrecondition(f"checkpoint {checkpoint_id} is {ck.status}; it has no visible manifest")
             key = ck.manifest_key
-        return self.blobs.read_all(key)
+        try:
+            return self.blobs.read_all(key)
+        except FileNotFoundError:
+            raise NotFound(f"the manifest of checkpoint {checkpoint_id} is missing from the store") from None
