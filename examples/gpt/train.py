@@ -11,8 +11,9 @@ Writes, per rank: losses-rank{R}.jsonl (step, exact loss, sample ids) and at the
 final-rank{R}.safetensors + final-rank{R}.json (parameters, optimizer state, RNG states).
 
 Fault injection for tests: LASTGOOD_EXAMPLE_KILL="RANK:STEP:WHEN" makes RANK SIGKILL
-itself at STEP, WHEN = after_save (right after save() returned, upload in flight) or
-after_step (after the optimizer step; no save at that step).
+itself at STEP, WHEN = after_save (right after save() returned, its upload in flight,
+every earlier save committed) or after_step (after the optimizer step of a step without
+a save, once the previous save has committed: a death between two saves).
 """
 
 from __future__ import annotations
@@ -54,13 +55,17 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def maybe_die(rank: int, step: int, when: str) -> None:
+def fault_at(rank: int, step: int, when: str) -> bool:
     spec = os.environ.get("LASTGOOD_EXAMPLE_KILL")
-    if spec:
-        r, s, w = spec.split(":")
-        if int(r) == rank and int(s) == step and w == when:
-            print(f"[rank {rank}] fault injection: SIGKILL at step {step} ({when})", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+    if not spec:
+        return False
+    r, s, w = spec.split(":")
+    return int(r) == rank and int(s) == step and w == when
+
+
+def die(rank: int, step: int, when: str) -> None:
+    print(f"[rank {rank}] fault injection: SIGKILL at step {step} ({when})", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def dump_final(out: Path, rank: int, model, opt, step: int, epoch: int) -> None:
@@ -129,10 +134,14 @@ def main(argv=None) -> None:
                                      "epoch": progress["epoch"]}) + "\n")
             losses.flush()
             if (step + 1) % args.every == 0:
+                if fault_at(rank, step, "after_save"):
+                    ckpt.wait()  # earlier saves committed; only this one will be in flight
+                    ckpt.save(step, state)
+                    die(rank, step, "after_save")
                 ckpt.save(step, state)
-                maybe_die(rank, step, "after_save")
-            else:
-                maybe_die(rank, step, "after_step")
+            elif fault_at(rank, step, "after_step"):
+                ckpt.wait()  # a death between two saves: the previous one has committed
+                die(rank, step, "after_step")
             step += 1
             if step >= args.steps:
                 break
