@@ -1,12 +1,14 @@
 """The one BlobStore interface every backend implements.
 
 Protocol (the service relies on each step):
-  1. `open_writer()` returns a BlobWriter onto a temporary, invisible object.
+  1. `open_writer(key)` returns a BlobWriter onto a temporary, invisible object that will
+     become `key` (S3 starts a multipart upload for it; local writes a temp file).
   2. `write(buf)` appends bytes; nothing is visible yet.
-  3. `publish(key)` makes the bytes durable and visible under `key` atomically: after it
+  3. `publish()` makes the bytes durable and visible under the key atomically: after it
      returns, a crash cannot lose them, and no reader ever sees a partial blob. Publishing
      the same bytes twice under one key is harmless (keys derive from ids and hashes).
-  4. `abort()` discards the temporary object; it is safe after a failed write or publish.
+  4. `abort()` discards the temporary object (S3: aborts the multipart upload); it is safe
+     after a failed write or publish, and after publish it does nothing.
 Readers: `get(key, offset, length)` yields the bytes of a range in chunks; `stat` returns
 size or None; `list(prefix)` walks keys; `delete` is idempotent.
 
@@ -42,7 +44,7 @@ class BlobWriter(abc.ABC):
     def write(self, data) -> None: ...
 
     @abc.abstractmethod
-    def publish(self, key: str) -> None: ...
+    def publish(self) -> None: ...
 
     @abc.abstractmethod
     def abort(self) -> None: ...
@@ -57,7 +59,7 @@ class BlobWriter(abc.ABC):
 
 class BlobStore(abc.ABC):
     @abc.abstractmethod
-    def open_writer(self) -> BlobWriter: ...
+    def open_writer(self, key: str) -> BlobWriter: ...
 
     @abc.abstractmethod
     def get(self, key: str, offset: int = 0, length: int | None = None) -> Iterator[bytes]: ...
@@ -72,9 +74,9 @@ class BlobStore(abc.ABC):
     def delete(self, key: str) -> None: ...
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        with self.open_writer() as w:
+        with self.open_writer(key) as w:
             w.write(data)
-            w.publish(key)
+            w.publish()
 
     def read_all(self, key: str) -> bytes:
         return b"".join(self.get(key))

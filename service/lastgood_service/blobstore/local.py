@@ -23,8 +23,9 @@ def _fsync_dir(path: Path) -> None:
 
 
 class _LocalWriter(BlobWriter):
-    def __init__(self, store: "LocalBlobStore") -> None:
+    def __init__(self, store: "LocalBlobStore", key: str) -> None:
         self._store = store
+        self._dest = store._path(key)
         self._tmp = store.tmp_dir / f"{uuid.uuid4().hex}.part"
         self._f = open(self._tmp, "wb", buffering=0)
         self._done = False
@@ -35,8 +36,8 @@ class _LocalWriter(BlobWriter):
             n = self._f.write(mv)
             mv = mv[n:]
 
-    def publish(self, key: str) -> None:
-        dest = self._store._path(key)
+    def publish(self) -> None:
+        dest = self._dest
         os.fsync(self._f.fileno())
         self._f.close()
         new_dirs = self._store._makedirs(dest.parent)
@@ -76,8 +77,8 @@ class LocalBlobStore(BlobStore):
         d.mkdir(parents=True, exist_ok=True)
         return list(reversed(created))
 
-    def open_writer(self) -> BlobWriter:
-        return _LocalWriter(self)
+    def open_writer(self, key: str) -> BlobWriter:
+        return _LocalWriter(self, key)
 
     def get(self, key: str, offset: int = 0, length: int | None = None) -> Iterator[bytes]:
         path = self._path(key)

@@ -9,16 +9,17 @@ from .base import READ_CHUNK, BlobInfo, BlobStore, BlobWriter, check_key
 
 
 class _MemoryWriter(BlobWriter):
-    def __init__(self, store: "MemoryBlobStore") -> None:
+    def __init__(self, store: "MemoryBlobStore", key: str) -> None:
         self._store = store
+        self._key = check_key(key)
         self._buf = bytearray()
 
     def write(self, data) -> None:
         self._buf += memoryview(data)
 
-    def publish(self, key: str) -> None:
+    def publish(self) -> None:
         with self._store._lock:
-            self._store._blobs[check_key(key)] = bytes(self._buf)
+            self._store._blobs[self._key] = bytes(self._buf)
 
     def abort(self) -> None:
         self._buf = bytearray()
@@ -29,8 +30,8 @@ class MemoryBlobStore(BlobStore):
         self._blobs: dict[str, bytes] = {}
         self._lock = threading.Lock()
 
-    def open_writer(self) -> BlobWriter:
-        return _MemoryWriter(self)
+    def open_writer(self, key: str) -> BlobWriter:
+        return _MemoryWriter(self, key)
 
     def get(self, key: str, offset: int = 0, length: int | None = None) -> Iterator[bytes]:
         with self._lock:

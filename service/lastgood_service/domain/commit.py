@@ -211,7 +211,10 @@ class CommitService:
         prefix = bytearray()
         renew_every = self.settings.lease_seconds / 4
         last_renew = time.monotonic()
-        with self.blobs.open_writer() as w:
+        # The key derives from the declared hash, so an S3 multipart upload can start now;
+        # bytes that do not match it are aborted and never become visible.
+        key = shard_key(header.checkpoint_id, header.rank, header.xxh3_128)
+        with self.blobs.open_writer(key) as w:
             for chunk in chunks:
                 if len(chunk) > self.settings.max_chunk_bytes:
                     raise InvalidArgument(f"chunk of {len(chunk)} bytes exceeds {self.settings.max_chunk_bytes}")
@@ -236,8 +239,7 @@ class CommitService:
                 self._record_mismatch(header, digest)
                 raise HashMismatch(f"xxh3-128 of the received bytes is {digest}, the client declared "
                                    f"{header.xxh3_128}: shard rejected")
-            key = shard_key(header.checkpoint_id, header.rank, digest)
-            w.publish(key)
+            w.publish()
 
         with self.sessions() as s:
             try:
