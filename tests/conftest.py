@@ -19,6 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+pytest_plugins = ["tests.s3"]  # a real S3 server (moto) for the S3 blob store tests
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -33,7 +33,7 @@ class Service:
             upgrade_head(url, settings.migrations_dir)
         self.engine = make_engine(url)
         sessions = make_sessionmaker(self.engine)
-        self.commits = CommitService(settings, sessions, open_blobstore(settings.resolved_blob_url()))
+        self.commits = CommitService(settings, sessions, open_blobstore(settings.resolved_blob_url(), settings))
         self.queries = Queries(sessions)
         self._stop = threading.Event()
         self.grpc_server = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1024 * 1024
@@ -22,6 +22,8 @@ class Settings(BaseSettings):
     data_dir: Path = Field(Path("data"), description="holds the embedded catalog and blob store")
     catalog_url: str | None = Field(None, description="SQLAlchemy URL; default sqlite:///<data_dir>/catalog.db")
     blob_url: str | None = Field(None, description="blob store URL; default file://<data_dir>/blobs")
+    s3_access_key: str | None = Field(None, description="access key of an s3:// blob store (never in the URL)")
+    s3_secret_key: SecretStr | None = Field(None, description="secret key of an s3:// blob store (never in the URL)")
 
     host: str = "127.0.0.1"
     port: int = 8000

@@ -1,20 +1,34 @@
-"""Blob stores, chosen by URL scheme: file:// (local), memory://. See base.BlobStore."""
+"""Blob stores, chosen by URL scheme: file:// (local), memory://, s3:// (S3-compatible).
+See base.BlobStore for the protocol every one of them keeps."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from .base import BlobInfo, BlobStore, BlobWriter
 from .local import LocalBlobStore
 from .memory import MemoryBlobStore
 
+if TYPE_CHECKING:
+    from ..settings import Settings
+
 __all__ = ["BlobInfo", "BlobStore", "BlobWriter", "LocalBlobStore", "MemoryBlobStore", "open_blobstore"]
 
 
-def open_blobstore(url: str) -> BlobStore:
+def open_blobstore(url: str, settings: "Settings | None" = None) -> BlobStore:
+    """The store `url` names. An s3:// store takes its credentials from `settings`
+    (LASTGOOD_S3_ACCESS_KEY / LASTGOOD_S3_SECRET_KEY), never from the URL."""
     parsed = urlparse(url)
     if parsed.scheme == "file":
         return LocalBlobStore(parsed.path)
     if parsed.scheme == "memory":
         return MemoryBlobStore()
-    raise ValueError(f"unsupported blob store URL {url!r} (use file:///path or memory://)")
+    if parsed.scheme == "s3":
+        from .s3 import s3_from_url  # the minio client is imported only when an s3:// store is used
+
+        secret = settings.s3_secret_key if settings is not None else None
+        return s3_from_url(url, access_key=settings.s3_access_key if settings is not None else None,
+                           secret_key=secret.get_secret_value() if secret is not None else None)
+    raise ValueError(f"unsupported blob store URL {url!r} (use file:///path, memory:// or "
+                     f"s3://bucket?endpoint=host:port)")

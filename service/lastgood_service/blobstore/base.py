@@ -2,15 +2,21 @@
 
 Protocol (the service relies on each step):
   1. `open_writer(key)` returns a BlobWriter onto a temporary, invisible object that will
-     become `key` (S3 starts a multipart upload for it; local writes a temp file).
-  2. `write(buf)` appends bytes; nothing is visible yet.
+     become `key` (local writes a temp file; S3 buffers one part, then uploads parts of a
+     multipart upload for the key).
+  2. `write(buf)` appends bytes; nothing is visible yet. A writer holds at most a bounded
+     buffer in memory, never the whole blob (memory:// excepted: it is all memory).
   3. `publish()` makes the bytes durable and visible under the key atomically: after it
      returns, a crash cannot lose them, and no reader ever sees a partial blob. Publishing
      the same bytes twice under one key is harmless (keys derive from ids and hashes).
   4. `abort()` discards the temporary object (S3: aborts the multipart upload); it is safe
-     after a failed write or publish, and after publish it does nothing.
-Readers: `get(key, offset, length)` yields the bytes of a range in chunks; `stat` returns
-size or None; `list(prefix)` walks keys; `delete` is idempotent.
+     after a failed write or publish, and after publish it does nothing. Use the writer
+     as a context manager: leaving the block by an exception aborts. (S3 also aborts by
+     itself when a write or publish fails.)
+Readers: `get(key, offset, length)` yields the bytes of [offset, offset+length) clipped to
+the blob, in chunks of at most READ_CHUNK bytes (empty past the end); a missing key raises
+FileNotFoundError from the call itself, before any chunk is asked for. `stat` returns
+size or None; `list(prefix)` walks keys (in no promised order); `delete` is idempotent.
 
 Keys are produced by the service from ids and hashes, never from user strings; stores
 still refuse keys that could escape their namespace.

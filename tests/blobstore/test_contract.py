@@ -1,0 +1,224 @@
+"""One contract for every BlobStore: local, memory and S3 (moto's S3 server over HTTP).
+
+Each backend also says what temporary state it can leave behind (`leftovers`): local's
+tmp/ files, S3's incomplete multipart uploads, nothing for memory. Tests that check "abort
+leaves nothing" first see that state while a write is open (the control: the probe can
+see a leftover), then see it gone.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from lastgood.hashing import hash_bytes
+from lastgood_service.blobstore import BlobStore, LocalBlobStore, MemoryBlobStore
+from lastgood_service.blobstore.base import READ_CHUNK
+
+MiB = 1024 * 1024
+
+
+@dataclass
+class Backend:
+    name: str
+    store: BlobStore
+    leftovers: Callable[[], list]
+    has_temp_state: bool  # whether an open writer shows up in leftovers() (memory keeps it in the writer)
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
+def backend(request, tmp_path) -> Backend:
+    if request.param == "local":
+        store = LocalBlobStore(tmp_path / "store")
+        return Backend("local", store, lambda: sorted(p.name for p in store.tmp_dir.iterdir()), True)
+    if request.param == "memory":
+        return Backend("memory", MemoryBlobStore(), lambda: [], False)
+    s3 = request.getfixturevalue("s3_server")
+    store = s3.store(request.getfixturevalue("s3_bucket"))
+    return Backend("s3", store, store.incomplete_uploads, True)
+
+
+def payload(n: int, seed: int = 1) -> bytes:
+    """n pseudo-random bytes: no repeating block can hide a misplaced range."""
+    return random.Random(seed).randbytes(n)
+
+
+def read(store: BlobStore, key: str, offset: int = 0, length: int | None = None) -> bytes:
+    chunks = list(store.get(key, offset, length))
+    assert all(0 < len(c) <= READ_CHUNK for c in chunks), [len(c) for c in chunks]
+    return b"".join(chunks)
+
+
+def test_put_get_stat_list_delete(backend):
+    s = backend.store
+    data = payload(100_000)
+    s.put_bytes("ckpt/1/r0/aa", data)
+    assert s.stat("ckpt/1/r0/aa").size == len(data)
+    assert s.stat("ckpt/1/r0/aa").key == "ckpt/1/r0/aa"
+    assert read(s, "ckpt/1/r0/aa") == data
+    assert s.read_all("ckpt/1/r0/aa") == data
+    assert [(i.key, i.size) for i in s.list()] == [("ckpt/1/r0/aa", len(data))]
+    s.delete("ckpt/1/r0/aa")
+    assert s.stat("ckpt/1/r0/aa") is None
+    assert list(s.list()) == []
+    assert backend.leftovers() == []
+
+
+def test_list_by_prefix(backend):
+    s = backend.store
+    keys = {"ckpt/1/r0/aa": 3, "ckpt/1/r1/bb": 4, "ckpt/12/r0/cc": 5, "ckpt/2/manifest.json": 6, "other/x": 7}
+    for k, n in keys.items():
+        s.put_bytes(k, payload(n))
+    assert sorted((i.key, i.size) for i in s.list()) == sorted(keys.items())
+    assert sorted(i.key for i in s.list("ckpt/1/")) == ["ckpt/1/r0/aa", "ckpt/1/r1/bb"]
+    assert sorted(i.key for i in s.list("ckpt/1")) == ["ckpt/1/r0/aa", "ckpt/1/r1/bb", "ckpt/12/r0/cc"]
+    assert list(s.list("nothing/")) == []
+
+
+@pytest.mark.parametrize("offset,length", [
+    (0, None), (0, 1), (7, 10), (4095, 3), (99_990, None), (99_990, 10), (99_990, 1000),  # clipped at the end
+    (99_999, 1), (100_000, None), (100_000, 5), (123_456, None), (50_000, 0), (0, 0), (0, 100_000),
+])
+def test_ranged_get(backend, offset, length):
+    s = backend.store
+    data = payload(100_000)
+    s.put_bytes("ckpt/5/r0/range", data)
+    want = data[offset:] if length is None else data[offset:offset + length]
+    assert read(s, "ckpt/5/r0/range", offset, length) == want
+
+
+def test_missing_key_raises_at_the_call(backend):
+    s = backend.store
+    with pytest.raises(FileNotFoundError):
+        s.get("ckpt/9/r0/none")  # not iterated: the error must come from the call itself
+    with pytest.raises(FileNotFoundError):
+        s.get("ckpt/9/r0/none", 5, 0)
+    assert s.stat("ckpt/9/r0/none") is None
+
+
+def test_empty_blob(backend):
+    s = backend.store
+    s.put_bytes("ckpt/3/empty", b"")
+    assert s.stat("ckpt/3/empty").size == 0
+    assert read(s, "ckpt/3/empty") == b""
+    assert backend.leftovers() == []
+
+
+def test_nothing_visible_before_publish(backend):
+    s = backend.store
+    data = payload(6 * MiB + 123)  # more than one S3 part, so S3 has a multipart upload open
+    w = s.open_writer("ckpt/4/r0/pub")
+    w.write(data[:3 * MiB])
+    w.write(data[3 * MiB:])
+    assert s.stat("ckpt/4/r0/pub") is None
+    assert list(s.list()) == []
+    with pytest.raises(FileNotFoundError):
+        s.get("ckpt/4/r0/pub")
+    if backend.has_temp_state:  # control: the probe does see an open write
+        assert len(backend.leftovers()) == 1
+    w.publish()
+    assert s.stat("ckpt/4/r0/pub").size == len(data)
+    assert hash_bytes(read(s, "ckpt/4/r0/pub")) == hash_bytes(data)
+    assert backend.leftovers() == []
+    w.abort()  # after publish: does nothing
+    assert s.stat("ckpt/4/r0/pub").size == len(data)
+
+
+def test_abort_leaves_nothing(backend):
+    s = backend.store
+    w = s.open_writer("ckpt/4/r0/gone")
+    w.write(payload(6 * MiB))
+    if backend.has_temp_state:
+        assert len(backend.leftovers()) == 1, "control: an open write must be visible to the probe"
+    w.abort()
+    w.abort()  # twice is harmless
+    assert s.stat("ckpt/4/r0/gone") is None
+    assert list(s.list()) == []
+    assert backend.leftovers() == []
+
+
+def test_leaving_the_with_block_by_an_exception_aborts(backend):
+    s = backend.store
+    with pytest.raises(RuntimeError, match="hash mismatch"):
+        with s.open_writer("ckpt/4/r1/bad") as w:
+            w.write(payload(5 * MiB + 1))
+            if backend.has_temp_state:
+                assert len(backend.leftovers()) == 1
+            raise RuntimeError("hash mismatch")  # what the service does when the bytes are wrong
+    assert s.stat("ckpt/4/r1/bad") is None
+    assert list(s.list()) == []
+    assert backend.leftovers() == []
+
+
+def test_small_write_aborted_leaves_nothing(backend):
+    s = backend.store
+    w = s.open_writer("ckpt/4/r2/small")
+    w.write(b"abc")
+    w.abort()
+    assert s.stat("ckpt/4/r2/small") is None
+    assert backend.leftovers() == []
+
+
+def test_publishing_the_same_bytes_twice_is_harmless(backend):
+    s = backend.store
+    data = payload(10_000)
+    s.put_bytes("ckpt/6/r0/twice", data)
+    s.put_bytes("ckpt/6/r0/twice", data)
+    assert read(s, "ckpt/6/r0/twice") == data
+    assert [i.key for i in s.list()] == ["ckpt/6/r0/twice"]
+
+
+BAD_KEYS = ["", "/etc/passwd", "../escape", "ckpt/../../etc", "ckpt/./x", "a//b", "a/", "/", ".hidden",
+            "ckpt/1/..", "Upper/case", "a\\b", "a\x00b", "sp ace", "ckpt/1/r0/x?y", "a/%2e%2e/b", "~root"]
+
+
+@pytest.mark.parametrize("key", BAD_KEYS, ids=[repr(k) for k in BAD_KEYS])
+def test_keys_that_could_escape_are_refused(backend, key):
+    s = backend.store
+    s.put_bytes("ckpt/1/keep", b"x")
+    for op in (lambda: s.open_writer(key), lambda: s.get(key), lambda: s.stat(key), lambda: s.delete(key),
+               lambda: s.put_bytes(key, b"data")):
+        with pytest.raises(ValueError):
+            op()
+    assert [i.key for i in s.list()] == ["ckpt/1/keep"]
+    assert backend.leftovers() == []
+
+
+def test_delete_is_idempotent(backend):
+    s = backend.store
+    s.delete("ckpt/7/never")
+    s.put_bytes("ckpt/7/once", b"abc")
+    s.delete("ckpt/7/once")
+    s.delete("ckpt/7/once")
+    assert s.stat("ckpt/7/once") is None
+    with pytest.raises(FileNotFoundError):
+        s.get("ckpt/7/once")
+
+
+def uneven_pieces(data: bytes):
+    sizes = [1, 4099, MiB - 1, 3 * MiB + 17, 7, 2 * MiB + 5, 65536, 5 * MiB + 1]
+    off = i = 0
+    while off < len(data):
+        n = sizes[i % len(sizes)]
+        yield data[off:off + n]
+        off += n
+        i += 1
+
+
+def test_large_streamed_write_in_uneven_pieces(backend):
+    s = backend.store
+    data = payload(12 * MiB + 12345, seed=7)
+    with s.open_writer("ckpt/8/r0/big") as w:
+        for piece in uneven_pieces(data):
+            w.write(piece)
+        assert s.stat("ckpt/8/r0/big") is None
+        w.publish()
+    assert s.stat("ckpt/8/r0/big").size == len(data)
+    got = read(s, "ckpt/8/r0/big")
+    assert len(got) == len(data) and hash_bytes(got) == hash_bytes(data)
+    for off, n in [(5 * MiB - 3, 10), (10 * MiB - 1, 2), (12 * MiB, 12345), (1, 11 * MiB)]:  # across part boundaries
+        assert read(s, "ckpt/8/r0/big", off, n) == data[off:off + n]
+    assert backend.leftovers() == []
