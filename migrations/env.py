@@ -11,10 +11,17 @@ import os
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-from lastgood_service.catalog.models import Base
+from lastgood_service.catalog.models import Base, UTCDateTime
 
 config = context.config
 target_metadata = Base.metadata
+
+
+def render_item(type_, obj, autogen_context):
+    """Autogenerate writes our UTC type as the plain column type it stores."""
+    if type_ == "type" and isinstance(obj, UTCDateTime):
+        return "sa.DateTime(timezone=True)"
+    return False
 
 
 def _url() -> str:
@@ -26,7 +33,7 @@ def _url() -> str:
 
 def run_migrations_offline() -> None:
     context.configure(url=_url(), target_metadata=target_metadata, literal_binds=True,
-                      render_as_batch=True)
+                      render_as_batch=True, render_item=render_item)
     with context.begin_transaction():
         context.run_migrations()
 
@@ -35,7 +42,7 @@ def run_migrations_online() -> None:
     engine = create_engine(_url(), poolclass=pool.NullPool)
     with engine.connect() as connection:
         context.configure(connection=connection, target_metadata=target_metadata,
-                          render_as_batch=True)
+                          render_as_batch=True, render_item=render_item)
         with context.begin_transaction():
             context.run_migrations()
     engine.dispose()

@@ -17,6 +17,9 @@ from .api.rest import AppContext, create_app
 from .blobstore import open_blobstore
 from .catalog.db import make_engine, make_sessionmaker, upgrade_head
 from .domain.commit import CommitService
+from .domain.curation import Curator
+from .domain.gc import GarbageCollector
+from .domain.retention import Retention
 from .domain.queries import Queries
 from .settings import Settings
 
@@ -33,8 +36,11 @@ class Service:
             upgrade_head(url, settings.migrations_dir)
         self.engine = make_engine(url)
         sessions = make_sessionmaker(self.engine)
-        self.commits = CommitService(settings, sessions, open_blobstore(settings.resolved_blob_url(), settings))
+        blobs = open_blobstore(settings.resolved_blob_url(), settings)
+        self.commits = CommitService(settings, sessions, blobs)
         self.queries = Queries(sessions)
+        self.curator = Curator(sessions)
+        self.gc = GarbageCollector(sessions, blobs, Retention.parse(settings.retention), settings.gc_grace_seconds)
         self._stop = threading.Event()
         self.grpc_server = None
         self.grpc_port = None
@@ -47,6 +53,8 @@ class Service:
         self.grpc_server, self.grpc_port = start_grpc_server(
             Servicer(self.commits, self.queries), s.grpc_host, s.grpc_port, s.grpc_workers, s.max_chunk_bytes)
         threading.Thread(target=self._reaper, name="lease-reaper", daemon=True).start()
+        if s.gc_interval > 0:
+            threading.Thread(target=self._gc_loop, name="gc", daemon=True).start()
 
     @property
     def grpc_target(self) -> str:
@@ -59,8 +67,15 @@ class Service:
             except Exception:
                 log.exception("lease reaper pass failed; will retry")
 
+    def _gc_loop(self) -> None:
+        while not self._stop.wait(self.settings.gc_interval):
+            try:
+                self.gc.execute(self.gc.plan())
+            except Exception:
+                log.exception("scheduled GC pass failed; will retry")
+
     def app(self):
-        return create_app(AppContext(self.commits, self.queries, self.grpc_target))
+        return create_app(AppContext(self.commits, self.queries, self.grpc_target, self.curator, self.gc))
 
     def stop(self) -> None:
         self._stop.set()

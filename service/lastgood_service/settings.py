@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1024 * 1024
@@ -43,9 +43,23 @@ class Settings(BaseSettings):
     migrations_dir: Path = Field(default_factory=_default_migrations_dir)
     auto_migrate: bool = Field(True, description="run `alembic upgrade head` at start")
     log_level: str = "INFO"
+    retention: str = Field("latest:3,tagged,last-good,branch-heads",
+                           description="what GC keeps: latest:N, every:N (steps), tagged, last-good, branch-heads")
+    gc_interval: float = Field(3600.0, ge=0, description="seconds between scheduled GC passes; 0 turns them off")
+    gc_grace_seconds: float = Field(3600.0, ge=0,
+                                    description="ABANDONED and CORRUPT checkpoints are kept at least this long")
     failpoint: str | None = Field(
-        None, description="testing only: crash_before_manifest or crash_after_manifest makes the "
-                          "process exit abruptly at that point of a commit, to prove recovery")
+        None, description="testing only: crash_before_manifest / crash_after_manifest make the process "
+                          "exit abruptly at that point of a commit; lose_commit_reply fails every "
+                          "CommitRank reply after the commit happened")
+
+    @field_validator("retention")
+    @classmethod
+    def _valid_retention(cls, value: str) -> str:
+        from .domain.retention import Retention
+
+        Retention.parse(value)  # a bad policy stops the service at start, with the reason
+        return value
 
     def resolved_catalog_url(self) -> str:
         return self.catalog_url or f"sqlite:///{(self.data_dir / 'catalog.db').resolve()}"

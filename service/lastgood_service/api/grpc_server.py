@@ -106,15 +106,19 @@ class Servicer(pb_grpc.CheckpointsServicer):
     @_mapped_stream
     def GetShard(self, request, context):
         sh = self.commits.shard_for_read(request.checkpoint_id, request.rank, request.file_name)
+        step = self.commits.settings.max_chunk_bytes
         for chunk in self.commits.read_range(sh, request.offset, request.length or None):
-            yield pb.GetShardResponse(chunk=chunk)
+            for i in range(0, len(chunk), step):  # the store's read size need not be ours
+                yield pb.GetShardResponse(chunk=chunk[i:i + step])
 
 
 def start_grpc_server(servicer: Servicer, host: str, port: int, workers: int, max_message: int) -> tuple[grpc.Server, int]:
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
+        # receive: one chunk plus framing, so oversized input is refused before it is buffered;
+        # send: manifests of thousands of ranks outgrow a chunk
         options=[("grpc.max_receive_message_length", max_message + 64 * 1024),
-                 ("grpc.max_send_message_length", max_message + 64 * 1024)],
+                 ("grpc.max_send_message_length", max(max_message + 64 * 1024, 256 * 1024 * 1024))],
     )
     pb_grpc.add_CheckpointsServicer_to_server(servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")

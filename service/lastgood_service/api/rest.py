@@ -14,12 +14,15 @@ from typing import Annotated
 from fastapi import FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lastgood import names
 
 from .. import __version__
 from ..domain.commit import CommitService
+from ..domain.curation import Curator
+from ..domain.gc import GarbageCollector
 from ..domain.errors import DomainError, InvalidArgument, OutOfRange
 from ..domain.queries import MAX_PAGE, Queries
 from .errors import lookup
@@ -30,6 +33,30 @@ class AppContext:
     commits: CommitService
     queries: Queries
     grpc_target: str
+    curator: Curator
+    gc: GarbageCollector
+
+
+class TagBody(BaseModel):
+    name: str = Field(description="free text, 1-128 characters")
+    alias: bool = Field(False, description="an alias names one checkpoint per run and moves when set again")
+
+
+class RollbackBody(BaseModel):
+    target_id: int = Field(ge=1, description="the checkpoint training returns to")
+    spike_step: int = Field(ge=0, description="the step at which the spike was seen")
+    data: dict = Field(default_factory=dict, description="the guard's numbers: loss, median, mad, threshold, ...")
+
+
+class EventBody(BaseModel):
+    kind: str
+    checkpoint_id: int | None = None
+    data: dict = Field(default_factory=dict)
+
+
+class LeaseBody(BaseModel):
+    holder: str = Field("client", max_length=128)
+    seconds: float = Field(600.0, description="how long the lease lasts, 1 s to 24 h")
 
 
 def _error(status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
@@ -47,8 +74,8 @@ def parse_range(header: str, size: int) -> tuple[int, int]:
     a, b = m.group(1), m.group(2)
     if a == "":
         n = int(b)
-        if n == 0:
-            raise OutOfRange("suffix range of 0 bytes")
+        if n == 0 or size == 0:
+            raise OutOfRange(f"suffix range of {n} bytes of a {size}-byte file is empty")
         return max(0, size - n), size
     start = int(a)
     end = size if b == "" else int(b) + 1
@@ -60,7 +87,7 @@ def parse_range(header: str, size: int) -> tuple[int, int]:
 
 
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE)]
-Offset = Annotated[int, Query(ge=0)]
+Offset = Annotated[int, Query(ge=0, le=2**62)]
 CkptId = Annotated[int, Path(ge=1, le=2**62)]
 
 
@@ -118,6 +145,62 @@ def create_app(ctx: AppContext) -> FastAPI:
 
     def _manifest_json(cid: int):
         return json.loads(ctx.commits.manifest_bytes(cid))
+
+    @app.get("/api/v1/runs/{run}/lineage", tags=["lineage"])
+    def run_lineage(run: str, limit: Annotated[int, Query(ge=1, le=10000)] = 10000, offset: Offset = 0):
+        """The run's checkpoint tree: nodes (step, status, branch, tags, bytes, durations) and parent edges."""
+        return ctx.queries.lineage(run, limit, offset)
+
+    @app.get("/api/v1/checkpoints/{checkpoint_id}/ancestors", tags=["lineage"])
+    def ancestors(checkpoint_id: CkptId):
+        return ctx.queries.ancestors(checkpoint_id)
+
+    @app.post("/api/v1/checkpoints/{checkpoint_id}/tags", tags=["tags"])
+    def set_tag(checkpoint_id: CkptId, body: TagBody):
+        return ctx.curator.set_tag(checkpoint_id, body.name, body.alias)
+
+    @app.delete("/api/v1/checkpoints/{checkpoint_id}/tags/{name}", tags=["tags"])
+    def remove_tag(checkpoint_id: CkptId, name: str):
+        return ctx.curator.remove_tag(checkpoint_id, name)
+
+    @app.put("/api/v1/checkpoints/{checkpoint_id}/pin", tags=["tags"])
+    def pin(checkpoint_id: CkptId):
+        return ctx.curator.pin(checkpoint_id, True)
+
+    @app.delete("/api/v1/checkpoints/{checkpoint_id}/pin", tags=["tags"])
+    def unpin(checkpoint_id: CkptId):
+        return ctx.curator.pin(checkpoint_id, False)
+
+    @app.post("/api/v1/runs/{run}/rollback", tags=["lineage"])
+    def rollback(run: str, body: RollbackBody):
+        """Mark what followed the target suspect, tag the target rollback-target, move last-good back."""
+        return ctx.curator.rollback(run, body.target_id, body.spike_step, body.data)
+
+    @app.post("/api/v1/runs/{run}/events", tags=["runs"])
+    def record_event(run: str, body: EventBody):
+        return ctx.curator.record_event(run, body.kind, body.checkpoint_id, body.data)
+
+    @app.post("/api/v1/checkpoints/{checkpoint_id}/leases", tags=["checkpoints"])
+    def acquire_lease(checkpoint_id: CkptId, body: LeaseBody):
+        """Keep the checkpoint's blobs from GC while a restore or download reads them."""
+        return ctx.curator.acquire_lease(checkpoint_id, body.holder, body.seconds)
+
+    @app.delete("/api/v1/leases/{lease_id}", tags=["checkpoints"])
+    def release_lease(lease_id: Annotated[int, Path(ge=1, le=2**62)]):
+        return ctx.curator.release_lease(lease_id)
+
+    @app.get("/api/v1/gc/plan", tags=["gc"])
+    def gc_plan():
+        """A dry run: what GC would delete now, and the bytes it would free."""
+        return ctx.gc.plan().to_dict()
+
+    @app.post("/api/v1/gc", tags=["gc"])
+    def gc_run(dry_run: bool = False):
+        plan = ctx.gc.plan()
+        out = {"plan": plan.to_dict(), "dry_run": dry_run}
+        if not dry_run:
+            out["result"] = ctx.gc.execute(plan)
+        return out
 
     @app.get("/api/v1/checkpoints/{checkpoint_id}", tags=["checkpoints"])
     def get_checkpoint(checkpoint_id: CkptId):

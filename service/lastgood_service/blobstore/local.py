@@ -40,11 +40,16 @@ class _LocalWriter(BlobWriter):
         dest = self._dest
         os.fsync(self._f.fileno())
         self._f.close()
-        new_dirs = self._store._makedirs(dest.parent)
+        dest.parent.mkdir(parents=True, exist_ok=True)
         os.replace(self._tmp, dest)
-        _fsync_dir(dest.parent)
-        for d in new_dirs:  # make each newly created directory's entry durable too
-            _fsync_dir(d.parent)
+        # every directory from the blob's up to blobs/: a concurrent publisher may have
+        # created one of them, and its entry must be durable before we acknowledge
+        d = dest.parent
+        while True:
+            _fsync_dir(d)
+            if d == self._store.blob_dir:
+                break
+            d = d.parent
         self._done = True
 
     def abort(self) -> None:
@@ -64,18 +69,11 @@ class LocalBlobStore(BlobStore):
         self.tmp_dir = self.root / "tmp"
         self.blob_dir.mkdir(parents=True, exist_ok=True)
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.tmp_dir.glob("*.part"):  # writers of a process that crashed
+            stale.unlink(missing_ok=True)
 
     def _path(self, key: str) -> Path:
         return self.blob_dir / check_key(key)
-
-    def _makedirs(self, d: Path) -> list[Path]:
-        created = []
-        p = d
-        while not p.exists():
-            created.append(p)
-            p = p.parent
-        d.mkdir(parents=True, exist_ok=True)
-        return list(reversed(created))
 
     def open_writer(self, key: str) -> BlobWriter:
         return _LocalWriter(self, key)

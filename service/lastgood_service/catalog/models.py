@@ -8,9 +8,17 @@ from sqlalchemy import (BigInteger, DateTime, ForeignKey, Index, Integer, MetaDa
                         TypeDecorator, UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-PENDING, COMMITTED, ABANDONED, CORRUPT = "PENDING", "COMMITTED", "ABANDONED", "CORRUPT"
-STATUSES = (PENDING, COMMITTED, ABANDONED, CORRUPT)
+PENDING, COMMITTED, ABANDONED, CORRUPT, DELETED = "PENDING", "COMMITTED", "ABANDONED", "CORRUPT", "DELETED"
+STATUSES = (PENDING, COMMITTED, ABANDONED, CORRUPT, DELETED)
 VERIFIED = "VERIFIED"
+
+# tag kinds: a plain tag may name many checkpoints of a run; an alias names at most one and
+# moves when set again; a pin keeps a checkpoint from GC; system tags are set by lastgood
+# itself (suspect, rollback-target). "last-good" is shown as a system tag but derived from
+# runs.last_good_id, so there is one source of truth.
+TAG, ALIAS, PIN, SYSTEM = "tag", "alias", "pin", "system"
+TAG_KINDS = (TAG, ALIAS, PIN, SYSTEM)
+SUSPECT, ROLLBACK_TARGET, LAST_GOOD, PINNED = "suspect", "rollback-target", "last-good", "pinned"
 
 
 class UTCDateTime(TypeDecorator):
@@ -72,6 +80,7 @@ class Checkpoint(Base):
     committed_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     manifest_key: Mapped[str | None] = mapped_column(String(256), nullable=True)
     manifest_hash: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    deleted_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
 
 class Shard(Base):
@@ -110,6 +119,17 @@ class Tag(Base):
     name: Mapped[str] = mapped_column(String(128))
     kind: Mapped[str] = mapped_column(String(16))  # tag, alias, pin, system
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+
+
+class ReadLease(Base):
+    """A restore or download in progress: GC keeps the checkpoint's blobs until it expires."""
+
+    __tablename__ = "read_leases"
+    __table_args__ = (Index("ix_read_leases_ckpt_expires", "checkpoint_id", "expires_at"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"))
+    holder: Mapped[str] = mapped_column(String(128))
+    expires_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
 
 
 class Event(Base):

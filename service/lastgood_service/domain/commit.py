@@ -37,9 +37,10 @@ from lastgood.hashing import StreamHasher, hash_bytes, is_valid_hex
 from lastgood.manifest import FileEntry, Manifest
 
 from ..blobstore import BlobStore
-from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, PENDING, VERIFIED, Checkpoint, Event, Run,
-                              Shard, Vote, utcnow)
+from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, PENDING, SUSPECT, SYSTEM, VERIFIED, Checkpoint, Event,
+                              Run, Shard, Tag, Vote, utcnow)
 from ..settings import Settings
+from .lineage import ancestors as lineage_ancestors
 from .errors import (Conflict, FailedPrecondition, HashMismatch, InvalidArgument, NotFound, OutOfRange,
                      TooLarge)
 
@@ -95,8 +96,8 @@ class CommitService:
     def _lease(self) -> dt.datetime:
         return self.clock() + dt.timedelta(seconds=self.settings.lease_seconds)
 
-    def _get_checkpoint(self, s: Session, checkpoint_id: int) -> Checkpoint:
-        ck = s.get(Checkpoint, checkpoint_id) if checkpoint_id > 0 else None
+    def _get_checkpoint(self, s: Session, checkpoint_id: int, lock: bool = False) -> Checkpoint:
+        ck = s.get(Checkpoint, checkpoint_id, with_for_update=lock) if checkpoint_id > 0 else None
         if ck is None:
             raise NotFound(f"checkpoint {checkpoint_id} does not exist")
         return ck
@@ -244,7 +245,7 @@ class CommitService:
         with self.sessions() as s:
             try:
                 with s.begin():
-                    ck = self._get_checkpoint(s, header.checkpoint_id)
+                    ck = self._get_checkpoint(s, header.checkpoint_id, lock=True)  # serialises with votes
                     self._require_pending(ck, "record the shard")
                     self._require_not_voted(s, header)
                     s.add(Shard(checkpoint_id=ck.id, rank=header.rank, file_name=header.file_name,
@@ -306,7 +307,7 @@ class CommitService:
         if not math.isfinite(wait_seconds):
             raise InvalidArgument(f"wait_seconds must be a finite number, got {wait_seconds}")
         with self.sessions() as s, s.begin():
-            ck = self._get_checkpoint(s, checkpoint_id)
+            ck = self._get_checkpoint(s, checkpoint_id, lock=True)  # serialises with shard records
             self._check_rank(ck, rank)
             prior = s.get(Vote, (checkpoint_id, rank))
             if prior is not None:
@@ -329,7 +330,10 @@ class CommitService:
             complete = ck.status == PENDING and voted == ck.world_size
         if complete:
             self.try_commit(checkpoint_id)
-        return self.wait_for(checkpoint_id, min(max(wait_seconds, 0.0), self.settings.commit_wait_max))
+        result = self.wait_for(checkpoint_id, min(max(wait_seconds, 0.0), self.settings.commit_wait_max))
+        if result.status == COMMITTED and self.settings.failpoint == "lose_commit_reply":
+            raise RuntimeError("failpoint lose_commit_reply: the commit happened, its reply is lost")
+        return result
 
     def wait_for(self, checkpoint_id: int, timeout: float) -> VoteResult:
         deadline = time.monotonic() + timeout
@@ -403,8 +407,13 @@ class CommitService:
     def _maybe_move_last_good(s: Session, ck: Checkpoint) -> bool:
         """I3: a commit becomes last-good if it is a newer step than the current one, or if
         it was begun after the current one committed (the trainer restored an older
-        checkpoint on purpose and branched from it)."""
-        run = s.get(Run, ck.run_id)
+        checkpoint on purpose and branched from it). A commit that continues a suspect
+        checkpoint (saved inside a loss-spike window) is suspect too, never last-good."""
+        run = s.get(Run, ck.run_id, with_for_update=True)  # two commits of one run: no lost update
+        if ck.parent_id is not None and s.scalar(
+                select(Tag.id).where(Tag.checkpoint_id == ck.parent_id, Tag.name == SUSPECT).limit(1)):
+            s.add(Tag(run_id=run.id, checkpoint_id=ck.id, name=SUSPECT, kind=SYSTEM, created_at=utcnow()))
+            return False
         cur = s.get(Checkpoint, run.last_good_id) if run.last_good_id else None
         if cur is None or ck.step > cur.step or (cur.committed_at is not None and ck.created_at > cur.committed_at):
             run.last_good_id = ck.id
@@ -474,6 +483,12 @@ class CommitService:
             shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == checkpoint_id)
                                     .order_by(Shard.rank, Shard.file_name)))
         bad = []
+        try:
+            got = hash_bytes(self.blobs.read_all(ck.manifest_key))
+        except FileNotFoundError:
+            got = "missing"
+        if got != ck.manifest_hash:
+            bad.append({"file": "manifest", "expected": ck.manifest_hash, "found": got})
         for sh in shards:
             h = StreamHasher()
             try:
@@ -489,18 +504,26 @@ class CommitService:
         return {"checkpoint_id": checkpoint_id, "ok": not bad, "files": len(shards), "bad": bad,
                 "status": CORRUPT if bad else ck.status}
 
+    @staticmethod
+    def _usable_ancestor(s: Session, ck: Checkpoint) -> int | None:
+        """I3 after a corruption: the newest committed, non-suspect checkpoint on ck's own
+        branch, i.e. up its parent chain (never a checkpoint of an abandoned branch)."""
+        suspect = set(s.scalars(select(Tag.checkpoint_id).where(Tag.run_id == ck.run_id, Tag.name == SUSPECT)))
+        status = dict(s.execute(select(Checkpoint.id, Checkpoint.status).where(Checkpoint.run_id == ck.run_id)).all())
+        for cid in lineage_ancestors(s, ck):
+            if status.get(cid) == COMMITTED and cid not in suspect:
+                return cid
+        return None
+
     def _mark_corrupt(self, checkpoint_id: int, bad: list[dict]) -> None:
         log.error("checkpoint %s is CORRUPT: %s", checkpoint_id, bad)
         with self.sessions() as s, s.begin():
             ck = self._get_checkpoint(s, checkpoint_id)
             first = ck.status != CORRUPT
             ck.status = CORRUPT
-            run = s.get(Run, ck.run_id)
+            run = s.get(Run, ck.run_id, with_for_update=True)
             if run.last_good_id == ck.id:
-                prev = s.scalar(select(Checkpoint).where(Checkpoint.run_id == run.id, Checkpoint.status == COMMITTED,
-                                                         Checkpoint.id != ck.id)
-                                .order_by(Checkpoint.committed_at.desc(), Checkpoint.id.desc()).limit(1))
-                run.last_good_id = prev.id if prev else None
+                run.last_good_id = self._usable_ancestor(s, ck)
             if first:
                 add_event(s, "corrupt", ck.run_id, ck.id, bad=bad, last_good=run.last_good_id)
         self._notify()
@@ -533,8 +556,15 @@ class CommitService:
             ck = self._get_checkpoint(s, checkpoint_id)
             if ck.status != COMMITTED:
                 raise FailedPrecondition(f"checkpoint {checkpoint_id} is {ck.status}; it has no visible manifest")
-            key = ck.manifest_key
+            key, want = ck.manifest_key, ck.manifest_hash
         try:
-            return self.blobs.read_all(key)
+            body = self.blobs.read_all(key)
         except FileNotFoundError:
-            raise NotFound(f"the manifest of checkpoint {checkpoint_id} is missing from the store") from None
+            self._mark_corrupt(checkpoint_id, [{"file": "manifest", "expected": want, "found": "missing"}])
+            raise NotFound(f"the manifest of checkpoint {checkpoint_id} is missing from the store; "
+                           f"the checkpoint is now CORRUPT") from None
+        if hash_bytes(body) != want:
+            self._mark_corrupt(checkpoint_id, [{"file": "manifest", "expected": want, "found": hash_bytes(body)}])
+            raise HashMismatch(f"the manifest of checkpoint {checkpoint_id} does not match its hash; "
+                               f"the checkpoint is now CORRUPT")
+        return body

@@ -10,22 +10,26 @@ from sqlalchemy.orm import Session, sessionmaker
 from lastgood import names
 
 from ..catalog.models import STATUSES, Checkpoint, Event, Run
+from . import lineage
 from .errors import InvalidArgument, NotFound
+from .lineage import tags_by_checkpoint
 
 MAX_PAGE = 1000
+MAX_LINEAGE = 10000
 
 
 def _iso(t):
     return t.isoformat() if t is not None else None
 
 
-def checkpoint_view(ck: Checkpoint, run: Run) -> dict:
+def checkpoint_view(ck: Checkpoint, run: Run, tags: list[dict] | None = None) -> dict:
     return {
         "id": ck.id, "run": run.name, "step": ck.step, "attempt": ck.attempt, "world_size": ck.world_size,
         "parent_id": ck.parent_id, "status": ck.status, "bytes": ck.bytes,
         "created_at": _iso(ck.created_at), "committed_at": _iso(ck.committed_at),
         "lease_expires_at": _iso(ck.lease_expires_at) if ck.status == "PENDING" else None,
         "last_good": run.last_good_id == ck.id,
+        "tags": tags if tags is not None else [],
     }
 
 
@@ -80,23 +84,44 @@ class Queries:
             if status:
                 q = q.where(Checkpoint.status == status)
             total = s.scalar(select(func.count()).select_from(q.subquery()))
-            rows = s.scalars(q.order_by(Checkpoint.step.desc(), Checkpoint.id.desc()).limit(limit).offset(offset))
-            return {"items": [checkpoint_view(ck, run) for ck in rows], "total": total,
+            rows = list(s.scalars(q.order_by(Checkpoint.step.desc(), Checkpoint.id.desc()).limit(limit).offset(offset)))
+            tags = tags_by_checkpoint(s, run, [ck.id for ck in rows])
+            return {"items": [checkpoint_view(ck, run, tags.get(ck.id, [])) for ck in rows], "total": total,
                     "limit": limit, "offset": offset}
+
+    @staticmethod
+    def _checkpoint(s: Session, checkpoint_id: int) -> tuple[Checkpoint, Run]:
+        ck = s.get(Checkpoint, checkpoint_id)
+        if ck is None:
+            raise NotFound(f"checkpoint {checkpoint_id} does not exist")
+        return ck, s.get(Run, ck.run_id)
 
     def get_checkpoint(self, checkpoint_id: int) -> dict:
         with self.sessions() as s, s.begin():
-            ck = s.get(Checkpoint, checkpoint_id)
-            if ck is None:
-                raise NotFound(f"checkpoint {checkpoint_id} does not exist")
-            return checkpoint_view(ck, s.get(Run, ck.run_id))
+            ck, run = self._checkpoint(s, checkpoint_id)
+            return checkpoint_view(ck, run, tags_by_checkpoint(s, run, [ck.id]).get(ck.id, []))
 
     def last_good(self, run_name: str) -> dict:
         with self.sessions() as s, s.begin():
             run = self._run(s, run_name)
             if run.last_good_id is None:
                 raise NotFound(f"run {run_name!r} has no committed checkpoint")
-            return checkpoint_view(s.get(Checkpoint, run.last_good_id), run)
+            ck = s.get(Checkpoint, run.last_good_id)
+            return checkpoint_view(ck, run, tags_by_checkpoint(s, run, [ck.id]).get(ck.id, []))
+
+    def lineage(self, run_name: str, limit: int = MAX_LINEAGE, offset: int = 0) -> dict:
+        if not 1 <= limit <= MAX_LINEAGE or offset < 0:
+            raise InvalidArgument(f"limit must be 1..{MAX_LINEAGE} and offset >= 0")
+        with self.sessions() as s, s.begin():
+            return lineage.lineage(s, self._run(s, run_name), limit, offset)
+
+    def ancestors(self, checkpoint_id: int) -> dict:
+        with self.sessions() as s, s.begin():
+            ck, run = self._checkpoint(s, checkpoint_id)
+            ids = lineage.ancestors(s, ck)
+            rows = {c.id: c for c in s.scalars(select(Checkpoint).where(Checkpoint.id.in_(ids)))}
+            tags = tags_by_checkpoint(s, run, ids)
+            return {"checkpoint_id": ck.id, "items": [checkpoint_view(rows[i], run, tags.get(i, [])) for i in ids]}
 
     def events(self, run_name: str, limit: int = 100, offset: int = 0) -> dict:
         _page(limit, offset)

@@ -1,0 +1,162 @@
+"""Garbage collection: `plan()` lists what would go and the bytes freed; `execute(plan)`
+deletes at most that, re-checking each checkpoint under a row lock first.
+
+What may go: committed checkpoints no retention policy keeps; CORRUPT and ABANDONED
+checkpoints older than the grace period; blobs of checkpoints already DELETED (left by a
+crash between the catalog update and the blob deletion). Never (I4): a PENDING
+checkpoint, anything a committed manifest that is kept, a tag, a pin or a live read lease
+still needs. The catalog row stays, with status DELETED, so the lineage keeps its shape.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import re
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from ..blobstore import BlobStore
+from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, DELETED, PENDING, Checkpoint, ReadLease, Run, Tag,
+                              utcnow)
+from .commit import add_event
+from .lineage import assign_branches
+from .retention import Retention, RunView
+
+log = logging.getLogger("lastgood.gc")
+_KEY = re.compile(r"^ckpt/(\d+)/")
+
+
+@dataclass
+class PlannedDeletion:
+    checkpoint_id: int
+    run: str
+    step: int
+    status: str
+    reason: str
+    keys: list[str]
+    bytes: int
+
+
+@dataclass
+class Plan:
+    policy: str
+    checkpoints: list[PlannedDeletion] = field(default_factory=list)
+    orphans: list[tuple[str, int]] = field(default_factory=list)  # (key, bytes) of DELETED checkpoints
+    unknown: list[str] = field(default_factory=list)     # blobs lastgood cannot place: left alone
+
+    @property
+    def bytes_freed(self) -> int:
+        return sum(d.bytes for d in self.checkpoints) + sum(n for _, n in self.orphans)
+
+    def to_dict(self) -> dict:
+        return {"policy": self.policy, "checkpoints": [asdict(d) for d in self.checkpoints],
+                "orphans": [{"key": k, "bytes": n} for k, n in self.orphans], "unknown": self.unknown, "bytes_freed": self.bytes_freed}
+
+
+class GarbageCollector:
+    def __init__(self, sessions: sessionmaker[Session], blobs: BlobStore, retention: Retention,
+                 grace_seconds: float, clock: Callable[[], dt.datetime] = utcnow) -> None:
+        self.sessions = sessions
+        self.blobs = blobs
+        self.retention = retention
+        self.grace = dt.timedelta(seconds=grace_seconds)
+        self.clock = clock
+
+    # ---------------------------------------------------------------- decisions
+    def _run_view(self, s: Session, run: Run) -> RunView:
+        rows = list(s.execute(select(Checkpoint.id, Checkpoint.parent_id, Checkpoint.status, Checkpoint.step)
+                              .where(Checkpoint.run_id == run.id).order_by(Checkpoint.id)))
+        branches = assign_branches([(r.id, r.parent_id, r.status) for r in rows])
+        heads: dict[int, tuple[int, int]] = {}
+        for r in rows:
+            if r.status == COMMITTED:
+                b = branches[r.id]
+                heads[b] = max(heads.get(b, (r.step, r.id)), (r.step, r.id))
+        tags: dict[int, set[str]] = defaultdict(set)
+        for cid, name in s.execute(select(Tag.checkpoint_id, Tag.name).where(Tag.run_id == run.id)):
+            tags[cid].add(name)
+        return RunView(run.last_good_id, [(r.id, r.step) for r in rows if r.status == COMMITTED], dict(tags),
+                       {cid for _, cid in heads.values()})
+
+    def _why_deletable(self, s: Session, ck: Checkpoint, kept: set[int], now: dt.datetime) -> str | None:
+        if ck.status == PENDING or ck.status == DELETED:
+            return None
+        if s.scalar(select(func.count()).select_from(ReadLease).where(
+                ReadLease.checkpoint_id == ck.id, ReadLease.expires_at > now)):
+            return None
+        if ck.status == COMMITTED:
+            return None if ck.id in kept else "not kept by the retention policy"
+        if s.scalar(select(Tag.id).where(Tag.checkpoint_id == ck.id, Tag.kind.in_(("tag", "alias", "pin"))).limit(1)):
+            return None  # a user tagged or pinned it, even if corrupt
+        since = ck.committed_at or ck.lease_expires_at or ck.created_at
+        if ck.status in (ABANDONED, CORRUPT) and since + self.grace < now:
+            return f"{ck.status.lower()} for longer than the grace period"
+        return None
+
+    # ---------------------------------------------------------------- plan / execute
+    def plan(self) -> Plan:
+        now = self.clock()
+        plan = Plan(self.retention.describe())
+        blobs_by_ckpt: dict[int, list[tuple[str, int]]] = defaultdict(list)
+        for info in self.blobs.list("ckpt/"):
+            m = _KEY.match(info.key)
+            if m:
+                blobs_by_ckpt[int(m.group(1))].append((info.key, info.size))
+            else:
+                plan.unknown.append(info.key)
+        with self.sessions() as s, s.begin():
+            statuses = dict(s.execute(select(Checkpoint.id, Checkpoint.status)))
+            for run in s.scalars(select(Run).order_by(Run.name)):
+                kept = self.retention.keep(self._run_view(s, run))
+                for ck in s.scalars(select(Checkpoint).where(Checkpoint.run_id == run.id).order_by(Checkpoint.id)):
+                    reason = self._why_deletable(s, ck, kept, now)
+                    if reason:
+                        keys = blobs_by_ckpt.get(ck.id, [])
+                        plan.checkpoints.append(PlannedDeletion(ck.id, run.name, ck.step, ck.status, reason,
+                                                                [k for k, _ in keys], sum(n for _, n in keys)))
+        for cid, keys in sorted(blobs_by_ckpt.items()):
+            status = statuses.get(cid)
+            if status == DELETED:
+                plan.orphans += keys
+            elif status is None:
+                plan.unknown += [k for k, _ in keys]
+        return plan
+
+    def execute(self, plan: Plan) -> dict:
+        """Delete what the plan lists, and nothing else; skip whatever is no longer deletable."""
+        deleted, skipped, freed = [], [], 0
+        now = self.clock()
+        for d in plan.checkpoints:
+            with self.sessions() as s, s.begin():
+                ck = s.scalar(select(Checkpoint).where(Checkpoint.id == d.checkpoint_id).with_for_update())
+                run = s.get(Run, ck.run_id) if ck else None
+                kept = self.retention.keep(self._run_view(s, run)) if run else set()
+                still = ck is not None and ck.status == d.status and self._why_deletable(s, ck, kept, now)
+                if not still:
+                    skipped.append(d.checkpoint_id)
+                    continue
+                ck.status, ck.deleted_at = DELETED, now
+                add_event(s, "gc_delete", ck.run_id, ck.id, step=ck.step, reason=d.reason, bytes=d.bytes,
+                          was=d.status)
+            for key in d.keys:  # only after the catalog says DELETED: a crash leaves orphans, never holes
+                self.blobs.delete(key)
+            deleted.append(d.checkpoint_id)
+            freed += d.bytes
+        orphans_done = []
+        if plan.orphans:
+            with self.sessions() as s, s.begin():
+                statuses = dict(s.execute(select(Checkpoint.id, Checkpoint.status)))
+            for key, size in plan.orphans:
+                m = _KEY.match(key)
+                if m and statuses.get(int(m.group(1))) == DELETED:
+                    self.blobs.delete(key)
+                    orphans_done.append(key)
+                    freed += size
+        if deleted or orphans_done:
+            log.info("gc deleted checkpoints %s and %d orphan blobs", deleted, len(orphans_done))
+        return {"deleted": deleted, "skipped": skipped, "orphans_deleted": len(orphans_done), "bytes_freed": freed}

@@ -1,0 +1,107 @@
+"""A run's lineage: the tree of checkpoints by parent pointer, with branches.
+
+Branches are derived, not stored: walking checkpoints in creation order, a committed
+checkpoint continues its parent's branch if it is the parent's first committed child,
+and starts a new branch otherwise (the trainer restored an older checkpoint and saved
+again: a rollback or a restart from further back). Pending, abandoned and deleted
+checkpoints stay on their parent's branch without claiming it, so a retried save after
+a crash is not mistaken for a branch.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from ..catalog.models import COMMITTED, CORRUPT, DELETED, LAST_GOOD, SYSTEM, Checkpoint, Run, Tag, Vote
+
+
+def assign_branches(rows: list[tuple[int, int | None, str]]) -> dict[int, int]:
+    """rows: (id, parent_id, status) in creation order -> id -> branch number (0 first).
+    Roots hang off one virtual root (None), so a second committed root is a branch too."""
+    branch: dict[int | None, int] = {None: 0}
+    claimed: set[int | None] = set()  # parents whose branch a committed child continued
+    next_branch = 1
+    for cid, parent, status in rows:
+        parent = parent if parent in branch else None
+        if status not in (COMMITTED, CORRUPT, DELETED):
+            branch[cid] = branch[parent]
+        elif parent not in claimed:
+            claimed.add(parent)
+            branch[cid] = branch[parent]
+        else:
+            branch[cid], next_branch = next_branch, next_branch + 1
+    del branch[None]
+    return branch  # type: ignore[return-value]
+
+
+def tags_by_checkpoint(s: Session, run: Run, ids: list[int] | None = None) -> dict[int, list[dict]]:
+    q = select(Tag).where(Tag.run_id == run.id)
+    if ids is not None:
+        q = q.where(Tag.checkpoint_id.in_(ids))
+    out: dict[int, list[dict]] = defaultdict(list)
+    for t in s.scalars(q.order_by(Tag.id)):
+        out[t.checkpoint_id].append({"name": t.name, "kind": t.kind})
+    if run.last_good_id is not None and (ids is None or run.last_good_id in ids):
+        out[run.last_good_id].insert(0, {"name": LAST_GOOD, "kind": SYSTEM})
+    return out
+
+
+def _seconds(a, b):
+    return None if a is None or b is None else round((b - a).total_seconds(), 6)
+
+
+def lineage(s: Session, run: Run, limit: int, offset: int) -> dict:
+    rows = list(s.execute(select(Checkpoint.id, Checkpoint.parent_id, Checkpoint.status)
+                          .where(Checkpoint.run_id == run.id).order_by(Checkpoint.id)))
+    branches = assign_branches([tuple(r) for r in rows])
+    page = list(s.scalars(select(Checkpoint).where(Checkpoint.run_id == run.id)
+                          .order_by(Checkpoint.id).limit(limit).offset(offset)))
+    ids = [c.id for c in page]
+    last_votes = dict(s.execute(select(Vote.checkpoint_id, func.max(Vote.created_at))
+                                .where(Vote.checkpoint_id.in_(ids)).group_by(Vote.checkpoint_id)).all())
+    tags = tags_by_checkpoint(s, run, ids)
+    nodes = [{
+        "id": c.id, "step": c.step, "status": c.status, "parent_id": c.parent_id, "branch": branches[c.id],
+        "tags": tags.get(c.id, []), "bytes": c.bytes, "world_size": c.world_size, "attempt": c.attempt,
+        "last_good": run.last_good_id == c.id,
+        "created_at": c.created_at.isoformat(), "committed_at": c.committed_at.isoformat() if c.committed_at else None,
+        # save: begin to commit; commit: the last rank's vote to the commit transaction
+        "save_seconds": _seconds(c.created_at, c.committed_at),
+        "commit_seconds": _seconds(last_votes.get(c.id), c.committed_at),
+    } for c in page]
+    edges = [{"from": c.parent_id, "to": c.id} for c in page if c.parent_id is not None]
+    return {"run": run.name, "last_good_id": run.last_good_id, "nodes": nodes, "edges": edges,
+            "branches": max(branches.values(), default=-1) + 1, "total": len(rows),
+            "limit": limit, "offset": offset}
+
+
+def parents_of(s: Session, run_id: int) -> dict[int, int | None]:
+    return dict(s.execute(select(Checkpoint.id, Checkpoint.parent_id).where(Checkpoint.run_id == run_id)).all())
+
+
+def ancestors(s: Session, ck: Checkpoint) -> list[int]:
+    """ck's parent, grandparent, ... up to the root (one query, walked in memory)."""
+    parent = parents_of(s, ck.run_id)
+    out, cur, seen = [], parent.get(ck.id), {ck.id}
+    while cur is not None and cur not in seen:
+        out.append(cur)
+        seen.add(cur)
+        cur = parent.get(cur)
+    return out
+
+
+def descendants(s: Session, root_id: int, run_id: int) -> set[int]:
+    children: dict[int, list[int]] = defaultdict(list)
+    for cid, parent in parents_of(s, run_id).items():
+        if parent is not None:
+            children[parent].append(cid)
+    out, stack = set(), [root_id]
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            if child not in out:
+                out.add(child)
+                stack.append(child)
+    return out
