@@ -20,6 +20,7 @@ _LAZY = {
     "Checkpointer": ("lastgood.checkpointer", "Checkpointer"),
     "TrainState": ("lastgood.state", "TrainState"),
     "ResumableDistributedSampler": ("lastgood.sampler", "ResumableDistributedSampler"),
+    "SpikeGuard": ("lastgood.spike", "SpikeGuard"),
 }
 
 __all__ = [*_LAZY, "LastgoodError", "SaveFailed", "CorruptCheckpoint", "NoUsableCheckpoint", "ServiceError"]

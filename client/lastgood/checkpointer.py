@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from . import distributed, names
 from .errors import CorruptCheckpoint, LastgoodError, NoUsableCheckpoint, SaveFailed, ServiceError
-from .format import META_STATE, parse_header
+from .format import META_STATE, header_length, parse_header
 from .hashing import hash_bytes
 from .manifest import Manifest
 from .staging import Snapshot, StagingPool, snapshot
@@ -52,7 +52,8 @@ class Checkpointer:
         self.rank, self.world_size = distributed.rank_world()
         self.transport = Transport(url)
         self.commit_timeout = commit_timeout or 2 * float(self.transport.info.get("lease_seconds", 60)) + 60
-        self.attempt = names.check_attempt(attempt or distributed.launch_attempt(self.world_size))
+        self.launch = names.check_attempt(attempt or distributed.launch_attempt(self.world_size))[:56]
+        self._restores = 0  # every rank restores the same number of times, so they agree on the attempt
         self.file_name = shard_file_name(self.rank)
         self.parent_id: int | None = None
         self.last_saved: SaveResult | None = None
@@ -63,6 +64,12 @@ class Checkpointer:
         self._closed = False
         self._worker = threading.Thread(target=self._run, name="lastgood-upload", daemon=True)
         self._worker.start()
+
+    @property
+    def attempt(self) -> str:
+        """(run, step, attempt) names a checkpoint. After a restore the job may save steps it
+        saved before (on another branch), so every restore starts a new attempt."""
+        return self.launch if self._restores == 0 else f"{self.launch}.{self._restores}"
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: TrainState) -> None:
@@ -107,13 +114,35 @@ class Checkpointer:
                     raise SaveFailed(f"checkpoint {cid} (step {snap.step}) not committed after "
                                      f"{self.commit_timeout:.0f}s; ranks not voted: {list(res.missing_ranks)}")
         except BaseException as e:
-            try:
-                self.transport.abort(cid, f"rank {self.rank}: {e}"[:1000], self.rank)
-            except Exception:  # the checkpoint may be committed or expired already
-                pass
-            raise
+            # The reply may be what was lost: ask before declaring the save failed.
+            status = self._status(cid)
+            if status == "COMMITTED" and self._committed_with(cid, digest):
+                log.warning("lastgood: step %s: %s, but checkpoint %s is committed", snap.step, e, cid)
+            else:
+                if status == "PENDING":
+                    try:
+                        self.transport.abort(cid, f"rank {self.rank}: {e}"[:1000], self.rank)
+                    except Exception:  # expired or committed meanwhile: the lease settles it
+                        pass
+                outcome = ("last-good did not move" if status in ("PENDING", "ABANDONED")
+                           else "its outcome is unknown (the service did not answer)")
+                raise SaveFailed(f"save of step {snap.step} (checkpoint {cid}) failed, {outcome}: {e}") from e
         self.parent_id = cid
         self.last_saved = SaveResult(snap.step, cid)
+
+    def _committed_with(self, cid: int, digest: str) -> bool:
+        """Does the committed checkpoint hold exactly the bytes this rank tried to save?"""
+        try:
+            files = self.transport.manifest(cid).files(self.rank)
+        except ServiceError:
+            return False
+        return [(f.name, f.xxh3_128) for f in files] == [(self.file_name, digest)]
+
+    def _status(self, cid: int) -> str | None:
+        try:
+            return self.transport.get_json(f"/api/v1/checkpoints/{cid}")["status"]
+        except ServiceError:
+            return None
 
     def wait(self) -> None:
         """Block until every save so far is committed; raise SaveFailed if any failed."""
@@ -122,8 +151,7 @@ class Checkpointer:
             failures, self._failures = self._failures, []
         if failures:
             steps = ", ".join(str(s) for s, _ in failures)
-            raise SaveFailed(f"saves of step(s) {steps} failed; last-good did not move: {failures[-1][1]}") \
-                from failures[-1][1]
+            raise SaveFailed(f"saves of step(s) {steps} failed: {failures[-1][1]}") from failures[-1][1]
 
     def close(self) -> None:
         if self._closed:
@@ -135,6 +163,7 @@ class Checkpointer:
             self._jobs.put(None)
             self._worker.join(timeout=10)
             self.transport.close()
+            self._pool.clear()  # free the (possibly pinned) staging buffers
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -143,82 +172,141 @@ class Checkpointer:
         self.close()
 
     # ------------------------------------------------------------------ restore
+    OK, UNUSABLE, FAILED = 0, 1, 2
+
     def restore(self, state: TrainState, checkpoint_id: int | None = None) -> int | None:
         """Load the run's last-good (or the given checkpoint) into `state` in place.
 
         Returns its step, or None if the run has no checkpoint. Every byte read is
-        re-hashed; on a mismatch the checkpoint is reported (the service re-verifies it
-        and marks it CORRUPT) and the next older committed checkpoint is tried. All ranks
-        agree on each candidate and on the outcome, so they never resume from different
-        checkpoints.
+        re-hashed. Ranks agree on each candidate (rank 0 picks, then broadcasts) and on
+        each outcome (all_max of ok / unusable / failed), so they never resume from
+        different checkpoints and never wait on a rank that gave up. An unusable candidate
+        (hash mismatch, missing blob) is re-verified by the service, which marks it CORRUPT,
+        and its parent chain is tried next.
         """
-        self.wait()
-        for cid in self._candidates(checkpoint_id):
-            ok, manifest, payload, err = 1, None, None, None
-            try:
-                manifest, payload = self._fetch(cid)
-            except CorruptCheckpoint as e:
-                ok, err = 0, e
-            if distributed.all_min(ok) == 0:
-                if err is not None:
-                    log.error("lastgood: %s", err)
-                    try:
-                        self.transport.verify(cid)
-                    except ServiceError as ve:
-                        log.error("lastgood: verify of checkpoint %s failed: %s", cid, ve)
-                if checkpoint_id is not None:
-                    raise err or CorruptCheckpoint(f"checkpoint {cid} failed verification on another rank")
-                continue
-            self._apply(state, payload)
-            self.parent_id = cid
-            log.info("lastgood: restored %s step %s (checkpoint %s)", self.run, manifest.step, cid)
-            return manifest.step
-        if checkpoint_id is None and self._had_candidates:
-            raise NoUsableCheckpoint(f"every committed checkpoint of run {self.run!r} failed verification")
+        self._jobs.join()  # in-flight saves finish first; their failures stay for wait()
+        tried: set[int] = set()
+        cid = self._agree(lambda: checkpoint_id if checkpoint_id is not None else self._last_good_id())
+        while cid > 0:
+            code, result, err = self._try_fetch(cid)
+            agreed = distributed.all_max(code)
+            if agreed == self.OK:
+                manifest, payload = result
+                self._apply(state, payload)
+                self.parent_id = cid
+                self._restores += 1
+                log.info("lastgood: restored %s step %s (checkpoint %s)", self.run, manifest.step, cid)
+                return manifest.step
+            if agreed == self.FAILED:
+                raise err or LastgoodError(f"restoring checkpoint {cid} failed on another rank; see its log")
+            if err is not None:
+                log.error("lastgood: checkpoint %s is unusable: %s", cid, err)
+            if self.rank == 0:
+                try:
+                    self.transport.verify(cid)  # the service re-hashes it and marks it CORRUPT
+                except ServiceError as ve:
+                    log.error("lastgood: verify of checkpoint %s failed: %s", cid, ve)
+            if checkpoint_id is not None:
+                raise err or CorruptCheckpoint(f"checkpoint {cid} is unusable on another rank")
+            tried.add(cid)
+            cid = self._agree(lambda: self._next_candidate(cid, tried))
+        if tried:
+            raise NoUsableCheckpoint(f"no committed checkpoint of run {self.run!r} passed verification "
+                                     f"(tried {sorted(tried)})")
         return None
 
-    def _candidates(self, explicit: int | None):
-        """Candidate checkpoint ids, newest first, as rank 0 sees them (broadcast to all)."""
-        self._had_candidates = False
-        if explicit is not None:
-            self._had_candidates = True
-            yield distributed.broadcast_int(explicit)
-            return
-        tried: set[int] = set()
-        while True:
-            cid = 0
-            if self.rank == 0:
-                lg = self.transport.last_good(self.run)
-                if lg is not None and lg["id"] not in tried:
-                    cid = lg["id"]
-                else:
-                    older = [c["id"] for c in self.transport.committed(self.run) if c["id"] not in tried]
-                    cid = older[0] if older else 0
-            cid = distributed.broadcast_int(cid)
-            if cid == 0:
-                return
-            self._had_candidates = True
-            tried.add(cid)
-            yield cid
+    def _agree(self, pick) -> int:
+        """Rank 0 picks (0: none), everyone gets its answer; -1 tells the others it failed."""
+        value, err = 0, None
+        if self.rank == 0:
+            try:
+                value = pick() or 0
+            except Exception as e:  # noqa: BLE001 - re-raised after the broadcast
+                value, err = -1, e
+        value = distributed.broadcast_int(value)
+        if value < 0:
+            raise err or LastgoodError("rank 0 could not choose a checkpoint to restore; see its log")
+        return value
+
+    def _last_good_id(self) -> int:
+        lg = self.transport.last_good(self.run)
+        return lg["id"] if lg else 0
+
+    def _next_candidate(self, failed: int, tried: set[int]) -> int:
+        """The newest usable ancestor of the failed checkpoint: the same branch, further back."""
+        for c in self.transport.get_json(f"/api/v1/checkpoints/{failed}/ancestors")["items"]:
+            if (c["id"] not in tried and c["status"] == "COMMITTED"
+                    and not any(t["name"] == "suspect" for t in c["tags"])):
+                return c["id"]
+        lg = self._last_good_id()
+        return lg if lg not in tried else 0
+
+    def _try_fetch(self, cid: int):
+        try:
+            return self.OK, self._fetch(cid), None
+        except CorruptCheckpoint as e:
+            return self.UNUSABLE, None, e
+        except ServiceError as e:
+            if e.code in ("NOT_FOUND", "DATA_LOSS", 404, 409):  # a blob gone, or no longer committed
+                return self.UNUSABLE, None, e
+            return self.FAILED, None, e
+        except Exception as e:  # noqa: BLE001 - agreed on with the other ranks, then raised
+            return self.FAILED, None, e
 
     def _fetch(self, cid: int) -> tuple[Manifest, bytearray]:
+        # a read lease keeps GC away from this checkpoint while its bytes are read
+        lease = self.transport.acquire_lease(cid, f"{self.run}/rank{self.rank}")
+        try:
+            return self._fetch_leased(cid)
+        finally:
+            try:
+                self.transport.release_lease(lease)
+            except ServiceError as e:  # it expires by itself
+                log.warning("lastgood: releasing read lease %s failed: %s", lease, e)
+
+    def _fetch_leased(self, cid: int) -> tuple[Manifest, bytearray]:
         manifest = self.transport.manifest(cid)
         if manifest.world_size != self.world_size:
             raise LastgoodError(f"checkpoint {cid} was written by {manifest.world_size} ranks; this job has "
                                 f"{self.world_size}. Restoring at another world size is not supported yet")
         entry = next((f for f in manifest.files(self.rank) if f.name == self.file_name), None)
         if entry is None:
-            raise LastgoodError(f"checkpoint {cid} has no file {self.file_name} for rank {self.rank}")
+            raise CorruptCheckpoint(f"checkpoint {cid} has no file {self.file_name} for rank {self.rank}")
         buf, got = self.transport.read_file(cid, self.rank, entry.name, entry.size)
         if got != entry.xxh3_128:
             raise CorruptCheckpoint(f"checkpoint {cid} (step {manifest.step}) rank {self.rank} file {entry.name}: "
                                     f"xxh3-128 {got} does not match the committed {entry.xxh3_128}")
         return manifest, buf
 
+    # ------------------------------------------------------------------ tags
+    def _target(self, checkpoint_id: int | None) -> int:
+        if checkpoint_id is not None:
+            return checkpoint_id
+        self.wait()
+        if self.last_saved is None:
+            raise LastgoodError("nothing saved yet by this Checkpointer: name a checkpoint_id")
+        return self.last_saved.checkpoint_id
+
+    def tag(self, name: str, checkpoint_id: int | None = None, *, alias: bool = False) -> dict:
+        """Tag a checkpoint (default: the last one this Checkpointer saved). An alias names
+        one checkpoint per run and moves when set again; a plain tag may name many."""
+        return self.transport.post_json(f"/api/v1/checkpoints/{self._target(checkpoint_id)}/tags",
+                                        {"name": name, "alias": alias})
+
+    def untag(self, name: str, checkpoint_id: int | None = None) -> dict:
+        from urllib.parse import quote
+        return self.transport.call("DELETE", f"/api/v1/checkpoints/{self._target(checkpoint_id)}/tags/"
+                                             f"{quote(name, safe='')}")
+
+    def pin(self, checkpoint_id: int | None = None, pinned: bool = True) -> dict:
+        """Pin a checkpoint so that GC keeps it whatever the retention policy says."""
+        return self.transport.call("PUT" if pinned else "DELETE",
+                                   f"/api/v1/checkpoints/{self._target(checkpoint_id)}/pin")
+
     @staticmethod
     def _apply(state: TrainState, buf: bytearray) -> None:
         tensors, meta = parse_header(buf, file_size=len(buf))
-        start = 8 + int.from_bytes(buf[:8], "little")
+        start = header_length(buf)
         json_state = json.loads(meta[META_STATE])
         consumers = {n: c["kind"] for n, c in json_state["components"].items()}
 

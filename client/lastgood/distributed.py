@@ -47,6 +47,30 @@ def all_min(value: int) -> int:
     return int(t.item())
 
 
+def all_max(value: int) -> int:
+    if not initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def all_gather_ints(values: list[int]) -> list[int]:
+    """Every rank's list of ints, concatenated in rank order (tensors only, no pickle)."""
+    if not initialized():
+        return list(values)
+    dev, world = _device(), dist.get_world_size()
+    n = torch.tensor([len(values)], dtype=torch.int64, device=dev)
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n)
+    longest = max(int(x.item()) for x in sizes)
+    mine = torch.full((max(longest, 1),), -1, dtype=torch.int64, device=dev)
+    mine[: len(values)] = torch.tensor(values, dtype=torch.int64)
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine)
+    return [int(v) for p, k in zip(parts, sizes) for v in p[: int(k.item())].tolist()]
+
+
 def launch_attempt(world_size: int) -> str:
     """One id shared by every rank of this launch of the job.
 

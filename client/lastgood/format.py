@@ -108,8 +108,8 @@ def parse_header(head: bytes | memoryview, file_size: int | None = None) -> tupl
         raise FormatError("truncated safetensors header")
     try:
         obj = json.loads(bytes(head[8:total]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"safetensors header is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, absurd numbers, absurd nesting
+        raise FormatError(f"safetensors header is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(obj, dict):
         raise FormatError("safetensors header is not a JSON object")
     meta = obj.pop("__metadata__", {}) or {}

@@ -90,6 +90,7 @@ class PlainLoaderAdapter:
             raise LastgoodError("a plain DataLoader in TrainState needs a batch_size (no custom batch_sampler)")
         self.loader = loader
         self.sampler = sampler
+        self.in_pass = False  # between `iter(loader)` and its StopIteration
         self._install()
 
     def _install(self) -> None:
@@ -104,20 +105,30 @@ class PlainLoaderAdapter:
 
     def _wrap(self, it) -> None:
         sampler, batch_size, cls_next = self.sampler, self.loader.batch_size, type(it)._next_data
+        self.in_pass = True
 
         def next_data():
-            batch = cls_next(it)  # raises StopIteration at the end of the epoch
+            try:
+                batch = cls_next(it)
+            except StopIteration:  # the end of the epoch: the loop leaves its for
+                self.in_pass = False
+                raise
             sampler._advance(batch_size)
             return batch
 
         it._next_data = next_data
 
     def state_dict(self):
-        return {"sampler": self.sampler.state_dict()}
+        return {"sampler": self.sampler.state_dict(), "in_pass": self.in_pass}
 
     def load_state_dict(self, sd) -> None:
         self.sampler.load_state_dict(sd["sampler"])
-        _rng_neutral_first_iterator(self.loader)
+        self.in_pass = sd.get("in_pass", True)
+        # Saved inside a pass, the uninterrupted run drew the iterator's seed before the
+        # save: the resumed run's first iterator must not draw again. Saved between passes
+        # (or before the first), the next pass draws in both runs.
+        if self.in_pass:
+            _rng_neutral_first_iterator(self.loader)
 
 
 def adapt(loader: DataLoader):

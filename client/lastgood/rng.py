@@ -26,14 +26,18 @@ def capture() -> dict:
     return state
 
 
+def check(state: dict) -> None:
+    cuda = state.get("cuda")
+    if cuda:
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have != len(cuda):
+            raise LastgoodError(f"checkpoint holds CUDA RNG states of {len(cuda)} devices; this process sees {have}")
+
+
 def restore(state: dict) -> None:
+    check(state)
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    cuda = state.get("cuda")
-    if cuda:
-        if not torch.cuda.is_available() or torch.cuda.device_count() != len(cuda):
-            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            raise LastgoodError(f"checkpoint holds CUDA RNG states of {len(cuda)} devices; this process sees {have}")
-        for i, s in enumerate(cuda):
-            torch.cuda.set_rng_state(s, i)
+    for i, s in enumerate(state.get("cuda") or ()):
+        torch.cuda.set_rng_state(s, i)

@@ -37,19 +37,30 @@ class ResumableDistributedSampler(Sampler[int]):
             raise ValueError(f"rank {self.rank} outside [0, {self.num_replicas})")
         self.dataset_len = len(dataset)
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
-        if drop_last and self.dataset_len % self.num_replicas:
-            self.num_samples = math.ceil((self.dataset_len - self.num_replicas) / self.num_replicas)
-        else:
-            self.num_samples = math.ceil(self.dataset_len / self.num_replicas)
+        self.num_samples = self._num_samples(self.dataset_len)
         self.total_size = self.num_samples * self.num_replicas
         self.epoch = 0
         self._start = 0        # where the next iteration of this epoch begins
         self._consumed = 0     # samples of this epoch the loop has taken
+        self._excluded: set[int] = set()  # never fed again, from epoch `_excluded_from` on
+        self._excluded_from = 0
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
             self.epoch = epoch
-            self._start = 0
+            self._start = self._consumed = 0
+
+    def exclude(self, indices) -> None:
+        """Never yield these dataset indices again, from the next epoch on (the current
+        epoch's order must not shift under the cursor; the loss-spike guard excludes the
+        batches it skipped, which lie behind the cursor anyway)."""
+        self._excluded |= {int(i) for i in indices}
+        self._excluded_from = self.epoch + 1
+
+    def _num_samples(self, n: int) -> int:
+        if self.drop_last and n % self.num_replicas:
+            return math.ceil((n - self.num_replicas) / self.num_replicas)
+        return math.ceil(n / self.num_replicas)
 
     def _indices(self) -> list[int]:
         if self.shuffle:
@@ -58,6 +69,10 @@ class ResumableDistributedSampler(Sampler[int]):
             order = torch.randperm(self.dataset_len, generator=g).tolist()
         else:
             order = list(range(self.dataset_len))
+        if self._excluded and self.epoch >= self._excluded_from:
+            order = [i for i in order if i not in self._excluded]
+        self.num_samples = self._num_samples(len(order))
+        self.total_size = self.num_samples * self.num_replicas
         if self.drop_last:
             order = order[: self.total_size]
         elif len(order) < self.total_size:
@@ -85,7 +100,8 @@ class ResumableDistributedSampler(Sampler[int]):
                 "rank": self.rank, "seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last,
                 "dataset_len": self.dataset_len,
                 # position in the epoch's global order, independent of the world size
-                "global_position": self._consumed * self.num_replicas}
+                "global_position": self._consumed * self.num_replicas,
+                "excluded": sorted(self._excluded), "excluded_from": self._excluded_from}
 
     def load_state_dict(self, sd: dict) -> None:
         for key in ("num_replicas", "seed", "shuffle", "drop_last", "dataset_len"):
@@ -93,3 +109,5 @@ class ResumableDistributedSampler(Sampler[int]):
                 raise LastgoodError(f"sampler {key} was {sd[key]!r} at save time and is {getattr(self, key)!r} now")
         self.epoch = sd["epoch"]
         self._start = self._consumed = sd["consumed"]
+        self._excluded = set(sd.get("excluded", ()))
+        self._excluded_from = sd.get("excluded_from", 0)

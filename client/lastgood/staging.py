@@ -56,6 +56,10 @@ class StagingPool:
             self.release(None)
             raise
 
+    def clear(self) -> None:
+        with self._cv:
+            self._free.clear()
+
     def release(self, buf: torch.Tensor | None) -> None:
         with self._cv:
             self._in_use -= 1
@@ -78,8 +82,9 @@ def snapshot(step: int, json_state: dict, tensors: dict, pool: StagingPool) -> S
             if end == start:
                 continue
             src = tensors[spec.name]
-            if isinstance(src, np.ndarray):
-                buf[start:end].numpy()[:] = np.ascontiguousarray(src).view(np.uint8).reshape(-1)
+            if isinstance(src, np.ndarray):  # safetensors is little-endian
+                little = np.ascontiguousarray(src, dtype=src.dtype.newbyteorder("<"))
+                buf[start:end].numpy()[:] = little.view(np.uint8).reshape(-1)
                 continue
             dst = buf[start:end].view(ST_TO_TORCH[spec.dtype]).view(spec.shape)
             if src.device.type == "cuda":

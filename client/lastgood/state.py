@@ -91,13 +91,16 @@ class TrainState:
             return "optimizer"
         return "stateful"
 
+    def _order(self) -> list[str]:
+        """Loaders and generators after the model, optimizer and schedulers (see above)."""
+        return sorted(self.components, key=lambda n: self._kind(n) in ("loader", "generator"))
+
     # ------------------------------------------------------------------ capture
     def capture(self, step: int, rank: int, world_size: int) -> Captured:
         enc = Encoder()
         pnames = self._param_names()
         comps, param_index = {}, {}
-        order = sorted(self.components, key=lambda n: self._kind(n) in ("loader", "generator"))
-        for name in order:
+        for name in self._order():
             obj, kind = self.components[name], self._kind(name)
             rename = None
             if kind == "loader":
@@ -128,8 +131,9 @@ class TrainState:
         if missing or unknown:
             raise LastgoodError(f"TrainState does not match the checkpoint: not in checkpoint {missing}, "
                                 f"not in this TrainState {unknown}")
-        order = sorted(self.components, key=lambda n: self._kind(n) in ("loader", "generator"))
-        for name in order:
+        rng_state = decode(json_state["rng"], tensor, array)
+        rng.check(rng_state)  # before anything is loaded: a mismatch must not leave a half-restored rank
+        for name in self._order():
             obj, kind = self.components[name], self._kind(name)
             if saved[name]["kind"] != kind:
                 raise LastgoodError(f"component {name!r} was a {saved[name]['kind']} at save time, is a {kind} now")
@@ -145,7 +149,7 @@ class TrainState:
         restored_extra = decode(json_state["extra"], tensor, array)
         self.extra.clear()
         self.extra.update(restored_extra)
-        rng.restore(decode(json_state["rng"], tensor, array))
+        rng.restore(rng_state)
 
 
 def tensor_from_buffer(buf, spec: dict, data_start: int, device: str | None, copy: bool) -> torch.Tensor:

@@ -48,16 +48,19 @@ class Transport:
         self.chunk = min(CHUNK, int(info.get("max_chunk_bytes", CHUNK)))
         limit = self.chunk + 64 * 1024
         self._channel = grpc.insecure_channel(self.grpc_target, options=[
-            ("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)])
+            ("grpc.max_receive_message_length", max(limit, 256 * 1024 * 1024)),
+            ("grpc.max_send_message_length", limit)])
         self._stub = pb_grpc.CheckpointsStub(self._channel)
 
     def close(self) -> None:
         self._channel.close()
 
     # ---------------------------------------------------------------- REST
-    def _request(self, method: str, path: str, query: dict | None = None) -> bytes:
+    def _request(self, method: str, path: str, query: dict | None = None, body: dict | None = None) -> bytes:
         url = self.base_url + path + ("?" + urllib.parse.urlencode(query) if query else "")
-        req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+        data = json.dumps(body).encode() if body is not None else (b"" if method in ("POST", "PUT") else None)
+        req = urllib.request.Request(url, method=method, data=data,
+                                     headers={"Content-Type": "application/json"} if body is not None else {})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 return resp.read()
@@ -70,12 +73,17 @@ class Transport:
             raise ServiceError(f"{method} {path}: HTTP {e.code}: {msg}", e.code) from None
         except urllib.error.URLError as e:
             raise ServiceError(f"cannot reach the lastgood service at {self.base_url}: {e.reason}") from None
+        except OSError as e:  # timeouts and resets while reading the answer
+            raise ServiceError(f"{method} {path}: no answer from the lastgood service: {e}") from None
 
     def get_json(self, path: str, query: dict | None = None):
         return json.loads(self._request("GET", path, query))
 
-    def post_json(self, path: str):
-        return json.loads(self._request("POST", path))
+    def post_json(self, path: str, body: dict | None = None, query: dict | None = None):
+        return json.loads(self._request("POST", path, query, body))
+
+    def call(self, method: str, path: str, body: dict | None = None):
+        return json.loads(self._request(method, path, None, body))
 
     def last_good(self, run: str) -> dict | None:
         try:
@@ -96,6 +104,13 @@ class Transport:
 
     def verify(self, checkpoint_id: int) -> dict:
         return self.post_json(f"/api/v1/checkpoints/{checkpoint_id}/verify")
+
+    def acquire_lease(self, checkpoint_id: int, holder: str, seconds: float = 3600.0) -> int:
+        return self.post_json(f"/api/v1/checkpoints/{checkpoint_id}/leases",
+                              {"holder": holder, "seconds": seconds})["lease_id"]
+
+    def release_lease(self, lease_id: int) -> None:
+        self.call("DELETE", f"/api/v1/leases/{lease_id}")
 
     # ---------------------------------------------------------------- gRPC
     def _unary(self, what: str, method, request, timeout: float | None = None):
@@ -135,8 +150,8 @@ class Transport:
                     pb.AbortCheckpointRequest(checkpoint_id=checkpoint_id, reason=reason, rank=rank))
 
     def manifest(self, checkpoint_id: int) -> Manifest:
-        resp = self._unary("GetManifest", self._stub.GetManifest, pb.GetManifestRequest(checkpoint_id=checkpoint_id))
-        return Manifest.from_bytes(resp.manifest)
+        # over REST: a manifest of thousands of ranks outgrows one gRPC message
+        return Manifest.from_bytes(self._request("GET", f"/api/v1/checkpoints/{checkpoint_id}/manifest"))
 
     def read_file(self, checkpoint_id: int, rank: int, file_name: str, size: int) -> tuple[bytearray, str]:
         """The whole file, and the xxh3-128 of what arrived (hashed while receiving)."""

@@ -56,12 +56,15 @@ class GPT(nn.Module):
         self.head = nn.Linear(c.d_model, c.vocab, bias=False)
         self.head.weight = self.tok.weight  # tied, as in GPT-2
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         x = self.drop(self.tok(idx) + self.pos(torch.arange(idx.shape[1])))
         for blk in self.blocks:
             x = blk(x)
         logits = self.head(self.ln(x))
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+        if weights is None:
+            return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+        per_token = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1), reduction="none")
+        return (per_token.view(idx.shape).mean(1) * weights).mean()  # per-sample loss weights
 
 
 class TokenWindows(torch.utils.data.Dataset):

@@ -52,6 +52,10 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--loader", choices=["stateful", "plain"], default="stateful")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--spike-guard", action="store_true", help="roll back automatically on a loss spike")
+    p.add_argument("--spike-margin", type=int, default=0, help="trust only checkpoints this many steps before a spike")
+    p.add_argument("--poison", default=None, metavar="EPOCH:ID",
+                   help="in that epoch, sample ID reads corrupted (loss weight 1e4) and causes a loss spike")
     return p.parse_args(argv)
 
 
@@ -113,9 +117,12 @@ def main(argv=None) -> None:
         sampler = lastgood.ResumableDistributedSampler(data, shuffle=True, seed=args.seed)
         loader = DataLoader(data, batch_size=args.batch, sampler=sampler, num_workers=args.workers)
 
+    poison_epoch, poison_id = map(int, args.poison.split(":")) if args.poison else (-1, -1)
     progress = {"epoch": 0}
     ckpt = lastgood.Checkpointer(args.url, run=args.run_name)
     state = lastgood.TrainState(model=model, optimizer=opt, scheduler=sched, loader=loader, extra=progress)
+    guard = (lastgood.SpikeGuard(ckpt, state, lr_factor=0.5, margin=args.spike_margin, min_history=4)
+             if args.spike_guard else None)
     start = ckpt.restore(state)
     step = 0 if start is None else start + 1
     print(f"[rank {rank}] starting at step {step} (restored: {start})", flush=True)
@@ -125,9 +132,15 @@ def main(argv=None) -> None:
         sampler.set_epoch(progress["epoch"])
         for ids, x, y in loader:
             model.train()
-            loss = model(x, y)
+            weights = torch.where((ids == poison_id) & (progress["epoch"] == poison_epoch), 1e4, 1.0)
+            loss = model(x, y, weights)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            if guard is not None and guard.observe(step, loss.item(), batch=ids.tolist()):
+                losses.write(json.dumps({"step": step, "loss": loss.item().hex(), "ids": ids.tolist(),
+                                         "epoch": progress["epoch"], "spike": True}) + "\n")
+                step = guard.next_step  # back at the checkpoint before the spike
+                break                   # re-enter the data loop: it continues after the spike
             opt.step()
             sched.step()
             losses.write(json.dumps({"step": step, "loss": loss.item().hex(), "ids": ids.tolist(),

@@ -145,3 +145,22 @@ def test_restore_falls_back_past_a_corrupt_checkpoint(make_service, run_name):
     assert svc.get(f"/api/v1/runs/{run_name}/last-good").json()["step"] == 1
     kinds = [e["kind"] for e in svc.get(f"/api/v1/runs/{run_name}/events").json()["items"]]
     assert "corrupt" in kinds
+
+
+def test_a_lost_commit_reply_is_not_a_failed_save(make_service, run_name):
+    """The service commits, then the reply is lost: the client asks, finds its own bytes
+    committed, and carries on; its next save continues the lineage."""
+    svc = make_service(LASTGOOD_FAILPOINT="lose_commit_reply")
+    model = nn.Linear(4, 4)
+    with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
+        ckpt.save(1, lastgood.TrainState(model=model))
+        ckpt.wait()  # no SaveFailed
+        first = ckpt.last_saved.checkpoint_id
+        ckpt.save(2, lastgood.TrainState(model=model))
+        ckpt.wait()
+        second = ckpt.last_saved.checkpoint_id
+    detail = svc.get(f"/api/v1/checkpoints/{second}").json()
+    assert detail["status"] == "COMMITTED" and detail["parent_id"] == first
+    assert svc.get(f"/api/v1/runs/{run_name}/last-good").json()["id"] == second
+    # control: the failpoint really failed the replies
+    assert "lose_commit_reply" in svc.log.read_text()

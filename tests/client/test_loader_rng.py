@@ -91,3 +91,27 @@ def test_control_naive_restore_diverges():
     resumed = run_rest(sampler2, loader2)
     assert [b for b, _ in resumed] == [b for b, _ in reference]  # the data order survives...
     assert [r for _, r in resumed] != [r for _, r in reference]  # ...but the random stream does not
+
+
+def test_plain_loader_saved_between_epochs_is_bit_exact():
+    """Saved after an epoch's loop ended: the next epoch's iterator draws in both runs."""
+    def make():
+        sampler = lastgood.ResumableDistributedSampler(Items(), num_replicas=1, rank=0, seed=3)
+        return sampler, DataLoader(Items(), batch_size=4, sampler=sampler, num_workers=1)
+
+    torch.manual_seed(0)
+    sampler, loader = make()
+    state = lastgood.TrainState(loader=loader)
+    sampler.set_epoch(0)
+    for _ in loader:
+        torch.rand(1)
+    cap = state.capture(step=5, rank=0, world_size=1)
+    sampler.set_epoch(1)
+    reference = [(b.tolist(), torch.rand(1).item()) for b in loader]
+
+    torch.manual_seed(7)
+    sampler2, loader2 = make()
+    state2 = lastgood.TrainState(loader=loader2)
+    state2.apply(cap.json_state, lambda n, d: cap.tensors[n], lambda n: cap.tensors[n])
+    sampler2.set_epoch(1)
+    assert [(b.tolist(), torch.rand(1).item()) for b in loader2] == reference
