@@ -90,7 +90,7 @@ def test_run_and_checkpoint_listing(service, history):
     h = http(service)
     view = h.get(f"/api/v1/runs/{run}").json()
     assert view["name"] == run and view["created_at"]
-    assert view["checkpoints"] == {"PENDING": 0, "COMMITTED": 2, "ABANDONED": 1, "CORRUPT": 0}
+    assert view["checkpoints"] == {"PENDING": 0, "COMMITTED": 2, "ABANDONED": 1, "CORRUPT": 0, "DELETED": 0}
     assert view["last_good"]["id"] == c20 and view["last_good"]["step"] == 20
 
     all_ = h.get(f"/api/v1/runs/{run}/checkpoints").json()
