@@ -112,4 +112,13 @@ class LocalBlobStore(BlobStore):
                     yield BlobInfo(key, p.stat().st_size)
 
     def delete(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+        path = self._path(key)
+        path.unlink(missing_ok=True)
+        # prune the directories this leaves empty, below the top level (ckpt/ stays)
+        d = path.parent
+        while d.parent != self.blob_dir and d != self.blob_dir:
+            try:
+                d.rmdir()
+            except OSError:  # not empty, or already gone
+                break
+            d = d.parent

@@ -78,7 +78,8 @@ class VoteResult:
     missing_ranks: list[int]
 
 
-def add_event(s: Session, kind: str, run_id: int | None, checkpoint_id: int | None, **data) -> None:
+def add_event(s: Session, kind: str, run_id: int | None, checkpoint_id: int | None, /, **data) -> None:
+    """Positional-only, so that event data may use any key, `kind` included."""
     s.add(Event(run_id=run_id, checkpoint_id=checkpoint_id, kind=kind, at=utcnow(),
                 data_json=json.dumps(data, sort_keys=True, default=str)))
 
@@ -429,7 +430,7 @@ class CommitService:
             if ck.status != PENDING:
                 raise FailedPrecondition(f"cannot abort checkpoint {checkpoint_id}: it is {ck.status}")
             s.execute(update(Checkpoint).where(Checkpoint.id == checkpoint_id, Checkpoint.status == PENDING)
-                      .values(status=ABANDONED))
+                      .values(status=ABANDONED, lease_expires_at=self.clock()))  # the lease ends here
             add_event(s, "abort", ck.run_id, ck.id, reason=reason[:1000], rank=rank)
         self._notify()
         return ABANDONED

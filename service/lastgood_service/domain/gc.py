@@ -110,7 +110,7 @@ class GarbageCollector:
             else:
                 plan.unknown.append(info.key)
         with self.sessions() as s, s.begin():
-            statuses = dict(s.execute(select(Checkpoint.id, Checkpoint.status)))
+            statuses = dict(s.execute(select(Checkpoint.id, Checkpoint.status)).all())
             for run in s.scalars(select(Run).order_by(Run.name)):
                 kept = self.retention.keep(self._run_view(s, run))
                 for ck in s.scalars(select(Checkpoint).where(Checkpoint.run_id == run.id).order_by(Checkpoint.id)):
@@ -150,7 +150,7 @@ class GarbageCollector:
         orphans_done = []
         if plan.orphans:
             with self.sessions() as s, s.begin():
-                statuses = dict(s.execute(select(Checkpoint.id, Checkpoint.status)))
+                statuses = dict(s.execute(select(Checkpoint.id, Checkpoint.status)).all())
             for key, size in plan.orphans:
                 m = _KEY.match(key)
                 if m and statuses.get(int(m.group(1))) == DELETED:
