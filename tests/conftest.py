@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-pytest_plugins = ["tests.s3"]  # a real S3 server (moto) for the S3 blob store tests
+pytest_plugins = ["tests.pg", "tests.s3"]  # real PostgreSQL and S3 (moto server) fixtures
 
 ROOT = Path(__file__).resolve().parents[1]
 

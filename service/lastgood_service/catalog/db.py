@@ -1,12 +1,32 @@
-"""Engine construction and migrations. Called from `main`, never at import."""
+"""Engine construction and migrations. Called from `main`, never at import.
+
+SQLite (embedded) and PostgreSQL (production, psycopg 3) run the same models and the same
+domain code. SQLite serializes every transaction (BEGIN IMMEDIATE, below). PostgreSQL runs
+at READ COMMITTED, so domain code that reads, decides and then writes must lock the rows
+it decides on (SELECT ... FOR UPDATE: the run whose last-good a commit moves, the
+checkpoint a vote counts); tests/catalog forces those races on a real server. Here, for
+PostgreSQL: a lock wait gives up after LOCK_TIMEOUT_MS instead of hanging (as SQLite's busy
+timeout does), a connection left idle inside a transaction by a hung process is ended by
+the server so its row locks go with it, and replicas that start together migrate in turn.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from sqlalchemy import create_engine, event
-from sqlalchemy.engine import Engine
+from sqlalchemy import create_engine, event, text
+from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
+
+# advisory lock key held while `alembic upgrade` runs ("lgmigrat"); the same in every replica
+MIGRATION_LOCK = 0x6C67_6D69_6772_6174
+LOCK_TIMEOUT_MS = 30_000
+IDLE_IN_TXN_TIMEOUT_MS = 120_000
+
+
+def is_postgres(url: str) -> bool:
+    return make_url(url).get_backend_name() == "postgresql"
 
 
 def _ensure_sqlite_dir(url: str) -> None:
@@ -20,6 +40,10 @@ def make_engine(url: str) -> Engine:
         engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
         _sqlite_pragmas(engine)
         return engine
+    if is_postgres(url):
+        return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, connect_args={
+            "options": f"-c lock_timeout={LOCK_TIMEOUT_MS} "
+                       f"-c idle_in_transaction_session_timeout={IDLE_IN_TXN_TIMEOUT_MS}"})
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
 
 
@@ -57,10 +81,28 @@ def alembic_config(url: str, migrations_dir: Path):
 
 
 def upgrade_head(url: str, migrations_dir: Path) -> None:
-    """`alembic upgrade head` against url, in process."""
+    """`alembic upgrade head` against url, in process.
+
+    On PostgreSQL, replicas that start together take turns: the first migrates while the
+    others wait on an advisory lock, then find the catalog at head and do nothing.
+    (SQLite needs no lock: its migration transaction already excludes every other writer.)"""
     from alembic import command
 
     if not (migrations_dir / "env.py").exists():
         raise RuntimeError(f"no Alembic environment at {migrations_dir}; set LASTGOOD_MIGRATIONS_DIR")
     _ensure_sqlite_dir(url)
-    command.upgrade(alembic_config(url, migrations_dir), "head")
+    if not is_postgres(url):
+        command.upgrade(alembic_config(url, migrations_dir), "head")
+        return
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": MIGRATION_LOCK})
+            conn.commit()
+            try:
+                command.upgrade(alembic_config(url, migrations_dir), "head")
+            finally:
+                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": MIGRATION_LOCK})
+                conn.commit()
+    finally:
+        engine.dispose()

@@ -1,0 +1,210 @@
+"""The two-phase commit on each catalog backend: SQLite and a real PostgreSQL server.
+
+The domain code is the same on both; what differs is the database under it (types,
+constraints, transaction isolation, how a unique violation surfaces). These run
+CommitService in process against each, and read the catalog back with SQL.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sqlalchemy import func, select
+
+from lastgood.hashing import hash_bytes
+from lastgood_service.catalog.models import Checkpoint, Event, Run, Shard, Vote
+from lastgood_service.domain.commit import ShardHeader, manifest_key
+from lastgood_service.domain.errors import Conflict, FailedPrecondition, HashMismatch, InvalidArgument, NotFound
+from tests.service.helpers import make_shard, shard_name
+
+ATTEMPT = "attempt-1"
+
+
+def put(commits, cid: int, rank: int, data: bytes, name: str | None = None, xxh3: str | None = None,
+        piece: int = 100):
+    header = ShardHeader(cid, rank, name or shard_name(rank), len(data), xxh3 or hash_bytes(data))
+    return commits.put_shard(header, (data[i:i + piece] for i in range(0, len(data), piece)))
+
+
+def save(commits, run: str, step: int, world: int = 1, parent: int | None = None, attempt: str = ATTEMPT) -> int:
+    cid = commits.begin(run, step, world, parent, attempt).id
+    for r in range(world):
+        put(commits, cid, r, make_shard(r, seed=step % 200))
+    for r in range(world):
+        res = commits.vote(cid, r, [shard_name(r)])
+    assert res.status == "COMMITTED", res
+    return cid
+
+
+def last_good(sessions, run: str) -> int | None:
+    with sessions() as s:
+        return s.scalar(select(Run.last_good_id).where(Run.name == run))
+
+
+def status(sessions, cid: int) -> str:
+    with sessions() as s:
+        return s.get(Checkpoint, cid).status
+
+
+def event_kinds(sessions, cid: int) -> list[str]:
+    with sessions() as s:
+        return list(s.scalars(select(Event.kind).where(Event.checkpoint_id == cid).order_by(Event.id)))
+
+
+def test_begin_is_idempotent_and_checks_what_it_is_told(commits, sessions):
+    a = commits.begin("run-a", 10, 2, None, ATTEMPT, rank=0)
+    b = commits.begin("run-a", 10, 2, None, ATTEMPT, rank=1)
+    assert a.id == b.id and a.status == "PENDING"
+    with pytest.raises(Conflict):
+        commits.begin("run-a", 10, 4, None, ATTEMPT)
+    other = commits.begin("run-a", 10, 2, None, "attempt-2")
+    assert other.id != a.id
+    with pytest.raises(NotFound):
+        commits.begin("run-a", 11, 1, 999_999, ATTEMPT)
+    with pytest.raises(InvalidArgument):
+        commits.begin("bad run name!", 1, 1, None, ATTEMPT)
+    with sessions() as s:
+        assert s.scalar(select(func.count()).select_from(Run)) == 1
+        assert s.scalar(select(func.count()).select_from(Checkpoint)) == 2
+
+
+def test_commit_only_after_every_rank_voted(commits, sessions, blobs):
+    cid = commits.begin("run-b", 1, 2, None, ATTEMPT).id
+    shards = {r: make_shard(r, seed=1) for r in range(2)}
+    for r, data in shards.items():
+        assert put(commits, cid, r, data).already_present is False
+    res = commits.vote(cid, 0, [shard_name(0)])
+    assert res.status == "PENDING" and res.missing_ranks == [1]
+    assert blobs.stat(manifest_key(cid)) is None and last_good(sessions, "run-b") is None
+    res = commits.vote(cid, 1, [shard_name(1)])
+    assert res.status == "COMMITTED" and res.missing_ranks == []
+    assert last_good(sessions, "run-b") == cid
+    manifest = json.loads(blobs.read_all(manifest_key(cid)))
+    assert (manifest["checkpoint_id"], manifest["run"], manifest["world_size"]) == (cid, "run-b", 2)
+    with sessions() as s:
+        ck = s.get(Checkpoint, cid)
+        assert ck.committed_at is not None and ck.committed_at.tzinfo is not None  # UTC on both backends
+        assert ck.bytes == sum(len(d) for d in shards.values())
+        assert ck.manifest_hash == hash_bytes(blobs.read_all(manifest_key(cid)))
+        stored = {sh.rank: sh for sh in s.scalars(select(Shard).where(Shard.checkpoint_id == cid))}
+        assert {r: (sh.size, sh.xxh3_128, sh.status) for r, sh in stored.items()} == \
+            {r: (len(d), hash_bytes(d), "VERIFIED") for r, d in shards.items()}
+        assert blobs.read_all(stored[1].blob_key) == shards[1]
+    assert event_kinds(sessions, cid) == ["begin", "commit"]
+    # a late duplicate vote is answered, not counted twice
+    assert commits.vote(cid, 0, [shard_name(0)]).status == "COMMITTED"
+    assert event_kinds(sessions, cid).count("commit") == 1
+
+
+def test_identical_resend_is_a_no_op_and_different_bytes_conflict(commits, sessions):
+    cid = commits.begin("run-c", 1, 1, None, ATTEMPT).id
+    data = make_shard(0, seed=1)
+    assert put(commits, cid, 0, data).already_present is False
+    assert put(commits, cid, 0, data).already_present is True
+    with pytest.raises(Conflict):
+        put(commits, cid, 0, make_shard(0, seed=2))
+    with sessions() as s:
+        assert s.scalar(select(func.count()).select_from(Shard).where(Shard.checkpoint_id == cid)) == 1
+
+
+def test_hash_mismatch_records_nothing_and_never_commits(commits, sessions, blobs):
+    before = save(commits, "run-d", 1)
+    cid = commits.begin("run-d", 2, 1, before, ATTEMPT).id
+    data = make_shard(0, seed=2)
+    with pytest.raises(HashMismatch):
+        put(commits, cid, 0, data, xxh3=hash_bytes(b"something else"))
+    with pytest.raises(FailedPrecondition):
+        commits.vote(cid, 0, [shard_name(0)])
+    with sessions() as s:
+        assert s.scalar(select(func.count()).select_from(Shard).where(Shard.checkpoint_id == cid)) == 0
+    assert [b.key for b in blobs.list(f"ckpt/{cid}/")] == []
+    assert last_good(sessions, "run-d") == before
+    assert "hash_mismatch" in event_kinds(sessions, cid)
+
+
+def test_new_steps_move_last_good_and_an_abort_does_not(commits, sessions):
+    one = save(commits, "run-e", 1)
+    two = save(commits, "run-e", 2, parent=one)
+    assert last_good(sessions, "run-e") == two
+    three = commits.begin("run-e", 3, 1, two, ATTEMPT).id
+    put(commits, three, 0, make_shard(0, seed=3))
+    assert commits.abort(three, "test") == "ABANDONED"
+    assert commits.abort(three, "again") == "ABANDONED"
+    assert status(sessions, three) == "ABANDONED"
+    with pytest.raises(FailedPrecondition):
+        commits.vote(three, 0, [shard_name(0)])
+    with pytest.raises(FailedPrecondition):
+        commits.abort(two)
+    assert last_good(sessions, "run-e") == two
+
+
+def test_lease_expiry_abandons_a_half_voted_checkpoint(commits, sessions, clock):
+    good = save(commits, "run-f", 1)
+    cid = commits.begin("run-f", 2, 2, good, ATTEMPT).id
+    put(commits, cid, 0, make_shard(0, seed=2))
+    commits.vote(cid, 0, [shard_name(0)])
+    assert commits.expire_leases() == []          # control: not before the lease runs out
+    clock.advance(61)
+    assert commits.expire_leases() == [cid]
+    assert commits.expire_leases() == []
+    assert status(sessions, cid) == "ABANDONED"
+    assert last_good(sessions, "run-f") == good
+    with sessions() as s:
+        ev = s.scalar(select(Event).where(Event.checkpoint_id == cid, Event.kind == "expired"))
+        assert json.loads(ev.data_json)["voted_ranks"] == [0]
+    with pytest.raises(FailedPrecondition):  # a rank that comes back late cannot revive it
+        put(commits, cid, 1, make_shard(1, seed=2))
+
+
+def test_recovery_rolls_forward_only_with_manifest_and_shards(commits, sessions, blobs):
+    """A process that died between the manifest write and the commit transaction leaves a
+    PENDING checkpoint with all votes and its manifest; recovery commits it. Without the
+    manifest (control) recovery leaves it PENDING."""
+    cids = []
+    for step in (1, 2):
+        cid = commits.begin("run-g", step, 1, None, ATTEMPT).id
+        put(commits, cid, 0, make_shard(0, seed=step))
+        with sessions() as s, s.begin():  # the vote row, as a vote that never reached its commit leaves it
+            s.add(Vote(checkpoint_id=cid, rank=0, files_json=json.dumps([shard_name(0)]),
+                       created_at=commits.clock()))
+        cids.append(cid)
+    with_manifest, without = cids
+    # the manifest try_commit would have written: let try_commit write it, on a copy of the state
+    assert commits.try_commit(with_manifest) is True
+    body = blobs.read_all(manifest_key(with_manifest))
+    with sessions() as s, s.begin():  # put it back to PENDING, as the crash left it
+        ck = s.get(Checkpoint, with_manifest)
+        ck.status, ck.committed_at, ck.manifest_key, ck.manifest_hash = "PENDING", None, None, None
+        s.get(Run, ck.run_id).last_good_id = None
+        for ev in s.scalars(select(Event).where(Event.checkpoint_id == with_manifest, Event.kind == "commit")):
+            s.delete(ev)
+    assert blobs.read_all(manifest_key(with_manifest)) == body
+    assert commits.recover() == [with_manifest]
+    assert status(sessions, with_manifest) == "COMMITTED"
+    assert status(sessions, without) == "PENDING"
+    assert last_good(sessions, "run-g") == with_manifest
+
+
+def test_verify_marks_corrupt_and_moves_last_good_back(commits, sessions, blobs):
+    one = save(commits, "run-h", 1)
+    two = save(commits, "run-h", 2, parent=one)
+    assert commits.verify(two)["ok"] is True
+    with sessions() as s:
+        key = s.scalar(select(Shard.blob_key).where(Shard.checkpoint_id == two))
+    data = bytearray(blobs.read_all(key))
+    data[-1] ^= 0xFF
+    blobs.put_bytes(key, bytes(data))
+    report = commits.verify(two)
+    assert report["ok"] is False and report["status"] == "CORRUPT"
+    assert status(sessions, two) == "CORRUPT"
+    assert last_good(sessions, "run-h") == one
+
+
+def test_large_step_numbers_and_long_names_fit_both_backends(commits, sessions):
+    run = "r" * 128
+    step = 2**62
+    cid = save(commits, run, step)
+    with sessions() as s:
+        ck = s.get(Checkpoint, cid)
+        assert ck.step == step and s.get(Run, ck.run_id).name == run
