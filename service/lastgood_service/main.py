@@ -7,7 +7,9 @@ its port is known), then serve REST, which announces the gRPC endpoint at /api/v
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import sys
 import threading
 
 import uvicorn
@@ -19,7 +21,11 @@ from .catalog.db import make_engine, make_sessionmaker, upgrade_head
 from .domain.commit import CommitService
 from .domain.curation import Curator
 from .domain.gc import GarbageCollector
+from .domain.errors import DomainError
 from .domain.retention import Retention
+from .domain.tokens import TokenStore
+from .api.limits import BodyLimit
+from .metrics import Metrics
 from .domain.queries import Queries
 from .settings import Settings
 
@@ -37,10 +43,14 @@ class Service:
         self.engine = make_engine(url)
         sessions = make_sessionmaker(self.engine)
         blobs = open_blobstore(settings.resolved_blob_url(), settings)
-        self.commits = CommitService(settings, sessions, blobs)
         self.queries = Queries(sessions)
+        self.metrics = Metrics(pending=self.queries.pending_count)
+        self.commits = CommitService(settings, sessions, blobs, metrics=self.metrics)
         self.curator = Curator(sessions)
-        self.gc = GarbageCollector(sessions, blobs, Retention.parse(settings.retention), settings.gc_grace_seconds)
+        self.gc = GarbageCollector(sessions, blobs, Retention.parse(settings.retention), settings.gc_grace_seconds,
+                                   metrics=self.metrics)
+        admin = settings.admin_token.get_secret_value() if settings.admin_token else None
+        self.tokens = TokenStore(sessions, required=settings.auth_required, bootstrap_admin=admin)
         self._stop = threading.Event()
         self.grpc_server = None
         self.grpc_port = None
@@ -51,7 +61,8 @@ class Service:
             log.warning("rolled forward at start-up: %s", rolled)
         s = self.settings
         self.grpc_server, self.grpc_port = start_grpc_server(
-            Servicer(self.commits, self.queries), s.grpc_host, s.grpc_port, s.grpc_workers, s.max_chunk_bytes)
+            Servicer(self.commits, self.queries, self.tokens), s.grpc_host, s.grpc_port, s.grpc_workers,
+            s.max_chunk_bytes)
         threading.Thread(target=self._reaper, name="lease-reaper", daemon=True).start()
         if s.gc_interval > 0:
             threading.Thread(target=self._gc_loop, name="gc", daemon=True).start()
@@ -75,13 +86,60 @@ class Service:
                 log.exception("scheduled GC pass failed; will retry")
 
     def app(self):
-        return create_app(AppContext(self.commits, self.queries, self.grpc_target, self.curator, self.gc))
+        return create_app(AppContext(self.commits, self.queries, self.grpc_target, self.curator, self.gc,
+                                     self.tokens, self.metrics))
 
     def stop(self) -> None:
         self._stop.set()
         if self.grpc_server is not None:
             self.grpc_server.stop(grace=2).wait()
         self.engine.dispose()
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line, with the run and checkpoint ids the domain attaches."""
+
+    FIELDS = ("run", "checkpoint_id", "step", "rank")
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
+               "message": record.getMessage()}
+        out.update({k: getattr(record, k) for k in self.FIELDS if hasattr(record, k)})
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def _logging(settings: Settings) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if settings.log_format == "json"
+                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    logging.basicConfig(level=settings.log_level.upper(), handlers=[handler], force=True)
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
+def _token_command(args, settings: Settings) -> int:
+    """`lastgood-service token create|list|revoke`: manage tokens straight in the catalog."""
+    url = settings.resolved_catalog_url()
+    if settings.auto_migrate:
+        upgrade_head(url, settings.migrations_dir)
+    engine = make_engine(url)
+    store = TokenStore(make_sessionmaker(engine), required=True)
+    try:
+        if args.token_cmd == "create":
+            out = store.create(args.name, args.role, args.scope)
+            print(json.dumps(out))
+            print("store this token now: only its hash is kept", file=sys.stderr)
+        elif args.token_cmd == "revoke":
+            print(json.dumps(store.revoke(args.id)))
+        else:
+            print(json.dumps(store.list(), indent=2))
+        return 0
+    except DomainError as e:
+        print(f"lastgood-service: error: {e}", file=sys.stderr)
+        return 4
+    finally:
+        engine.dispose()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,19 +149,36 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int)
     parser.add_argument("--grpc-port", type=int)
     parser.add_argument("--data-dir")
+    sub = parser.add_subparsers(dest="command")
+    tok = sub.add_parser("token", help="create, list or revoke API tokens (straight in the catalog)")
+    tsub = tok.add_subparsers(dest="token_cmd", required=True)
+    create = tsub.add_parser("create", help="print a new token once; only its hash is stored")
+    create.add_argument("--name", required=True)
+    create.add_argument("--role", required=True, choices=["reader", "writer", "admin"])
+    create.add_argument("--scope", help="limit the token to runs whose names start with this prefix")
+    revoke = tsub.add_parser("revoke")
+    revoke.add_argument("id", type=int)
+    tsub.add_parser("list")
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in {"host": args.host, "port": args.port, "grpc_port": args.grpc_port,
                                    "data_dir": args.data_dir}.items() if v is not None}
     settings = Settings(**overrides)
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    logging.getLogger("alembic").setLevel(logging.WARNING)
+    _logging(settings)
+    if args.command == "token":
+        sys.exit(_token_command(args, settings))
+    exposed = settings.exposed_without_auth()
+    if exposed:
+        sys.exit(f"lastgood-service: refusing to listen on {', '.join(exposed)} without authentication: "
+                 f"anyone who can reach it could read and overwrite checkpoints. Set LASTGOOD_AUTH_REQUIRED=true "
+                 f"(and create tokens with `lastgood-service token create`), or bind to 127.0.0.1.")
     service = Service(settings)
     service.start()
-    log.info("gRPC on %s; REST on http://%s:%s (catalog %s, blobs %s)", service.grpc_target, settings.host,
-             settings.port, settings.resolved_catalog_url(), settings.resolved_blob_url())
+    log.info("gRPC on %s; REST on http://%s:%s (catalog %s, blobs %s, auth %s)", service.grpc_target,
+             settings.host, settings.port, settings.resolved_catalog_url(), settings.resolved_blob_url(),
+             "required" if settings.auth_required else "off (loopback only)")
     try:
-        uvicorn.run(service.app(), host=settings.host, port=settings.port, log_level="warning")
+        uvicorn.run(BodyLimit(service.app(), settings.max_request_bytes), host=settings.host, port=settings.port,
+                    log_level="warning")
     finally:
         service.stop()
 

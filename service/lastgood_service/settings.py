@@ -43,6 +43,11 @@ class Settings(BaseSettings):
     migrations_dir: Path = Field(default_factory=_default_migrations_dir)
     auto_migrate: bool = Field(True, description="run `alembic upgrade head` at start")
     log_level: str = "INFO"
+    auth_required: bool = Field(False, description="every API call needs a bearer token (required off loopback)")
+    admin_token: SecretStr | None = Field(None, description="a bootstrap admin token (create real ones with it)")
+    max_request_bytes: int = Field(1024 * 1024, gt=0, description="largest REST request body")
+    max_streams_per_client: int = Field(16, gt=0, description="concurrent PutShard/GetShard streams per client address")
+    log_format: str = Field("text", pattern="^(text|json)$", description="text, or json: one object a line")
     retention: str = Field("latest:3,tagged,last-good,branch-heads",
                            description="what GC keeps: latest:N, every:N (steps), tagged, last-good, branch-heads")
     gc_interval: float = Field(3600.0, ge=0, description="seconds between scheduled GC passes; 0 turns them off")
@@ -60,6 +65,22 @@ class Settings(BaseSettings):
 
         Retention.parse(value)  # a bad policy stops the service at start, with the reason
         return value
+
+    def exposed_without_auth(self) -> list[str]:
+        """Addresses this service would listen on beyond loopback with no token required."""
+        if self.auth_required:
+            return []
+        import ipaddress
+
+        out = []
+        for host in (self.host, self.grpc_host):
+            try:
+                loop = host == "localhost" or ipaddress.ip_address(host).is_loopback
+            except ValueError:
+                loop = False
+            if not loop:
+                out.append(host)
+        return out
 
     def resolved_catalog_url(self) -> str:
         return self.catalog_url or f"sqlite:///{(self.data_dir / 'catalog.db').resolve()}"

@@ -14,6 +14,8 @@ TABLE: dict[type[e.DomainError], tuple[int, grpc.StatusCode, str]] = {
     e.HashMismatch: (422, grpc.StatusCode.DATA_LOSS, "hash_mismatch"),
     e.OutOfRange: (416, grpc.StatusCode.OUT_OF_RANGE, "out_of_range"),
     e.TooLarge: (413, grpc.StatusCode.RESOURCE_EXHAUSTED, "too_large"),
+    e.Unauthenticated: (401, grpc.StatusCode.UNAUTHENTICATED, "unauthenticated"),
+    e.PermissionDenied: (403, grpc.StatusCode.PERMISSION_DENIED, "permission_denied"),
 }
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import threading
 from concurrent import futures
 
 import grpc
@@ -12,7 +14,8 @@ from lastgood.v1 import lastgood_pb2 as pb
 from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
 
 from ..domain.commit import CommitService, ShardHeader
-from ..domain.errors import DomainError, InvalidArgument
+from ..domain.errors import DomainError, InvalidArgument, TooLarge
+from ..domain.tokens import READER, WRITER, TokenStore
 from ..domain.queries import Queries
 from .errors import lookup
 
@@ -58,13 +61,54 @@ def _chunks(request_iterator):
         yield msg.chunk
 
 
+class _StreamSlots:
+    """At most `limit` concurrent streams per client address: refused before any byte moves."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._open: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def hold(self, context):
+        peer = context.peer().rsplit(":", 1)[0]  # ipv4:1.2.3.4:5678 -> ipv4:1.2.3.4
+        with self._lock:
+            if self._open.get(peer, 0) >= self.limit:
+                raise TooLarge(f"{self.limit} streams are already open from {peer}; "
+                               f"LASTGOOD_MAX_STREAMS_PER_CLIENT limits them")
+            self._open[peer] = self._open.get(peer, 0) + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._open[peer] -= 1
+                if not self._open[peer]:
+                    del self._open[peer]
+
+
 class Servicer(pb_grpc.CheckpointsServicer):
-    def __init__(self, commits: CommitService, queries: Queries) -> None:
+    """Each method authenticates the caller (metadata `authorization: Bearer <token>`),
+    then checks its role (writer for the commit protocol, reader for reads) and its scope
+    against the run the call touches."""
+
+    def __init__(self, commits: CommitService, queries: Queries, tokens: TokenStore) -> None:
         self.commits = commits
         self.queries = queries
+        self.tokens = tokens
+        self.streams = _StreamSlots(commits.settings.max_streams_per_client)
+
+    def _allow(self, context, role: str, *, run: str | None = None, checkpoint_id: int | None = None) -> None:
+        header = dict(context.invocation_metadata()).get("authorization")
+        principal = self.tokens.authenticate(header)
+        self.tokens.require(principal, role)
+        if checkpoint_id is not None:
+            run = self.queries.run_of_checkpoint(checkpoint_id)
+        if run is not None:
+            self.tokens.require(principal, role, run)
 
     @_mapped
     def BeginCheckpoint(self, request, context):
+        self._allow(context, WRITER, run=request.run)
         ck = self.commits.begin(request.run, request.step, request.world_size, request.parent_id or None,
                                 request.attempt, request.rank)
         return pb.BeginCheckpointResponse(checkpoint_id=ck.id, status=ck.status,
@@ -76,28 +120,35 @@ class Servicer(pb_grpc.CheckpointsServicer):
         if first is None or first.WhichOneof("body") != "header":
             raise InvalidArgument("the first PutShard message must carry the shard header")
         h = first.header
-        res = self.commits.put_shard(ShardHeader(h.checkpoint_id, h.rank, h.file_name, h.size, h.xxh3_128),
-                                     _chunks(request_iterator))
+        self._allow(context, WRITER, checkpoint_id=h.checkpoint_id)
+        with self.streams.hold(context):
+            res = self.commits.put_shard(ShardHeader(h.checkpoint_id, h.rank, h.file_name, h.size, h.xxh3_128),
+                                         _chunks(request_iterator))
         return pb.PutShardResponse(already_present=res.already_present, size=res.size, xxh3_128=res.xxh3_128)
 
     @_mapped
     def CommitRank(self, request, context):
+        self._allow(context, WRITER, checkpoint_id=request.checkpoint_id)
         res = self.commits.vote(request.checkpoint_id, request.rank, list(request.files), request.wait_seconds)
         return pb.CommitRankResponse(checkpoint_id=res.checkpoint_id, status=res.status,
                                      missing_ranks=res.missing_ranks)
 
     @_mapped
     def AbortCheckpoint(self, request, context):
+        self._allow(context, WRITER, checkpoint_id=request.checkpoint_id)
         return pb.AbortCheckpointResponse(status=self.commits.abort(request.checkpoint_id, request.reason,
                                                                     request.rank))
 
     @_mapped
     def GetManifest(self, request, context):
         if request.checkpoint_id:
+            self._allow(context, READER, checkpoint_id=request.checkpoint_id)
             cid = request.checkpoint_id
         elif request.run:
+            self._allow(context, READER, run=request.run)
             cid = self.queries.last_good(request.run)["id"]
         else:
+            self._allow(context, READER)
             raise InvalidArgument("name a checkpoint_id or a run")
         body = self.commits.manifest_bytes(cid)
         return pb.GetManifestResponse(checkpoint_id=cid, step=self.queries.get_checkpoint(cid)["step"],
@@ -105,11 +156,13 @@ class Servicer(pb_grpc.CheckpointsServicer):
 
     @_mapped_stream
     def GetShard(self, request, context):
+        self._allow(context, READER, checkpoint_id=request.checkpoint_id)
         sh = self.commits.shard_for_read(request.checkpoint_id, request.rank, request.file_name)
         step = self.commits.settings.max_chunk_bytes
-        for chunk in self.commits.read_range(sh, request.offset, request.length or None):
-            for i in range(0, len(chunk), step):  # the store's read size need not be ours
-                yield pb.GetShardResponse(chunk=chunk[i:i + step])
+        with self.streams.hold(context):
+            for chunk in self.commits.read_range(sh, request.offset, request.length or None):
+                for i in range(0, len(chunk), step):  # the store's read size need not be ours
+                    yield pb.GetShardResponse(chunk=chunk[i:i + step])
 
 
 def start_grpc_server(servicer: Servicer, host: str, port: int, workers: int, max_message: int) -> tuple[grpc.Server, int]:

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import FastAPI, Path, Query, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
@@ -25,6 +25,9 @@ from ..domain.curation import Curator
 from ..domain.gc import GarbageCollector
 from ..domain.errors import DomainError, InvalidArgument, OutOfRange
 from ..domain.queries import MAX_PAGE, Queries
+from ..domain.tokens import TokenStore
+from ..metrics import Metrics
+from .auth import make_authorizer
 from .errors import lookup
 
 
@@ -35,6 +38,8 @@ class AppContext:
     grpc_target: str
     curator: Curator
     gc: GarbageCollector
+    tokens: TokenStore
+    metrics: Metrics | None = None
 
 
 class TagBody(BaseModel):
@@ -52,6 +57,12 @@ class EventBody(BaseModel):
     kind: str
     checkpoint_id: int | None = None
     data: dict = Field(default_factory=dict)
+
+
+class TokenBody(BaseModel):
+    name: str = Field(description="who or what holds it, e.g. 'trainer gpt-small'")
+    role: str = Field(description="reader, writer or admin")
+    run_prefix: str | None = Field(None, description="limit the token to runs whose names start with this")
 
 
 class LeaseBody(BaseModel):
@@ -92,7 +103,8 @@ CkptId = Annotated[int, Path(ge=1, le=2**62)]
 
 
 def create_app(ctx: AppContext) -> FastAPI:
-    app = FastAPI(title="lastgood", version=__version__,
+    authorize = make_authorizer(ctx.tokens, ctx.queries.run_of_checkpoint, ctx.queries.run_of_lease)
+    app = FastAPI(title="lastgood", version=__version__, dependencies=[Depends(authorize)],
                   description="Checkpoint store for PyTorch training: runs, checkpoints, last-good, downloads.")
 
     @app.exception_handler(DomainError)
@@ -122,8 +134,29 @@ def create_app(ctx: AppContext) -> FastAPI:
                 "lease_seconds": s.lease_seconds}
 
     @app.get("/api/v1/runs", tags=["runs"])
-    def list_runs(limit: Limit = 100, offset: Offset = 0):
-        return ctx.queries.list_runs(limit, offset)
+    def list_runs(request: Request, limit: Limit = 100, offset: Offset = 0):
+        principal = getattr(request.state, "principal", None)
+        return ctx.queries.list_runs(limit, offset, principal.run_prefix if principal else None)
+
+    @app.get("/api/v1/tokens", tags=["tokens"])
+    def list_tokens():
+        return {"items": ctx.tokens.list()}
+
+    @app.post("/api/v1/tokens", tags=["tokens"])
+    def create_token(body: TokenBody):
+        """The token is in the answer, once: only its hash is stored."""
+        return ctx.tokens.create(body.name, body.role, body.run_prefix)
+
+    @app.delete("/api/v1/tokens/{token_id}", tags=["tokens"])
+    def revoke_token(token_id: Annotated[int, Path(ge=1, le=2**62)]):
+        return ctx.tokens.revoke(token_id)
+
+    @app.get("/metrics", tags=["ops"], include_in_schema=False)
+    def metrics():
+        if ctx.metrics is None:
+            return Response("", media_type="text/plain")
+        body, content_type = ctx.metrics.render()
+        return Response(body, media_type=content_type)
 
     @app.get("/api/v1/runs/{run}", tags=["runs"])
     def get_run(run: str):

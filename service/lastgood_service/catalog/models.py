@@ -132,6 +132,19 @@ class ReadLease(Base):
     expires_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
 
 
+class Token(Base):
+    """An API token. Only the SHA-256 of its secret is stored; the secret is shown once."""
+
+    __tablename__ = "tokens"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    role: Mapped[str] = mapped_column(String(16))  # reader, writer, admin
+    run_prefix: Mapped[str | None] = mapped_column(String(128), nullable=True)  # scope: runs starting with it
+    secret_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
 class Event(Base):
     __tablename__ = "events"
     __table_args__ = (Index("ix_events_run_at", "run_id", "at"),)

@@ -86,11 +86,12 @@ def add_event(s: Session, kind: str, run_id: int | None, checkpoint_id: int | No
 
 class CommitService:
     def __init__(self, settings: Settings, sessions: sessionmaker[Session], blobs: BlobStore,
-                 clock: Callable[[], dt.datetime] = utcnow) -> None:
+                 clock: Callable[[], dt.datetime] = utcnow, metrics=None) -> None:
         self.settings = settings
         self.sessions = sessions
         self.blobs = blobs
         self.clock = clock
+        self.metrics = metrics  # lastgood_service.metrics.Metrics, or None
         self._changed = threading.Condition()
 
     # ---------------------------------------------------------------- helpers
@@ -256,6 +257,8 @@ class CommitService:
             except IntegrityError:  # the same file arrived twice at once
                 with s.begin():
                     return self._same_or_conflict(self._find_shard(s, header), header)
+        if self.metrics:
+            self.metrics.bytes_ingested.inc(header.size)
         return PutResult(False, header.size, digest)
 
     @staticmethod
@@ -295,7 +298,10 @@ class CommitService:
         return json.dumps({"data_start": n, "tensors": tensor_index(tensors)}, separators=(",", ":"))
 
     def _record_mismatch(self, h: ShardHeader, digest: str) -> None:
-        log.warning("hash mismatch on checkpoint %s rank %s file %s", h.checkpoint_id, h.rank, h.file_name)
+        log.warning("hash mismatch on checkpoint %s rank %s file %s", h.checkpoint_id, h.rank, h.file_name,
+                    extra={"checkpoint_id": h.checkpoint_id, "rank": h.rank})
+        if self.metrics:
+            self.metrics.hash_mismatches.inc()
         with self.sessions() as s, s.begin():
             ck = s.get(Checkpoint, h.checkpoint_id)
             add_event(s, "hash_mismatch", ck.run_id if ck else None, h.checkpoint_id, rank=h.rank,
@@ -399,8 +405,15 @@ class CommitService:
                 moved = self._maybe_move_last_good(s, ck)
                 add_event(s, "commit", ck.run_id, ck.id, step=ck.step, bytes=ck.bytes, last_good=moved,
                           recovered=recovering)
+                last_vote = s.scalar(select(func.max(Vote.created_at)).where(Vote.checkpoint_id == ck.id))
+                save_s, commit_s = (now - ck.created_at).total_seconds(), (now - last_vote).total_seconds()
         if won:
-            log.info("committed checkpoint %s (%s step %s)", checkpoint_id, manifest.run, manifest.step)
+            log.info("committed checkpoint %s (%s step %s)", checkpoint_id, manifest.run, manifest.step,
+                     extra={"run": manifest.run, "checkpoint_id": checkpoint_id, "step": manifest.step})
+            if self.metrics:
+                self.metrics.commits.inc()
+                self.metrics.save_seconds.observe(save_s)
+                self.metrics.commit_seconds.observe(commit_s)
             self._notify()
         return won
 
@@ -432,6 +445,10 @@ class CommitService:
             s.execute(update(Checkpoint).where(Checkpoint.id == checkpoint_id, Checkpoint.status == PENDING)
                       .values(status=ABANDONED, lease_expires_at=self.clock()))  # the lease ends here
             add_event(s, "abort", ck.run_id, ck.id, reason=reason[:1000], rank=rank)
+        log.warning("checkpoint %s aborted by rank %s: %s", checkpoint_id, rank, reason[:200],
+                    extra={"checkpoint_id": checkpoint_id, "rank": rank})
+        if self.metrics:
+            self.metrics.abandoned.labels("abort").inc()
         self._notify()
         return ABANDONED
 
@@ -451,7 +468,11 @@ class CommitService:
                     add_event(s, "expired", ck.run_id, ck.id, step=ck.step, voted_ranks=voted)
                     expired.append(ck.id)
         if expired:
-            log.warning("lease expired, checkpoints abandoned: %s", expired)
+            for cid in expired:
+                log.warning("lease expired: checkpoint %s abandoned (a rank stopped)", cid,
+                            extra={"checkpoint_id": cid})
+            if self.metrics:
+                self.metrics.abandoned.labels("lease_expired").inc(len(expired))
             self._notify()
         return expired
 
@@ -517,7 +538,7 @@ class CommitService:
         return None
 
     def _mark_corrupt(self, checkpoint_id: int, bad: list[dict]) -> None:
-        log.error("checkpoint %s is CORRUPT: %s", checkpoint_id, bad)
+        log.error("checkpoint %s is CORRUPT: %s", checkpoint_id, bad, extra={"checkpoint_id": checkpoint_id})
         with self.sessions() as s, s.begin():
             ck = self._get_checkpoint(s, checkpoint_id)
             first = ck.status != CORRUPT
@@ -546,11 +567,19 @@ class CommitService:
         if offset < 0 or offset > sh.size or (length is not None and (length < 0 or offset + length > sh.size)):
             raise OutOfRange(f"range offset={offset} length={length} is outside the file's {sh.size} bytes")
         try:
-            return self.blobs.get(sh.blob_key, offset, length)
+            chunks = self.blobs.get(sh.blob_key, offset, length)
         except FileNotFoundError:
             raise NotFound(f"the blob of checkpoint {sh.checkpoint_id} rank {sh.rank} file {sh.file_name!r} is "
                            f"missing from the store; POST /api/v1/checkpoints/{sh.checkpoint_id}/verify "
                            f"marks the checkpoint CORRUPT") from None
+        return self._metered(chunks) if self.metrics else chunks
+
+    def _metered(self, chunks):
+        start = time.monotonic()
+        for chunk in chunks:
+            self.metrics.bytes_served.inc(len(chunk))
+            yield chunk
+        self.metrics.restore_seconds.observe(time.monotonic() - start)
 
     def manifest_bytes(self, checkpoint_id: int) -> bytes:
         with self.sessions() as s, s.begin():

@@ -33,3 +33,11 @@ class OutOfRange(DomainError):
 
 class TooLarge(DomainError):
     pass
+
+
+class Unauthenticated(DomainError):
+    """No credentials, or credentials that are malformed, unknown or revoked."""
+
+
+class PermissionDenied(DomainError):
+    """Valid credentials that do not allow this operation or this run."""

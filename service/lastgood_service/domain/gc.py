@@ -60,12 +60,13 @@ class Plan:
 
 class GarbageCollector:
     def __init__(self, sessions: sessionmaker[Session], blobs: BlobStore, retention: Retention,
-                 grace_seconds: float, clock: Callable[[], dt.datetime] = utcnow) -> None:
+                 grace_seconds: float, clock: Callable[[], dt.datetime] = utcnow, metrics=None) -> None:
         self.sessions = sessions
         self.blobs = blobs
         self.retention = retention
         self.grace = dt.timedelta(seconds=grace_seconds)
         self.clock = clock
+        self.metrics = metrics
 
     # ---------------------------------------------------------------- decisions
     def _run_view(self, s: Session, run: Run) -> RunView:
@@ -159,4 +160,6 @@ class GarbageCollector:
                     freed += size
         if deleted or orphans_done:
             log.info("gc deleted checkpoints %s and %d orphan blobs", deleted, len(orphans_done))
+        if self.metrics and freed:
+            self.metrics.gc_bytes_freed.inc(freed)
         return {"deleted": deleted, "skipped": skipped, "orphans_deleted": len(orphans_done), "bytes_freed": freed}

@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from lastgood import names
 
-from ..catalog.models import STATUSES, Checkpoint, Event, Run
+from ..catalog.models import STATUSES, Checkpoint, Event, ReadLease, Run
 from . import lineage
 from .errors import InvalidArgument, NotFound
 from .lineage import tags_by_checkpoint
@@ -54,11 +54,15 @@ class Queries:
             raise NotFound(f"run {name!r} does not exist")
         return run
 
-    def list_runs(self, limit: int = 100, offset: int = 0) -> dict:
+    def list_runs(self, limit: int = 100, offset: int = 0, prefix: str | None = None) -> dict:
+        """Runs by name; `prefix` limits them to a token's scope."""
         _page(limit, offset)
         with self.sessions() as s, s.begin():
-            total = s.scalar(select(func.count()).select_from(Run))
-            runs = list(s.scalars(select(Run).order_by(Run.name).limit(limit).offset(offset)))
+            q = select(Run)
+            if prefix:
+                q = q.where(Run.name.startswith(prefix, autoescape=True))
+            total = s.scalar(select(func.count()).select_from(q.subquery()))
+            runs = list(s.scalars(q.order_by(Run.name).limit(limit).offset(offset)))
             items = [self._run_view(s, r) for r in runs]
         return {"items": items, "total": total, "limit": limit, "offset": offset}
 
@@ -108,6 +112,21 @@ class Queries:
                 raise NotFound(f"run {run_name!r} has no committed checkpoint")
             ck = s.get(Checkpoint, run.last_good_id)
             return checkpoint_view(ck, run, tags_by_checkpoint(s, run, [ck.id]).get(ck.id, []))
+
+    def pending_count(self) -> int:
+        with self.sessions() as s, s.begin():
+            return s.scalar(select(func.count()).select_from(Checkpoint).where(Checkpoint.status == "PENDING"))
+
+    def run_of_checkpoint(self, checkpoint_id: int) -> str:
+        with self.sessions() as s, s.begin():
+            return self._checkpoint(s, checkpoint_id)[1].name
+
+    def run_of_lease(self, lease_id: int) -> str:
+        with self.sessions() as s, s.begin():
+            lease = s.get(ReadLease, lease_id)
+            if lease is None:
+                raise NotFound(f"lease {lease_id} does not exist")
+            return self._checkpoint(s, lease.checkpoint_id)[1].name
 
     def lineage(self, run_name: str, limit: int = MAX_LINEAGE, offset: int = 0) -> dict:
         if not 1 <= limit <= MAX_LINEAGE or offset < 0:

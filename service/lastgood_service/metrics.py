@@ -1,0 +1,37 @@
+"""Prometheus metrics of one service process (its own registry: nothing at import time).
+
+Counters and histograms are fed by the domain as things happen; the number of pending
+checkpoints is read from the catalog at scrape time, so every replica reports the truth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+
+class Metrics:
+    def __init__(self, pending: Callable[[], int] | None = None) -> None:
+        self.registry = r = CollectorRegistry()
+        self.bytes_ingested = Counter("lastgood_bytes_ingested", "Shard bytes received and verified", registry=r)
+        self.bytes_served = Counter("lastgood_bytes_served", "Shard bytes sent to readers", registry=r)
+        self.hash_mismatches = Counter("lastgood_hash_mismatches", "Shards rejected for a wrong xxh3-128", registry=r)
+        self.commits = Counter("lastgood_commits", "Checkpoints committed", registry=r)
+        self.abandoned = Counter("lastgood_abandoned", "Checkpoints abandoned", ["why"], registry=r)
+        self.gc_bytes_freed = Counter("lastgood_gc_bytes_freed", "Bytes deleted by GC", registry=r)
+        self.save_seconds = Histogram("lastgood_save_seconds", "Begin to commit of a checkpoint", buckets=_SECONDS,
+                                      registry=r)
+        self.commit_seconds = Histogram("lastgood_commit_seconds", "Last rank's vote to the commit transaction",
+                                        buckets=_SECONDS, registry=r)
+        self.restore_seconds = Histogram("lastgood_restore_seconds", "Time to stream one shard file to a reader",
+                                         buckets=_SECONDS, registry=r)
+        if pending is not None:
+            Gauge("lastgood_pending_checkpoints", "Checkpoints begun and not yet committed or abandoned",
+                  registry=r).set_function(pending)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
