@@ -1,0 +1,27 @@
+# The lastgood service, without torch: the service only moves and hashes bytes.
+#   docker build -t lastgood-service .      (docker-compose.yml builds it too)
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+
+# the torch-free client (wire contract: proto stubs, manifest, hashing) and the service
+COPY client/ /app/client/
+COPY service/ /app/service/
+RUN pip install /app/client /app/service
+
+# the Alembic environment: the service migrates at start unless LASTGOOD_AUTO_MIGRATE=false,
+# and `alembic -c /app/migrations/alembic.ini upgrade head` runs it by hand
+COPY migrations/ /app/migrations/
+ENV LASTGOOD_MIGRATIONS_DIR=/app/migrations \
+    LASTGOOD_DATA_DIR=/var/lib/lastgood
+
+RUN useradd --system --uid 10001 --home-dir /var/lib/lastgood --create-home lastgood
+USER lastgood
+
+EXPOSE 8000 50051
+CMD ["lastgood-service"]
