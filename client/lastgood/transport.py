@@ -1,5 +1,8 @@
 """The client's wire: gRPC for the data path, REST for catalog reads. torch-free.
 
+RestClient is the REST half alone (urllib, no gRPC channel): the command line uses it.
+Transport adds the gRPC data path on top.
+
 The only thing configured is the REST base URL; the gRPC endpoint is learned from
 GET /api/v1/info. Unary calls are retried on UNAVAILABLE (the service restarting);
 everything the service refuses surfaces as ServiceError with its message.
@@ -38,43 +41,63 @@ def _service_error(e: grpc.RpcError, what: str) -> ServiceError:
     return ServiceError(f"{what}: {name}: {e.details() if hasattr(e, 'details') else e}", name)
 
 
-class Transport:
-    def __init__(self, base_url: str, timeout: float = 30.0, retries: int = 5) -> None:
+class HttpError(ServiceError):
+    """The service answered with an HTTP error. `code` is the HTTP status (as on every
+    ServiceError from REST), `reason` the service's error code name (`not_found`,
+    `hash_mismatch`, ...) and `detail` its message, without the method and path."""
+
+    def __init__(self, message: str, status: int, reason: str | None, detail: str) -> None:
+        super().__init__(message, status)
+        self.status = status
+        self.reason = reason
+        self.detail = detail
+
+
+class ServiceUnreachable(ServiceError):
+    """No answer from the service: refused, unresolvable, reset, or timed out."""
+
+
+class RestClient:
+    """The REST half of the wire, on urllib alone: no gRPC channel is opened, so the
+    command line (lastgood.cli) uses it directly and Transport builds on it."""
+
+    def __init__(self, base_url: str, timeout: float = 30.0, token: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        self.retries = retries
-        self.info = info = self.get_json("/api/v1/info")
-        self.grpc_target = info["grpc_target"]
-        self.chunk = min(CHUNK, int(info.get("max_chunk_bytes", CHUNK)))
-        limit = self.chunk + 64 * 1024
-        self._channel = grpc.insecure_channel(self.grpc_target, options=[
-            ("grpc.max_receive_message_length", max(limit, 256 * 1024 * 1024)),
-            ("grpc.max_send_message_length", limit)])
-        self._stub = pb_grpc.CheckpointsStub(self._channel)
+        # a service with auth required wants `Authorization: Bearer <token>` on every call
+        self._auth = {"Authorization": f"Bearer {token}"} if token else {}
 
-    def close(self) -> None:
-        self._channel.close()
-
-    # ---------------------------------------------------------------- REST
-    def _request(self, method: str, path: str, query: dict | None = None, body: dict | None = None) -> bytes:
+    def open(self, method: str, path: str, query: dict | None = None, body: dict | None = None,
+             headers: dict | None = None):
+        """Send one request; the open response (a context manager with read(n)) on 2xx.
+        Raises HttpError with the service's JSON error message, or ServiceUnreachable."""
         url = self.base_url + path + ("?" + urllib.parse.urlencode(query) if query else "")
         data = json.dumps(body).encode() if body is not None else (b"" if method in ("POST", "PUT") else None)
-        req = urllib.request.Request(url, method=method, data=data,
-                                     headers={"Content-Type": "application/json"} if body is not None else {})
+        hdrs = {"Content-Type": "application/json"} if body is not None else {}
+        req = urllib.request.Request(url, method=method, data=data, headers={**hdrs, **self._auth, **(headers or {})})
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                return resp.read()
+            return urllib.request.urlopen(req, timeout=self.timeout)
         except urllib.error.HTTPError as e:
-            body = e.read()
+            raw = e.read()
+            reason = None
             try:
-                msg = json.loads(body)["error"]["message"]
+                err = json.loads(raw)["error"]
+                msg, reason = err["message"], err.get("code")
             except Exception:
-                msg = body[:500].decode(errors="replace")
-            raise ServiceError(f"{method} {path}: HTTP {e.code}: {msg}", e.code) from None
+                msg = raw[:500].decode(errors="replace")
+            raise HttpError(f"{method} {path}: HTTP {e.code}: {msg}", e.code, reason, msg) from None
         except urllib.error.URLError as e:
-            raise ServiceError(f"cannot reach the lastgood service at {self.base_url}: {e.reason}") from None
+            raise ServiceUnreachable(f"cannot reach the lastgood service at {self.base_url}: {e.reason}") from None
+        except OSError as e:  # timeouts and resets before the answer's head
+            raise ServiceUnreachable(f"{method} {path}: no answer from the lastgood service: {e}") from None
+
+    def _request(self, method: str, path: str, query: dict | None = None, body: dict | None = None) -> bytes:
+        resp = self.open(method, path, query, body)
+        try:
+            with resp:
+                return resp.read()
         except OSError as e:  # timeouts and resets while reading the answer
-            raise ServiceError(f"{method} {path}: no answer from the lastgood service: {e}") from None
+            raise ServiceUnreachable(f"{method} {path}: no answer from the lastgood service: {e}") from None
 
     def get_json(self, path: str, query: dict | None = None):
         return json.loads(self._request("GET", path, query))
@@ -112,6 +135,31 @@ class Transport:
     def release_lease(self, lease_id: int) -> None:
         self.call("DELETE", f"/api/v1/leases/{lease_id}")
 
+    def manifest_bytes(self, checkpoint_id: int) -> bytes:
+        """The exact manifest bytes the service committed (canonical JSON)."""
+        return self._request("GET", f"/api/v1/checkpoints/{checkpoint_id}/manifest")
+
+    def manifest(self, checkpoint_id: int) -> Manifest:
+        # over REST: a manifest of thousands of ranks outgrows one gRPC message
+        return Manifest.from_bytes(self.manifest_bytes(checkpoint_id))
+
+
+class Transport(RestClient):
+    def __init__(self, base_url: str, timeout: float = 30.0, retries: int = 5) -> None:
+        super().__init__(base_url, timeout)
+        self.retries = retries
+        self.info = info = self.get_json("/api/v1/info")
+        self.grpc_target = info["grpc_target"]
+        self.chunk = min(CHUNK, int(info.get("max_chunk_bytes", CHUNK)))
+        limit = self.chunk + 64 * 1024
+        self._channel = grpc.insecure_channel(self.grpc_target, options=[
+            ("grpc.max_receive_message_length", max(limit, 256 * 1024 * 1024)),
+            ("grpc.max_send_message_length", limit)])
+        self._stub = pb_grpc.CheckpointsStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
     # ---------------------------------------------------------------- gRPC
     def _unary(self, what: str, method, request, timeout: float | None = None):
         delay = 0.2
@@ -148,10 +196,6 @@ class Transport:
     def abort(self, checkpoint_id: int, reason: str, rank: int) -> None:
         self._unary("AbortCheckpoint", self._stub.AbortCheckpoint,
                     pb.AbortCheckpointRequest(checkpoint_id=checkpoint_id, reason=reason, rank=rank))
-
-    def manifest(self, checkpoint_id: int) -> Manifest:
-        # over REST: a manifest of thousands of ranks outgrows one gRPC message
-        return Manifest.from_bytes(self._request("GET", f"/api/v1/checkpoints/{checkpoint_id}/manifest"))
 
     def read_file(self, checkpoint_id: int, rank: int, file_name: str, size: int) -> tuple[bytearray, str]:
         """The whole file, and the xxh3-128 of what arrived (hashed while receiving)."""
