@@ -1,0 +1,19 @@
+"""`lastgood`, the command line: runs, checkpoints, lineage, tags, GC, verify, download.
+
+    lastgood runs
+    lastgood ls gpt-small --status COMMITTED
+    lastgood lineage gpt-small
+    lastgood download gpt-small@last-good ./ckpt
+
+REST only and torch-free (see app.py for the output and exit-code contract).
+"""
+
+from __future__ import annotations
+
+from . import commands, download  # noqa: F401 - registers the commands on `cli`
+from .app import EXIT_HELP, Exit, cli, main
+
+__all__ = ["EXIT_HELP", "Exit", "cli", "main"]
+
+if __name__ == "__main__":  # pragma: no cover - `python -m lastgood.cli` runs __main__.py
+    main()

@@ -1,0 +1,310 @@
+"""The `lastgood` command group: global options, output, exit codes, error handling.
+
+Every command talks to the service over REST only (lastgood.transport.RestClient, which
+opens no gRPC channel) and never imports torch, so the command line works from a plain
+`pip install lastgood` on a laptop or a login node.
+
+Output contract: with `--json` a command prints exactly one JSON document on stdout (the
+service's answer, or for `download` a summary) and nothing else there; without it, text
+for people. Errors are one line on stderr, `lastgood: error: ...`, and an exit code a
+script can branch on (Exit below; `lastgood --help` lists them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import TYPE_CHECKING
+
+import click
+from rich.console import Console
+
+from .. import __version__, names
+from ..errors import ServiceError
+
+# lastgood.transport (and with it grpc and protobuf, a third of the start-up time) is
+# imported when a command first talks to the service, not for --help or a usage error.
+
+if TYPE_CHECKING:
+    from ..transport import RestClient
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+class Exit(IntEnum):
+    OK = 0
+    ERROR = 1          # anything unexpected, a service-side 5xx included
+    USAGE = 2          # click's own: bad option, missing argument, malformed value
+    NOT_FOUND = 3      # HTTP 404: no such run, checkpoint, tag, lease
+    REFUSED = 4        # HTTP 400/401/403/409/413/416/422: the service refused the request
+    VERIFICATION = 5   # a hash mismatch or a truncated file: the bytes are not what was committed
+    UNREACHABLE = 6    # no answer: refused, DNS, timeout, 502/503/504
+    INTERRUPTED = 130  # Ctrl-C
+
+
+EXIT_HELP = """\b
+Exit codes:
+    0  ok
+    1  unexpected error
+    2  usage error (bad option or argument)
+    3  not found (no such run, checkpoint or tag)
+    4  conflict or refused (the service said no: 400, 401, 403, 409, 422)
+    5  verification failed (hash mismatch, truncated or corrupt data)
+    6  service unreachable (connection refused, timeout)
+  130  interrupted (Ctrl-C)
+"""
+
+
+class CliError(Exception):
+    """An error the command line reports as one line, with its own exit code."""
+
+    def __init__(self, message: str, exit_code: Exit = Exit.ERROR) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class VerificationFailed(CliError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, Exit.VERIFICATION)
+
+
+def exit_code_for(exc: BaseException) -> Exit:
+    from ..transport import HttpError, ServiceUnreachable
+
+    if isinstance(exc, CliError):
+        return exc.exit_code
+    if isinstance(exc, ServiceUnreachable):
+        return Exit.UNREACHABLE
+    if isinstance(exc, HttpError):
+        if exc.reason == "hash_mismatch":  # the service found its own bytes corrupt
+            return Exit.VERIFICATION
+        if exc.status == 404:
+            return Exit.NOT_FOUND
+        if exc.status in (400, 401, 403, 409, 413, 416, 422):
+            return Exit.REFUSED
+        if exc.status in (502, 503, 504):
+            return Exit.UNREACHABLE
+    return Exit.ERROR
+
+
+def error_message(exc: BaseException) -> str:
+    """The service's own message where there is one (not the method and path)."""
+    from ..transport import HttpError
+
+    if isinstance(exc, HttpError):
+        if exc.status >= 500:
+            return f"the service failed (HTTP {exc.status}): {exc.detail}"
+        if exc.reason == "http_error":  # no route matched: not a lastgood endpoint, or an old service
+            return f"{exc} (is --url a lastgood service of this version?)"
+        if exc.status == 401:
+            return f"{exc.detail} (give one with --token or LASTGOOD_TOKEN)"
+        return exc.detail
+    if isinstance(exc, json.JSONDecodeError):
+        return f"the service's answer is not JSON ({exc}): is --url a lastgood service?"
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, (CliError, ServiceError, OSError)):
+        return text
+    return f"unexpected {type(exc).__name__}: {text}"
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+# ---------------------------------------------------------------- state shared by the commands
+def make_console(stderr: bool) -> Console:
+    """No markup guessing (highlight, emoji) on what we print. Into a pipe or a file, rich
+    would assume 80 columns and fold hashes and names; use a wide line there instead
+    (COLUMNS still wins)."""
+    stream = sys.stderr if stderr else sys.stdout
+    wide = None if "COLUMNS" in os.environ or stream.isatty() else 200
+    return Console(stderr=stderr, highlight=False, emoji=False, width=wide)
+
+
+@dataclass
+class State:
+    url: str
+    timeout: float
+    token: str | None = field(default=None, repr=False)
+    json: bool = False
+    _rest: "RestClient | None" = field(default=None, repr=False)
+    out: Console = field(default_factory=lambda: make_console(stderr=False))
+    err: Console = field(default_factory=lambda: make_console(stderr=True))
+
+    @property
+    def rest(self) -> "RestClient":
+        if self._rest is None:
+            from ..transport import RestClient
+
+            self._rest = RestClient(self.url, self.timeout, self.token)
+        return self._rest
+
+    def emit(self, document, human: Callable[[Console], None]) -> None:
+        """--json: the document on stdout; else the human rendering."""
+        if self.json:
+            click.echo(json.dumps(document, indent=2, ensure_ascii=False))
+        else:
+            human(self.out)
+
+    # ---- checkpoint references: `42`, `RUN@last-good`, `RUN@TAG`
+    def resolve(self, ref: "CkptRef") -> int:
+        if ref.id is not None:
+            return ref.id
+        run, tag = ref.run, ref.tag
+        if tag == "last-good":
+            return self.rest.get_json(f"/api/v1/runs/{q(run)}/last-good")["id"]
+        hits = [n for n in lineage_nodes(self.rest, run) if any(t["name"] == tag for t in n["tags"])]
+        if not hits:
+            raise CliError(f"run {run!r} has no checkpoint tagged {tag!r}", Exit.NOT_FOUND)
+        if len(hits) > 1:
+            ids = ", ".join(f"#{n['id']}" for n in hits[:10]) + (", ..." if len(hits) > 10 else "")
+            raise CliError(f"tag {tag!r} names {len(hits)} checkpoints of run {run!r} ({ids}); "
+                           f"name one by id, or use an alias (tag --alias)", Exit.REFUSED)
+        return hits[0]["id"]
+
+
+def q(segment: str) -> str:
+    """One URL path segment, quoted (run names are safe already; tags are free text)."""
+    return urllib.parse.quote(segment, safe="")
+
+
+def lineage_nodes(rest: "RestClient", run: str) -> list[dict]:
+    return lineage_all(rest, run)["nodes"]
+
+
+def lineage_all(rest: "RestClient", run: str, page: int = 10000) -> dict:
+    """The whole lineage of a run, every page of it."""
+    doc = rest.get_json(f"/api/v1/runs/{q(run)}/lineage", {"limit": page, "offset": 0})
+    nodes, edges = list(doc["nodes"]), list(doc["edges"])
+    while len(nodes) < doc["total"] and doc["nodes"]:
+        doc = rest.get_json(f"/api/v1/runs/{q(run)}/lineage", {"limit": page, "offset": len(nodes)})
+        nodes += doc["nodes"]
+        edges += doc["edges"]
+    doc.update(nodes=nodes, edges=edges)
+    doc.pop("limit", None)
+    doc.pop("offset", None)
+    return doc
+
+
+pass_state = click.make_pass_decorator(State)
+
+
+# ---------------------------------------------------------------- parameter types
+@dataclass(frozen=True)
+class CkptRef:
+    id: int | None = None
+    run: str | None = None
+    tag: str | None = None
+
+    def __str__(self) -> str:
+        return str(self.id) if self.id is not None else f"{self.run}@{self.tag}"
+
+
+class CkptType(click.ParamType):
+    """A checkpoint: its id, or RUN@TAG (RUN@last-good, RUN@best, ...). Run names cannot
+    hold '@', so the first '@' splits; the tag may hold anything after it."""
+
+    name = "CKPT"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, CkptRef):
+            return value
+        text = str(value)
+        if "@" in text:
+            run, tag = text.split("@", 1)
+            try:
+                names.check_run_name(run)
+            except names.InvalidName as e:
+                self.fail(str(e), param, ctx)
+            if not tag:
+                self.fail(f"{text!r} names no tag after '@' (e.g. {run}@last-good)", param, ctx)
+            return CkptRef(run=run, tag=tag)
+        try:
+            cid = int(text)
+        except ValueError:
+            self.fail(f"{text!r} is not a checkpoint id or RUN@TAG", param, ctx)
+        if cid < 1:
+            self.fail(f"checkpoint ids start at 1, got {cid}", param, ctx)
+        return CkptRef(id=cid)
+
+
+class RunType(click.ParamType):
+    name = "RUN"
+
+    def convert(self, value, param, ctx):
+        try:
+            return names.check_run_name(value)
+        except names.InvalidName as e:
+            self.fail(str(e), param, ctx)
+
+
+CKPT = CkptType()
+RUN = RunType()
+
+
+def json_option(f):
+    """`--json` after the command too (`lastgood ls RUN --json`), same as before it."""
+    def set_json(ctx: click.Context, _param, value: bool) -> None:
+        if value:
+            ctx.find_object(State).json = True
+
+    return click.option("--json", "json_", is_flag=True, expose_value=False, callback=set_json,
+                        help="Print the result as JSON on stdout.")(f)
+
+
+# ---------------------------------------------------------------- the group
+class LastgoodGroup(click.Group):
+    """Turns every error a command raises into one stderr line and its exit code."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(self.commands)  # the order they are defined in: reads, curation, gc, transfer
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except KeyboardInterrupt:
+            click.echo("lastgood: interrupted", err=True)
+            ctx.exit(Exit.INTERRUPTED)
+        except BrokenPipeError:  # `lastgood ls RUN | head`: the reader left; say nothing
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            ctx.exit(Exit.ERROR)
+        except Exception as exc:  # noqa: BLE001 - every error ends here, reported once
+            code = exit_code_for(exc)
+            click.echo(f"lastgood: error: {one_line(error_message(exc))}", err=True)
+            if code == Exit.ERROR and os.environ.get("LASTGOOD_DEBUG"):
+                traceback.print_exc()
+            ctx.exit(code)
+
+
+@click.group(cls=LastgoodGroup, epilog=EXIT_HELP,
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--url", envvar="LASTGOOD_URL", default=DEFAULT_URL, show_default=True, metavar="URL",
+              help="REST base URL of the lastgood service [env: LASTGOOD_URL].")
+@click.option("--token", envvar="LASTGOOD_TOKEN", metavar="TOKEN", show_envvar=False,
+              help="Bearer token, for a service that requires one [env: LASTGOOD_TOKEN].")
+@click.option("--json", "json_", is_flag=True, help="Machine-readable output: one JSON document on stdout.")
+@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              metavar="SECONDS", help="Give up on a request the service has not answered in this long.")
+@click.version_option(__version__, "--version", prog_name="lastgood")
+@click.pass_context
+def cli(ctx: click.Context, url: str, token: str | None, json_: bool, timeout: float) -> None:
+    """Inspect, curate and fetch the checkpoints of a lastgood service.
+
+    CKPT is a checkpoint id (42) or RUN@TAG: RUN@last-good, or a tag or alias of the run
+    (gpt-small@best). Set LASTGOOD_DEBUG=1 for a traceback on an unexpected error.
+    """
+    ctx.obj = State(url=url, timeout=timeout, token=token or None, json=json_)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point (`lastgood`)."""
+    cli.main(args=argv, prog_name="lastgood")

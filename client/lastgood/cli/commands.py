@@ -1,0 +1,200 @@
+"""The read and curate commands: each is one or two REST calls and a rendering."""
+
+from __future__ import annotations
+
+import click
+from rich.text import Text
+
+from . import render
+from .app import CKPT, RUN, CkptRef, CliError, Exit, State, cli, json_option, lineage_all, pass_state, q
+
+LIMIT = click.IntRange(1, 1000)
+OFFSET = click.IntRange(0)
+
+
+def paging(default_limit: int = 100):
+    def deco(f):
+        f = click.option("--offset", type=OFFSET, default=0, show_default=True, help="Skip this many.")(f)
+        return click.option("--limit", type=LIMIT, default=default_limit, show_default=True,
+                            help="Show at most this many (1-1000).")(f)
+    return deco
+
+
+@cli.command()
+@paging()
+@json_option
+@pass_state
+def runs(st: State, limit: int, offset: int) -> None:
+    """List runs: last-good and checkpoint counts."""
+    page = st.rest.get_json("/api/v1/runs", {"limit": limit, "offset": offset})
+    st.emit(page, lambda out: render.runs(out, page))
+
+
+@cli.command("ls")
+@click.argument("run", type=RUN)
+@click.option("--status", metavar="STATUS", help="Only checkpoints in this status: PENDING, COMMITTED, "
+                                                 "ABANDONED, CORRUPT or DELETED.")
+@paging()
+@json_option
+@pass_state
+def ls(st: State, run: str, status: str | None, limit: int, offset: int) -> None:
+    """List the checkpoints of RUN, newest step first."""
+    query = {"limit": limit, "offset": offset}
+    if status:
+        query["status"] = status.upper()
+    page = st.rest.get_json(f"/api/v1/runs/{q(run)}/checkpoints", query)
+    st.emit(page, lambda out: render.checkpoints(out, run, page))
+
+
+@cli.command()
+@click.argument("ckpt", type=CKPT)
+@json_option
+@pass_state
+def show(st: State, ckpt: CkptRef) -> None:
+    """Show a checkpoint: status, tags, files, sizes, hashes."""
+    doc = st.rest.get_json(f"/api/v1/checkpoints/{st.resolve(ckpt)}")
+    st.emit(doc, lambda out: render.checkpoint(out, doc))
+
+
+@cli.command()
+@click.argument("run", type=RUN)
+@click.option("--max-nodes", type=click.IntRange(0), default=50, show_default=True,
+              help="Collapse the tree to about this many checkpoints (0: show all). Branch starts and "
+                   "ends, fork points and last-good are always shown.")
+@json_option
+@pass_state
+def lineage(st: State, run: str, max_nodes: int) -> None:
+    """Draw the checkpoint tree of RUN, by branch.
+
+    Each checkpoint shows its step, status, size and tags; last-good is highlighted.
+
+    With --json: every node and edge (never collapsed).
+    """
+    doc = lineage_all(st.rest, run)
+    st.emit(doc, lambda out: render.lineage_tree(out, doc, max_nodes))
+
+
+@cli.command()
+@click.argument("run", type=RUN)
+@paging()
+@json_option
+@pass_state
+def events(st: State, run: str, limit: int, offset: int) -> None:
+    """List the events of RUN, oldest first.
+
+    Begin, commit, abort, expired, corrupt, tag, pin, rollback, gc_delete ...
+    """
+    page = st.rest.get_json(f"/api/v1/runs/{q(run)}/events", {"limit": limit, "offset": offset})
+    st.emit(page, lambda out: render.events(out, run, page))
+
+
+# ---------------------------------------------------------------- curation
+@cli.command()
+@click.argument("ckpt", type=CKPT)
+@click.argument("name")
+@click.option("--alias", is_flag=True, help="An alias names one checkpoint per run: setting it again moves it.")
+@json_option
+@pass_state
+def tag(st: State, ckpt: CkptRef, name: str, alias: bool) -> None:
+    """Tag a checkpoint with NAME.
+
+    Only committed (or corrupt) checkpoints are tagged; GC keeps tagged checkpoints.
+    """
+    res = st.rest.post_json(f"/api/v1/checkpoints/{st.resolve(ckpt)}/tags", {"name": name, "alias": alias})
+
+    def human(out):
+        parts = [("alias " if res["kind"] == "alias" else "tagged "), render.ckpt_id(res["checkpoint_id"]), " ",
+                 Text(name, style="cyan")]
+        if res.get("moved_from"):
+            parts += [" (moved from ", render.ckpt_id(res["moved_from"], ""), ")"]
+        render.line(out, *parts)
+    st.emit(res, human)
+
+
+@cli.command()
+@click.argument("ckpt", type=CKPT)
+@click.argument("name")
+@json_option
+@pass_state
+def untag(st: State, ckpt: CkptRef, name: str) -> None:
+    """Remove the tag or alias NAME from a checkpoint."""
+    from ..transport import HttpError
+
+    cid = st.resolve(ckpt)
+    try:
+        res = st.rest.call("DELETE", f"/api/v1/checkpoints/{cid}/tags/{q(name)}")
+    except HttpError as e:
+        if e.status == 404 and e.reason == "http_error" and "/" in name:
+            # the service decodes %2F before routing, so no route matches such a name
+            raise CliError(f"this service cannot remove a tag whose name contains '/' ({name!r}) over "
+                           f"REST", Exit.REFUSED) from None
+        raise
+    st.emit(res, lambda out: render.line(out, "untagged ", render.ckpt_id(res["checkpoint_id"]), " ",
+                                         Text(name, style="cyan")))
+
+
+def _pin(st: State, ckpt: CkptRef, pinned: bool) -> None:
+    res = st.rest.call("PUT" if pinned else "DELETE", f"/api/v1/checkpoints/{st.resolve(ckpt)}/pin")
+    st.emit(res, lambda out: render.line(out, "pinned " if pinned else "unpinned ",
+                                         render.ckpt_id(res["checkpoint_id"])))
+
+
+@cli.command()
+@click.argument("ckpt", type=CKPT)
+@json_option
+@pass_state
+def pin(st: State, ckpt: CkptRef) -> None:
+    """Pin a checkpoint: GC never deletes it."""
+    _pin(st, ckpt, True)
+
+
+@cli.command()
+@click.argument("ckpt", type=CKPT)
+@json_option
+@pass_state
+def unpin(st: State, ckpt: CkptRef) -> None:
+    """Unpin a checkpoint (retention decides again)."""
+    _pin(st, ckpt, False)
+
+
+# ---------------------------------------------------------------- gc, verify
+@cli.command()
+@click.option("--dry-run", is_flag=True, help="Only show the plan: what would go and the bytes freed.")
+@json_option
+@pass_state
+def gc(st: State, dry_run: bool) -> None:
+    """Delete what nothing keeps (retention, tags, pins, leases).
+
+    Without --dry-run it runs now (the service also runs it on its own schedule) and
+    shows the plan and the result. JSON: {"plan": ..., "dry_run": ..., "result": ...}.
+    """
+    if dry_run:
+        doc = {"plan": st.rest.get_json("/api/v1/gc/plan"), "dry_run": True}
+    else:
+        doc = st.rest.post_json("/api/v1/gc", query={"dry_run": "false"})
+
+    def human(out):
+        render.gc_plan(out, doc["plan"], dry_run)
+        if "result" in doc:
+            render.gc_result(out, doc["result"])
+    st.emit(doc, human)
+
+
+@cli.command()
+@click.argument("ckpt", type=CKPT)
+@json_option
+@pass_state
+def verify(st: State, ckpt: CkptRef) -> None:
+    """Re-hash a checkpoint on the service; exit 5 if it is corrupt.
+
+    A mismatch marks the checkpoint CORRUPT and moves last-good back.
+    """
+    res = st.rest.verify(st.resolve(ckpt))
+    st.emit(res, lambda out: render.verify(out, res))
+    if not res["ok"]:
+        bad = res["bad"][0]
+        where = f"rank {bad['rank']} file {bad['file']}" if "rank" in bad else bad["file"]
+        click.echo(f"lastgood: error: checkpoint {res['checkpoint_id']} failed verification: {where} "
+                   f"re-hashes to {bad['found']}, expected {bad['expected']}"
+                   + (f" (and {len(res['bad']) - 1} more)" if len(res["bad"]) > 1 else ""), err=True)
+        click.get_current_context().exit(Exit.VERIFICATION)
