@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 from . import distributed, names
 from .errors import CorruptCheckpoint, LastgoodError, NoUsableCheckpoint, SaveFailed, ServiceError
-from .format import META_STATE, header_length, parse_header
 from .hashing import hash_bytes
 from .manifest import Manifest
 from .staging import Snapshot, StagingPool, snapshot
+from .sharding import ShardIndex, StoredFile
 from .state import TrainState, array_from_buffer, tensor_from_buffer
 from .transport import Transport
 
@@ -41,7 +41,7 @@ class SaveResult:
 
 class Checkpointer:
     def __init__(self, url: str | None = None, run: str | None = None, *, attempt: str | None = None,
-                 staging_buffers: int = 2, commit_timeout: float | None = None) -> None:
+                 token: str | None = None, staging_buffers: int = 2, commit_timeout: float | None = None) -> None:
         url = url or os.environ.get("LASTGOOD_URL")
         if not url:
             raise LastgoodError("no service URL: pass Checkpointer(url, run=...) or set LASTGOOD_URL")
@@ -50,7 +50,7 @@ class Checkpointer:
             raise LastgoodError("name the run: Checkpointer(url, run='my-run') or set LASTGOOD_RUN")
         self.run = names.check_run_name(run)
         self.rank, self.world_size = distributed.rank_world()
-        self.transport = Transport(url)
+        self.transport = Transport(url, token=token or os.environ.get("LASTGOOD_TOKEN") or None)
         self.commit_timeout = commit_timeout or 2 * float(self.transport.info.get("lease_seconds", 60)) + 60
         self.launch = names.check_attempt(attempt or distributed.launch_attempt(self.world_size))[:56]
         self._restores = 0  # every rank restores the same number of times, so they agree on the attempt
@@ -191,8 +191,8 @@ class Checkpointer:
             code, result, err = self._try_fetch(cid)
             agreed = distributed.all_max(code)
             if agreed == self.OK:
-                manifest, payload = result
-                self._apply(state, payload)
+                manifest, files, source = result
+                self._apply(state, manifest, files, source)
                 self.parent_id = cid
                 self._restores += 1
                 log.info("lastgood: restored %s step %s (checkpoint %s)", self.run, manifest.step, cid)
@@ -264,19 +264,25 @@ class Checkpointer:
             except ServiceError as e:  # it expires by itself
                 log.warning("lastgood: releasing read lease %s failed: %s", lease, e)
 
-    def _fetch_leased(self, cid: int) -> tuple[Manifest, bytearray]:
+    def _fetch_leased(self, cid: int):
+        """(manifest, files, source rank). At the saving world size a rank reads its own file;
+        at another one it reads every rank's file: DTensor shards may overlap its new shards,
+        and replicated state comes from old rank min(rank, old world - 1)."""
         manifest = self.transport.manifest(cid)
-        if manifest.world_size != self.world_size:
-            raise LastgoodError(f"checkpoint {cid} was written by {manifest.world_size} ranks; this job has "
-                                f"{self.world_size}. Restoring at another world size is not supported yet")
-        entry = next((f for f in manifest.files(self.rank) if f.name == self.file_name), None)
-        if entry is None:
-            raise CorruptCheckpoint(f"checkpoint {cid} has no file {self.file_name} for rank {self.rank}")
-        buf, got = self.transport.read_file(cid, self.rank, entry.name, entry.size)
-        if got != entry.xxh3_128:
-            raise CorruptCheckpoint(f"checkpoint {cid} (step {manifest.step}) rank {self.rank} file {entry.name}: "
-                                    f"xxh3-128 {got} does not match the committed {entry.xxh3_128}")
-        return manifest, buf
+        old_world = manifest.world_size
+        ranks = [self.rank] if old_world == self.world_size else list(range(old_world))
+        files = []
+        for r in ranks:
+            name = shard_file_name(r)
+            entry = next((f for f in manifest.files(r) if f.name == name), None)
+            if entry is None:
+                raise CorruptCheckpoint(f"checkpoint {cid} has no file {name} for rank {r}")
+            buf, got = self.transport.read_file(cid, r, entry.name, entry.size)
+            if got != entry.xxh3_128:
+                raise CorruptCheckpoint(f"checkpoint {cid} (step {manifest.step}) rank {r} file {entry.name}: "
+                                        f"xxh3-128 {got} does not match the committed {entry.xxh3_128}")
+            files.append(StoredFile(r, buf))
+        return manifest, files, min(self.rank, old_world - 1)
 
     # ------------------------------------------------------------------ tags
     def _target(self, checkpoint_id: int | None) -> int:
@@ -303,17 +309,29 @@ class Checkpointer:
         return self.transport.call("PUT" if pinned else "DELETE",
                                    f"/api/v1/checkpoints/{self._target(checkpoint_id)}/pin")
 
-    @staticmethod
-    def _apply(state: TrainState, buf: bytearray) -> None:
-        tensors, meta = parse_header(buf, file_size=len(buf))
-        start = header_length(buf)
-        json_state = json.loads(meta[META_STATE])
-        consumers = {n: c["kind"] for n, c in json_state["components"].items()}
+    def _apply(self, state: TrainState, manifest: Manifest, files: list, source: int) -> None:
+        src = next(f for f in files if f.rank == source)
+        consumers = {n: c["kind"] for n, c in src.state["components"].items()}
+        changed = manifest.world_size != self.world_size
+        if changed:
+            log.warning("lastgood: checkpoint %s was saved by %s ranks; restoring on %s", manifest.checkpoint_id,
+                        manifest.world_size, self.world_size)
 
         def tensor(name: str, device: str | None):
             # module weights are copied into the parameters by load_state_dict; everything
             # else is cloned so the optimizer does not keep the whole download alive
             copy = consumers.get(name.split(".", 1)[0]) != "module"
-            return tensor_from_buffer(buf, tensors[name], start, device, copy)
+            return tensor_from_buffer(src.buf, src.tensors[name], src.start, device, copy)
 
-        state.apply(json_state, tensor, lambda name: array_from_buffer(buf, tensors[name], start))
+        state.apply(src.state, tensor, lambda name: array_from_buffer(src.buf, src.tensors[name], src.start),
+                    shards=ShardIndex(files),
+                    reseed=None if self.rank < manifest.world_size else _derived_seed(manifest.checkpoint_id, self.rank),
+                    world_changed=changed)
+
+
+def _derived_seed(checkpoint_id: int, rank: int) -> int:
+    """The RNG seed of a rank that did not exist when the checkpoint was saved: fixed by
+    the checkpoint and the rank, different for every rank, the same on every restore."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(f"lastgood:{checkpoint_id}:{rank}".encode()).digest()[:8], "little") >> 1

@@ -5,6 +5,9 @@ We keep their exact types without pickle: tensors and arrays become references t
 entries of the shard's tensor section; other non-JSON types get a small tagged form:
 
   {"__tensor__": name, "device": "cuda:0"}   torch.Tensor
+  {"__dtensor__": name, "shape": [...], "offset": [...]}
+                                             a DTensor (FSDP2): this rank's local shard, its
+                                             global shape and where the shard starts in it
   {"__ndarray__": name}                      numpy.ndarray
   {"__tuple__": [...]}                       tuple (RNG states are tuples)
   {"__dict__": [[key, value], ...]}          dict with non-string keys (optimizer state)
@@ -20,13 +23,14 @@ from __future__ import annotations
 import base64
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from .errors import LastgoodError
 
-_TAGS = ("__tensor__", "__ndarray__", "__tuple__", "__dict__", "__float__", "__np__", "__bytes__",
+_TAGS = ("__tensor__", "__dtensor__", "__ndarray__", "__tuple__", "__dict__", "__float__", "__np__", "__bytes__",
          "__dtype__", "__device__")
 
 
@@ -59,6 +63,13 @@ class Encoder:
             if math.isfinite(value):
                 return value
             return {"__float__": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+        if _is_dtensor(value):
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            name = self._name(path)
+            self.tensors[name] = value.to_local()
+            _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+            return {"__dtensor__": name, "shape": list(value.shape), "offset": [int(o) for o in offset]}
         if isinstance(value, torch.Tensor):
             name = self._name(path)
             self.tensors[name] = value
@@ -92,12 +103,32 @@ class Encoder:
             f"'{'.'.join(path)}': lastgood stores tensors, arrays and JSON values, and never pickles")
 
 
+@dataclass(frozen=True)
+class ShardRef:
+    """A stored DTensor shard: restore fills the live DTensor from every overlapping one."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: tuple[int, ...]
+
+
+def _is_dtensor(value) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(value, DTensor)
+
+
 def decode(value, tensor: Callable[[str, str | None], torch.Tensor], array: Callable[[str], np.ndarray]):
-    """Inverse of Encoder.encode; `tensor(name, device)` and `array(name)` resolve references."""
+    """Inverse of Encoder.encode; `tensor(name, device)` and `array(name)` resolve references;
+    a DTensor shard decodes to a ShardRef."""
     if isinstance(value, list):
         return [decode(v, tensor, array) for v in value]
     if not isinstance(value, dict):
         return value
+    if "__dtensor__" in value:
+        return ShardRef(value["__dtensor__"], tuple(value["shape"]), tuple(value["offset"]))
     if "__tensor__" in value:
         return tensor(value["__tensor__"], value.get("device"))
     if "__ndarray__" in value:

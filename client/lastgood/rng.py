@@ -41,3 +41,10 @@ def restore(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     for i, s in enumerate(state.get("cuda") or ()):
         torch.cuda.set_rng_state(s, i)
+
+
+def seed_all(seed: int) -> None:
+    """Seed every generator from one number (a rank that has no saved streams)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # CPU and every CUDA device

@@ -42,13 +42,14 @@ class ResumableDistributedSampler(Sampler[int]):
         self.epoch = 0
         self._start = 0        # where the next iteration of this epoch begins
         self._consumed = 0     # samples of this epoch the loop has taken
+        self._base = 0         # global position at which this epoch's order was dealt out (resharding)
         self._excluded: set[int] = set()  # never fed again, from epoch `_excluded_from` on
         self._excluded_from = 0
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
             self.epoch = epoch
-            self._start = self._consumed = 0
+            self._start = self._consumed = self._base = 0
 
     def exclude(self, indices) -> None:
         """Never yield these dataset indices again, from the next epoch on (the current
@@ -71,6 +72,7 @@ class ResumableDistributedSampler(Sampler[int]):
             order = list(range(self.dataset_len))
         if self._excluded and self.epoch >= self._excluded_from:
             order = [i for i in order if i not in self._excluded]
+        order = order[self._base:]  # after a restore at another world size: what is left, dealt anew
         self.num_samples = self._num_samples(len(order))
         self.total_size = self.num_samples * self.num_replicas
         if self.drop_last:
@@ -100,14 +102,21 @@ class ResumableDistributedSampler(Sampler[int]):
                 "rank": self.rank, "seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last,
                 "dataset_len": self.dataset_len,
                 # position in the epoch's global order, independent of the world size
-                "global_position": self._consumed * self.num_replicas,
+                "global_position": self._base + self._consumed * self.num_replicas, "base": self._base,
                 "excluded": sorted(self._excluded), "excluded_from": self._excluded_from}
 
     def load_state_dict(self, sd: dict) -> None:
-        for key in ("num_replicas", "seed", "shuffle", "drop_last", "dataset_len"):
+        for key in ("seed", "shuffle", "drop_last", "dataset_len"):
             if sd[key] != getattr(self, key):
                 raise LastgoodError(f"sampler {key} was {sd[key]!r} at save time and is {getattr(self, key)!r} now")
         self.epoch = sd["epoch"]
-        self._start = self._consumed = sd["consumed"]
+        if sd["num_replicas"] == self.num_replicas:
+            self._base = sd.get("base", 0)
+            self._start = self._consumed = sd["consumed"]
+        else:
+            # Another world size: the epoch goes on from its global position; the samples
+            # not yet taken are dealt round-robin to the new ranks, none repeated or skipped.
+            self._base = sd["global_position"]
+            self._start = self._consumed = 0
         self._excluded = set(sd.get("excluded", ()))
         self._excluded_from = sd.get("excluded_from", 0)

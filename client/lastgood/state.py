@@ -55,6 +55,18 @@ class TrainState:
         self.components = dict(components)
         self.extra = {} if extra is None else extra
         self._adapters = {n: loaders.adapt(o) for n, o in components.items() if loaders.is_loader(o)}
+        # FSDP2 (DTensor) modules, and for each optimizer over one of them, that module:
+        # their state goes through torch.distributed.checkpoint.state_dict, shard by shard
+        from .sharding import is_sharded
+
+        self._sharded = {n for n, o in components.items() if isinstance(o, nn.Module) and is_sharded(_unwrap(o))}
+        self._owner: dict[str, nn.Module] = {}
+        for n, o in components.items():
+            if isinstance(o, torch.optim.Optimizer):
+                first = next((p for g in o.param_groups for p in g["params"]), None)
+                for m in self._sharded:
+                    if first is not None and any(p is first for p in _unwrap(components[m]).parameters()):
+                        self._owner[n] = _unwrap(components[m])
 
     # ------------------------------------------------------------------ naming
     def _param_names(self) -> dict[int, str]:
@@ -85,6 +97,10 @@ class TrainState:
             return "loader"
         if isinstance(obj, torch.Generator):
             return "generator"
+        if name in self._sharded:
+            return "sharded_module"
+        if name in self._owner:
+            return "sharded_optimizer"
         if isinstance(obj, nn.Module):
             return "module"
         if isinstance(obj, torch.optim.Optimizer):
@@ -109,6 +125,12 @@ class TrainState:
                 sd = obj.get_state()
             elif kind == "module":
                 sd = _unwrap(obj).state_dict()
+            elif kind == "sharded_module":
+                from torch.distributed.checkpoint.state_dict import get_model_state_dict
+                sd = get_model_state_dict(_unwrap(obj))  # DTensors: each rank stores its shards
+            elif kind == "sharded_optimizer":
+                from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+                sd = get_optimizer_state_dict(self._owner[name], obj)  # keyed by parameter name
             else:
                 sd = obj.state_dict()
                 if kind == "optimizer":
@@ -121,8 +143,14 @@ class TrainState:
                          "param_index": param_index}, enc.tensors)
 
     # ------------------------------------------------------------------ restore
-    def apply(self, json_state: dict, tensor, array) -> None:
-        """Load captured state in place; `tensor(name, device)` / `array(name)` resolve refs."""
+    def apply(self, json_state: dict, tensor, array, shards=None, reseed: int | None = None,
+              world_changed: bool = False) -> None:
+        """Load captured state in place; `tensor(name, device)` / `array(name)` resolve refs.
+
+        `shards` (a sharding.ShardIndex) holds every stored DTensor shard needed to fill this
+        rank's current shards. `reseed`: this rank did not exist when the checkpoint was
+        saved; its RNGs are seeded from it instead of restored (see README). With
+        `world_changed`, loaders restore their global data position."""
         if json_state.get("version") != STATE_VERSION:
             raise LastgoodError(f"unsupported state version {json_state.get('version')!r}")
         saved = json_state["components"]
@@ -132,24 +160,51 @@ class TrainState:
             raise LastgoodError(f"TrainState does not match the checkpoint: not in checkpoint {missing}, "
                                 f"not in this TrainState {unknown}")
         rng_state = decode(json_state["rng"], tensor, array)
-        rng.check(rng_state)  # before anything is loaded: a mismatch must not leave a half-restored rank
+        if reseed is None:
+            rng.check(rng_state)  # before anything is loaded: a mismatch must not leave a half-restored rank
+        if (self._sharded or self._owner) and shards is None:
+            raise LastgoodError("sharded state needs the stored shards to restore from")
         for name in self._order():
             obj, kind = self.components[name], self._kind(name)
             if saved[name]["kind"] != kind:
                 raise LastgoodError(f"component {name!r} was a {saved[name]['kind']} at save time, is a {kind} now")
             sd = decode(saved[name]["state"], tensor, array)
             if kind == "loader":
+                if world_changed and not isinstance(self._adapters[name], loaders.PlainLoaderAdapter):
+                    raise LastgoodError(
+                        f"loader {name!r}: restoring at another world size needs the data position as a global "
+                        f"sample position; use a DataLoader over lastgood.ResumableDistributedSampler")
                 self._adapters[name].load_state_dict(sd)
             elif kind == "generator":
-                obj.set_state(sd)
+                if reseed is None:
+                    obj.set_state(sd)
+                else:
+                    obj.manual_seed(reseed)
             elif kind == "module":
                 _unwrap(obj).load_state_dict(sd, strict=True)
+            elif kind == "sharded_module":
+                from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+                from .sharding import fill_tree
+                module = _unwrap(obj)
+                set_model_state_dict(module, fill_tree(sd, get_model_state_dict(module), shards))
+            elif kind == "sharded_optimizer":
+                from torch.distributed.checkpoint.state_dict import (_init_optim_state, get_optimizer_state_dict,
+                                                                     set_optimizer_state_dict)
+
+                from .sharding import fill_tree
+                _init_optim_state(obj)  # a fresh optimizer has no moments to fill yet
+                live = get_optimizer_state_dict(self._owner[name], obj)
+                set_optimizer_state_dict(self._owner[name], obj, fill_tree(sd, live, shards))
             else:
                 obj.load_state_dict(sd)
         restored_extra = decode(json_state["extra"], tensor, array)
         self.extra.clear()
         self.extra.update(restored_extra)
-        rng.restore(rng_state)
+        if reseed is None:
+            rng.restore(rng_state)
+        else:
+            rng.seed_all(reseed)
 
 
 def tensor_from_buffer(buf, spec: dict, data_start: int, device: str | None, copy: bool) -> torch.Tensor:

@@ -145,9 +145,11 @@ class RestClient:
 
 
 class Transport(RestClient):
-    def __init__(self, base_url: str, timeout: float = 30.0, retries: int = 5) -> None:
-        super().__init__(base_url, timeout)
+    def __init__(self, base_url: str, timeout: float = 30.0, retries: int = 5, token: str | None = None) -> None:
+        super().__init__(base_url, timeout, token)
         self.retries = retries
+        # the same bearer token on every gRPC call, as call metadata
+        self._md = (("authorization", f"Bearer {token}"),) if token else ()
         self.info = info = self.get_json("/api/v1/info")
         self.grpc_target = info["grpc_target"]
         self.chunk = min(CHUNK, int(info.get("max_chunk_bytes", CHUNK)))
@@ -165,7 +167,7 @@ class Transport(RestClient):
         delay = 0.2
         for attempt in range(self.retries + 1):
             try:
-                return method(request, timeout=timeout or self.timeout)
+                return method(request, timeout=timeout or self.timeout, metadata=self._md)
             except grpc.RpcError as e:
                 if e.code() in _RETRY and attempt < self.retries:
                     time.sleep(delay)
@@ -186,7 +188,8 @@ class Transport(RestClient):
             for off in range(0, data.nbytes, self.chunk):
                 yield pb.PutShardRequest(chunk=bytes(data[off:off + self.chunk]))
 
-        return self._unary("PutShard", lambda _r, timeout: self._stub.PutShard(messages(), timeout=timeout),
+        return self._unary("PutShard", lambda _r, timeout, metadata: self._stub.PutShard(messages(), timeout=timeout,
+                                                                                       metadata=metadata),
                            None, timeout=max(self.timeout, 3600.0))
 
     def commit_rank(self, checkpoint_id: int, rank: int, files: list[str], wait: float) -> pb.CommitRankResponse:
@@ -205,7 +208,8 @@ class Transport(RestClient):
         pos = 0
         try:
             for msg in self._stub.GetShard(pb.GetShardRequest(checkpoint_id=checkpoint_id, rank=rank,
-                                                              file_name=file_name), timeout=max(self.timeout, 3600.0)):
+                                                              file_name=file_name), timeout=max(self.timeout, 3600.0),
+                                           metadata=self._md):
                 n = len(msg.chunk)
                 if pos + n > size:
                     raise ServiceError(f"GetShard sent more than the manifest's {size} bytes for {file_name}")

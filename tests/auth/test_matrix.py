@@ -92,6 +92,8 @@ SPEC = {
     ("DELETE", "/api/v1/checkpoints/{checkpoint_id}/tags/{name}"): (A, "checkpoint"),
     ("PUT", "/api/v1/checkpoints/{checkpoint_id}/pin"): (A, "checkpoint"),
     ("DELETE", "/api/v1/checkpoints/{checkpoint_id}/pin"): (A, "checkpoint"),
+    ("GET", "/api/v1/overview"): (R, "global"), ("GET", "/api/v1/gc/policy"): (R, "global"),
+    ("GET", "/api/v1/checkpoints/{checkpoint_id}/shards"): (R, "checkpoint"),
     ("GET", "/api/v1/gc/plan"): (R, "global"), ("POST", "/api/v1/gc"): (A, "global"),
     ("GET", "/api/v1/tokens"): (A, "global"), ("POST", "/api/v1/tokens"): (A, "global"),
     ("DELETE", "/api/v1/tokens/{token_id}"): (A, "global"),
@@ -239,3 +241,29 @@ def test_binding_beyond_loopback_without_auth_refuses_to_start(tmp_path):
     assert Settings(host="0.0.0.0", auth_required=True).exposed_without_auth() == []  # control: with auth
     assert Settings(host="127.0.0.1").exposed_without_auth() == []                   # control: loopback
     assert Settings(grpc_host="::1").exposed_without_auth() == []
+
+
+def test_the_client_carries_its_token_over_rest_and_grpc(world, tmp_path):
+    """Checkpointer(token=...) saves and restores on a service that requires auth; a reader
+    token may restore but not save; no token is refused."""
+    import torch
+    from torch import nn
+
+    import lastgood
+
+    url, tokens = world["svc"].url, world["tokens"]
+    model = nn.Linear(3, 3)
+    with lastgood.Checkpointer(url, run="team-a-client", token=tokens["writer"]) as ckpt:
+        ckpt.save(1, lastgood.TrainState(model=model))
+        ckpt.wait()
+    fresh = nn.Linear(3, 3)
+    with lastgood.Checkpointer(url, run="team-a-client", token=tokens["writer"]) as ckpt:
+        assert ckpt.restore(lastgood.TrainState(model=fresh)) == 1
+    assert torch.equal(fresh.weight, model.weight)
+    reader = lastgood.Checkpointer(url, run="team-a-client", token=tokens["reader"])
+    reader.save(2, lastgood.TrainState(model=model))
+    with pytest.raises(lastgood.SaveFailed, match="PERMISSION_DENIED"):
+        reader.wait()
+    reader.close()
+    with pytest.raises(lastgood.ServiceError, match="401"):
+        lastgood.Checkpointer(url, run="team-a-client").restore(lastgood.TrainState(model=fresh))

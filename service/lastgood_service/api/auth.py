@@ -43,6 +43,9 @@ POLICY: dict[tuple[str, str], str | tuple[str, str]] = {
     ("DELETE", "/api/v1/checkpoints/{checkpoint_id}/tags/{name}"): (ADMIN, "checkpoint"),
     ("PUT", "/api/v1/checkpoints/{checkpoint_id}/pin"): (ADMIN, "checkpoint"),
     ("DELETE", "/api/v1/checkpoints/{checkpoint_id}/pin"): (ADMIN, "checkpoint"),
+    ("GET", "/api/v1/overview"): (READER, "global"),   # every run's health, for the web page
+    ("GET", "/api/v1/checkpoints/{checkpoint_id}/shards"): (READER, "checkpoint"),
+    ("GET", "/api/v1/gc/policy"): (READER, "global"),
     ("GET", "/api/v1/gc/plan"): (READER, "global"),
     ("POST", "/api/v1/gc"): (ADMIN, "global"),
     ("GET", "/api/v1/tokens"): (ADMIN, "global"),

@@ -1,0 +1,363 @@
+"""`torch.distributed.checkpoint` through lastgood's two-phase commit.
+
+    import torch.distributed.checkpoint as dcp
+    from lastgood import dcp as lgdcp
+
+    dcp.save(state_dict, storage_writer=lgdcp.StorageWriter(url, run="gpt"), checkpoint_id="1000",
+             planner=lgdcp.SavePlanner())
+    dcp.load(state_dict, storage_reader=lgdcp.StorageReader(url, run="gpt"), planner=lgdcp.LoadPlanner())
+
+(`checkpoint_id` of a save is its step; of a load, a lastgood checkpoint id, or nothing for
+the run's last-good; `dcp.async_save` works the same.)
+
+How DCP's protocol maps onto the commit: the coordinator begins the checkpoint in
+`prepare_global_plan` and hands its id to every rank inside the plans; in `write_data`
+each rank streams its items as one safetensors file and, unless it is the coordinator,
+votes; the coordinator's `finish()` uploads DCP's metadata, votes last and returns only
+when the checkpoint is COMMITTED. Any failure aborts the checkpoint, so nothing partial
+becomes visible; a rank that dies leaves it to expire.
+
+No pickle: DCP's metadata is stored as JSON, and DCP's default planners pickle
+non-tensor values (`torch.save` / `torch.load(weights_only=False)`), so lastgood ships
+planners that store them as typed JSON instead; the reader refuses any other planner for
+such values, and the writer refuses pickled bytes.
+
+The writer is picklable and opens its connection lazily (DCP's process-based async mode
+pickles it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+import os
+import secrets
+import time
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.futures import Future
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, SavePlan, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from . import names
+from .codec import Encoder, UnsupportedValue, decode
+from .errors import CorruptCheckpoint, FormatError, LastgoodError, SaveFailed
+from .format import META_STATE, header_length, parse_header
+from .hashing import hash_bytes
+from .staging import StagingPool, snapshot
+from .state import tensor_from_buffer
+
+log = logging.getLogger("lastgood")
+MAGIC = b"lastgood-json:1\n"
+METADATA_FILE = "dcp.metadata.json"
+
+
+def shard_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+# ---------------------------------------------------------------------- planners
+def _json_bytes(obj, fqn: str) -> io.BytesIO:
+    enc = Encoder()
+    doc = enc.encode(obj, [fqn])
+    if enc.tensors:
+        raise UnsupportedValue(f"{fqn}: a non-tensor value that holds tensors; give DCP the tensors as entries")
+    return io.BytesIO(MAGIC + json.dumps(doc, allow_nan=False).encode())
+
+
+def _from_json_bytes(raw: bytes, fqn: str):
+    if not raw.startswith(MAGIC):
+        raise FormatError(f"{fqn}: not lastgood JSON; refusing to unpickle it")
+    return decode(json.loads(raw[len(MAGIC):]), lambda *_: None, lambda *_: None)
+
+
+class SavePlanner(DefaultSavePlanner):
+    """DCP's default planner, with non-tensor values stored as typed JSON, not pickles."""
+
+    def transform_object(self, write_item, object):
+        if write_item.type == WriteItemType.BYTE_IO:
+            return _json_bytes(object, write_item.index.fqn)
+        return object
+
+
+class LoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, reading non-tensor values from typed JSON."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = _from_json_bytes(value.read(), read_item.dest_index.fqn)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+# ---------------------------------------------------------------------- metadata as JSON
+def _index_key(index: MetadataIndex) -> list:
+    return [index.fqn, list(index.offset) if index.offset is not None else None]
+
+
+def metadata_to_json(md: Metadata) -> bytes:
+    sdm = {}
+    for fqn, m in md.state_dict_metadata.items():
+        if isinstance(m, BytesStorageMetadata):
+            sdm[fqn] = {"type": "bytes"}
+        else:
+            sdm[fqn] = {"type": "tensor", "dtype": str(m.properties.dtype).removeprefix("torch."),
+                        "requires_grad": bool(m.properties.requires_grad), "size": list(m.size),
+                        "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in m.chunks]}
+    enc = Encoder()
+    planner_data = enc.encode(md.planner_data, ["planner_data"])
+    if enc.tensors:
+        raise UnsupportedValue("DCP planner data holds tensors")
+    sm = md.storage_meta
+    doc = {
+        "format": "lastgood.dcp/1", "version": md.version, "state_dict_metadata": sdm, "planner_data": planner_data,
+        "storage_data": [[*_index_key(k), v] for k, v in (md.storage_data or {}).items()],
+        "storage_meta": None if sm is None else {"checkpoint_id": str(sm.checkpoint_id) if sm.checkpoint_id else None,
+                                                 "save_id": sm.save_id, "load_id": sm.load_id,
+                                                 "modules": list(sm.modules)},
+    }
+    return json.dumps(doc, sort_keys=True, allow_nan=False).encode()
+
+
+def metadata_from_json(raw: bytes) -> Metadata:
+    doc = json.loads(raw)
+    if doc.get("format") != "lastgood.dcp/1":
+        raise FormatError(f"unknown DCP metadata format {doc.get('format')!r}")
+    sdm = {}
+    for fqn, m in doc["state_dict_metadata"].items():
+        if m["type"] == "bytes":
+            sdm[fqn] = BytesStorageMetadata()
+        else:
+            dtype = getattr(torch, m["dtype"], None)
+            if not isinstance(dtype, torch.dtype):
+                raise FormatError(f"{fqn}: unknown dtype {m['dtype']!r}")
+            sdm[fqn] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=dtype, requires_grad=m["requires_grad"]),
+                size=torch.Size(m["size"]),
+                chunks=[ChunkStorageMetadata(offsets=torch.Size(c["offsets"]), sizes=torch.Size(c["sizes"]))
+                        for c in m["chunks"]])
+    storage = {MetadataIndex(fqn, offset): where for fqn, offset, where in doc["storage_data"]}
+    sm = doc["storage_meta"]
+    return Metadata(state_dict_metadata=sdm, planner_data=decode(doc["planner_data"], lambda *_: None,
+                                                                 lambda *_: None),
+                    storage_data=storage, version=doc["version"],
+                    storage_meta=None if sm is None else StorageMeta(**sm))
+
+
+# ---------------------------------------------------------------------- writer
+class _Connected:
+    """Lazy connection, dropped when pickled (DCP's process-based async_save)."""
+
+    def __init__(self, url: str | None, run: str | None, token: str | None) -> None:
+        self.url = url or os.environ.get("LASTGOOD_URL")
+        if not self.url:
+            raise LastgoodError("no service URL: pass url= or set LASTGOOD_URL")
+        self.run = names.check_run_name(run or os.environ.get("LASTGOOD_RUN") or "")
+        self.token = token or os.environ.get("LASTGOOD_TOKEN") or None
+        self._transport = None
+
+    @property
+    def transport(self):
+        if self._transport is None:
+            from .transport import Transport
+
+            self._transport = Transport(self.url, token=self.token)
+        return self._transport
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_transport"] = None
+        return state
+
+
+class StorageWriter(_Connected, dcp.StorageWriter):
+    def __init__(self, url: str | None = None, run: str | None = None, step: int | None = None, *,
+                 parent_id: int | None = None, token: str | None = None) -> None:
+        _Connected.__init__(self, url, run, token)
+        self.step, self.parent_id = step, parent_id
+        self.is_coordinator, self.rank = False, 0
+        self.checkpoint_id: int | None = None
+
+    def reset(self, checkpoint_id=None) -> None:
+        if checkpoint_id is not None:
+            text = str(checkpoint_id)
+            if not text.isdigit():
+                raise LastgoodError(f"a lastgood DCP save's checkpoint_id is its step (digits), not {text!r}")
+            self.step = int(text)
+        self.checkpoint_id = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank", torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if self.step is None:
+            raise LastgoodError("name the step: StorageWriter(step=...) or dcp.save(..., checkpoint_id=step)")
+        parent = self.parent_id
+        if parent is None:
+            lg = self.transport.last_good(self.run)
+            parent = lg["id"] if lg else None
+        ck = self.transport.begin(self.run, self.step, len(plans), parent, f"dcp-{secrets.token_hex(8)}", 0)
+        return [dataclasses.replace(p, storage_data={"checkpoint_id": ck.checkpoint_id, "rank": i})
+                for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner) -> Future:
+        cid, rank = plan.storage_data["checkpoint_id"], plan.storage_data["rank"]
+        self.checkpoint_id, self.rank = cid, rank
+        try:
+            results, tensors, values = [], {}, {}
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                name = item.index.fqn if item.index.offset is None or not any(item.index.offset) else \
+                    f"{item.index.fqn}@{','.join(map(str, item.index.offset))}"
+                if item.type == WriteItemType.BYTE_IO:
+                    raw = data.getvalue()
+                    if not raw.startswith(MAGIC):
+                        raise FormatError(f"{item.index.fqn}: DCP's default planner pickled this value; "
+                                          f"use planner=lastgood.dcp.SavePlanner()")
+                    values[name] = raw[len(MAGIC):].decode()
+                    where = {"rank": rank, "file": shard_file(rank), "json": name}
+                    size = len(raw)
+                else:
+                    tensors[name] = data.detach()
+                    where = {"rank": rank, "file": shard_file(rank), "tensor": name}
+                    size = data.numel() * data.element_size()
+                results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=where))
+            snap = snapshot(self.step or 0, {"dcp_values": values}, tensors, StagingPool(slots=1, pin=False))
+            data = snap.view()
+            self.transport.put_shard(cid, rank, shard_file(rank), data, hash_bytes(data))
+            if not self.is_coordinator:
+                self.transport.commit_rank(cid, rank, [shard_file(rank)], wait=0)
+        except BaseException as e:
+            self._abort(cid, e)
+            raise
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        cid = self.checkpoint_id
+        try:
+            metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
+            metadata.storage_meta = self.storage_meta()
+            raw = metadata_to_json(metadata)
+            self.transport.put_shard(cid, self.rank, METADATA_FILE, memoryview(raw), hash_bytes(raw))
+            deadline = time.monotonic() + 2 * float(self.transport.info.get("lease_seconds", 60)) + 60
+            while True:
+                res = self.transport.commit_rank(cid, self.rank, [shard_file(self.rank), METADATA_FILE], wait=2.0)
+                if res.status == "COMMITTED":
+                    return
+                if time.monotonic() > deadline:
+                    raise SaveFailed(f"DCP checkpoint {cid} not committed; ranks not voted: {list(res.missing_ranks)}")
+        except BaseException as e:
+            self._abort(cid, e)
+            raise
+
+    def _abort(self, cid, e) -> None:
+        try:
+            self.transport.abort(cid, f"DCP rank {self.rank}: {e}"[:1000], self.rank)
+        except Exception:  # committed or expired already: the service settles it
+            pass
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=str(self.step), save_id=str(self.checkpoint_id))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return False  # never chosen implicitly: pass storage_writer= explicitly
+
+
+# ---------------------------------------------------------------------- reader
+class StorageReader(_Connected, dcp.StorageReader):
+    def __init__(self, url: str | None = None, run: str | None = None, checkpoint_id: int | None = None, *,
+                 token: str | None = None) -> None:
+        _Connected.__init__(self, url, run, token)
+        self.checkpoint_id = checkpoint_id
+        self.storage_data: dict = {}
+        self._manifest = None
+
+    def reset(self, checkpoint_id=None) -> None:
+        if checkpoint_id is not None:
+            text = str(checkpoint_id)
+            if not text.isdigit():
+                raise LastgoodError(f"a lastgood DCP load's checkpoint_id is a checkpoint id (digits), not {text!r}")
+            self.checkpoint_id = int(text)
+
+    def _file(self, rank: int, name: str) -> bytearray:
+        """One whole file of the checkpoint, re-hashed against the manifest."""
+        entry = next((f for f in self._manifest.files(rank) if f.name == name), None)
+        if entry is None:
+            raise CorruptCheckpoint(f"checkpoint {self.checkpoint_id} has no file {name} for rank {rank}")
+        buf, got = self.transport.read_file(self.checkpoint_id, rank, name, entry.size)
+        if got != entry.xxh3_128:
+            raise CorruptCheckpoint(f"checkpoint {self.checkpoint_id} rank {rank} {name}: xxh3-128 {got} does not "
+                                    f"match the committed {entry.xxh3_128}")
+        return buf
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        if self.checkpoint_id is None:
+            lg = self.transport.last_good(self.run)
+            if lg is None:
+                raise LastgoodError(f"run {self.run!r} has no committed checkpoint")
+            self.checkpoint_id = lg["id"]
+        self._manifest = self.transport.manifest(self.checkpoint_id)
+        owner = next((r for r, fs in self._manifest.ranks.items() if any(f.name == METADATA_FILE for f in fs)), None)
+        if owner is None:
+            raise LastgoodError(f"checkpoint {self.checkpoint_id} was not written by DCP (no {METADATA_FILE})")
+        raw = self._file(owner, METADATA_FILE)
+        return metadata_from_json(bytes(raw))
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        self.storage_data = metadata.storage_data
+        if self._manifest is None:  # a rank that did not read the metadata itself
+            self._manifest = self.transport.manifest(self.checkpoint_id)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner) -> Future:
+        files: dict[tuple[int, str], tuple[bytearray, dict, int, dict]] = {}
+        for item in plan.items:
+            where = self.storage_data[item.storage_index]
+            key = (where["rank"], where["file"])
+            if key not in files:
+                buf = self._file(*key)
+                tensors, meta = parse_header(buf, file_size=len(buf))
+                values = json.loads(meta[META_STATE])["dcp_values"]
+                files[key] = (buf, tensors, header_length(buf), values)
+            buf, tensors, start, values = files[key]
+            if item.type == LoadItemType.BYTE_IO:
+                if not isinstance(planner, LoadPlanner):
+                    raise LastgoodError("non-tensor values are stored as JSON: load with planner=lastgood.dcp.LoadPlanner()")
+                planner.load_bytes(item, io.BytesIO(MAGIC + values[where["json"]].encode()))
+            else:
+                src = tensor_from_buffer(buf, tensors[where["tensor"]], start, None, copy=False)
+                src = narrow_tensor_by_index(src, item.storage_offsets, item.lengths)
+                target = planner.resolve_tensor(item).detach()
+                if target.size() != src.size():
+                    raise CorruptCheckpoint(f"{item.storage_index.fqn}: stored {tuple(src.size())}, "
+                                            f"wanted {tuple(target.size())}")
+                target.copy_(src)
+                planner.commit_tensor(item, target)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return False

@@ -1,0 +1,112 @@
+"""Sharded state (FSDP2 / DTensor) and restores at another world size.
+
+Each rank stores only its own shards: the local tensor of every DTensor, with the
+DTensor's global shape and the global offset of the shard (codec's `__dtensor__`). To
+restore, the live model is asked for its own, current sharding (via
+torch.distributed.checkpoint.state_dict), and every local shard is filled from the stored
+shards it overlaps, wherever they came from; the overlaps are computed by DCP's own
+resharding planner (`create_read_items_for_chunk_list`). The same code restores at the
+same world size (one exact overlap: the rank's own shard) and at another one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from .codec import ShardRef, _is_dtensor
+from .errors import CorruptCheckpoint, LastgoodError
+from .format import META_STATE, header_length, parse_header
+from .state import tensor_from_buffer
+
+
+def is_sharded(module: nn.Module) -> bool:
+    return any(_is_dtensor(p) for p in module.parameters())
+
+
+@dataclass
+class StoredFile:
+    """One rank's shard file, downloaded and verified."""
+
+    rank: int
+    buf: bytearray
+    tensors: dict = field(init=False)
+    start: int = field(init=False)
+    state: dict = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tensors, meta = parse_header(self.buf, file_size=len(self.buf))
+        self.start = header_length(self.buf)
+        self.state = json.loads(meta[META_STATE])
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return tensor_from_buffer(self.buf, self.tensors[name], self.start, None, copy=False)
+
+
+class ShardIndex:
+    """Where every stored shard of every DTensor is: name -> [(offset, shape, file)]."""
+
+    def __init__(self, files: list[StoredFile]) -> None:
+        self.chunks: dict[str, list[tuple[tuple[int, ...], tuple[int, ...], StoredFile]]] = {}
+        for f in files:
+            self._walk(f.state.get("components", {}), f)
+
+    def _walk(self, node, f: StoredFile) -> None:
+        if isinstance(node, dict):
+            if "__dtensor__" in node:
+                name = node["__dtensor__"]
+                self.chunks.setdefault(name, []).append(
+                    (tuple(node["offset"]), tuple(f.tensors[name]["shape"]), f))
+                return
+            for v in node.values():
+                self._walk(v, f)
+        elif isinstance(node, list):
+            for v in node:
+                self._walk(v, f)
+
+    def fill(self, ref: ShardRef, target) -> None:
+        """Copy into the live DTensor's local shard every stored overlap; all of it must be covered."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        if tuple(target.shape) != ref.shape:
+            raise LastgoodError(f"{ref.name}: stored with global shape {ref.shape}, the model has {tuple(target.shape)}")
+        local = target.to_local()
+        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+        stored = self.chunks.get(ref.name, [])
+        md = TensorStorageMetadata(properties=TensorProperties(dtype=local.dtype), size=torch.Size(ref.shape),
+                                   chunks=[ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s, _ in stored])
+        by_offset = {tuple(o): f for o, _, f in stored}
+        covered = 0
+        with torch.no_grad():
+            for item in create_read_items_for_chunk_list(ref.name, md, [ChunkStorageMetadata(torch.Size(offset),
+                                                                                               torch.Size(shape))]):
+                src = by_offset[tuple(item.storage_index.offset)].tensor(ref.name)
+                src = narrow_tensor_by_index(src, item.storage_offsets, item.lengths)
+                narrow_tensor_by_index(local, item.dest_offsets, item.lengths).copy_(src)
+                covered += src.numel()
+        if covered != local.numel():
+            raise CorruptCheckpoint(f"{ref.name}: the stored shards cover {covered} of this rank's "
+                                    f"{local.numel()} elements")
+
+
+def fill_tree(saved, target, index: ShardIndex):
+    """Walk the decoded saved state beside the live state dict: ShardRefs are filled into
+    the live DTensors; every other value is taken as saved."""
+    if isinstance(saved, ShardRef):
+        if not _is_dtensor(target):
+            raise LastgoodError(f"{saved.name}: stored as a DTensor shard, but the model's value is not a DTensor")
+        index.fill(saved, target)
+        return target
+    if isinstance(saved, dict):
+        tgt = target if isinstance(target, dict) else {}
+        return {k: fill_tree(v, tgt.get(k), index) for k, v in saved.items()}
+    if isinstance(saved, list):
+        tgt = target if isinstance(target, list) else []
+        return [fill_tree(v, tgt[i] if i < len(tgt) else None, index) for i, v in enumerate(saved)]
+    return saved
