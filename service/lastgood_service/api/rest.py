@@ -7,6 +7,7 @@ api/errors.py. Every error body is JSON: {"error": {"code": ..., "message": ...}
 from __future__ import annotations
 
 import json
+import pathlib
 import re
 from dataclasses import dataclass
 from typing import Annotated
@@ -14,6 +15,8 @@ from typing import Annotated
 from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -25,6 +28,7 @@ from ..domain.curation import Curator
 from ..domain.gc import GarbageCollector
 from ..domain.errors import DomainError, InvalidArgument, OutOfRange
 from ..domain.queries import MAX_PAGE, Queries
+from ..domain.queries import gc_policy_view
 from ..domain.tokens import TokenStore
 from ..metrics import Metrics
 from .auth import make_authorizer
@@ -101,6 +105,26 @@ Limit = Annotated[int, Query(ge=1, le=MAX_PAGE)]
 Offset = Annotated[int, Query(ge=0, le=2**62)]
 CkptId = Annotated[int, Path(ge=1, le=2**62)]
 
+# The web page (static/: plain files, no build step, no CDN). Scripts and styles come from
+# our own files only, so user strings that slip into markup could never run.
+STATIC_DIR = pathlib.Path(__file__).resolve().parent.parent / "static"
+UI_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                               "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
+
+
+class UIFiles(StaticFiles):
+    """/static with UI_HEADERS on every file."""
+
+    async def get_response(self, path: str, scope):
+        response = await super().get_response(path, scope)
+        response.headers.update(UI_HEADERS)
+        return response
+
 
 def create_app(ctx: AppContext) -> FastAPI:
     authorize = make_authorizer(ctx.tokens, ctx.queries.run_of_checkpoint, ctx.queries.run_of_lease)
@@ -173,8 +197,9 @@ def create_app(ctx: AppContext) -> FastAPI:
         return view
 
     @app.get("/api/v1/runs/{run}/events", tags=["runs"])
-    def events(run: str, limit: Limit = 100, offset: Offset = 0):
-        return ctx.queries.events(run, limit, offset)
+    def events(run: str, limit: Limit = 100, offset: Offset = 0,
+               kind: Annotated[str | None, Query(max_length=400, description="comma list of kinds")] = None):
+        return ctx.queries.events(run, limit, offset, kind.split(",") if kind is not None else None)
 
     def _manifest_json(cid: int):
         return json.loads(ctx.commits.manifest_bytes(cid))
@@ -274,4 +299,26 @@ def create_app(ctx: AppContext) -> FastAPI:
                                  headers={**headers, "Content-Length": str(end - start),
                                           "Content-Range": f"bytes {start}-{end - 1}/{sh.size}"})
 
+    # ---------------------------------------------------------------- the web page and its read-only views
+    @app.get("/api/v1/overview", tags=["runs"])
+    def overview(request: Request, limit: Limit = 100, offset: Offset = 0):
+        """Runs with bytes stored, last activity, pending saves and recent failures (the page's runs list)."""
+        principal = getattr(request.state, "principal", None)
+        return ctx.queries.overview(limit, offset, getattr(principal, "run_prefix", None))
+
+    @app.get("/api/v1/gc/policy", tags=["gc"])
+    def gc_policy():
+        """The retention policy in force, the grace period and the GC interval."""
+        return gc_policy_view(ctx.gc.retention, ctx.gc.grace.total_seconds(), ctx.commits.settings.gc_interval)
+
+    @app.get("/api/v1/checkpoints/{checkpoint_id}/shards", tags=["checkpoints"])
+    def shards(checkpoint_id: CkptId):
+        """Per rank, the files the catalog holds (size, xxh3-128, state), whatever the checkpoint's status."""
+        return ctx.queries.shards(checkpoint_id)
+
+    @app.get("/", include_in_schema=False)
+    def web_page():
+        return FileResponse(STATIC_DIR / "index.html", media_type="text/html", headers=UI_HEADERS)
+
+    app.mount("/static", UIFiles(directory=STATIC_DIR), name="static")
     return app

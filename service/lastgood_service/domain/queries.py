@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import re
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -10,12 +12,17 @@ from sqlalchemy.orm import Session, sessionmaker
 from lastgood import names
 
 from ..catalog.models import STATUSES, Checkpoint, Event, ReadLease, Run
+from ..catalog.models import DELETED, PENDING, Shard, Vote, utcnow
 from . import lineage
 from .errors import InvalidArgument, NotFound
 from .lineage import tags_by_checkpoint
+from .retention import Retention
 
 MAX_PAGE = 1000
 MAX_LINEAGE = 10000
+# events that mean a save or a checkpoint went wrong: the runs overview counts the recent ones
+FAILURE_EVENTS = ("abort", "expired", "corrupt", "hash_mismatch")
+_EVENT_KIND = re.compile(r"^[a-z_]{1,32}$")
 
 
 def _iso(t):
@@ -142,13 +149,99 @@ class Queries:
             tags = tags_by_checkpoint(s, run, ids)
             return {"checkpoint_id": ck.id, "items": [checkpoint_view(rows[i], run, tags.get(i, [])) for i in ids]}
 
-    def events(self, run_name: str, limit: int = 100, offset: int = 0) -> dict:
+    def events(self, run_name: str, limit: int = 100, offset: int = 0, kinds: list[str] | None = None) -> dict:
+        """The run's events, oldest first; `kinds` keeps only those kinds (the web page's timeline)."""
         _page(limit, offset)
+        if kinds is not None and (not kinds or not all(_EVENT_KIND.match(k) for k in kinds)):
+            raise InvalidArgument("kind must be a comma list of event kinds such as spike,rollback,restart")
         with self.sessions() as s, s.begin():
             run = self._run(s, run_name)
             q = select(Event).where(Event.run_id == run.id)
+            if kinds:
+                q = q.where(Event.kind.in_(kinds))
             total = s.scalar(select(func.count()).select_from(q.subquery()))
             rows = s.scalars(q.order_by(Event.at, Event.id).limit(limit).offset(offset))
             items = [{"id": e.id, "kind": e.kind, "at": _iso(e.at), "checkpoint_id": e.checkpoint_id,
                       "data": json.loads(e.data_json)} for e in rows]
         return {"items": items, "total": total, "limit": limit, "offset": offset}
+
+    # ---------------------------------------------------------------- the web page's views
+    def overview(self, limit: int = 100, offset: int = 0, prefix: str | None = None,
+                 failure_window_seconds: float = 24 * 3600) -> dict:
+        """Runs with what the runs list shows: last-good, checkpoints by status, bytes still
+        stored (everything not DELETED), last activity (the newest event), pending saves and
+        the failures (aborts, expiries, corruptions, hash mismatches) within the window.
+        `last_event_id` changes whenever anything happens to the run: the page polls it."""
+        _page(limit, offset)
+        since = utcnow() - dt.timedelta(seconds=failure_window_seconds)
+        with self.sessions() as s, s.begin():
+            q = select(Run)
+            if prefix:
+                q = q.where(Run.name.startswith(prefix, autoescape=True))
+            total = s.scalar(select(func.count()).select_from(q.subquery()))
+            runs = list(s.scalars(q.order_by(Run.name).limit(limit).offset(offset)))
+            ids = [r.id for r in runs]
+            counts: dict[int, dict[str, int]] = {i: {st: 0 for st in STATUSES} for i in ids}
+            stored: dict[int, int] = dict.fromkeys(ids, 0)
+            for run_id, status, n, nbytes in s.execute(
+                    select(Checkpoint.run_id, Checkpoint.status, func.count(), func.sum(Checkpoint.bytes))
+                    .where(Checkpoint.run_id.in_(ids)).group_by(Checkpoint.run_id, Checkpoint.status)):
+                counts[run_id][status] = n
+                if status != DELETED:
+                    stored[run_id] += int(nbytes or 0)
+            last = {r: (eid, at) for r, eid, at in s.execute(
+                select(Event.run_id, func.max(Event.id), func.max(Event.at))
+                .where(Event.run_id.in_(ids)).group_by(Event.run_id))}
+            fails = {r: (n, at) for r, n, at in s.execute(
+                select(Event.run_id, func.count(), func.max(Event.at))
+                .where(Event.run_id.in_(ids), Event.kind.in_(FAILURE_EVENTS), Event.at >= since)
+                .group_by(Event.run_id))}
+            lg_ids = [r.last_good_id for r in runs if r.last_good_id]
+            lg_step = dict(s.execute(select(Checkpoint.id, Checkpoint.step).where(Checkpoint.id.in_(lg_ids))).all())
+            items = [{
+                "name": r.name, "created_at": _iso(r.created_at),
+                "last_good": {"id": r.last_good_id, "step": lg_step[r.last_good_id]} if r.last_good_id else None,
+                "checkpoints": counts[r.id], "total_checkpoints": sum(counts[r.id].values()),
+                "bytes_stored": stored[r.id], "pending": counts[r.id][PENDING],
+                "last_activity": _iso(last.get(r.id, (None, r.created_at))[1]),
+                "last_event_id": last.get(r.id, (0, None))[0],
+                "recent_failures": fails.get(r.id, (0, None))[0],
+                "last_failure_at": _iso(fails.get(r.id, (0, None))[1]),
+            } for r in runs]
+        return {"items": items, "total": total, "limit": limit, "offset": offset,
+                "failure_window_seconds": failure_window_seconds}
+
+    def shards(self, checkpoint_id: int) -> dict:
+        """A checkpoint's files as the catalog has them, whatever its status (a manifest
+        exists only once it committed): per rank, each file's size, xxh3-128 and state."""
+        with self.sessions() as s, s.begin():
+            ck, run = self._checkpoint(s, checkpoint_id)
+            rows = list(s.scalars(select(Shard).where(Shard.checkpoint_id == ck.id)
+                                  .order_by(Shard.rank, Shard.file_name)))
+            voted = set(s.scalars(select(Vote.rank).where(Vote.checkpoint_id == ck.id)))
+            ranks: dict[int, list[dict]] = {r: [] for r in sorted(voted)}
+            for sh in rows:
+                ranks.setdefault(sh.rank, []).append(
+                    {"name": sh.file_name, "size": sh.size, "xxh3_128": sh.xxh3_128, "status": sh.status})
+            return {"checkpoint_id": ck.id, "run": run.name, "status": ck.status, "world_size": ck.world_size,
+                    "ranks": [{"rank": r, "voted": r in voted, "files": ranks[r]} for r in sorted(ranks)]}
+
+
+_POLICY_TEXT = {
+    "latest": "keeps the {n} newest committed checkpoints of each run",
+    "every": "keeps the first committed checkpoint of every {n}-step window",
+    "tagged": "keeps tagged, aliased, pinned checkpoints and rollback targets",
+    "last-good": "keeps each run's last-good checkpoint",
+    "branch-heads": "keeps the newest committed checkpoint of every branch",
+}
+
+
+def gc_policy_view(retention: Retention, grace_seconds: float, interval_seconds: float) -> dict:
+    """The retention policy in force, each part with a sentence saying what it keeps."""
+    parts = []
+    for p in retention.policies:
+        spec = p.describe()
+        n = spec.partition(":")[2]
+        parts.append({"name": p.name, "spec": spec, "keeps": _POLICY_TEXT.get(p.name, spec).format(n=n)})
+    return {"retention": retention.describe(), "policies": parts, "grace_seconds": grace_seconds,
+            "interval_seconds": interval_seconds}

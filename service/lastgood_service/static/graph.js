@@ -1,0 +1,393 @@
+// The lineage graph: a pure model (which checkpoints are shown, which are collapsed, where
+// events sit on the timeline) and its drawing with cytoscape.js + the dagre layout.
+//
+// Layout: dagre, left to right. Every edge's minimum length is the number of distinct steps
+// it spans among the shown elements, and a hidden root holds every real root at its step, so
+// a node's column is its step's rank: checkpoints of the same step line up across branches.
+//
+// User strings (tags, event data) only ever reach cytoscape as element data, which it draws
+// on a canvas as text; they never become markup.
+
+import { clip, formatNumber } from './dom.js';
+
+/** Statuses whose long unbroken chains fold into one group node. */
+export const COLLAPSIBLE = new Set(['committed', 'deleted', 'suspect']);
+/** Shortest chain worth folding. */
+export const MIN_FOLD = 3;
+/** Event kinds marked on the timeline above the graph. */
+export const MARKER_KINDS = new Set(['spike', 'rollback', 'restart', 'corrupt']);
+
+export function displayStatus(node) {
+  const status = String(node.status).toLowerCase();
+  if (status === 'committed' && node.tags.some((t) => t.kind === 'system' && t.name === 'suspect')) return 'suspect';
+  return status;
+}
+
+function push(map, key, value) {
+  const list = map.get(key);
+  if (list) list.push(value);
+  else map.set(key, [value]);
+}
+
+function tagWords(tags) {
+  const words = [];
+  for (const t of tags) {
+    if (t.name === 'last-good' || t.name === 'suspect') continue; // shown by colour and border
+    if (t.kind === 'pin') words.push('pinned');
+    else if (t.kind === 'alias') words.push(`@${clip(t.name, 20)}`);
+    else if (t.kind === 'system') words.push(t.name);
+    else words.push(`#${clip(t.name, 20)}`);
+  }
+  return words.length > 3 ? [...words.slice(0, 3), `+${words.length - 3}`] : words;
+}
+
+/**
+ * lineage (GET /runs/{run}/lineage) + events (GET /runs/{run}/events?kind=...) -> the model.
+ * options.collapse folds unremarkable chains; options.expanded holds checkpoint ids the user
+ * unfolded (they stay unfolded across live updates).
+ */
+export function buildModel(lineage, events, { collapse = true, expanded = new Set() } = {}) {
+  const nodes = new Map();
+  for (const n of lineage.nodes) nodes.set(n.id, { ...n, display: displayStatus(n) });
+  const children = new Map();
+  for (const n of nodes.values()) if (nodes.has(n.parent_id)) push(children, n.parent_id, n.id);
+
+  const anchored = new Set(events.filter((e) => e.checkpoint_id != null).map((e) => e.checkpoint_id));
+  const restarted = new Set(); // a new attempt id: the job was launched again
+  const branchStart = new Set();
+  for (const n of nodes.values()) {
+    const p = nodes.get(n.parent_id);
+    if (p && p.attempt !== n.attempt) restarted.add(n.id);
+    if (p && p.branch !== n.branch) branchStart.add(n.id);
+  }
+  const kids = (id) => children.get(id) || [];
+  const remarkable = (n) => !collapse || kids(n.id).length !== 1 || !nodes.has(n.parent_id)
+    || !COLLAPSIBLE.has(n.display) || n.last_good || expanded.has(n.id) || anchored.has(n.id)
+    || restarted.has(n.id) || branchStart.has(n.id)
+    || n.tags.some((t) => !(t.kind === 'system' && t.name === 'suspect'));
+
+  // fold chains of unremarkable checkpoints with one status into groups
+  const groupOf = new Map();
+  const groups = [];
+  for (const n of nodes.values()) {
+    if (remarkable(n) || groupOf.has(n.id)) continue;
+    const p = nodes.get(n.parent_id);
+    if (!remarkable(p) && p.display === n.display) continue; // not the start of its chain
+    const members = [n];
+    for (let cur = n; kids(cur.id).length === 1;) {
+      const next = nodes.get(kids(cur.id)[0]);
+      if (remarkable(next) || next.display !== n.display) break;
+      members.push(next);
+      cur = next;
+    }
+    if (members.length < MIN_FOLD) continue;
+    const g = {
+      key: `g${n.id}`, members: members.map((m) => m.id), display: n.display,
+      firstStep: members[0].step, lastStep: members[members.length - 1].step,
+      bytes: members.reduce((a, m) => a + (m.bytes || 0), 0),
+    };
+    for (const m of members) groupOf.set(m.id, g.key);
+    groups.push(g);
+  }
+  const keyOf = (id) => groupOf.get(id) || `c${id}`;
+
+  // what is shown: checkpoints not folded, groups, and the edges between them
+  const shown = [];
+  for (const n of nodes.values()) if (!groupOf.has(n.id)) shown.push({ key: `c${n.id}`, step: n.step, node: n });
+  for (const g of groups) shown.push({ key: g.key, step: g.firstStep, group: g });
+  const edges = [];
+  const seen = new Set();
+  for (const n of nodes.values()) {
+    if (!nodes.has(n.parent_id)) continue;
+    const from = keyOf(n.parent_id);
+    const to = keyOf(n.id);
+    if (from === to || seen.has(`${from}>${to}`)) continue;
+    seen.add(`${from}>${to}`);
+    edges.push({ from, to, faint: n.display === 'abandoned' || n.display === 'pending' });
+  }
+
+  // columns: the rank of each shown element's step
+  const steps = [...new Set(shown.map((s) => s.step))].sort((a, b) => a - b);
+  const column = new Map(steps.map((s, i) => [s, i]));
+  const stepOf = new Map(shown.map((s) => [s.key, s.step]));
+  const hasParent = new Set(edges.map((e) => e.to));
+
+  // the timeline: events, plus relaunches seen as a change of attempt
+  const markers = [];
+  const stepOfCheckpoint = (id) => (nodes.has(id) ? nodes.get(id).step : null);
+  for (const e of events) {
+    if (!MARKER_KINDS.has(e.kind)) continue;
+    const d = e.data || {};
+    let step = null;
+    let label = e.kind;
+    if (e.kind === 'spike') {
+      step = Number.isFinite(d.step) ? d.step : null;
+      label = `spike @ ${step === null ? '?' : formatNumber(step)}`;
+    } else if (e.kind === 'rollback') {
+      step = Number.isFinite(d.spike_step) ? d.spike_step : stepOfCheckpoint(e.checkpoint_id);
+      label = `rollback → ${Number.isFinite(d.target_step) ? formatNumber(d.target_step) : '?'}`;
+    } else {
+      step = stepOfCheckpoint(e.checkpoint_id);
+    }
+    if (step === null) continue;
+    markers.push({ key: `e${e.id}`, kind: e.kind, step, label, target: nodes.has(e.checkpoint_id) ? keyOf(e.checkpoint_id) : null,
+      checkpointId: e.checkpoint_id ?? null });
+  }
+  const restartEvents = new Set(markers.filter((m) => m.kind === 'restart').map((m) => m.checkpointId));
+  for (const id of restarted) {
+    if (restartEvents.has(id)) continue;
+    markers.push({ key: `a${id}`, kind: 'restart', step: nodes.get(id).step, label: 'restart', target: keyOf(id), checkpointId: id });
+  }
+
+  // cytoscape elements
+  const elements = [{ group: 'nodes', data: { id: 'root' }, classes: 'lineage vroot' }];
+  for (const s of shown) {
+    if (s.node) {
+      const n = s.node;
+      const lines = [`step ${formatNumber(n.step)}`];
+      if (n.display !== 'committed') lines.push(n.display);
+      if (n.last_good) lines.push('★ last-good');
+      if (branchStart.has(n.id)) lines.push(`branch ${n.branch}`);
+      if (restarted.has(n.id)) lines.push('restart');
+      const words = tagWords(n.tags);
+      if (words.length) lines.push(words.join(' '));
+      const classes = ['lineage', 'checkpoint', `st-${n.display}`];
+      if (n.last_good) classes.push('last-good');
+      if (n.tags.some((t) => t.kind === 'pin')) classes.push('pinned');
+      elements.push({ group: 'nodes', data: { id: s.key, checkpointId: n.id, step: n.step, label: lines.join('\n') },
+        classes: classes.join(' ') });
+    } else {
+      const g = s.group;
+      const label = `${formatNumber(g.members.length)} ${g.display === 'committed' ? '' : `${g.display} `}checkpoints\n`
+        + `steps ${formatNumber(g.firstStep)}–${formatNumber(g.lastStep)}`;
+      elements.push({ group: 'nodes', data: { id: g.key, step: g.firstStep, label, count: g.members.length },
+        classes: `lineage group st-${g.display}` });
+    }
+  }
+  for (const e of edges) {
+    const span = Math.max(1, column.get(stepOf.get(e.to)) - column.get(stepOf.get(e.from)));
+    elements.push({ group: 'edges', data: { id: `${e.from}-${e.to}`, source: e.from, target: e.to, minLen: span },
+      classes: e.faint ? 'lineage faint' : 'lineage' });
+  }
+  for (const s of shown) {
+    if (hasParent.has(s.key)) continue;
+    elements.push({ group: 'edges', data: { id: `root-${s.key}`, source: 'root', target: s.key, minLen: column.get(s.step) + 1 },
+      classes: 'lineage vroot' });
+  }
+
+  const snapshot = {
+    run: lineage.run,
+    total: lineage.total,
+    loaded: lineage.nodes.length,
+    lastGoodId: lineage.last_good_id,
+    branches: lineage.branches,
+    collapsed: groups.length > 0,
+    nodes: shown.map((s) => (s.node
+      ? { key: s.key, kind: 'checkpoint', id: s.node.id, step: s.node.step, status: s.node.display,
+        parentId: s.node.parent_id, branch: s.node.branch, lastGood: s.node.last_good,
+        tags: s.node.tags.map((t) => t.name) }
+      : { key: s.key, kind: 'group', status: s.group.display, count: s.group.members.length,
+        firstStep: s.group.firstStep, lastStep: s.group.lastStep, members: s.group.members })),
+    edges: edges.map((e) => ({ from: e.from, to: e.to })),
+    markers: markers.map((m) => ({ kind: m.kind, step: m.step, label: m.label, target: m.target })),
+  };
+  return { nodes, groups, groupOf, shown, edges, markers, elements, snapshot, keyOf };
+}
+
+const COLOURS = {
+  committed: '#2e9d57', pending: '#f2a900', abandoned: '#9aa0a6', corrupt: '#d93025', suspect: '#e8710a', deleted: '#ffffff',
+};
+
+const STYLE = [
+  { selector: 'node', style: {
+    label: 'data(label)', 'font-size': 10, 'font-family': 'system-ui, sans-serif', color: '#202124',
+    'text-wrap': 'wrap', 'text-max-width': 84, 'text-valign': 'bottom', 'text-margin-y': 4,
+    'text-background-color': '#ffffff', 'text-background-opacity': 0.8, 'text-background-padding': 1,
+    width: 22, height: 22, 'border-width': 1.5, 'border-color': '#5f6368',
+  } },
+  { selector: '.vroot', style: { visibility: 'hidden', width: 1, height: 1, label: '' } },
+  { selector: 'node.st-committed', style: { 'background-color': COLOURS.committed, 'border-color': '#1e6b3a' } },
+  { selector: 'node.st-pending', style: { 'background-color': COLOURS.pending, 'border-style': 'dashed', 'border-color': '#8a6100', 'border-width': 2 } },
+  { selector: 'node.st-abandoned', style: { 'background-color': COLOURS.abandoned, shape: 'ellipse', 'border-color': '#5f6368' } },
+  { selector: 'node.st-corrupt', style: { 'background-color': COLOURS.corrupt, shape: 'octagon', 'border-color': '#8c1d18' } },
+  { selector: 'node.st-suspect', style: { 'background-color': COLOURS.suspect, shape: 'round-diamond', 'border-color': '#8a4200' } },
+  { selector: 'node.st-deleted', style: { 'background-color': COLOURS.deleted, 'border-style': 'dotted', 'border-color': '#80868b', 'border-width': 2 } },
+  { selector: 'node.group', style: { shape: 'round-rectangle', width: 56, height: 12, 'background-opacity': 0.55 } },
+  { selector: 'node.last-good', style: {
+    width: 32, height: 32, 'border-width': 5, 'border-style': 'double', 'border-color': '#1a73e8', 'font-weight': 'bold',
+    'underlay-color': '#1a73e8', 'underlay-opacity': 0.18, 'underlay-padding': 7, 'underlay-shape': 'ellipse',
+  } },
+  { selector: 'node.doomed', style: { 'overlay-color': '#d93025', 'overlay-opacity': 0.25, 'overlay-padding': 4 } },
+  { selector: 'node:selected', style: { 'overlay-color': '#1a73e8', 'overlay-opacity': 0.3, 'overlay-padding': 6 } },
+  { selector: 'edge', style: {
+    width: 1.5, 'line-color': '#9aa0a6', 'curve-style': 'taxi', 'taxi-direction': 'rightward', 'taxi-turn': 18,
+    'target-arrow-shape': 'triangle', 'target-arrow-color': '#9aa0a6', 'arrow-scale': 0.8,
+  } },
+  { selector: 'edge.faint', style: { 'line-style': 'dashed' } },
+  { selector: 'edge.vroot', style: { visibility: 'hidden' } },
+  { selector: 'node.marker', style: {
+    shape: 'diamond', width: 14, height: 14, 'border-width': 1, 'font-size': 9, 'text-valign': 'center',
+    'text-halign': 'right', 'text-margin-x': 4, 'text-background-opacity': 0,
+  } },
+  { selector: 'node.m-spike', style: { 'background-color': '#d93025', 'border-color': '#8c1d18' } },
+  { selector: 'node.m-rollback', style: { 'background-color': '#9334e6', 'border-color': '#5b1f8f' } },
+  { selector: 'node.m-restart', style: { 'background-color': '#1a73e8', 'border-color': '#0b4a9e', shape: 'round-triangle' } },
+  { selector: 'node.m-corrupt', style: { 'background-color': '#8c1d18', 'border-color': '#5a0f0b', shape: 'octagon' } },
+  { selector: 'edge.marker-link', style: {
+    width: 1, 'line-style': 'dotted', 'line-color': '#bdc1c6', 'target-arrow-shape': 'none', 'curve-style': 'straight',
+  } },
+  { selector: 'node.axis', style: { width: 1, height: 1, 'background-opacity': 0, 'border-width': 0, label: '' } },
+  { selector: 'edge.axis', style: {
+    width: 1, 'line-color': '#dadce0', 'target-arrow-shape': 'none', 'curve-style': 'straight',
+    'font-size': 9, color: '#80868b', 'source-label': 'events', 'source-text-offset': 22, 'source-text-margin-y': -8,
+  } },
+];
+
+/** Below this zoom labels are unreadable: fitting stops there and shows the newest part. */
+const MIN_FIT_ZOOM = 0.55;
+
+const LAYOUT = {
+  name: 'dagre', rankDir: 'LR', nodeSep: 14, rankSep: 18, edgeSep: 8, nodeDimensionsIncludeLabels: true,
+  minLen: (edge) => edge.data('minLen') || 1, fit: false, animate: false,
+};
+
+/** x on the timeline for a step: interpolated between the shown elements around it. */
+function stepToX(points, step) {
+  if (!points.length) return 0;
+  if (step <= points[0][0]) return points[0][1];
+  for (let i = 1; i < points.length; i += 1) {
+    const [s1, x1] = points[i];
+    if (step <= s1) {
+      const [s0, x0] = points[i - 1];
+      return s1 === s0 ? x1 : x0 + ((x1 - x0) * (step - s0)) / (s1 - s0);
+    }
+  }
+  return points[points.length - 1][1];
+}
+
+export class LineageGraph {
+  constructor(container, { onTapCheckpoint, onTapGroup }) {
+    this.container = container;
+    this.version = 0;
+    this.model = null;
+    this.autoFit = true;
+    this.cy = window.cytoscape({
+      container, style: STYLE, elements: [], minZoom: 0.03, maxZoom: 4,
+      boxSelectionEnabled: false, autoungrabify: true, selectionType: 'single',
+    });
+    this.cy.on('tap', 'node.checkpoint', (e) => onTapCheckpoint(e.target.data('checkpointId')));
+    this.cy.on('tap', 'node.group', (e) => onTapGroup(e.target.id()));
+    this.cy.on('tap', 'node.marker', (e) => {
+      const id = e.target.data('checkpointId');
+      if (id) onTapCheckpoint(id);
+    });
+    // the user moved the view: stop fitting the graph on every update
+    this.cy.on('dragpan scrollzoom pinchzoom', () => { this.autoFit = false; });
+    // the detail panel opening or the window resizing changes the container's size
+    new ResizeObserver(() => {
+      this.cy.resize();
+      if (this.autoFit) this.fit();
+    }).observe(container);
+  }
+
+  render(model) {
+    const { cy } = this;
+    const selected = cy.$('node:selected').id();
+    const viewport = { zoom: cy.zoom(), pan: { ...cy.pan() } };
+    cy.batch(() => {
+      cy.elements().remove();
+      cy.add(model.elements);
+    });
+    cy.elements('.lineage').layout(LAYOUT).run();
+    this.placeMarkers(model);
+    if (selected && cy.getElementById(selected).nonempty()) cy.getElementById(selected).select();
+    if (this.autoFit) this.fit();
+    else cy.viewport(viewport);
+    this.model = model;
+    this.version += 1;
+    const ds = this.container.dataset;
+    ds.run = model.snapshot.run;
+    ds.version = String(this.version);
+    ds.total = String(model.snapshot.total);
+    ds.visible = String(model.shown.length);
+    ds.lastGood = String(model.snapshot.lastGoodId ?? '');
+    ds.state = 'ready';
+  }
+
+  placeMarkers(model) {
+    const { cy } = this;
+    const shown = cy.nodes('.checkpoint, .group');
+    if (!shown.length || !model.markers.length) return;
+    const bb = shown.boundingBox({ includeLabels: true });
+    const y = bb.y1 - 34;
+    const points = [...new Map(shown.map((n) => [n.data('step'), n.position('x')])).entries()].sort((a, b) => a[0] - b[0]);
+    // labels sit right of their marker; a marker whose label would overlap goes one row up
+    const rows = [];
+    const placed = model.markers.map((m) => ({ m, x: stepToX(points, m.step) })).sort((a, b) => a.x - b.x);
+    const add = [];
+    for (const { m, x } of placed) {
+      const span = [x - 9, x + 14 + 5.5 * m.label.length];
+      let row = 0;
+      while (rows[row] && rows[row].some(([a, b]) => span[0] < b + 6 && span[1] > a - 6)) row += 1;
+      (rows[row] ||= []).push(span);
+      add.push({ group: 'nodes', data: { id: m.key, label: m.label, checkpointId: m.checkpointId, step: m.step },
+        classes: `marker m-${m.kind}`, position: { x, y: y - row * 22 } });
+      if (m.target && cy.getElementById(m.target).nonempty()) {
+        add.push({ group: 'edges', data: { id: `${m.key}-link`, source: m.key, target: m.target }, classes: 'marker-link' });
+      }
+    }
+    add.push({ group: 'nodes', data: { id: 'axis-a' }, classes: 'axis', position: { x: bb.x1 - 10, y } });
+    add.push({ group: 'nodes', data: { id: 'axis-b' }, classes: 'axis', position: { x: bb.x2 + 10, y } });
+    add.push({ group: 'edges', data: { id: 'axis', source: 'axis-a', target: 'axis-b' }, classes: 'axis' });
+    cy.add(add);
+    cy.elements('.axis').lock();
+    cy.nodes('.marker').lock();
+  }
+
+  /** The whole graph, unless that makes labels unreadable: then its newest part, legibly. */
+  fit() {
+    this.autoFit = true;
+    const { cy } = this;
+    const all = cy.elements(':visible');
+    cy.fit(all, 24);
+    if (cy.zoom() >= MIN_FIT_ZOOM) return;
+    const bb = all.boundingBox();
+    cy.zoom(MIN_FIT_ZOOM);
+    cy.pan({ x: cy.width() - 24 - bb.x2 * MIN_FIT_ZOOM, y: cy.height() / 2 - ((bb.y1 + bb.y2) / 2) * MIN_FIT_ZOOM });
+  }
+
+  zoomBy(factor) {
+    this.autoFit = false;
+    const { cy } = this;
+    cy.zoom({ level: cy.zoom() * factor, renderedPosition: { x: cy.width() / 2, y: cy.height() / 2 } });
+  }
+
+  select(key) {
+    const { cy } = this;
+    cy.$(':selected').unselect();
+    if (!key) return;
+    const el = cy.getElementById(key);
+    if (el.nonempty()) el.select();
+  }
+
+  /** Checkpoint ids GC would delete: marked while the GC view is open. */
+  markDoomed(ids) {
+    const { cy } = this;
+    cy.nodes('.doomed').removeClass('doomed');
+    if (!this.model || !ids) return;
+    for (const id of ids) {
+      const key = this.model.keyOf(id);
+      cy.getElementById(key).addClass('doomed');
+    }
+  }
+
+  doomedKeys() {
+    return this.cy.nodes('.doomed').map((n) => n.id());
+  }
+
+  /** Where an element is drawn, in CSS pixels from the graph container's top left corner. */
+  renderedPosition(key) {
+    const el = this.cy.getElementById(key);
+    return el.nonempty() ? el.renderedPosition() : null;
+  }
+}
