@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 SERVICE_STAMP := $(VENV)/.installed-service
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: run test demo proto clean
+.PHONY: run test demo bench proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ test: $(DEV_STAMP)
 
 demo: $(DEV_STAMP)
 	$(BIN)/python examples/gpt/demo.py
+
+# the full benchmark against the peers and the limits (about 20 minutes; see bench/README.md)
+bench: $(DEV_STAMP)
+	$(BIN)/python -m bench.run
 
 proto: $(DEV_STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I client/proto --python_out=client --pyi_out=client \

@@ -1,0 +1,247 @@
+"""Shared pieces of the benchmark: the state, a real service process, timing and RSS helpers."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------- the state
+def _dims(target: int) -> tuple[int, int, int]:
+    """(vocab, d_model, context) of a GPT-style model whose weights + Adam moments ~ target."""
+    if target < 32 * MiB:
+        return 4096, 128, 128
+    if target < 512 * MiB:
+        return 32000, 384, 1024
+    if target < 2 * GiB:
+        return 32000, 768, 1024
+    return 32000, 1024, 1024
+
+
+def build_state(target: int, seed: int = 0):
+    """A GPT-style model (token and position embeddings, pre-LN blocks with fused QKV, 4x
+    MLP, biases and LayerNorms) sized so that its fp32 weights plus AdamW's exp_avg and
+    exp_avg_sq come to about `target` bytes, with random values (no compressible zeros),
+    and an AdamW optimizer whose state is filled as after a real step."""
+    import torch
+    from torch import nn
+
+    vocab, d, ctx = _dims(target)
+    params = target / 12  # fp32 weights + two fp32 moments
+    per_layer = 12 * d * d + 13 * d
+    layers = max(1, round((params - (vocab + ctx) * d - 2 * d) / per_layer))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1 = nn.LayerNorm(d, device="meta")
+            self.qkv = nn.Linear(d, 3 * d, device="meta")
+            self.proj = nn.Linear(d, d, device="meta")
+            self.ln2 = nn.LayerNorm(d, device="meta")
+            self.fc = nn.Linear(d, 4 * d, device="meta")
+            self.fc_out = nn.Linear(4 * d, d, device="meta")
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(vocab, d, device="meta")
+            self.pos = nn.Embedding(ctx, d, device="meta")
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln_f = nn.LayerNorm(d, device="meta")
+
+    g = torch.Generator().manual_seed(seed)
+    model = GPT().to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02, generator=g)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
+    for p in model.parameters():
+        avg = torch.empty_like(p).normal_(0, 1e-3, generator=g)
+        sq = torch.empty_like(p).uniform_(0, 1e-6, generator=g)
+        opt.state[p] = {"step": torch.tensor(1000.0), "exp_avg": avg, "exp_avg_sq": sq}
+    return model, opt
+
+
+def state_tensors(model, opt) -> list:
+    ts = list(model.state_dict().values())
+    for st in opt.state.values():
+        ts.extend(v for v in st.values() if hasattr(v, "nbytes"))
+    return ts
+
+
+def state_bytes(model, opt) -> int:
+    return sum(t.nbytes for t in state_tensors(model, opt))
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper()
+    for suffix, mult in (("GIB", GiB), ("MIB", MiB), ("KIB", 1024), ("G", GiB), ("M", MiB), ("K", 1024)):
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * mult)
+    return int(text)
+
+
+def size_label(n: int) -> str:
+    if n >= GiB and n % GiB == 0:
+        return f"{n // GiB} GiB"
+    if n >= MiB:
+        return f"{n // MiB} MiB" if n % MiB == 0 else f"{n / MiB:.1f} MiB"
+    return f"{n // 1024} KiB"
+
+
+# ---------------------------------------------------------------------------- statistics
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def percentile(xs, q: float) -> float:
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+# ---------------------------------------------------------------------------- the service
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, method: str = "GET", timeout: float = 60.0):
+    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+@dataclass
+class Service:
+    """A real lastgood-service process on loopback (as tests/conftest.py's ServiceProc)."""
+
+    data_dir: Path
+    env: dict = field(default_factory=dict)
+    port: int = 0
+    proc: subprocess.Popen | None = None
+    info: dict = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def start(self, timeout: float = 60.0) -> "Service":
+        self.port = free_port()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = self.data_dir / "service.log"
+        env = {**os.environ, "LASTGOOD_DATA_DIR": str(self.data_dir), "LASTGOOD_PORT": str(self.port),
+               "LASTGOOD_GRPC_PORT": "0", "LASTGOOD_LOG_LEVEL": "WARNING", **self.env}
+        with open(log, "ab") as f:
+            self.proc = subprocess.Popen([sys.executable, "-m", "lastgood_service.main"], env=env,
+                                         stdout=f, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"service exited with {self.proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                self.info = http_json(self.url + "/api/v1/info", timeout=1)
+                return self
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"service did not come up:\n{log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def gc(self) -> dict:
+        return http_json(self.url + "/api/v1/gc?dry_run=false", method="POST", timeout=300)
+
+
+def proc_status(pid: int, key: str) -> int:
+    """A /proc/<pid>/status field in bytes (VmRSS, VmHWM)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+class RssSampler:
+    """Samples a process's VmRSS every `interval` seconds while in use; `.peak` in bytes."""
+
+    def __init__(self, pid: int, interval: float = 0.01) -> None:
+        self.pid, self.interval = pid, interval
+        self.peak = 0
+        self.start_rss = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.peak = max(self.peak, proc_status(self.pid, "VmRSS"))
+            except (OSError, KeyError):
+                return
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "RssSampler":
+        self.start_rss = proc_status(self.pid, "VmRSS")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = proc_meminfo("MemTotal")
+    import platform
+
+    import torch
+
+    return {"cpus": os.cpu_count(), "cpu_model": cpu, "memory_gib": round(mem / GiB, 1),
+            "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__,
+            "loadavg_start": os.getloadavg()}
+
+
+def proc_meminfo(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0

@@ -1,0 +1,546 @@
+"""lastgood's benchmark: one command, one run, the same state and the same disk.
+
+    python -m bench.run                 # the full benchmark (make bench): 256 MiB, 1 GiB, 4 GiB
+    python -m bench.run --smoke         # tiny sizes, every figure, well under a minute (tests/bench)
+
+Prints a table and writes the same figures as JSON under bench/results/ (latest.json and
+a timestamped copy; --out picks another folder). Every figure is the median of --reps
+repetitions (at least 3); repetitions of the cases that are compared are interleaved
+(rep 1 of every case, then rep 2, ...) so that load from other processes hits them alike,
+and every ratio is taken between figures of this one run. See bench/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from pathlib import Path
+
+import torch
+
+from bench.common import (GiB, MiB, ROOT, RssSampler, Service, build_state, machine, median, parse_size,
+                          proc_status, size_label, state_bytes, state_tensors)
+from bench.pipe import PipeClient
+
+# What every run must produce (tests/bench checks each one is a number in the JSON).
+PER_SIZE = ["copy_floor", "raw_write_fsync", "torch_save", "dcp_save", "lastgood_save_sync",
+            "lastgood_save_async_block", "lastgood_save_async_commit", "torch_load", "dcp_load",
+            "lastgood_restore", "grpc_download", "grpc_upload"]
+RATIOS = ["save_vs_dcp", "save_vs_torch_save", "save_vs_raw_disk", "block_vs_copy", "restore_vs_grpc",
+          "restore_vs_torch_load", "restore_vs_dcp_load"]
+
+TARGETS = [  # (name, figure path, comparison, bound, what)
+    ("save throughput vs DCP", "save_vs_dcp", ">=", 0.9, "lastgood sync save (fsync + end-to-end xxh3) / DCP save"),
+    ("save() blocks the trainer", "block_vs_copy", "<=", 1.5, "async save() time / plain CPU copy"),
+    ("restore vs gRPC ceiling", "restore_vs_grpc", ">=", 0.8, "lastgood restore / bare gRPC download"),
+    ("4 ranks vs raw disk", "four_ranks.ratio", ">=", 0.8, "aggregate ingest of 4 rank processes / raw write+fsync"),
+    ("service peak RSS while ingesting", "service_rss.peak_mib", "<=", 256, "MiB, sampled VmRSS during the save"),
+    ("{ranks}-rank commit after the last vote", "scale.last_vote_to_commit_s", "<=", 1.0,
+     "s from the last rank's CommitRank to its COMMITTED answer"),
+    ("checkpoint list p99 at {checkpoints:,} checkpoints", "catalog.list.p99_ms", "<=", 50,
+     "ms, GET /api/v1/runs/{{run}}/checkpoints?limit=100"),
+]
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rm(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------- limits
+def copy_floor(tensors: list, reps: int) -> list[float]:
+    """Copy every tensor of the state into one preallocated (already touched) CPU buffer."""
+    total = sum(t.nbytes for t in tensors)
+    buf = torch.empty(total, dtype=torch.uint8)
+    buf.fill_(1)
+    views, pos = [], 0
+    for t in tensors:
+        views.append(buf[pos:pos + t.nbytes].view(t.dtype).view(t.shape))
+        pos += t.nbytes
+
+    def once():
+        for v, t in zip(views, tensors):
+            v.copy_(t)
+
+    once()  # warm
+    out = [timed(once) for _ in range(reps)]
+    del views, buf
+    return out
+
+
+_RAW_BLOCK = None
+
+
+def raw_write(path: Path, nbytes: int) -> float:
+    """Sequential 16 MiB writes of `nbytes` to a new file, then fsync: the disk's ceiling."""
+    global _RAW_BLOCK
+    if _RAW_BLOCK is None:
+        _RAW_BLOCK = memoryview(os.urandom(16 * MiB))
+    rm(path)
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, _RAW_BLOCK[: min(left, len(_RAW_BLOCK))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dt_ = time.perf_counter() - t0
+    rm(path)
+    return dt_
+
+
+# ---------------------------------------------------------------------------- peers
+def torch_save(model, opt, path: Path) -> float:
+    rm(path)
+    t0 = time.perf_counter()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    fsync_path(path)
+    return time.perf_counter() - t0
+
+
+def torch_load(model, opt, path: Path) -> float:
+    t0 = time.perf_counter()
+    sd = torch.load(path, weights_only=True)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optimizer"])
+    dt_ = time.perf_counter() - t0
+    del sd
+    return dt_
+
+
+def dcp_save(model, opt, path: Path) -> float:
+    import torch.distributed.checkpoint as dcp
+
+    rm(path)
+    t0 = time.perf_counter()
+    dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()},
+             storage_writer=dcp.FileSystemWriter(path, thread_count=2, sync_files=True), no_dist=True)
+    return time.perf_counter() - t0
+
+
+def dcp_load(model, opt, path: Path) -> float:
+    import torch.distributed.checkpoint as dcp
+
+    t0 = time.perf_counter()
+    sd = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)  # in place
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optimizer"])
+    return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------- pipe server
+class Pipe:
+    def __init__(self, work: Path) -> None:
+        port_file = work / "pipe.port"
+        rm(port_file)
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.pipe", "serve", str(port_file)], cwd=ROOT)
+        deadline = time.monotonic() + 30
+        while not port_file.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the gRPC pipe server did not start")
+            time.sleep(0.05)
+        self.client = PipeClient(int(port_file.read_text()))
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+# ---------------------------------------------------------------------------- one size
+SERVICE_ENV = {"LASTGOOD_RETENTION": "latest:1,last-good,branch-heads", "LASTGOOD_GC_INTERVAL": "0",
+               "LASTGOOD_GC_GRACE_SECONDS": "0"}
+
+
+def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
+    import lastgood
+
+    label = size_label(target)
+    t_build = time.perf_counter()
+    model, opt = build_state(target)
+    tensors = state_tensors(model, opt)
+    nbytes = state_bytes(model, opt)
+    log(f"\n== {label}: {nbytes / MiB:.1f} MiB in {len(tensors)} tensors "
+        f"({sum(1 for _ in model.parameters())} parameters + AdamW moments), built in "
+        f"{time.perf_counter() - t_build:.1f} s; {reps} reps")
+    times: dict[str, list[float]] = {k: [] for k in PER_SIZE}
+    rss_peaks: list[int] = []
+
+    times["copy_floor"] = copy_floor(tensors, reps)
+    log(f"  copy floor: {median(times['copy_floor']):.3f} s")
+
+    svc = Service(work / f"svc-{target}", SERVICE_ENV).start()
+    base_rss = proc_status(svc.pid, "VmRSS")
+    run = f"bench-{target}-{uuid.uuid4().hex[:6]}"
+    state = lastgood.TrainState(model=model, optimizer=opt)
+    ckpt = lastgood.Checkpointer(svc.url, run=run)
+    files = work / "files"
+    files.mkdir(exist_ok=True)
+    raw_path, pt_path, dcp_path = files / "raw.bin", files / "state.pt", files / "dcp"
+    step = 0
+    try:
+        # warm-up: lastgood allocates its staging buffer once and reuses it for every save
+        t_cold = timed(lambda: (ckpt.save(step, state), ckpt.wait()))
+        svc.gc()
+        log(f"  lastgood warm-up save (allocates the staging buffer): {t_cold:.2f} s")
+        for i in range(reps):
+            times["raw_write_fsync"].append(raw_write(raw_path, nbytes))
+            times["torch_save"].append(torch_save(model, opt, pt_path))
+            times["dcp_save"].append(dcp_save(model, opt, dcp_path))
+            step += 1
+            with RssSampler(svc.pid) as rss:
+                t = timed(lambda: (ckpt.save(step, state), ckpt.wait()))
+            times["lastgood_save_sync"].append(t)
+            rss_peaks.append(rss.peak)
+            svc.gc()
+            step += 1
+            t0 = time.perf_counter()
+            ckpt.save(step, state)
+            t1 = time.perf_counter()
+            ckpt.wait()
+            t2 = time.perf_counter()
+            times["lastgood_save_async_block"].append(t1 - t0)
+            times["lastgood_save_async_commit"].append(t2 - t0)
+            svc.gc()
+            log(f"  save rep {i + 1}: raw {times['raw_write_fsync'][-1]:.2f} s, torch.save "
+                f"{times['torch_save'][-1]:.2f} s, DCP {times['dcp_save'][-1]:.2f} s, lastgood sync {t:.2f} s "
+                f"(service RSS peak {rss.peak / MiB:.0f} MiB), async blocks {t1 - t0:.3f} s / commits {t2 - t0:.2f} s")
+        hwm_after_ingest = proc_status(svc.pid, "VmHWM")
+        ckpt.close()  # frees the staging buffer before the restores allocate theirs
+        del ckpt
+        gc.collect()
+
+        reader = lastgood.Checkpointer(svc.url, run=run)
+        for i in range(reps):
+            times["torch_load"].append(torch_load(model, opt, pt_path))
+            times["dcp_load"].append(dcp_load(model, opt, dcp_path))
+            got = None
+
+            def restore():
+                nonlocal got
+                got = reader.restore(state)
+
+            times["lastgood_restore"].append(timed(restore))
+            assert got == step, (got, step)
+            gc.collect()
+            times["grpc_download"].append(pipe.client.download(nbytes))
+            times["grpc_upload"].append(pipe.client.upload(nbytes))
+            log(f"  restore rep {i + 1}: torch.load {times['torch_load'][-1]:.2f} s, DCP load "
+                f"{times['dcp_load'][-1]:.2f} s, lastgood {times['lastgood_restore'][-1]:.2f} s, gRPC ceiling "
+                f"down {times['grpc_download'][-1]:.2f} s / up {times['grpc_upload'][-1]:.2f} s")
+        reader.close()
+    finally:
+        svc.stop()
+        for p in (raw_path, pt_path, dcp_path):
+            rm(p)
+        shutil.rmtree(work / f"svc-{target}", ignore_errors=True)
+
+    med = {k: median(v) for k, v in times.items()}
+    gib = nbytes / GiB
+    figures = {k: {"seconds": times[k], "median_s": med[k], "gib_per_s": gib / med[k] if med[k] else None}
+               for k in PER_SIZE}
+    tput = {k: gib / med[k] for k in PER_SIZE}
+    ratios = {
+        "save_vs_dcp": tput["lastgood_save_sync"] / tput["dcp_save"],
+        "save_vs_torch_save": tput["lastgood_save_sync"] / tput["torch_save"],
+        "save_vs_raw_disk": tput["lastgood_save_sync"] / tput["raw_write_fsync"],
+        "block_vs_copy": med["lastgood_save_async_block"] / med["copy_floor"],
+        "restore_vs_grpc": tput["lastgood_restore"] / tput["grpc_download"],
+        "restore_vs_torch_load": tput["lastgood_restore"] / tput["torch_load"],
+        "restore_vs_dcp_load": tput["lastgood_restore"] / tput["dcp_load"],
+    }
+    del model, opt, state, tensors
+    gc.collect()
+    return {"label": label, "target_bytes": target, "bytes": nbytes, "reps": reps, "figures": figures,
+            "ratios": ratios, "lastgood_cold_first_save_s": t_cold,
+            "service_rss": {"baseline_mib": base_rss / MiB, "peak_mib_reps": [p / MiB for p in rss_peaks],
+                            "peak_mib": median(rss_peaks) / MiB, "vmhwm_after_ingest_mib": hwm_after_ingest / MiB}}
+
+
+# ---------------------------------------------------------------------------- four ranks
+class RankProcs:
+    """N rank processes (python -m bench.ranks), each with its own state and Checkpointer,
+    saving one checkpoint of world size N together. `start()` launches them (they import
+    torch and build their state); `run()` measures."""
+
+    def __init__(self, per_rank: int, ranks: int, work: Path) -> None:
+        self.per_rank, self.ranks, self.work = per_rank, ranks, work
+        self.svc = Service(work / "svc-ranks", SERVICE_ENV)
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self) -> "RankProcs":
+        self.svc.start()
+        run, attempt = f"bench-ranks-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:12]
+        for r in range(self.ranks):
+            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(self.ranks), "LASTGOOD_LOG_LEVEL": "WARNING"}
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "bench.ranks", self.svc.url, run, attempt, str(self.per_rank)],
+                cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        return self
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    p.stdin.write("quit\n")
+                    p.stdin.flush()
+                    p.wait(60)
+                except (OSError, subprocess.TimeoutExpired):
+                    p.kill()
+                    p.wait()
+        self.svc.stop()
+        shutil.rmtree(self.work / "svc-ranks", ignore_errors=True)
+
+    def run(self, reps: int) -> dict:
+        procs, svc, ranks = self.procs, self.svc, self.ranks
+        total = 0
+        for p in procs:
+            line = p.stdout.readline()
+            if not line:
+                raise RuntimeError("a rank process exited before it was ready")
+            total += json.loads(line)["bytes"]
+        log(f"\n== {ranks} ranks x {size_label(self.per_rank)} (separate processes, one checkpoint of world size "
+            f"{ranks}): {total / MiB:.0f} MiB in all; {reps} reps + 1 warm-up")
+
+        def save(step: int) -> float:
+            for p in procs:
+                p.stdin.write(f"save {step}\n")
+                p.stdin.flush()
+            outs = [json.loads(p.stdout.readline()) for p in procs]
+            return max(o["t1"] for o in outs) - min(o["t0"] for o in outs)
+
+        warm = save(0)
+        svc.gc()
+        raw, agg = [], []
+        (self.work / "files").mkdir(exist_ok=True)
+        raw_path = self.work / "files" / "raw-ranks.bin"
+        for i in range(reps):
+            raw.append(raw_write(raw_path, total))
+            agg.append(save(i + 1))
+            svc.gc()
+            log(f"  rep {i + 1}: raw write+fsync {raw[-1]:.2f} s, {ranks} ranks to commit {agg[-1]:.2f} s "
+                f"({total / GiB / agg[-1]:.2f} GiB/s vs {total / GiB / raw[-1]:.2f} GiB/s)")
+        gib = total / GiB
+        return {"ranks": ranks, "per_rank_bytes": self.per_rank, "bytes": total, "reps": reps, "warmup_s": warm,
+                "aggregate_s": agg, "raw_s": raw, "aggregate_gib_per_s": gib / median(agg),
+                "raw_gib_per_s": gib / median(raw), "ratio": median(raw) / median(agg)}
+
+
+# ---------------------------------------------------------------------------- report
+def lookup(results: dict, path: str):
+    node = results
+    for part in path.split("."):
+        node = node[part]
+    return node
+
+
+def evaluate(results: dict, rss_label: str) -> list[dict]:
+    out = []
+    biggest = results["sizes"][-1]
+    for name, path, op, bound, what in TARGETS:
+        if path.startswith(("four_ranks", "scale", "catalog")):
+            values = [(None, lookup(results, path))]
+        elif path.startswith("service_rss"):
+            block = next(b for b in results["sizes"] if b["label"] == rss_label)
+            values = [(block["label"], block["service_rss"]["peak_mib"])]
+        else:
+            values = [(b["label"], b["ratios"][path]) for b in results["sizes"]]
+        for size, v in values:
+            met = v >= bound if op == ">=" else v <= bound
+            # how far off: as a fraction of the bound, in the direction that matters
+            miss = 0.0 if met else ((bound - v) / bound if op == ">=" else (v - bound) / bound)
+            label = name.format(ranks=results["scale"]["ranks"], checkpoints=results["catalog"]["checkpoints"])
+            out.append({"target": label, "size": size, "figure": path, "value": v, "op": op, "bound": bound,
+                        "met": met, "missed_by": miss, "what": what, "headline": size in (None, biggest["label"])})
+    return out
+
+
+def fmt_s(s: float) -> str:
+    return f"{s * 1e3:.0f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def table(results: dict) -> str:
+    sizes = results["sizes"]
+    names = {
+        "copy_floor": "plain CPU copy (snapshot floor)", "raw_write_fsync": "raw sequential write + fsync (disk ceiling)",
+        "torch_save": "torch.save + fsync", "dcp_save": "DCP save (2 threads, sync_files)",
+        "lastgood_save_sync": "**lastgood save → acknowledged commit**",
+        "lastgood_save_async_block": "**lastgood async: save() blocks**",
+        "lastgood_save_async_commit": "**lastgood async: save() → commit**",
+        "torch_load": "torch.load(weights_only) + load_state_dict", "dcp_load": "DCP load (in place)",
+        "lastgood_restore": "**lastgood restore (hash-verified, in place)**",
+        "grpc_download": "bare gRPC stream, hashed (download)", "grpc_upload": "bare gRPC stream, hashed (upload)",
+    }
+    head = "| case | " + " | ".join(f"{b['label']} ({b['bytes'] / MiB:.0f} MiB, {len(sizes) and b['reps']}×)"
+                                   for b in sizes) + " |"
+    lines = [head, "|---" * (len(sizes) + 1) + "|"]
+    for k in PER_SIZE:
+        cells = []
+        for b in sizes:
+            f = b["figures"][k]
+            cells.append(f"{fmt_s(f['median_s'])} · {f['gib_per_s']:.2f} GiB/s")
+        lines.append(f"| {names[k]} | " + " | ".join(cells) + " |")
+    lines.append("| service peak RSS while ingesting (baseline) | " + " | ".join(
+        f"{b['service_rss']['peak_mib']:.0f} MiB ({b['service_rss']['baseline_mib']:.0f})" for b in sizes) + " |")
+    ratio_names = {"save_vs_dcp": "save: lastgood / DCP (target ≥ 0.9)",
+                   "save_vs_torch_save": "save: lastgood / torch.save",
+                   "save_vs_raw_disk": "save: lastgood / raw disk",
+                   "block_vs_copy": "save() blocks / plain copy (target ≤ 1.5)",
+                   "restore_vs_grpc": "restore: lastgood / gRPC ceiling (target ≥ 0.8)",
+                   "restore_vs_torch_load": "restore: lastgood / torch.load",
+                   "restore_vs_dcp_load": "restore: lastgood / DCP load"}
+    for k in RATIOS:
+        lines.append(f"| *{ratio_names[k]}* | " + " | ".join(f"{b['ratios'][k]:.2f}×" for b in sizes) + " |")
+    fr, sc, cat = results["four_ranks"], results["scale"], results["catalog"]
+    lines += ["", "| case | figure |", "|---|---|",
+              f"| {fr['ranks']} ranks × {size_label(fr['per_rank_bytes'])} at once (processes), to commit | "
+              f"{fmt_s(median(fr['aggregate_s']))} · {fr['aggregate_gib_per_s']:.2f} GiB/s aggregate |",
+              f"| raw write + fsync of the same {fr['bytes'] / MiB:.0f} MiB | {fmt_s(median(fr['raw_s']))} · "
+              f"{fr['raw_gib_per_s']:.2f} GiB/s |",
+              f"| *{fr['ranks']} ranks / raw disk (target ≥ 0.8)* | {fr['ratio']:.2f}× |",
+              f"| {sc['ranks']} ranks, tiny shards: last rank's vote → COMMITTED (target ≤ 1 s) | "
+              f"{sc['last_vote_to_commit_s'] * 1e3:.0f} ms |",
+              f"| {sc['ranks']} tiny PutShards (8 threads) / {sc['ranks'] - 1} votes with wait 0 | "
+              f"{sc['puts_s']:.1f} s / {sc['votes_s']:.1f} s |"]
+    if "waiting_votes" in sc:
+        w = sc["waiting_votes"]
+        lines.append(f"| {sc['ranks']} ranks all voting with wait_seconds=2 (as the Checkpointer): first vote → "
+                     f"commit | {w['first_vote_to_commit_s']:.1f} s |")
+    for key, what in (("list", "limit=100"), ("list_committed", "status=COMMITTED&limit=100"),
+                      ("list_last_page", f"limit=100&offset={cat['checkpoints'] - 100}")):
+        lines.append(f"| GET checkpoints?{what} at {cat['checkpoints']:,} (target p99 ≤ 50 ms) | "
+                     f"p50 {cat[key]['p50_ms']:.1f} ms · p99 {cat[key]['p99_ms']:.1f} ms |")
+    lines += ["", "| target | value | met |", "|---|---|---|"]
+    for t in results["targets"]:
+        if not t["headline"]:
+            continue
+        v = t["value"]
+        val = f"{v:.2f}" if abs(v) < 100 else f"{v:.0f}"
+        miss = "yes" if t["met"] else f"**no** (off by {t['missed_by'] * 100:.0f}%)"
+        lines.append(f"| {t['target']}{' at ' + t['size'] if t['size'] else ''}: {t['op']} {t['bound']} | {val} | {miss} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes and counts: checks that every case runs")
+    ap.add_argument("--sizes", help="comma list of state sizes (default 256M,1G,4G; smoke 4M)")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions per figure (default 5; 3 for 4 GiB; smoke 3)")
+    ap.add_argument("--rank-size", help="state size of each of the 4 ranks (default 1G; smoke 4M)")
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--scale-ranks", type=int, default=None, help="ranks of the scale checkpoint (default 1024)")
+    ap.add_argument("--catalog", type=int, default=None, help="committed checkpoints in the catalog (default 10000)")
+    ap.add_argument("--no-waiting-votes", action="store_true",
+                    help="skip the 1,024 ranks voting with wait_seconds=2 (about 35 s a rep)")
+    ap.add_argument("--workdir", help="scratch folder on the disk under test (default: a new one under /tmp)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="where the JSON goes")
+    args = ap.parse_args(argv)
+    # DCP without a process group says it assumes one process, on every call: it does
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+    smoke = args.smoke
+    sizes = [parse_size(s) for s in (args.sizes or ("4M" if smoke else "256M,1G,4G")).split(",")]
+    reps_for = (lambda n: args.reps) if args.reps else (lambda n: 3 if smoke or n >= 4 * GiB else 5)
+    if args.reps is not None and args.reps < 3:
+        ap.error("--reps must be at least 3: every figure is a median of three or more")
+    rank_size = parse_size(args.rank_size or ("4M" if smoke else "1G"))
+    scale_ranks = args.scale_ranks or (32 if smoke else 1024)
+    catalog_n = args.catalog or (300 if smoke else 10000)
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="lastgood-bench-", dir="/tmp"))
+    work.mkdir(parents=True, exist_ok=True)
+    need = 3 * max(sizes) + 2 * rank_size * args.ranks
+    free = shutil.disk_usage(work).free
+    if free < need:
+        log(f"not enough free disk in {work}: {free / GiB:.1f} GiB free, about {need / GiB:.1f} GiB needed")
+        return 2
+    command = "python -m bench.run " + " ".join(argv if argv is not None else sys.argv[1:])
+    results: dict = {"command": command.strip(), "smoke": smoke, "machine": machine(),
+                     "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                     "workdir": str(work), "sizes": []}
+    log(f"lastgood benchmark: sizes {', '.join(size_label(s) for s in sizes)}; workdir {work} "
+        f"({free / GiB:.0f} GiB free); load average {os.getloadavg()[0]:.2f}")
+    t_start = time.perf_counter()
+    rank_procs = RankProcs(rank_size, args.ranks, work)
+    try:
+        if smoke:  # the rank processes import torch while the sizes run (full runs keep them apart)
+            rank_procs.start()
+        pipe = Pipe(work)
+        try:
+            for target in sizes:
+                results["sizes"].append(size_block(target, reps_for(target), work, pipe))
+        finally:
+            pipe.close()
+        if not smoke:
+            rank_procs.start()
+        results["four_ranks"] = rank_procs.run(3)
+    finally:
+        rank_procs.stop()
+
+    from bench import scale
+
+    log(f"\n== scale: {scale_ranks} ranks with tiny shards (a load generator plays the ranks)")
+    results["scale"] = scale.commit_at_scale(work, scale_ranks, 3, 0 if args.no_waiting_votes else 3, log)
+    log(f"\n== catalog: GET a run's checkpoint list with {catalog_n:,} committed checkpoints")
+    results["catalog"] = scale.list_latency(work, catalog_n, 3, 20 if smoke else 200, log)
+
+    rss_label = next((b["label"] for b in results["sizes"] if b["target_bytes"] == 4 * GiB),
+                     results["sizes"][-1]["label"])
+    results["service_rss"] = {"size": rss_label,
+                              **next(b["service_rss"] for b in results["sizes"] if b["label"] == rss_label)}
+    results["targets"] = evaluate(results, rss_label)
+    results["elapsed_s"] = time.perf_counter() - t_start
+    results["machine"]["loadavg_end"] = os.getloadavg()
+    shutil.rmtree(work, ignore_errors=True)
+
+    text = table(results)
+    results["table_markdown"] = text
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    name = ("smoke" if smoke else "bench") + f"-{stamp}.json"
+    body = json.dumps(results, indent=1, default=str)
+    for target in (out / name, out / ("smoke-latest.json" if smoke else "latest.json")):
+        tmp = target.with_suffix(".json.tmp")
+        tmp.write_text(body)
+        os.replace(tmp, target)
+    log(f"\n{text}\n\nelapsed {results['elapsed_s'] / 60:.1f} min; load average at the end "
+        f"{os.getloadavg()[0]:.2f}; results in {out / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

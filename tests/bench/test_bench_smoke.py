@@ -1,0 +1,65 @@
+"""The benchmark at tiny sizes, so that it never rots: every case runs against a real
+service and the JSON holds every figure. The numbers themselves are not checked (the full
+benchmark is `make bench`, not a timed test)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.run import PER_SIZE, RATIOS, TARGETS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def test_bench_smoke_produces_every_figure(tmp_path):
+    out = tmp_path / "results"
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "bench.run", "--smoke", "--out", str(out),
+                           "--workdir", str(tmp_path / "work")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((out / "smoke-latest.json").read_text())
+    assert doc["smoke"] is True and doc["machine"]["cpus"] >= 1
+
+    assert doc["sizes"], "no state size was measured"
+    for block in doc["sizes"]:
+        assert block["bytes"] > 0
+        for name in PER_SIZE:
+            fig = block["figures"][name]
+            assert len(fig["seconds"]) >= 3, (block["label"], name, "a figure is a median of >= 3 reps")
+            assert all(_number(s) and s > 0 for s in fig["seconds"]), (block["label"], name, fig)
+            assert _number(fig["median_s"]) and _number(fig["gib_per_s"]), (block["label"], name)
+        for name in RATIOS:
+            assert _number(block["ratios"][name]) and block["ratios"][name] > 0, (block["label"], name)
+        rss = block["service_rss"]
+        assert len(rss["peak_mib_reps"]) >= 3 and rss["peak_mib"] >= rss["baseline_mib"] > 0
+
+    four = doc["four_ranks"]
+    assert four["ranks"] == 4 and len(four["aggregate_s"]) >= 3 and len(four["raw_s"]) >= 3
+    assert _number(four["ratio"]) and _number(four["aggregate_gib_per_s"]) and _number(four["raw_gib_per_s"])
+
+    scale = doc["scale"]
+    assert len(scale["reps"]) >= 3 and _number(scale["last_vote_to_commit_s"])
+    assert len(scale["waiting_votes"]["reps"]) >= 3 and _number(scale["waiting_votes"]["first_vote_to_commit_s"])
+
+    cat = doc["catalog"]
+    for key in ("list", "list_committed", "list_last_page"):
+        assert len(cat[key]["p99_ms_reps"]) >= 3 and _number(cat[key]["p50_ms"]) and _number(cat[key]["p99_ms"])
+
+    assert _number(doc["service_rss"]["peak_mib"])
+    # one verdict per target (the per-size ones once per size), each with its number
+    per_size = sum(1 for _n, path, *_ in TARGETS if "." not in path)
+    assert len(doc["targets"]) == per_size * len(doc["sizes"]) + len(TARGETS) - per_size
+    assert all(_number(t["value"]) and isinstance(t["met"], bool) for t in doc["targets"])
+    assert "| target |" in doc["table_markdown"] and "| target |" in proc.stdout
+    print(f"bench smoke took {elapsed:.0f} s")
