@@ -78,24 +78,28 @@ def rm(path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- limits
-def copy_floor(tensors: list, reps: int) -> list[float]:
-    """Copy every tensor of the state into one preallocated (already touched) CPU buffer."""
-    total = sum(t.nbytes for t in tensors)
-    buf = torch.empty(total, dtype=torch.uint8)
-    buf.fill_(1)
-    views, pos = [], 0
-    for t in tensors:
-        views.append(buf[pos:pos + t.nbytes].view(t.dtype).view(t.shape))
-        pos += t.nbytes
+class CopyFloor:
+    """Copy every tensor of the state into one preallocated (already touched) CPU buffer:
+    what any snapshot must at least do. Measured rep by rep between the other cases."""
 
-    def once():
-        for v, t in zip(views, tensors):
-            v.copy_(t)
+    def __init__(self, tensors: list) -> None:
+        total = sum(t.nbytes for t in tensors)
+        self.buf = torch.empty(total, dtype=torch.uint8)
+        self.buf.fill_(1)
+        self.pairs, pos = [], 0
+        for t in tensors:
+            self.pairs.append((self.buf[pos:pos + t.nbytes].view(t.dtype).view(t.shape), t))
+            pos += t.nbytes
+        self.once()  # warm
 
-    once()  # warm
-    out = [timed(once) for _ in range(reps)]
-    del views, buf
-    return out
+    def once(self) -> float:
+        t0 = time.perf_counter()
+        for dst, src in self.pairs:
+            dst.copy_(src)
+        return time.perf_counter() - t0
+
+    def free(self) -> None:
+        self.pairs, self.buf = [], None
 
 
 _RAW_BLOCK = None
@@ -199,9 +203,7 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
     times: dict[str, list[float]] = {k: [] for k in PER_SIZE}
     rss_peaks: list[int] = []
 
-    times["copy_floor"] = copy_floor(tensors, reps)
-    log(f"  copy floor: {median(times['copy_floor']):.3f} s")
-
+    floor = CopyFloor(tensors)
     svc = Service(work / f"svc-{target}", SERVICE_ENV).start()
     base_rss = proc_status(svc.pid, "VmRSS")
     run = f"bench-{target}-{uuid.uuid4().hex[:6]}"
@@ -227,6 +229,7 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
             rss_peaks.append(rss.peak)
             svc.gc()
             step += 1
+            times["copy_floor"].append(floor.once())
             t0 = time.perf_counter()
             ckpt.save(step, state)
             t1 = time.perf_counter()
@@ -237,7 +240,9 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
             svc.gc()
             log(f"  save rep {i + 1}: raw {times['raw_write_fsync'][-1]:.2f} s, torch.save "
                 f"{times['torch_save'][-1]:.2f} s, DCP {times['dcp_save'][-1]:.2f} s, lastgood sync {t:.2f} s "
-                f"(service RSS peak {rss.peak / MiB:.0f} MiB), async blocks {t1 - t0:.3f} s / commits {t2 - t0:.2f} s")
+                f"(service RSS peak {rss.peak / MiB:.0f} MiB), copy floor {times['copy_floor'][-1]:.3f} s, "
+                f"async blocks {t1 - t0:.3f} s / commits {t2 - t0:.2f} s")
+        floor.free()
         hwm_after_ingest = proc_status(svc.pid, "VmHWM")
         ckpt.close()  # frees the staging buffer before the restores allocate theirs
         del ckpt
