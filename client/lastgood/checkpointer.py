@@ -45,12 +45,14 @@ class Checkpointer:
         url = url or os.environ.get("LASTGOOD_URL")
         if not url:
             raise LastgoodError("no service URL: pass Checkpointer(url, run=...) or set LASTGOOD_URL")
-        run = run or os.environ.get("LASTGOOD_RUN")
+        run = run or os.environ.get("LASTGOOD_RUN") or distributed.elastic_run_id()
         if not run:
-            raise LastgoodError("name the run: Checkpointer(url, run='my-run') or set LASTGOOD_RUN")
+            raise LastgoodError("name the run: Checkpointer(url, run='my-run'), LASTGOOD_RUN, or run under "
+                                "torchrun with --rdzv-id")
         self.run = names.check_run_name(run)
         self.rank, self.world_size = distributed.rank_world()
         self.transport = Transport(url, token=token or os.environ.get("LASTGOOD_TOKEN") or None)
+        self._record_restart()
         self.commit_timeout = commit_timeout or 2 * float(self.transport.info.get("lease_seconds", 60)) + 60
         self.launch = names.check_attempt(attempt or distributed.launch_attempt(self.world_size))[:56]
         self._restores = 0  # every rank restores the same number of times, so they agree on the attempt
@@ -64,6 +66,18 @@ class Checkpointer:
         self._closed = False
         self._worker = threading.Thread(target=self._run, name="lastgood-upload", daemon=True)
         self._worker.start()
+
+    def _record_restart(self) -> None:
+        """Under torchrun's elastic agent, every restart of the group is an event of the run."""
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if restarts <= 0 or self.rank != 0:
+            return
+        try:
+            self.transport.post_json(f"/api/v1/runs/{self.run}/events", {"kind": "restart", "data": {
+                "restart_count": restarts, "world_size": self.world_size,
+                "max_restarts": int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)}})
+        except ServiceError as e:  # a run that has no checkpoint yet has nowhere to record it
+            log.warning("lastgood: could not record restart %s: %s", restarts, e)
 
     @property
     def attempt(self) -> str:

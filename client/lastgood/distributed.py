@@ -71,6 +71,17 @@ def all_gather_ints(values: list[int]) -> list[int]:
     return [int(v) for p, k in zip(parts, sizes) for v in p[: int(k.item())].tolist()]
 
 
+def elastic_run_id() -> str | None:
+    """torchrun's run id (--rdzv-id) as a run name, when there is a meaningful one."""
+    import re
+
+    rid = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if not rid or rid == "none":
+        return None
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", rid).strip("-.")[:128].replace("..", "-")
+    return name or None
+
+
 def launch_attempt(world_size: int) -> str:
     """One id shared by every rank of this launch of the job.
 

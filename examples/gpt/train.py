@@ -43,7 +43,8 @@ from model import GPT, GPTConfig, TokenWindows  # noqa: E402
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default=os.environ.get("LASTGOOD_URL", "http://127.0.0.1:8000"))
-    p.add_argument("--run-name", default="gpt-small")
+    p.add_argument("--run-name", default=None,
+                   help="the run; default LASTGOOD_RUN, else torchrun's --rdzv-id (TORCHELASTIC_RUN_ID)")
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--every", type=int, default=3, help="save after every N-th step")
@@ -52,6 +53,9 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--loader", choices=["stateful", "plain"], default="stateful")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ddp-fixed-buckets", action="store_true",
+                   help="keep DDP's gradient-bucket layout fixed (find_unused_parameters=True): with more "
+                        "than two ranks a resumed run is then bit-identical (see README)")
     p.add_argument("--spike-guard", action="store_true", help="roll back automatically on a loss spike")
     p.add_argument("--spike-margin", type=int, default=0, help="trust only checkpoints this many steps before a spike")
     p.add_argument("--poison", default=None, metavar="EPOCH:ID",
@@ -61,8 +65,8 @@ def parse_args(argv=None):
 
 def fault_at(rank: int, step: int, when: str) -> bool:
     spec = os.environ.get("LASTGOOD_EXAMPLE_KILL")
-    if not spec:
-        return False
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return False  # under torchrun's elastic agent: only the first attempt dies
     r, s, w = spec.split(":")
     return int(r) == rank and int(s) == step and w == when
 
@@ -98,7 +102,7 @@ def main(argv=None) -> None:
     random.seed(args.seed)
     np.random.seed(args.seed)
     cfg = GPTConfig()
-    model = DDP(GPT(cfg))
+    model = DDP(GPT(cfg), find_unused_parameters=args.ddp_fixed_buckets)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     warmup = 4
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tests.multiproc.launch import torchrun
+from tests.multiproc.launch import torchrun, why
 
 SCRIPT = Path(__file__).with_name("upload_and_die.py")
 
@@ -48,7 +48,7 @@ def test_rank_killed_mid_upload_leaves_nothing_visible(make_service, run_name):
 def test_control_without_the_kill_the_second_checkpoint_commits(make_service, run_name):
     svc = make_service()
     res = torchrun(SCRIPT, [svc.url, run_name])
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, why(res)
     cks = _checkpoints(svc, run_name)
     assert cks[1]["status"] == "COMMITTED"
     assert svc.get(f"/api/v1/runs/{run_name}/last-good").json()["id"] == cks[1]["id"]

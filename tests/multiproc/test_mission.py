@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.multiproc.launch import train
+from tests.multiproc.launch import train, why
 
 sys.path.insert(0, str(ROOT / "examples/gpt"))
 from compare import compare, load_steps  # noqa: E402
@@ -36,7 +36,7 @@ def references(service, tmp_path_factory):
     for loader in ("stateful", "plain"):
         d = tmp_path_factory.mktemp(f"ref-{loader}")
         res = train(service.url, f"mission-ref-{loader}-{d.name}", d, "--loader", loader)
-        assert res.returncode == 0, res.stderr[-4000:]
+        assert res.returncode == 0, why(res)
         out[loader] = d
     return out
 
@@ -62,7 +62,7 @@ def test_killed_and_relaunched_run_is_bit_identical(service, references, tmp_pat
     assert all(c["status"] != "COMMITTED" for c in listing if c["step"] > resume_from)
 
     relaunched = train(service.url, run_name, out, "--loader", loader)
-    assert relaunched.returncode == 0, relaunched.stderr[-4000:]
+    assert relaunched.returncode == 0, why(relaunched)
     assert f"starting at step {resume_from + 1} (restored: {resume_from})" in relaunched.stdout
 
     # the resume point is where the scenario says: mid-epoch, or the last batch of an epoch

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from tests.multiproc.launch import train
+from tests.multiproc.launch import train, why
 
 POISON = ["--loader", "plain", "--poison", "1:23", "--spike-margin", "2"]
 
@@ -36,7 +36,7 @@ def guarded(service, tmp_path_factory):
     out = tmp_path_factory.mktemp("guarded")
     run = f"spike-guarded-{out.name}"
     res = train(service.url, run, out, *POISON, "--spike-guard")
-    assert res.returncode == 0, res.stderr[-4000:]
+    assert res.returncode == 0, why(res)
     return run, out
 
 
@@ -87,7 +87,7 @@ def test_spike_rolls_back_and_the_poison_is_never_fed_again(service, guarded):
 def test_control_without_the_guard_the_poison_stays_in_the_weights(service, guarded, tmp_path, run_name):
     out = tmp_path / "unguarded"
     res = train(service.url, run_name, out, *POISON)
-    assert res.returncode == 0, res.stderr[-4000:]
+    assert res.returncode == 0, why(res)
     rec0 = records(out, 0)
     assert any(r["step"] == 9 and 23 in r["ids"] and float.fromhex(r["loss"]) > 1000 for r in rec0)
     assert not [e for e in service.get(f"/api/v1/runs/{run_name}/events").json()["items"] if e["kind"] == "rollback"]

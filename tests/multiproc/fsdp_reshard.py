@@ -1,0 +1,93 @@
+"""Rank script: an FSDP2 model with AdamW, saved on one world size, restored on another.
+
+    save    URL RUN OUT   train 3 steps on a plain DataLoader over ResumableDistributedSampler, save
+    restore URL RUN OUT   a fresh, differently initialised model: restore, then finish the epoch
+
+Both write OUT/full-<phase>.safetensors (rank 0: every full tensor, weights and Adam
+moments, gathered with full_state_dict) and OUT/ids-<phase>-rank<R>.json (samples seen).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader
+
+import lastgood
+
+
+class Points(torch.utils.data.Dataset):
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return i, torch.randn(16, generator=g)
+
+
+def build(seed: int):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(16, 30), nn.ReLU(), nn.Linear(30, 7))  # 30 and 7 split unevenly
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sampler = lastgood.ResumableDistributedSampler(Points(), shuffle=True, seed=5)
+    loader = DataLoader(Points(), batch_size=2, sampler=sampler)
+    return model, opt, sampler, loader
+
+
+def dump_full(model, opt, out: Path, phase: str) -> None:
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd = get_model_state_dict(model, options=full)
+    osd = get_optimizer_state_dict(model, opt, options=full)
+    if dist.get_rank() == 0:
+        tensors = {f"model.{k}": v.contiguous() for k, v in msd.items()}
+        for fqn, st in osd["state"].items():
+            for k, v in st.items():
+                tensors[f"optim.{fqn}.{k}"] = v.contiguous() if v.dim() else v.reshape(1)
+        save_file(tensors, str(out / f"full-{phase}.safetensors"))
+
+
+def main() -> None:
+    phase, url, run, out = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model, opt, sampler, loader = build(seed=0 if phase == "save" else 1)
+    state = lastgood.TrainState(model=model, optimizer=opt, loader=loader)
+    seen = []
+    with lastgood.Checkpointer(url, run=run) as ckpt:
+        if phase == "save":
+            sampler.set_epoch(0)
+            for step, (ids, x) in zip(range(3), loader):
+                loss = model(x).square().mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                seen += ids.tolist()
+            ckpt.save(2, state)
+            ckpt.wait()
+        else:
+            assert ckpt.restore(state) == 2
+            sampler.set_epoch(0)
+            for ids, _ in loader:  # the rest of epoch 0, dealt to the new ranks
+                seen += ids.tolist()
+    dump_full(model, opt, out, phase)
+    (out / f"ids-{phase}-rank{rank}.json").write_text(json.dumps(seen))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
