@@ -173,8 +173,11 @@ def main(argv: list[str] | None = None) -> None:
                  f"(and create tokens with `lastgood-service token create`), or bind to 127.0.0.1.")
     service = Service(settings)
     service.start()
+    from sqlalchemy.engine import make_url
+
+    catalog = make_url(settings.resolved_catalog_url()).render_as_string(hide_password=True)
     log.info("gRPC on %s; REST on http://%s:%s (catalog %s, blobs %s, auth %s)", service.grpc_target,
-             settings.host, settings.port, settings.resolved_catalog_url(), settings.resolved_blob_url(),
+             settings.host, settings.port, catalog, settings.resolved_blob_url(),
              "required" if settings.auth_required else "off (loopback only)")
     try:
         uvicorn.run(BodyLimit(service.app(), settings.max_request_bytes), host=settings.host, port=settings.port,
