@@ -92,7 +92,7 @@ SPEC = {
     ("DELETE", "/api/v1/checkpoints/{checkpoint_id}/tags/{name}"): (A, "checkpoint"),
     ("PUT", "/api/v1/checkpoints/{checkpoint_id}/pin"): (A, "checkpoint"),
     ("DELETE", "/api/v1/checkpoints/{checkpoint_id}/pin"): (A, "checkpoint"),
-    ("GET", "/api/v1/overview"): (R, "global"), ("GET", "/api/v1/gc/policy"): (R, "global"),
+    ("GET", "/api/v1/overview"): (R, "list"), ("GET", "/api/v1/gc/policy"): (R, "global"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/shards"): (R, "checkpoint"),
     ("GET", "/api/v1/gc/plan"): (R, "global"), ("POST", "/api/v1/gc"): (A, "global"),
     ("GET", "/api/v1/tokens"): (A, "global"), ("POST", "/api/v1/tokens"): (A, "global"),

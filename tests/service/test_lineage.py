@@ -128,3 +128,14 @@ def test_client_events(service, client, run_name, kind, status):
     assert r.status_code == status
     if status == 200:
         assert events(service, run_name)[-1]["kind"] == kind
+
+
+def test_a_tag_with_a_slash_can_be_removed(service, client, run_name):
+    from urllib.parse import quote
+
+    a, _ = client.save(run_name, 1)
+    h = http(service)
+    assert h.post(f"/api/v1/checkpoints/{a}/tags", json={"name": "exp/lr-0.1"}).status_code == 200
+    r = h.delete(f"/api/v1/checkpoints/{a}/tags/{quote('exp/lr-0.1', safe='')}")
+    assert r.status_code == 200, r.text
+    assert "exp/lr-0.1" not in names(checkpoint(service, a))

@@ -125,7 +125,7 @@ def untag(st: State, ckpt: CkptRef, name: str) -> None:
         res = st.rest.call("DELETE", f"/api/v1/checkpoints/{cid}/tags/{q(name)}")
     except HttpError as e:
         if e.status == 404 and e.reason == "http_error" and "/" in name:
-            # the service decodes %2F before routing, so no route matches such a name
+            # a service before 0.1.x decoded %2F before routing, so no route matched such a name
             raise CliError(f"this service cannot remove a tag whose name contains '/' ({name!r}) over "
                            f"REST", Exit.REFUSED) from None
         raise

@@ -10,6 +10,7 @@ is admin-only, and the auth test matrix fails until it is added here.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from fastapi import Request
@@ -18,6 +19,7 @@ from ..domain.errors import PermissionDenied
 from ..domain.tokens import ADMIN, READER, WRITER, Principal, TokenStore
 
 PUBLIC = "public"
+_CONVERTER = re.compile(r"\{(\w+):\w+\}")
 
 POLICY: dict[tuple[str, str], str | tuple[str, str]] = {
     ("GET", "/healthz"): PUBLIC,
@@ -43,7 +45,7 @@ POLICY: dict[tuple[str, str], str | tuple[str, str]] = {
     ("DELETE", "/api/v1/checkpoints/{checkpoint_id}/tags/{name}"): (ADMIN, "checkpoint"),
     ("PUT", "/api/v1/checkpoints/{checkpoint_id}/pin"): (ADMIN, "checkpoint"),
     ("DELETE", "/api/v1/checkpoints/{checkpoint_id}/pin"): (ADMIN, "checkpoint"),
-    ("GET", "/api/v1/overview"): (READER, "global"),   # every run's health, for the web page
+    ("GET", "/api/v1/overview"): (READER, "list"),     # every run's health, filtered to the token's scope
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/shards"): (READER, "checkpoint"),
     ("GET", "/api/v1/gc/policy"): (READER, "global"),
     ("GET", "/api/v1/gc/plan"): (READER, "global"),
@@ -60,7 +62,8 @@ def make_authorizer(tokens: TokenStore, run_of_checkpoint: Callable[[int], str],
 
     def authorize(request: Request) -> None:
         route = request.scope.get("route")
-        policy = POLICY.get((request.method, getattr(route, "path", "")), (ADMIN, "global"))
+        template = _CONVERTER.sub(r"{\1}", getattr(route, "path", ""))  # {name:path} -> {name}, as in OpenAPI
+        policy = POLICY.get((request.method, template), (ADMIN, "global"))
         if policy == PUBLIC:
             return
         role, scope = policy

@@ -217,7 +217,7 @@ def create_app(ctx: AppContext) -> FastAPI:
     def set_tag(checkpoint_id: CkptId, body: TagBody):
         return ctx.curator.set_tag(checkpoint_id, body.name, body.alias)
 
-    @app.delete("/api/v1/checkpoints/{checkpoint_id}/tags/{name}", tags=["tags"])
+    @app.delete("/api/v1/checkpoints/{checkpoint_id}/tags/{name:path}", tags=["tags"])  # tags may hold '/'
     def remove_tag(checkpoint_id: CkptId, name: str):
         return ctx.curator.remove_tag(checkpoint_id, name)
 
