@@ -9,7 +9,6 @@ checkpoint, leaves last-good where it was, and is raised by wait() or close().
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue

@@ -94,7 +94,7 @@ def dump_final(out: Path, rank: int, model, opt, step: int, epoch: int) -> None:
 def main(argv=None) -> None:
     args = parse_args(argv)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.conftest import FAST, ServiceProc
-from tests.service.helpers import (ATTEMPT, Client, checkpoint, events, http, last_good_id, make_shard,
+from tests.service.helpers import (Client, checkpoint, events, http, last_good_id, make_shard,
                                    shard_name)
 
 HANG_GUARD = 60.0

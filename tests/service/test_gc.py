@@ -5,7 +5,6 @@ kept manifest, a tag, a pin or a lease still needs (I4)."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
