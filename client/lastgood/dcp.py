@@ -154,6 +154,13 @@ def metadata_from_json(raw: bytes) -> Metadata:
 
 
 # ---------------------------------------------------------------------- writer
+def _digits(value, what: str) -> int:
+    text = str(value)
+    if not text.isdigit():
+        raise LastgoodError(f"{what} (digits), not {text!r}")
+    return int(text)
+
+
 class _Connected:
     """Lazy connection, dropped when pickled (DCP's process-based async_save)."""
 
@@ -189,10 +196,7 @@ class StorageWriter(_Connected, dcp.StorageWriter):
 
     def reset(self, checkpoint_id=None) -> None:
         if checkpoint_id is not None:
-            text = str(checkpoint_id)
-            if not text.isdigit():
-                raise LastgoodError(f"a lastgood DCP save's checkpoint_id is its step (digits), not {text!r}")
-            self.step = int(text)
+            self.step = _digits(checkpoint_id, "a lastgood DCP save's checkpoint_id is its step")
         self.checkpoint_id = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
@@ -290,10 +294,7 @@ class StorageReader(_Connected, dcp.StorageReader):
 
     def reset(self, checkpoint_id=None) -> None:
         if checkpoint_id is not None:
-            text = str(checkpoint_id)
-            if not text.isdigit():
-                raise LastgoodError(f"a lastgood DCP load's checkpoint_id is a checkpoint id (digits), not {text!r}")
-            self.checkpoint_id = int(text)
+            self.checkpoint_id = _digits(checkpoint_id, "a lastgood DCP load's checkpoint_id is a checkpoint id")
 
     def _file(self, rank: int, name: str) -> bytearray:
         """One whole file of the checkpoint, re-hashed against the manifest."""

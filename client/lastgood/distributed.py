@@ -39,20 +39,20 @@ def broadcast_int(value: int, src: int = 0) -> int:
     return int(t.item())
 
 
-def all_min(value: int) -> int:
+def _all_reduce(value: int, op) -> int:
     if not initialized():
         return value
     t = torch.tensor([value], dtype=torch.int64, device=_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    dist.all_reduce(t, op=op)
     return int(t.item())
+
+
+def all_min(value: int) -> int:
+    return _all_reduce(value, dist.ReduceOp.MIN)
 
 
 def all_max(value: int) -> int:
-    if not initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return _all_reduce(value, dist.ReduceOp.MAX)
 
 
 def all_gather_ints(values: list[int]) -> list[int]:

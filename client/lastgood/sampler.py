@@ -11,26 +11,18 @@ the restored epoch keeps the restored position; any other epoch starts at its be
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch.utils.data import Sampler
 
+from .distributed import rank_world
 from .errors import LastgoodError
-
-
-def _world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
 
 
 class ResumableDistributedSampler(Sampler[int]):
     def __init__(self, dataset, num_replicas: int | None = None, rank: int | None = None,
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
-        ws, rk = _world()
+        rk, ws = rank_world()
         self.num_replicas = ws if num_replicas is None else num_replicas
         self.rank = rk if rank is None else rank
         if not 0 <= self.rank < self.num_replicas:

@@ -61,15 +61,20 @@ class Queries:
             raise NotFound(f"run {name!r} does not exist")
         return run
 
+    @staticmethod
+    def _runs_page(s: Session, prefix: str | None, limit: int, offset: int) -> tuple[int, list[Run]]:
+        """One page of runs by name, limited to a token's run prefix when it has one."""
+        q = select(Run)
+        if prefix:
+            q = q.where(Run.name.startswith(prefix, autoescape=True))
+        total = s.scalar(select(func.count()).select_from(q.subquery()))
+        return total, list(s.scalars(q.order_by(Run.name).limit(limit).offset(offset)))
+
     def list_runs(self, limit: int = 100, offset: int = 0, prefix: str | None = None) -> dict:
         """Runs by name; `prefix` limits them to a token's scope."""
         _page(limit, offset)
         with self.sessions() as s, s.begin():
-            q = select(Run)
-            if prefix:
-                q = q.where(Run.name.startswith(prefix, autoescape=True))
-            total = s.scalar(select(func.count()).select_from(q.subquery()))
-            runs = list(s.scalars(q.order_by(Run.name).limit(limit).offset(offset)))
+            total, runs = self._runs_page(s, prefix, limit, offset)
             items = [self._run_view(s, r) for r in runs]
         return {"items": items, "total": total, "limit": limit, "offset": offset}
 
@@ -175,11 +180,7 @@ class Queries:
         _page(limit, offset)
         since = utcnow() - dt.timedelta(seconds=failure_window_seconds)
         with self.sessions() as s, s.begin():
-            q = select(Run)
-            if prefix:
-                q = q.where(Run.name.startswith(prefix, autoescape=True))
-            total = s.scalar(select(func.count()).select_from(q.subquery()))
-            runs = list(s.scalars(q.order_by(Run.name).limit(limit).offset(offset)))
+            total, runs = self._runs_page(s, prefix, limit, offset)
             ids = [r.id for r in runs]
             counts: dict[int, dict[str, int]] = {i: {st: 0 for st in STATUSES} for i in ids}
             stored: dict[int, int] = dict.fromkeys(ids, 0)
