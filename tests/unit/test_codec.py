@@ -64,3 +64,15 @@ class Opaque:
 def test_unsupported_values_are_refused_with_their_path(bad):
     with pytest.raises(UnsupportedValue, match=r"x\.field"):
         Encoder().encode({"field": bad}, ["x"])
+
+
+def test_the_dcp_writer_pickles_without_its_connection():
+    """DCP's process-based async_save pickles the storage writer: it must carry no channel."""
+    import pickle
+
+    from lastgood import dcp as lgdcp
+
+    w = lgdcp.StorageWriter("http://127.0.0.1:1", run="r", step=3)
+    w._transport = object()  # stands in for an open connection
+    clone = pickle.loads(pickle.dumps(w))
+    assert clone._transport is None and clone.url == w.url and clone.run == "r" and clone.step == 3
