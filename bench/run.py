@@ -352,16 +352,21 @@ class RankProcs:
         raw, agg = [], []
         (self.work / "files").mkdir(exist_ok=True)
         raw_path = self.work / "files" / "raw-ranks.bin"
+        rss_peaks = []
         for i in range(reps):
             raw.append(raw_write(raw_path, total))
-            agg.append(save(i + 1))
+            with RssSampler(svc.pid) as rss:
+                agg.append(save(i + 1))
+            rss_peaks.append(rss.peak / MiB)
             svc.gc()
             log(f"  rep {i + 1}: raw write+fsync {raw[-1]:.2f} s, {ranks} ranks to commit {agg[-1]:.2f} s "
-                f"({total / GiB / agg[-1]:.2f} GiB/s vs {total / GiB / raw[-1]:.2f} GiB/s)")
+                f"({total / GiB / agg[-1]:.2f} GiB/s vs {total / GiB / raw[-1]:.2f} GiB/s); service RSS peak "
+                f"{rss_peaks[-1]:.0f} MiB")
         gib = total / GiB
         return {"ranks": ranks, "per_rank_bytes": self.per_rank, "bytes": total, "reps": reps, "warmup_s": warm,
                 "aggregate_s": agg, "raw_s": raw, "aggregate_gib_per_s": gib / median(agg),
-                "raw_gib_per_s": gib / median(raw), "ratio": median(raw) / median(agg)}
+                "raw_gib_per_s": gib / median(raw), "ratio": median(raw) / median(agg),
+                "service_rss_peak_mib_reps": rss_peaks, "service_rss_peak_mib": median(rss_peaks)}
 
 
 # ---------------------------------------------------------------------------- report
@@ -436,6 +441,7 @@ def table(results: dict) -> str:
               f"| raw write + fsync of the same {fr['bytes'] / MiB:.0f} MiB | {fmt_s(median(fr['raw_s']))} · "
               f"{fr['raw_gib_per_s']:.2f} GiB/s |",
               f"| *{fr['ranks']} ranks / raw disk (target ≥ 0.8)* | {fr['ratio']:.2f}× |",
+              f"| service peak RSS while {fr['ranks']} ranks upload at once | {fr['service_rss_peak_mib']:.0f} MiB |",
               f"| {sc['ranks']} ranks, tiny shards: last rank's vote → COMMITTED (target ≤ 1 s) | "
               f"{sc['last_vote_to_commit_s'] * 1e3:.0f} ms |",
               f"| {sc['ranks']} tiny PutShards (8 threads) / {sc['ranks'] - 1} votes with wait 0 | "

@@ -47,6 +47,7 @@ def test_bench_smoke_produces_every_figure(tmp_path):
     four = doc["four_ranks"]
     assert four["ranks"] == 4 and len(four["aggregate_s"]) >= 3 and len(four["raw_s"]) >= 3
     assert _number(four["ratio"]) and _number(four["aggregate_gib_per_s"]) and _number(four["raw_gib_per_s"])
+    assert _number(four["service_rss_peak_mib"])
 
     scale = doc["scale"]
     assert len(scale["reps"]) >= 3 and _number(scale["last_vote_to_commit_s"])
