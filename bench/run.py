@@ -6,8 +6,9 @@
 Prints a table and writes the same figures as JSON under bench/results/ (latest.json and
 a timestamped copy; --out picks another folder). Every figure is the median of --reps
 repetitions (at least 3); repetitions of the cases that are compared are interleaved
-(rep 1 of every case, then rep 2, ...) so that load from other processes hits them alike,
-and every ratio is taken between figures of this one run. See bench/README.md.
+(rep 1 of every case, then rep 2, ...; each rep starts one case later) so that load from
+other processes, and the writeback of the case before, fall on them alike; every ratio is
+taken between figures of this one run. See bench/README.md.
 """
 
 from __future__ import annotations
@@ -54,6 +55,13 @@ TARGETS = [  # (name, figure path, comparison, bound, what)
 
 def log(msg: str) -> None:
     print(msg, flush=True)
+
+
+def rotate(cases: list, i: int) -> list:
+    """Rep i starts at case i: every case takes every place in the order (with enough reps),
+    so none always runs right after the same neighbour (whose writeback it would inherit)."""
+    k = i % len(cases)
+    return cases[k:] + cases[:k]
 
 
 def timed(fn) -> float:
@@ -218,30 +226,41 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
         t_cold = timed(lambda: (ckpt.save(step, state), ckpt.wait()))
         svc.gc()
         log(f"  lastgood warm-up save (allocates the staging buffer): {t_cold:.2f} s")
-        for i in range(reps):
-            times["raw_write_fsync"].append(raw_write(raw_path, nbytes))
-            times["torch_save"].append(torch_save(model, opt, pt_path))
-            times["dcp_save"].append(dcp_save(model, opt, dcp_path))
-            step += 1
+        step_box = [step]
+
+        def lg_sync():
+            step_box[0] += 1
             with RssSampler(svc.pid) as rss:
-                t = timed(lambda: (ckpt.save(step, state), ckpt.wait()))
-            times["lastgood_save_sync"].append(t)
+                times["lastgood_save_sync"].append(timed(lambda: (ckpt.save(step_box[0], state), ckpt.wait())))
             rss_peaks.append(rss.peak)
             svc.gc()
-            step += 1
-            times["copy_floor"].append(floor.once())
+
+        def lg_async():
+            step_box[0] += 1
+            times["copy_floor"].append(floor.once())  # the floor, measured right before
             t0 = time.perf_counter()
-            ckpt.save(step, state)
+            ckpt.save(step_box[0], state)
             t1 = time.perf_counter()
             ckpt.wait()
             t2 = time.perf_counter()
             times["lastgood_save_async_block"].append(t1 - t0)
             times["lastgood_save_async_commit"].append(t2 - t0)
             svc.gc()
-            log(f"  save rep {i + 1}: raw {times['raw_write_fsync'][-1]:.2f} s, torch.save "
-                f"{times['torch_save'][-1]:.2f} s, DCP {times['dcp_save'][-1]:.2f} s, lastgood sync {t:.2f} s "
-                f"(service RSS peak {rss.peak / MiB:.0f} MiB), copy floor {times['copy_floor'][-1]:.3f} s, "
-                f"async blocks {t1 - t0:.3f} s / commits {t2 - t0:.2f} s")
+
+        saves = [("raw", lambda: times["raw_write_fsync"].append(raw_write(raw_path, nbytes))),
+                 ("torch.save", lambda: times["torch_save"].append(torch_save(model, opt, pt_path))),
+                 ("DCP", lambda: times["dcp_save"].append(dcp_save(model, opt, dcp_path))),
+                 ("lastgood sync", lg_sync), ("lastgood async", lg_async)]
+        for i in range(reps):
+            order = rotate(saves, i)
+            for _name, case in order:
+                case()
+            log(f"  save rep {i + 1} ({' > '.join(n for n, _ in order)}): raw {times['raw_write_fsync'][-1]:.2f} s, "
+                f"torch.save {times['torch_save'][-1]:.2f} s, DCP {times['dcp_save'][-1]:.2f} s, lastgood sync "
+                f"{times['lastgood_save_sync'][-1]:.2f} s (service RSS peak {rss_peaks[-1] / MiB:.0f} MiB), copy floor "
+                f"{times['copy_floor'][-1]:.3f} s, async blocks {times['lastgood_save_async_block'][-1]:.3f} s / "
+                f"commits {times['lastgood_save_async_commit'][-1]:.2f} s")
+        step = step_box[0]
         floor.free()
         hwm_after_ingest = proc_status(svc.pid, "VmHWM")
         ckpt.close()  # frees the staging buffer before the restores allocate theirs
@@ -249,23 +268,27 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
         gc.collect()
 
         reader = lastgood.Checkpointer(svc.url, run=run)
-        for i in range(reps):
-            times["torch_load"].append(torch_load(model, opt, pt_path))
-            times["dcp_load"].append(dcp_load(model, opt, dcp_path))
-            got = None
+        got = []
 
-            def restore():
-                nonlocal got
-                got = reader.restore(state)
-
-            times["lastgood_restore"].append(timed(restore))
-            assert got == step, (got, step)
+        def lg_restore():
+            times["lastgood_restore"].append(timed(lambda: got.append(reader.restore(state))))
+            assert got[-1] == step, (got, step)
             gc.collect()
+
+        def ceiling():
             times["grpc_download"].append(pipe.client.download(nbytes))
             times["grpc_upload"].append(pipe.client.upload(nbytes))
-            log(f"  restore rep {i + 1}: torch.load {times['torch_load'][-1]:.2f} s, DCP load "
-                f"{times['dcp_load'][-1]:.2f} s, lastgood {times['lastgood_restore'][-1]:.2f} s, gRPC ceiling "
-                f"down {times['grpc_download'][-1]:.2f} s / up {times['grpc_upload'][-1]:.2f} s")
+
+        restores = [("torch.load", lambda: times["torch_load"].append(torch_load(model, opt, pt_path))),
+                    ("DCP load", lambda: times["dcp_load"].append(dcp_load(model, opt, dcp_path))),
+                    ("lastgood", lg_restore), ("gRPC", ceiling)]
+        for i in range(reps):
+            order = rotate(restores, i)
+            for _name, case in order:
+                case()
+            log(f"  restore rep {i + 1} ({' > '.join(n for n, _ in order)}): torch.load {times['torch_load'][-1]:.2f} s, "
+                f"DCP load {times['dcp_load'][-1]:.2f} s, lastgood {times['lastgood_restore'][-1]:.2f} s, gRPC "
+                f"ceiling down {times['grpc_download'][-1]:.2f} s / up {times['grpc_upload'][-1]:.2f} s")
         reader.close()
     finally:
         svc.stop()
