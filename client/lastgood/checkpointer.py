@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import random
 import threading
 import time
 from dataclasses import dataclass
@@ -119,13 +120,18 @@ class Checkpointer:
         try:
             self.transport.put_shard(cid, self.rank, self.file_name, data, digest)
             deadline = time.monotonic() + self.commit_timeout
+            pause = 0.05
             while True:
+                asked = time.monotonic()
                 res = self.transport.commit_rank(cid, self.rank, [self.file_name], wait=2.0)
                 if res.status == "COMMITTED":
                     break
                 if time.monotonic() > deadline:
                     raise SaveFailed(f"checkpoint {cid} (step {snap.step}) not committed after "
                                      f"{self.commit_timeout:.0f}s; ranks not voted: {list(res.missing_ranks)}")
+                if time.monotonic() - asked < 1.0:  # the service answered without waiting: back off
+                    time.sleep(pause * (0.5 + random.random()))
+                    pause = min(pause * 2, 2.0)
         except BaseException as e:
             # The reply may be what was lost: ask before declaring the save failed.
             status = self._status(cid)

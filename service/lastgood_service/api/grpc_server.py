@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import threading
 from concurrent import futures
 
@@ -96,6 +97,7 @@ class Servicer(pb_grpc.CheckpointsServicer):
         self.queries = queries
         self.tokens = tokens
         self.streams = _StreamSlots(commits.settings.max_streams_per_client)
+        self._waiters = threading.BoundedSemaphore(max(1, commits.settings.grpc_workers // 4))
 
     def _allow(self, context, role: str, *, run: str | None = None, checkpoint_id: int | None = None) -> None:
         header = dict(context.invocation_metadata()).get("authorization")
@@ -129,7 +131,18 @@ class Servicer(pb_grpc.CheckpointsServicer):
     @_mapped
     def CommitRank(self, request, context):
         self._allow(context, WRITER, checkpoint_id=request.checkpoint_id)
-        res = self.commits.vote(request.checkpoint_id, request.rank, list(request.files), request.wait_seconds)
+        # A vote that waits for the other ranks holds a worker thread. Only a quarter of
+        # the pool may wait at once; other votes are recorded and answered at once (the
+        # client polls), so a thousand ranks voting together cannot starve the votes that
+        # would complete the checkpoint.
+        wait = request.wait_seconds
+        waiting = math.isfinite(wait) and wait > 0 and self._waiters.acquire(blocking=False)
+        try:
+            res = self.commits.vote(request.checkpoint_id, request.rank, list(request.files),
+                                    wait if waiting or not math.isfinite(wait) else 0.0)  # NaN: refused there
+        finally:
+            if waiting:
+                self._waiters.release()
         return pb.CommitRankResponse(checkpoint_id=res.checkpoint_id, status=res.status,
                                      missing_ranks=res.missing_ranks)
 
