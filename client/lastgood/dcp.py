@@ -18,7 +18,7 @@ when the checkpoint is COMMITTED. Any failure aborts the checkpoint, so nothing 
 becomes visible; a rank that dies leaves it to expire.
 
 No pickle: DCP's metadata is stored as JSON, and DCP's default planners pickle
-non-tensor values (`torch.save` / `torch.load(weights_only=False)`), so lastgood ships
+non-tensor values (`torch.save` on write, an unrestricted torch load on read), so lastgood ships
 planners that store them as typed JSON instead; the reader refuses any other planner for
 such values, and the writer refuses pickled bytes.
 
