@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import threading
-import time
 import urllib.request
-import json
-from dataclasses import dataclass, field
 from pathlib import Path
+
+from lastgood_service.launcher import ServiceProcess, free_port  # noqa: F401 - free_port is bench API
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -118,66 +114,24 @@ def percentile(xs, q: float) -> float:
 
 
 # ---------------------------------------------------------------------------- the service
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http_json(url: str, method: str = "GET", timeout: float = 60.0):
     req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
 
 
-@dataclass
-class Service:
-    """A real lastgood-service process on loopback (as tests/conftest.py's ServiceProc)."""
+class Service(ServiceProcess):
+    """The launcher's service process, quiet, with a longer start-up allowance and GC on demand."""
 
-    data_dir: Path
-    env: dict = field(default_factory=dict)
-    port: int = 0
-    proc: subprocess.Popen | None = None
-    info: dict = field(default_factory=dict)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
+    def __init__(self, data_dir: Path, env: dict | None = None) -> None:
+        super().__init__(data_dir, {"LASTGOOD_LOG_LEVEL": "WARNING", **(env or {})})
 
     def start(self, timeout: float = 60.0) -> "Service":
-        self.port = free_port()
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        log = self.data_dir / "service.log"
-        env = {**os.environ, "LASTGOOD_DATA_DIR": str(self.data_dir), "LASTGOOD_PORT": str(self.port),
-               "LASTGOOD_GRPC_PORT": "0", "LASTGOOD_LOG_LEVEL": "WARNING", **self.env}
-        with open(log, "ab") as f:
-            self.proc = subprocess.Popen([sys.executable, "-m", "lastgood_service.main"], env=env,
-                                         stdout=f, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"service exited with {self.proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                self.info = http_json(self.url + "/api/v1/info", timeout=1)
-                return self
-            except OSError:
-                time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"service did not come up:\n{log.read_text()[-3000:]}")
+        super().start(timeout)
+        return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
+        super().stop(grace=15.0)
 
     def gc(self) -> dict:
         return http_json(self.url + "/api/v1/gc?dry_run=false", method="POST", timeout=300)

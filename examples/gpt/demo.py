@@ -9,40 +9,21 @@ the two runs bit for bit.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
+
+from lastgood_service.launcher import ServiceProcess, free_port
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from compare import compare  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_service(data_dir: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    env = {**os.environ, "LASTGOOD_DATA_DIR": str(data_dir), "LASTGOOD_PORT": str(port),
-           "LASTGOOD_GRPC_PORT": "0", "LASTGOOD_LEASE_SECONDS": "10", "LASTGOOD_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen([sys.executable, "-m", "lastgood_service.main"], env=env)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            urllib.request.urlopen(url + "/healthz", timeout=1)
-            return proc, url
-        except OSError:
-            if proc.poll() is not None:
-                raise SystemExit("the service did not start")
-            time.sleep(0.1)
-    raise SystemExit("the service did not answer")
+def start_service(data_dir: Path) -> ServiceProcess:
+    return ServiceProcess(data_dir, {"LASTGOOD_LEASE_SECONDS": "10", "LASTGOOD_LOG_LEVEL": "WARNING"}).start()
 
 
 def train(url: str, run: str, out: Path, kill: str | None = None) -> int:
@@ -67,7 +48,8 @@ def last_good(url: str, run: str) -> str:
 
 def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="lastgood-demo-"))
-    proc, url = start_service(work / "data")
+    svc = start_service(work / "data")
+    url = svc.url
     try:
         print(f"service at {url}, data in {work / 'data'}")
         print("1/3 uninterrupted run: 2 ranks, 20 steps, a save after every 3rd step")
@@ -88,8 +70,7 @@ def main() -> int:
               "Adam moments, LR schedule and RNG states")
         return 0
     finally:
-        proc.terminate()
-        proc.wait(10)
+        svc.stop()
 
 
 if __name__ == "__main__":
