@@ -96,8 +96,10 @@ def test_two_ranks_commit_only_after_both_votes(service, client, run_name):
 
 
 def test_a_waiting_vote_hears_the_commit(service, client, run_name):
-    """Rank 0 votes with wait_seconds and blocks; rank 1's vote commits; rank 0's call is
-    answered COMMITTED (not PENDING) without voting again."""
+    """Rank 0 votes with wait_seconds and blocks until the checkpoint commits; its call is
+    answered COMMITTED (not PENDING) without voting again. Which vote's call runs the commit
+    is a race: a re-vote of rank 1 may find every vote in while rank 0's call is committing
+    (PENDING with nobody missing)."""
     cid = client.begin(run_name, step=1, world_size=2).checkpoint_id
     for r in (0, 1):
         client.put(cid, r, shard_name(r), make_shard(r))
@@ -107,7 +109,7 @@ def test_a_waiting_vote_hears_the_commit(service, client, run_name):
         deadline = time.monotonic() + 10
         res1 = client.vote(cid, 1, [shard_name(1)], wait=0)
         while res1.status != "COMMITTED" and time.monotonic() < deadline:
-            assert list(res1.missing_ranks) == [0]  # rank 0's vote is not in yet
+            assert res1.status == "PENDING" and list(res1.missing_ranks) in ([0], [])  # never rank 1
             time.sleep(0.02)
             res1 = client.vote(cid, 1, [shard_name(1)], wait=0)
         res0 = waiting.result(timeout=30)
