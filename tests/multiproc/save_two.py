@@ -27,4 +27,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from rank_exit import run  # this folder is on sys.path: torchrun runs the script by its path
+
+    run(main)
