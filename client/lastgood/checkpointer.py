@@ -17,13 +17,15 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 from . import distributed, names
 from .errors import CorruptCheckpoint, LastgoodError, NoUsableCheckpoint, SaveFailed, ServiceError
 from .hashing import hash_bytes
 from .manifest import Manifest
 from .staging import Snapshot, StagingPool, snapshot
 from .sharding import ShardIndex, StoredFile
-from .state import TrainState, array_from_buffer, tensor_from_buffer
+from .state import TrainState, array_from_buffer, fits, tensor_from_buffer
 from .transport import Transport
 
 log = logging.getLogger("lastgood")
@@ -115,10 +117,17 @@ class Checkpointer:
     def _upload(self, snap: Snapshot) -> None:
         data = snap.view()
         digest = hash_bytes(data)
-        ck = self.transport.begin(self.run, snap.step, self.world_size, self.parent_id, self.attempt, self.rank)
+        # on the service's host the shard is handed over as a file; written before begin,
+        # so that a long write never runs into the checkpoint's lease
+        spooled = self.transport.spool_write(data)
+        try:
+            ck = self.transport.begin(self.run, snap.step, self.world_size, self.parent_id, self.attempt, self.rank)
+        except BaseException:
+            self.transport.spool_discard(spooled)
+            raise
         cid = ck.checkpoint_id
         try:
-            self.transport.put_shard(cid, self.rank, self.file_name, data, digest)
+            self.transport.put_shard(cid, self.rank, self.file_name, data, digest, spooled=spooled)
             deadline = time.monotonic() + self.commit_timeout
             pause = 0.05
             while True:
@@ -209,9 +218,14 @@ class Checkpointer:
         while cid > 0:
             code, result, err = self._try_fetch(cid)
             agreed = distributed.all_max(code)
+            if code == self.OK and agreed != self.OK:
+                self._give_back(state, result[3])  # fetched here, unusable elsewhere: nothing applied
             if agreed == self.OK:
-                manifest, files, source = result
-                self._apply(state, manifest, files, source)
+                manifest, files, source, held = result
+                try:
+                    self._apply(state, manifest, files, source)
+                finally:
+                    self._give_back(state, held)
                 self.parent_id = cid
                 self._restores += 1
                 log.info("lastgood: restored %s step %s (checkpoint %s)", self.run, manifest.step, cid)
@@ -272,7 +286,7 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - agreed on with the other ranks, then raised
             return self.FAILED, None, e
 
-    def _fetch(self, cid: int) -> tuple[Manifest, bytearray]:
+    def _fetch(self, cid: int) -> tuple[Manifest, list[StoredFile], int, list]:
         # a read lease keeps GC away from this checkpoint while its bytes are read
         lease = self.transport.acquire_lease(cid, f"{self.run}/rank{self.rank}")
         try:
@@ -284,24 +298,50 @@ class Checkpointer:
                 log.warning("lastgood: releasing read lease %s failed: %s", lease, e)
 
     def _fetch_leased(self, cid: int):
-        """(manifest, files, source rank). At the saving world size a rank reads its own file;
-        at another one it reads every rank's file: DTensor shards may overlap its new shards,
-        and replicated state comes from old rank min(rank, old world - 1)."""
+        """(manifest, files, source rank, staging buffers held). At the saving world size a
+        rank reads its own file, into a staging buffer: restore runs between saves, when the
+        pool is idle, and a buffer already touched is written at memory speed (a new one
+        costs a page fault per 4 KiB). At another world size it reads every rank's file:
+        DTensor shards may overlap its new shards, and replicated state comes from old rank
+        min(rank, old world - 1)."""
         manifest = self.transport.manifest(cid)
         old_world = manifest.world_size
         ranks = [self.rank] if old_world == self.world_size else list(range(old_world))
-        files = []
-        for r in ranks:
-            name = shard_file_name(r)
-            entry = next((f for f in manifest.files(r) if f.name == name), None)
-            if entry is None:
-                raise CorruptCheckpoint(f"checkpoint {cid} has no file {name} for rank {r}")
-            buf, got = self.transport.read_file(cid, r, entry.name, entry.size)
-            if got != entry.xxh3_128:
-                raise CorruptCheckpoint(f"checkpoint {cid} (step {manifest.step}) rank {r} file {entry.name}: "
-                                        f"xxh3-128 {got} does not match the committed {entry.xxh3_128}")
-            files.append(StoredFile(r, buf))
-        return manifest, files, min(self.rank, old_world - 1)
+        files, held = [], []
+        try:
+            for r in ranks:
+                name = shard_file_name(r)
+                entry = next((f for f in manifest.files(r) if f.name == name), None)
+                if entry is None:
+                    raise CorruptCheckpoint(f"checkpoint {cid} has no file {name} for rank {r}")
+                if len(ranks) == 1:
+                    buf = self._pool.acquire(entry.size)
+                    held.append(buf)
+                else:
+                    buf = torch.empty(entry.size, dtype=torch.uint8)  # uninitialised: every byte is received
+                data, got = self.transport.read_file(cid, r, entry.name, entry.size, into=buf.numpy())
+                if got != entry.xxh3_128:
+                    raise CorruptCheckpoint(f"checkpoint {cid} (step {manifest.step}) rank {r} file {entry.name}: "
+                                            f"xxh3-128 {got} does not match the committed {entry.xxh3_128}")
+                files.append(StoredFile(r, data))
+        except BaseException:
+            for buf in held:
+                self._pool.release(buf)
+            raise
+        return manifest, files, min(self.rank, old_world - 1), held
+
+    def _give_back(self, state: TrainState, held: list) -> None:
+        """Return restore buffers to the staging pool, where the next save overwrites them.
+        Everything restored was copied out of them, unless a component kept the tensor it
+        was given (a module whose custom load keeps its input, say): then that buffer
+        belongs to the component from now on and leaves the pool."""
+        for buf in held:
+            if state.aliases(buf):
+                log.warning("lastgood: restored state still refers to the download buffer; "
+                            "it is left to the state and not reused for snapshots")
+                self._pool.release(None)
+            else:
+                self._pool.release(buf)
 
     # ------------------------------------------------------------------ tags
     def _target(self, checkpoint_id: int | None) -> int:
@@ -336,11 +376,18 @@ class Checkpointer:
             log.warning("lastgood: checkpoint %s was saved by %s ranks; restoring on %s", manifest.checkpoint_id,
                         manifest.world_size, self.world_size)
 
+        # the optimizers' current moments: restored in place, instead of into new tensors
+        targets = state.optimizer_tensors()
+
         def tensor(name: str, device: str | None):
+            spec = src.tensors[name]
+            dst = targets.get(name)
+            if dst is not None and fits(dst, spec, device):
+                return dst.copy_(tensor_from_buffer(src.buf, spec, src.start, None, copy=False))
             # module weights are copied into the parameters by load_state_dict; everything
-            # else is cloned so the optimizer does not keep the whole download alive
+            # else is cloned: the buffer goes back to the staging pool
             copy = consumers.get(name.split(".", 1)[0]) != "module"
-            return tensor_from_buffer(src.buf, src.tensors[name], src.start, device, copy)
+            return tensor_from_buffer(src.buf, spec, src.start, device, copy)
 
         state.apply(src.state, tensor, lambda name: array_from_buffer(src.buf, src.tensors[name], src.start),
                     shards=ShardIndex(files),

@@ -35,7 +35,7 @@ class StoredFile:
     """One rank's shard file, downloaded and verified."""
 
     rank: int
-    buf: bytearray
+    buf: memoryview
     tensors: dict = field(init=False)
     start: int = field(init=False)
     state: dict = field(init=False)

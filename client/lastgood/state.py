@@ -143,6 +143,39 @@ class TrainState:
                          "param_index": param_index}, enc.tensors)
 
     # ------------------------------------------------------------------ restore
+    def optimizer_tensors(self) -> dict:
+        """The tensors of every plain optimizer's current state, under the names a capture
+        gives them (empty for an optimizer that has not stepped yet)."""
+        enc = Encoder()
+        pnames = self._param_names()
+        for name in self._order():
+            if self._kind(name) == "optimizer":
+                rename, _ = self._optimizer_renamer(self.components[name], name, pnames)
+                enc.encode(self.components[name].state_dict(), [name], rename)
+        return {n: t for n, t in enc.tensors.items() if isinstance(t, torch.Tensor)}
+
+    def aliases(self, buf: torch.Tensor) -> bool:
+        """Does any module or optimizer tensor share memory with `buf` (a CPU byte buffer)?"""
+        lo = buf.data_ptr()
+        hi = lo + buf.numel()
+        for t in self._live_tensors():
+            if t.device.type != "cpu" or t.layout != torch.strided:
+                continue
+            storage = t.untyped_storage()
+            start = storage.data_ptr()
+            if start < hi and lo < start + storage.nbytes():
+                return True
+        return False
+
+    def _live_tensors(self):
+        for name, obj in self.components.items():
+            if isinstance(obj, nn.Module):
+                yield from (_local(t) for t in _unwrap(obj).parameters())
+                yield from (_local(t) for t in _unwrap(obj).buffers())
+            elif isinstance(obj, torch.optim.Optimizer):
+                for per_param in obj.state.values():
+                    yield from (_local(v) for v in per_param.values() if isinstance(v, torch.Tensor))
+
     def apply(self, json_state: dict, tensor, array, shards=None, reseed: int | None = None,
               world_changed: bool = False) -> None:
         """Load captured state in place; `tensor(name, device)` / `array(name)` resolve refs.
@@ -205,6 +238,18 @@ class TrainState:
             rng.restore(rng_state)
         else:
             rng.seed_all(reseed)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def fits(dst: torch.Tensor, spec: dict, device: str | None) -> bool:
+    """Can the stored tensor `spec` (on `device` at save time) be copied into `dst` as it is?"""
+    return (dst.dtype == ST_TO_TORCH[spec["dtype"]] and tuple(dst.shape) == tuple(spec["shape"])
+            and dst.device == torch.device(device or "cpu") and _local(dst) is dst)
 
 
 def tensor_from_buffer(buf, spec: dict, data_start: int, device: str | None, copy: bool) -> torch.Tensor:

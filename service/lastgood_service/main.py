@@ -23,6 +23,7 @@ from .domain.curation import Curator
 from .domain.gc import GarbageCollector
 from .domain.errors import DomainError
 from .domain.retention import Retention
+from .domain.spool import Spool
 from .domain.tokens import TokenStore
 from .api.limits import BodyLimit
 from .metrics import Metrics
@@ -51,6 +52,8 @@ class Service:
                                    metrics=self.metrics)
         admin = settings.admin_token.get_secret_value() if settings.admin_token else None
         self.tokens = TokenStore(sessions, required=settings.auth_required, bootstrap_admin=admin)
+        spool_dir = settings.resolved_spool_dir()
+        self.spool = Spool(spool_dir) if spool_dir else None
         self._stop = threading.Event()
         self.grpc_server = None
         self.grpc_port = None
@@ -61,7 +64,7 @@ class Service:
             log.warning("rolled forward at start-up: %s", rolled)
         s = self.settings
         self.grpc_server, self.grpc_port = start_grpc_server(
-            Servicer(self.commits, self.queries, self.tokens), s.grpc_host, s.grpc_port, s.grpc_workers,
+            Servicer(self.commits, self.queries, self.tokens, self.spool), s.grpc_host, s.grpc_port, s.grpc_workers,
             s.max_chunk_bytes)
         threading.Thread(target=self._reaper, name="lease-reaper", daemon=True).start()
         if s.gc_interval > 0:
@@ -82,12 +85,14 @@ class Service:
         while not self._stop.wait(self.settings.gc_interval):
             try:
                 self.gc.execute(self.gc.plan())
+                if self.spool:  # files whose writer died before handing them over
+                    self.spool.sweep(max(self.settings.gc_grace_seconds, self.settings.lease_seconds))
             except Exception:
                 log.exception("scheduled GC pass failed; will retry")
 
     def app(self):
         return create_app(AppContext(self.commits, self.queries, self.grpc_target, self.curator, self.gc,
-                                     self.tokens, self.metrics))
+                                     self.tokens, self.metrics, self.spool))
 
     def stop(self) -> None:
         self._stop.set()

@@ -45,6 +45,10 @@ class Settings(BaseSettings):
     log_level: str = "INFO"
     auth_required: bool = Field(False, description="every API call needs a bearer token (required off loopback)")
     admin_token: SecretStr | None = Field(None, description="a bootstrap admin token (create real ones with it)")
+    spool: bool = Field(True, description="clients on this host may hand shard files over through the spool "
+                                          "directory instead of streaming them (see domain/spool.py)")
+    spool_dir: Path | None = Field(None, description="the spool directory; default <data_dir>/spool (put it on "
+                                                     "the blob store's file system: files are adopted by rename)")
     max_request_bytes: int = Field(1024 * 1024, gt=0, description="largest REST request body")
     max_streams_per_client: int = Field(16, gt=0, description="concurrent PutShard/GetShard streams per client address")
     log_format: str = Field("text", pattern="^(text|json)$", description="text, or json: one object a line")
@@ -84,6 +88,9 @@ class Settings(BaseSettings):
 
     def resolved_catalog_url(self) -> str:
         return self.catalog_url or f"sqlite:///{(self.data_dir / 'catalog.db').resolve()}"
+
+    def resolved_spool_dir(self) -> Path | None:
+        return (self.spool_dir or self.data_dir / "spool").resolve() if self.spool else None
 
     def resolved_blob_url(self) -> str:
         return self.blob_url or f"file://{(self.data_dir / 'blobs').resolve()}"

@@ -17,7 +17,9 @@ from lastgood import transport
 from lastgood.v1 import lastgood_pb2 as pb
 
 
-def dying_put_shard(self, checkpoint_id, rank, file_name, data, xxh3):
+def dying_put_shard(self, checkpoint_id, rank, file_name, data, xxh3, spooled=None):
+    assert spooled is None, "the test streams (LASTGOOD_SPOOL=0): the kill must land mid-stream"
+
     def messages():
         yield pb.PutShardRequest(header=pb.ShardHeader(checkpoint_id=checkpoint_id, rank=rank,
                                                        file_name=file_name, size=data.nbytes, xxh3_128=xxh3))
@@ -52,4 +54,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from rank_exit import run  # this folder is on sys.path: torchrun runs the script by its path
+
+    run(main)

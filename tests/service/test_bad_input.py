@@ -15,6 +15,7 @@ import time
 import grpc
 import pytest
 
+from lastgood import wire
 from lastgood.hashing import hash_bytes
 from lastgood.v1 import lastgood_pb2 as pb
 
@@ -231,6 +232,36 @@ def test_malformed_put_streams(svc, cl, run_name):
         rpc_error(SC.INVALID_ARGUMENT, cl.put, cid, 0, shard_name(0), data, xxh3=bad)
     rpc_error(SC.INVALID_ARGUMENT, cl.put, cid, 0, shard_name(0), b"", size=-1)
     _unchanged(svc, before, run_name)
+
+
+def _raw_put(cl, messages):
+    """PutShard with raw message bytes, as the lastgood client sends them (lastgood.wire)."""
+    call = cl.channel.stream_unary("/lastgood.v1.Checkpoints/PutShard", request_serializer=None,
+                                   response_deserializer=pb.PutShardResponse.FromString)
+    return call(iter(messages), timeout=10)
+
+
+def test_put_messages_that_are_not_protobuf(svc, cl, run_name):
+    """The service parses PutShard chunks by hand; bytes that are not a valid message are
+    refused as INVALID_ARGUMENT (not an internal error) and change nothing. Control: the
+    same stream with valid framings - hand-framed, a long varint, protobuf's own - commits."""
+    cid = cl.begin(run_name).checkpoint_id
+    data = make_shard(0)
+    header = pb.PutShardRequest(header=pb.ShardHeader(checkpoint_id=cid, rank=0, file_name=shard_name(0),
+                                                      size=len(data), xxh3_128=hash_bytes(data))).SerializeToString()
+    a, b, c = data[:40], data[40:90], data[90:]
+    framed = wire.frame(wire.PUT_CHUNK, a)
+    before = snapshot(svc, run_name)
+    for bad in ([b"\xff\x00garbage"], [header, framed[:-1]], [header, framed + b"\x00"], [header, b"\x0a\x05abc"]):
+        err = rpc_error(SC.INVALID_ARGUMENT, _raw_put, cl, bad)
+        assert "PutShard" in err.details() or "header" in err.details(), err.details()
+    _unchanged(svc, before, run_name)
+
+    overlong = bytes((wire.PUT_CHUNK, 0x80 | (len(b) & 0x7F), 0x80 | (len(b) >> 7), 0x00)) + b
+    res = _raw_put(cl, [header, framed, overlong, pb.PutShardRequest(chunk=c).SerializeToString()])
+    assert (res.already_present, res.size, res.xxh3_128) == (False, len(data), hash_bytes(data))
+    assert cl.vote(cid, 0, [shard_name(0)], wait=2).status == "COMMITTED"
+    assert cl.read(cid, 0, shard_name(0)) == data  # GetShard's hand-framed replies parse as protobuf
 
 
 # ---------------------------------------------------------------- names

@@ -10,12 +10,15 @@ import threading
 from concurrent import futures
 
 import grpc
+from google.protobuf.message import DecodeError
 
+from lastgood import wire
 from lastgood.v1 import lastgood_pb2 as pb
 from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
 
 from ..domain.commit import CommitService, ShardHeader
-from ..domain.errors import DomainError, InvalidArgument, TooLarge
+from ..domain.errors import DomainError, FailedPrecondition, InvalidArgument, TooLarge
+from ..domain.spool import Spool, read_chunks
 from ..domain.tokens import READER, WRITER, TokenStore
 from ..domain.queries import Queries
 from .errors import lookup
@@ -55,11 +58,24 @@ def _mapped_stream(fn):
     return wrapper
 
 
-def _chunks(request_iterator):
-    for msg in request_iterator:
-        if msg.WhichOneof("body") != "chunk":
-            raise InvalidArgument("only the first PutShard message may carry a header")
-        yield msg.chunk
+def _put_message(raw: bytes) -> pb.PutShardRequest:
+    try:
+        return pb.PutShardRequest.FromString(raw)
+    except DecodeError:
+        raise InvalidArgument("a PutShard message is not a valid PutShardRequest") from None
+
+
+def _chunks(raw_messages):
+    """The chunks of a PutShard stream after its header, as memoryviews into the received
+    messages (wire.py: no copy); a message framed any other way goes through protobuf."""
+    for raw in raw_messages:
+        chunk = wire.unframe(raw, wire.PUT_CHUNK)
+        if chunk is None:
+            msg = _put_message(raw)
+            if msg.WhichOneof("body") != "chunk":
+                raise InvalidArgument("only the first PutShard message may carry a header")
+            chunk = msg.chunk
+        yield chunk
 
 
 class _StreamSlots:
@@ -92,8 +108,10 @@ class Servicer(pb_grpc.CheckpointsServicer):
     then checks its role (writer for the commit protocol, reader for reads) and its scope
     against the run the call touches."""
 
-    def __init__(self, commits: CommitService, queries: Queries, tokens: TokenStore) -> None:
+    def __init__(self, commits: CommitService, queries: Queries, tokens: TokenStore,
+                 spool: Spool | None = None) -> None:
         self.commits = commits
+        self.spool = spool
         self.queries = queries
         self.tokens = tokens
         self.streams = _StreamSlots(commits.settings.max_streams_per_client)
@@ -118,15 +136,32 @@ class Servicer(pb_grpc.CheckpointsServicer):
 
     @_mapped
     def PutShard(self, request_iterator, context):
-        first = next(request_iterator, None)
+        first = next(request_iterator, None)  # raw bytes: see handlers()
+        first = None if first is None else _put_message(first)
         if first is None or first.WhichOneof("body") != "header":
             raise InvalidArgument("the first PutShard message must carry the shard header")
         h = first.header
         self._allow(context, WRITER, checkpoint_id=h.checkpoint_id)
+        header = ShardHeader(h.checkpoint_id, h.rank, h.file_name, h.size, h.xxh3_128)
         with self.streams.hold(context):
-            res = self.commits.put_shard(ShardHeader(h.checkpoint_id, h.rank, h.file_name, h.size, h.xxh3_128),
-                                         _chunks(request_iterator))
+            if h.spool_file or h.spool_id:
+                res = self._put_spooled(h, header, request_iterator)
+            else:
+                res = self.commits.put_shard(header, _chunks(request_iterator))
         return pb.PutShardResponse(already_present=res.already_present, size=res.size, xxh3_128=res.xxh3_128)
+
+    def _put_spooled(self, h, header: ShardHeader, request_iterator):
+        """The same-host hand-over (domain/spool.py): the bytes are in a file, not in chunks."""
+        if self.spool is None:
+            raise FailedPrecondition("spool: this service takes no spooled files; stream the shard")
+        if next(request_iterator, None) is not None:
+            raise InvalidArgument("a spooled PutShard carries its header only, no chunks")
+        path = self.spool.take(h.spool_file, h.spool_id, h.size)
+        try:
+            return self.commits.put_shard(header, read_chunks(path, self.commits.settings.max_chunk_bytes),
+                                          adopt=path)
+        finally:
+            path.unlink(missing_ok=True)  # still there only if it was refused (published: renamed)
 
     @_mapped
     def CommitRank(self, request, context):
@@ -174,8 +209,32 @@ class Servicer(pb_grpc.CheckpointsServicer):
         step = self.commits.settings.max_chunk_bytes
         with self.streams.hold(context):
             for chunk in self.commits.read_range(sh, request.offset, request.length or None):
-                for i in range(0, len(chunk), step):  # the store's read size need not be ours
-                    yield pb.GetShardResponse(chunk=chunk[i:i + step])
+                view = memoryview(chunk).cast("B")
+                for i in range(0, view.nbytes, step):  # the store's read size need not be ours
+                    yield wire.frame(wire.GET_CHUNK, view[i:i + step])  # raw bytes: see handlers()
+
+
+SERVICE = "lastgood.v1.Checkpoints"
+
+
+def handlers(servicer: Servicer) -> dict[str, grpc.RpcMethodHandler]:
+    """The generated registration, except for the two shard streams: PutShard receives and
+    GetShard sends raw message bytes, framed and parsed by hand (wire.py). Every method of
+    the service in the .proto must be here (a test checks it)."""
+    unary = grpc.unary_unary_rpc_method_handler
+    return {
+        "BeginCheckpoint": unary(servicer.BeginCheckpoint, pb.BeginCheckpointRequest.FromString,
+                                 pb.BeginCheckpointResponse.SerializeToString),
+        "PutShard": grpc.stream_unary_rpc_method_handler(servicer.PutShard, None,
+                                                         pb.PutShardResponse.SerializeToString),
+        "CommitRank": unary(servicer.CommitRank, pb.CommitRankRequest.FromString,
+                            pb.CommitRankResponse.SerializeToString),
+        "AbortCheckpoint": unary(servicer.AbortCheckpoint, pb.AbortCheckpointRequest.FromString,
+                                 pb.AbortCheckpointResponse.SerializeToString),
+        "GetManifest": unary(servicer.GetManifest, pb.GetManifestRequest.FromString,
+                             pb.GetManifestResponse.SerializeToString),
+        "GetShard": grpc.unary_stream_rpc_method_handler(servicer.GetShard, pb.GetShardRequest.FromString, None),
+    }
 
 
 def start_grpc_server(servicer: Servicer, host: str, port: int, workers: int, max_message: int) -> tuple[grpc.Server, int]:
@@ -186,7 +245,9 @@ def start_grpc_server(servicer: Servicer, host: str, port: int, workers: int, ma
         options=[("grpc.max_receive_message_length", max_message + 64 * 1024),
                  ("grpc.max_send_message_length", max(max_message + 64 * 1024, 256 * 1024 * 1024))],
     )
-    pb_grpc.add_CheckpointsServicer_to_server(servicer, server)
+    methods = handlers(servicer)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, methods),))
+    server.add_registered_method_handlers(SERVICE, methods)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"cannot bind gRPC to {host}:{port}")

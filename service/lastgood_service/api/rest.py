@@ -29,6 +29,7 @@ from ..domain.gc import GarbageCollector
 from ..domain.errors import DomainError, InvalidArgument, OutOfRange
 from ..domain.queries import MAX_PAGE, Queries
 from ..domain.queries import gc_policy_view
+from ..domain.spool import Spool
 from ..domain.tokens import TokenStore
 from ..metrics import Metrics
 from .auth import make_authorizer
@@ -44,6 +45,7 @@ class AppContext:
     gc: GarbageCollector
     tokens: TokenStore
     metrics: Metrics | None = None
+    spool: Spool | None = None
 
 
 class TagBody(BaseModel):
@@ -155,7 +157,7 @@ def create_app(ctx: AppContext) -> FastAPI:
         s = ctx.commits.settings
         return {"service": "lastgood", "version": __version__, "grpc_target": ctx.grpc_target,
                 "max_chunk_bytes": s.max_chunk_bytes, "max_shard_bytes": s.max_shard_bytes,
-                "lease_seconds": s.lease_seconds}
+                "lease_seconds": s.lease_seconds, "spool": ctx.spool.info() if ctx.spool else None}
 
     @app.get("/api/v1/runs", tags=["runs"])
     def list_runs(request: Request, limit: Limit = 100, offset: Offset = 0):

@@ -23,14 +23,17 @@ def _fsync_dir(path: Path) -> None:
 
 
 class _LocalWriter(BlobWriter):
-    def __init__(self, store: "LocalBlobStore", key: str) -> None:
+    def __init__(self, store: "LocalBlobStore", key: str, adopt: Path | None = None) -> None:
         self._store = store
         self._dest = store._path(key)
-        self._tmp = store.tmp_dir / f"{uuid.uuid4().hex}.part"
-        self._f = open(self._tmp, "wb", buffering=0)
+        self._tmp = adopt or store.tmp_dir / f"{uuid.uuid4().hex}.part"
+        self._adopted = adopt is not None
+        self._f = open(self._tmp, "rb" if self._adopted else "wb", buffering=0)
         self._done = False
 
     def write(self, data) -> None:
+        if self._adopted:  # the bytes are in the file already
+            return
         mv = memoryview(data)
         while mv.nbytes:
             n = self._f.write(mv)
@@ -77,6 +80,14 @@ class LocalBlobStore(BlobStore):
 
     def open_writer(self, key: str) -> BlobWriter:
         return _LocalWriter(self, key)
+
+    def adopt_writer(self, key: str, path) -> BlobWriter | None:
+        """A file on the blob directory's file system becomes the blob by rename (fsync'd
+        first, like a written one); from any other it must be copied."""
+        path = Path(path)
+        if path.stat().st_dev != self.blob_dir.stat().st_dev:
+            return None
+        return _LocalWriter(self, key, adopt=path)
 
     def get(self, key: str, offset: int = 0, length: int | None = None) -> Iterator[bytes]:
         path = self._path(key)

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
@@ -185,9 +186,12 @@ class CommitService:
             return ck
 
     # ---------------------------------------------------------------- put
-    def put_shard(self, header: ShardHeader, chunks: Iterable[bytes]) -> PutResult:
+    def put_shard(self, header: ShardHeader, chunks: Iterable[bytes], adopt: Path | None = None) -> PutResult:
         """Stream one shard file into a temporary blob, hashing as bytes arrive; publish it
-        durably and record it VERIFIED only if size and hash match the client's."""
+        durably and record it VERIFIED only if size and hash match the client's.
+
+        `adopt`: the chunks are read from this file (a spooled shard, taken by the caller);
+        a blob store that can make that very file the blob does so instead of copying it."""
         try:
             names.check_file_name(header.file_name)
         except names.InvalidName as e:
@@ -217,7 +221,8 @@ class CommitService:
         # The key derives from the declared hash, so an S3 multipart upload can start now;
         # bytes that do not match it are aborted and never become visible.
         key = shard_key(header.checkpoint_id, header.rank, header.xxh3_128)
-        with self.blobs.open_writer(key) as w:
+        writer = self.blobs.adopt_writer(key, adopt) if adopt is not None else None
+        with writer or self.blobs.open_writer(key) as w:
             for chunk in chunks:
                 if len(chunk) > self.settings.max_chunk_bytes:
                     raise InvalidArgument(f"chunk of {len(chunk)} bytes exceeds {self.settings.max_chunk_bytes}")

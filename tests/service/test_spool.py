@@ -1,0 +1,204 @@
+"""The same-host hand-over: a shard written into the service's spool is taken, re-hashed and
+adopted as the blob (by rename: the very file), and every trick with that directory - links,
+wrong sizes, foreign ids, names that climb out - is refused, changing nothing."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+import lastgood
+from lastgood.hashing import hash_bytes
+from lastgood.transport import Transport
+from lastgood.v1 import lastgood_pb2 as pb
+
+from ..conftest import FAST, ServiceProc
+from .helpers import (Client, assert_unchanged, make_shard, rpc_error, shard_blob, shard_name, snapshot)
+
+SC = grpc.StatusCode
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory):
+    s = ServiceProc(tmp_path_factory.mktemp("spool"), {**FAST, "LASTGOOD_LEASE_SECONDS": "120"}).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def cl(svc):
+    c = Client(svc.grpc_target)
+    yield c
+    c.close()
+
+
+def spool_of(svc) -> tuple[Path, str]:
+    info = svc.get("/api/v1/info").json()["spool"]
+    return Path(info["dir"]), info["id"]
+
+
+def spooled_put(cl, cid: int, data: bytes, name: str, spool_id: str, *, size: int | None = None,
+                xxh3: str | None = None, chunks: tuple = ()):
+    header = pb.ShardHeader(checkpoint_id=cid, rank=0, file_name=shard_name(0),
+                            size=len(data) if size is None else size, xxh3_128=xxh3 or hash_bytes(data),
+                            spool_file=name, spool_id=spool_id)
+    msgs = [pb.PutShardRequest(header=header)] + [pb.PutShardRequest(chunk=c) for c in chunks]
+    return cl.stub.PutShard(iter(msgs), timeout=30)
+
+
+def spool_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
+
+
+def test_the_checkpointer_hands_its_shard_over_and_the_blob_is_that_file(svc, run_name):
+    spool, _ = spool_of(svc)
+    t = Transport(svc.url)
+    assert t.spool is not None and Path(t.spool["dir"]) == spool
+    data = make_shard(0, seed=4)
+    name = t.spool_write(data)
+    inode = (spool / name).stat().st_ino
+    cid = t.begin(run_name, 1, 1, None, "a1", 0).checkpoint_id
+    res = t.put_shard(cid, 0, shard_name(0), memoryview(data), hash_bytes(data), spooled=name)
+    assert (res.already_present, res.size, res.xxh3_128) == (False, len(data), hash_bytes(data))
+    assert t.commit_rank(cid, 0, [shard_name(0)], wait=2).status == "COMMITTED"
+    blob = shard_blob(svc, cid, 0)
+    assert blob.read_bytes() == data and blob.stat().st_ino == inode  # adopted, not copied
+    assert spool_files(spool) == [] and list((spool / ".taken").iterdir()) == []
+    t.close()
+
+    # the whole Checkpointer path: saved through the spool, restored bit-exactly
+    model = torch.nn.Linear(64, 64)
+    with lastgood.Checkpointer(svc.url, run=run_name + "-ck") as ckpt:
+        assert ckpt.transport.spool is not None
+        ckpt.save(3, lastgood.TrainState(model=model))
+        ckpt.wait()
+        cid = ckpt.last_saved.checkpoint_id
+    assert spool_files(spool) == []
+    other = torch.nn.Linear(64, 64)
+    with lastgood.Checkpointer(svc.url, run=run_name + "-ck") as ckpt:
+        assert ckpt.restore(lastgood.TrainState(model=other)) == 3
+    assert torch.equal(other.weight, model.weight) and torch.equal(other.bias, model.bias)
+    assert svc.post(f"/api/v1/checkpoints/{cid}/verify").json()["status"] == "COMMITTED"
+
+
+def test_links_and_foreign_files_are_refused(svc, cl, run_name, tmp_path):
+    """A symlink or a hard link in the spool could make the service adopt (move) a file that
+    is not the client's - another checkpoint's blob, say. Control: the same bytes as a plain
+    file of the client are accepted."""
+    spool, sid = spool_of(svc)
+    cid_done, _ = cl.save(run_name, 1)
+    victim = shard_blob(svc, cid_done, 0)
+    victim_bytes = victim.read_bytes()
+    cid = cl.begin(run_name, step=2).checkpoint_id
+    before = snapshot(svc, run_name)
+
+    (spool / ("a" * 32 + ".part")).symlink_to(victim)
+    os.link(victim, spool / ("b" * 32 + ".part"))
+    outside = tmp_path / "outside.part"
+    outside.write_bytes(victim_bytes)
+    (spool / ("c" * 32 + ".part")).symlink_to(outside)
+    (spool / ("d" * 32 + ".part")).mkdir()
+    for name in ("a" * 32 + ".part", "b" * 32 + ".part", "c" * 32 + ".part", "d" * 32 + ".part"):
+        err = rpc_error(SC.INVALID_ARGUMENT, spooled_put, cl, cid, victim_bytes, name, sid)
+        assert "regular file" in err.details(), err.details()
+    # names that are not the spool's own: refused before anything is touched
+    for name in ("../blobs/x.part", "/etc/passwd", "x" * 32 + ".part", "", ".lastgood-spool"):
+        rpc_error(SC.INVALID_ARGUMENT, spooled_put, cl, cid, victim_bytes, name or "?", sid)
+    assert victim.read_bytes() == victim_bytes and victim.stat().st_nlink == 1
+    assert outside.read_bytes() == victim_bytes
+    assert_unchanged(before, snapshot(svc, run_name))
+    assert spool_files(spool) == [] and list((spool / ".taken").iterdir()) == []
+
+    # control: the same bytes in a plain file of the client's
+    name = "e" * 32 + ".part"
+    (spool / name).write_bytes(victim_bytes)
+    res = spooled_put(cl, cid, victim_bytes, name, sid)
+    assert res.size == len(victim_bytes) and not res.already_present
+
+
+def test_wrong_size_hash_id_or_extra_chunks_change_nothing(svc, cl, run_name):
+    spool, sid = spool_of(svc)
+    cid = cl.begin(run_name).checkpoint_id
+    data = make_shard(0, seed=9)
+    before = snapshot(svc, run_name)
+
+    def put(name: str, **kw):
+        (spool / name).write_bytes(data)
+        return spooled_put(cl, cid, data, name, kw.pop("spool_id", sid), **kw)
+
+    rpc_error(SC.INVALID_ARGUMENT, put, "1" * 32 + ".part", size=len(data) + 1)
+    rpc_error(SC.INVALID_ARGUMENT, put, "2" * 32 + ".part", size=len(data) - 1)
+    rpc_error(SC.DATA_LOSS, put, "3" * 32 + ".part", xxh3=hash_bytes(b"other bytes"))
+    rpc_error(SC.INVALID_ARGUMENT, put, "4" * 32 + ".part", chunks=(data[:10],))
+    assert spool_files(spool) == ["4" * 32 + ".part"]  # refused before it was taken: still the client's
+    (spool / ("4" * 32 + ".part")).unlink()
+    # another spool's id: the file is not touched at all, and the client is told to stream
+    err = rpc_error(SC.FAILED_PRECONDITION, put, "5" * 32 + ".part", spool_id="f" * 32)
+    assert err.details().startswith("spool:")
+    assert spool_files(spool) == ["5" * 32 + ".part"]
+    (spool / ("5" * 32 + ".part")).unlink()
+    assert_unchanged(before, snapshot(svc, run_name))
+    assert list((spool / ".taken").iterdir()) == []
+    # control: the right size, hash and id are accepted
+    assert put("6" * 32 + ".part").size == len(data)
+
+
+def test_a_declined_hand_over_is_streamed_instead(svc, run_name, tmp_path):
+    """A client that believes it shares a spool the service does not read (a replica on
+    another host, say) is told so, streams the bytes, and removes its file."""
+    t = Transport(svc.url)
+    fake = tmp_path / "not-the-services"
+    fake.mkdir()
+    (fake / ".lastgood-spool").write_text("f" * 32)
+    t.spool = {"dir": str(fake), "id": "f" * 32}
+    data = make_shard(0, seed=11)
+    name = t.spool_write(data)
+    assert (fake / name).exists()
+    cid = t.begin(run_name, 1, 1, None, "a1", 0).checkpoint_id
+    res = t.put_shard(cid, 0, shard_name(0), memoryview(data), hash_bytes(data), spooled=name)
+    assert res.size == len(data) and res.xxh3_128 == hash_bytes(data)
+    assert not (fake / name).exists() and t.spool is None  # and later saves stream straight away
+    assert t.commit_rank(cid, 0, [shard_name(0)], wait=2).status == "COMMITTED"
+    assert shard_blob(svc, cid, 0).read_bytes() == data
+    t.close()
+
+
+def test_without_a_spool_clients_stream(make_service, run_name):
+    svc = make_service(LASTGOOD_SPOOL="false")
+    assert svc.get("/api/v1/info").json()["spool"] is None
+    model = torch.nn.Linear(8, 8)
+    with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
+        assert ckpt.transport.spool is None
+        ckpt.save(1, lastgood.TrainState(model=model))
+        ckpt.wait()
+    cl = Client(svc.grpc_target)
+    try:
+        cid = cl.begin(run_name, step=2).checkpoint_id
+        err = rpc_error(SC.FAILED_PRECONDITION, spooled_put, cl, cid, b"x", "0" * 32 + ".part", "0" * 32)
+        assert err.details().startswith("spool:")
+    finally:
+        cl.close()
+
+
+def test_sweep_removes_only_abandoned_spool_files(tmp_path):
+    from lastgood_service.domain.spool import Spool
+
+    spool = Spool(tmp_path / "spool")
+    old, fresh, other = (spool.dir / ("a" * 32 + ".part"), spool.dir / ("b" * 32 + ".part"),
+                         spool.dir / "notes.txt")
+    for p in (old, fresh, other):
+        p.write_bytes(b"x")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    os.utime(other, (time.time() - 7200, time.time() - 7200))
+    assert spool.sweep(3600) == 1
+    assert not old.exists() and fresh.exists() and other.exists()
+    # a file taken by a process that died is removed when the next one opens the spool
+    (spool.taken_dir / ("c" * 32 + ".part")).write_bytes(b"x")
+    again = Spool(tmp_path / "spool")
+    assert again.id == spool.id and list(again.taken_dir.iterdir()) == []
+    assert oct((tmp_path / "spool").stat().st_mode & 0o777) == "0o700"
