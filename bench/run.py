@@ -14,6 +14,7 @@ taken between figures of this one run. See bench/README.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import gc
 import json
@@ -35,17 +36,24 @@ from bench.pipe import PipeClient
 
 # What every run must produce (tests/bench checks each one is a number in the JSON).
 PER_SIZE = ["copy_floor", "raw_write_fsync", "torch_save", "dcp_save", "lastgood_save_sync",
-            "lastgood_save_async_block", "lastgood_save_async_commit", "torch_load", "dcp_load",
-            "lastgood_restore", "grpc_download", "grpc_upload"]
-RATIOS = ["save_vs_dcp", "save_vs_torch_save", "save_vs_raw_disk", "block_vs_copy", "restore_vs_grpc",
-          "restore_vs_torch_load", "restore_vs_dcp_load"]
+            "lastgood_save_stream", "lastgood_save_async_block", "lastgood_save_async_commit", "torch_load",
+            "dcp_load", "lastgood_restore", "grpc_download", "grpc_upload"]
+RATIOS = ["save_vs_dcp", "save_stream_vs_dcp", "save_vs_torch_save", "save_vs_raw_disk", "stream_vs_grpc_upload",
+          "block_vs_copy", "restore_vs_grpc", "restore_vs_torch_load", "restore_vs_dcp_load"]
 
 TARGETS = [  # (name, figure path, comparison, bound, what)
-    ("save throughput vs DCP", "save_vs_dcp", ">=", 0.9, "lastgood sync save (fsync + end-to-end xxh3) / DCP save"),
+    ("save throughput vs DCP (same host: spool)", "save_vs_dcp", ">=", 0.9,
+     "lastgood sync save (fsync + end-to-end xxh3) / DCP save; the shard handed over through the spool"),
+    ("save throughput vs DCP (streamed over gRPC)", "save_stream_vs_dcp", ">=", 0.9,
+     "the same, with the shard streamed (LASTGOOD_SPOOL=0), as from another host"),
     ("save() blocks the trainer", "block_vs_copy", "<=", 1.5, "async save() time / plain CPU copy"),
     ("restore vs gRPC ceiling", "restore_vs_grpc", ">=", 0.8, "lastgood restore / bare gRPC download"),
-    ("4 ranks vs raw disk", "four_ranks.ratio", ">=", 0.8, "aggregate ingest of 4 rank processes / raw write+fsync"),
-    ("service peak RSS while ingesting", "service_rss.peak_mib", "<=", 256, "MiB, sampled VmRSS during the save"),
+    ("4 ranks vs raw disk (spool)", "four_ranks.ratio", ">=", 0.8,
+     "aggregate ingest of 4 rank processes / raw write+fsync"),
+    ("4 ranks vs raw disk (streamed)", "four_ranks_stream.ratio", ">=", 0.8,
+     "the same, every shard streamed over gRPC (LASTGOOD_SPOOL=0)"),
+    ("service peak RSS while ingesting a stream", "service_rss.peak_mib", "<=", 256,
+     "MiB, sampled VmRSS during the streamed save"),
     ("{ranks}-rank commit after the last vote", "scale.last_vote_to_commit_s", "<=", 1.0,
      "s from the last rank's CommitRank to its COMMITTED answer"),
     ("checkpoint list p99 at {checkpoints:,} checkpoints", "catalog.list.p99_ms", "<=", 50,
@@ -76,6 +84,20 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def spool_off():
+    """Checkpointers made inside stream their shards (LASTGOOD_SPOOL=0 is read when one starts)."""
+    old = os.environ.get("LASTGOOD_SPOOL")
+    os.environ["LASTGOOD_SPOOL"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["LASTGOOD_SPOOL"]
+        else:
+            os.environ["LASTGOOD_SPOOL"] = old
 
 
 def rm(path: Path) -> None:
@@ -209,7 +231,8 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
         f"({sum(1 for _ in model.parameters())} parameters + AdamW moments), built in "
         f"{time.perf_counter() - t_build:.1f} s; {reps} reps")
     times: dict[str, list[float]] = {k: [] for k in PER_SIZE}
-    rss_peaks: list[int] = []
+    rss_peaks: list[int] = []  # during streamed saves: the service holds the stream's chunks
+    spool_rss_peaks: list[int] = []
 
     floor = CopyFloor(tensors)
     svc = Service(work / f"svc-{target}", SERVICE_ENV).start()
@@ -217,6 +240,9 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
     run = f"bench-{target}-{uuid.uuid4().hex[:6]}"
     state = lastgood.TrainState(model=model, optimizer=opt)
     ckpt = lastgood.Checkpointer(svc.url, run=run)
+    with spool_off():  # the same saves, streamed over gRPC as from another host
+        streamer = lastgood.Checkpointer(svc.url, run=run)
+    assert ckpt.transport.spool is not None and streamer.transport.spool is None
     files = work / "files"
     files.mkdir(exist_ok=True)
     raw_path, pt_path, dcp_path = files / "raw.bin", files / "state.pt", files / "dcp"
@@ -224,6 +250,8 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
     try:
         # warm-up: lastgood allocates its staging buffer once and reuses it for every save
         t_cold = timed(lambda: (ckpt.save(step, state), ckpt.wait()))
+        step += 1
+        timed(lambda: (streamer.save(step, state), streamer.wait()))
         svc.gc()
         log(f"  lastgood warm-up save (allocates the staging buffer): {t_cold:.2f} s")
         step_box = [step]
@@ -232,6 +260,14 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
             step_box[0] += 1
             with RssSampler(svc.pid) as rss:
                 times["lastgood_save_sync"].append(timed(lambda: (ckpt.save(step_box[0], state), ckpt.wait())))
+            spool_rss_peaks.append(rss.peak)
+            svc.gc()
+
+        def lg_stream():
+            step_box[0] += 1
+            with RssSampler(svc.pid) as rss:
+                times["lastgood_save_stream"].append(timed(lambda: (streamer.save(step_box[0], state),
+                                                                    streamer.wait())))
             rss_peaks.append(rss.peak)
             svc.gc()
 
@@ -250,21 +286,23 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
         saves = [("raw", lambda: times["raw_write_fsync"].append(raw_write(raw_path, nbytes))),
                  ("torch.save", lambda: times["torch_save"].append(torch_save(model, opt, pt_path))),
                  ("DCP", lambda: times["dcp_save"].append(dcp_save(model, opt, dcp_path))),
-                 ("lastgood sync", lg_sync), ("lastgood async", lg_async)]
+                 ("lastgood sync", lg_sync), ("lastgood stream", lg_stream), ("lastgood async", lg_async)]
         for i in range(reps):
             order = rotate(saves, i)
             for _name, case in order:
                 case()
             log(f"  save rep {i + 1} ({' > '.join(n for n, _ in order)}): raw {times['raw_write_fsync'][-1]:.2f} s, "
                 f"torch.save {times['torch_save'][-1]:.2f} s, DCP {times['dcp_save'][-1]:.2f} s, lastgood sync "
-                f"{times['lastgood_save_sync'][-1]:.2f} s (service RSS peak {rss_peaks[-1] / MiB:.0f} MiB), copy floor "
+                f"{times['lastgood_save_sync'][-1]:.2f} s / streamed {times['lastgood_save_stream'][-1]:.2f} s "
+                f"(service RSS peak {rss_peaks[-1] / MiB:.0f} MiB), copy floor "
                 f"{times['copy_floor'][-1]:.3f} s, async blocks {times['lastgood_save_async_block'][-1]:.3f} s / "
                 f"commits {times['lastgood_save_async_commit'][-1]:.2f} s")
         step = step_box[0]
         floor.free()
         hwm_after_ingest = proc_status(svc.pid, "VmHWM")
-        ckpt.close()  # frees the staging buffer before the restores allocate theirs
-        del ckpt
+        ckpt.close()  # frees the staging buffers before the restores allocate theirs
+        streamer.close()
+        del ckpt, streamer
         gc.collect()
 
         reader = lastgood.Checkpointer(svc.url, run=run)
@@ -303,6 +341,8 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
     tput = {k: gib / med[k] for k in PER_SIZE}
     ratios = {
         "save_vs_dcp": tput["lastgood_save_sync"] / tput["dcp_save"],
+        "save_stream_vs_dcp": tput["lastgood_save_stream"] / tput["dcp_save"],
+        "stream_vs_grpc_upload": tput["lastgood_save_stream"] / tput["grpc_upload"],
         "save_vs_torch_save": tput["lastgood_save_sync"] / tput["torch_save"],
         "save_vs_raw_disk": tput["lastgood_save_sync"] / tput["raw_write_fsync"],
         "block_vs_copy": med["lastgood_save_async_block"] / med["copy_floor"],
@@ -315,7 +355,9 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
     return {"label": label, "target_bytes": target, "bytes": nbytes, "reps": reps, "figures": figures,
             "ratios": ratios, "lastgood_cold_first_save_s": t_cold,
             "service_rss": {"baseline_mib": base_rss / MiB, "peak_mib_reps": [p / MiB for p in rss_peaks],
-                            "peak_mib": median(rss_peaks) / MiB, "vmhwm_after_ingest_mib": hwm_after_ingest / MiB}}
+                            "peak_mib": median(rss_peaks) / MiB, "vmhwm_after_ingest_mib": hwm_after_ingest / MiB,
+                            "spool_peak_mib_reps": [p / MiB for p in spool_rss_peaks],
+                            "spool_peak_mib": median(spool_rss_peaks) / MiB}}
 
 
 # ---------------------------------------------------------------------------- four ranks
@@ -324,8 +366,8 @@ class RankProcs:
     saving one checkpoint of world size N together. `start()` launches them (they import
     torch and build their state); `run()` measures."""
 
-    def __init__(self, per_rank: int, ranks: int, work: Path) -> None:
-        self.per_rank, self.ranks, self.work = per_rank, ranks, work
+    def __init__(self, per_rank: int, ranks: int, work: Path, spool: bool = True) -> None:
+        self.per_rank, self.ranks, self.work, self.spool = per_rank, ranks, work, spool
         self.svc = Service(work / "svc-ranks", SERVICE_ENV)
         self.procs: list[subprocess.Popen] = []
 
@@ -333,7 +375,8 @@ class RankProcs:
         self.svc.start()
         run, attempt = f"bench-ranks-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:12]
         for r in range(self.ranks):
-            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(self.ranks), "LASTGOOD_LOG_LEVEL": "WARNING"}
+            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(self.ranks), "LASTGOOD_LOG_LEVEL": "WARNING",
+                   "LASTGOOD_SPOOL": "1" if self.spool else "0"}
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "bench.ranks", self.svc.url, run, attempt, str(self.per_rank)],
                 cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
@@ -361,7 +404,7 @@ class RankProcs:
                 raise RuntimeError("a rank process exited before it was ready")
             total += json.loads(line)["bytes"]
         log(f"\n== {ranks} ranks x {size_label(self.per_rank)} (separate processes, one checkpoint of world size "
-            f"{ranks}): {total / MiB:.0f} MiB in all; {reps} reps + 1 warm-up")
+            f"{ranks}, {'spool' if self.spool else 'streamed'}): {total / MiB:.0f} MiB in all; {reps} reps + 1 warm-up")
 
         def save(step: int) -> float:
             for p in procs:
@@ -386,7 +429,8 @@ class RankProcs:
                 f"({total / GiB / agg[-1]:.2f} GiB/s vs {total / GiB / raw[-1]:.2f} GiB/s); service RSS peak "
                 f"{rss_peaks[-1]:.0f} MiB")
         gib = total / GiB
-        return {"ranks": ranks, "per_rank_bytes": self.per_rank, "bytes": total, "reps": reps, "warmup_s": warm,
+        return {"ranks": ranks, "spool": self.spool, "per_rank_bytes": self.per_rank, "bytes": total, "reps": reps,
+                "warmup_s": warm,
                 "aggregate_s": agg, "raw_s": raw, "aggregate_gib_per_s": gib / median(agg),
                 "raw_gib_per_s": gib / median(raw), "ratio": median(raw) / median(agg),
                 "service_rss_peak_mib_reps": rss_peaks, "service_rss_peak_mib": median(rss_peaks)}
@@ -430,7 +474,8 @@ def table(results: dict) -> str:
     names = {
         "copy_floor": "plain CPU copy (snapshot floor)", "raw_write_fsync": "raw sequential write + fsync (disk ceiling)",
         "torch_save": "torch.save + fsync", "dcp_save": "DCP save (2 threads, sync_files)",
-        "lastgood_save_sync": "**lastgood save → acknowledged commit**",
+        "lastgood_save_sync": "**lastgood save → acknowledged commit** (same host: spool)",
+        "lastgood_save_stream": "**lastgood save → acknowledged commit, streamed** (gRPC)",
         "lastgood_save_async_block": "**lastgood async: save() blocks**",
         "lastgood_save_async_commit": "**lastgood async: save() → commit**",
         "torch_load": "torch.load(weights_only) + load_state_dict", "dcp_load": "DCP load (in place)",
@@ -446,9 +491,13 @@ def table(results: dict) -> str:
             f = b["figures"][k]
             cells.append(f"{fmt_s(f['median_s'])} · {f['gib_per_s']:.2f} GiB/s")
         lines.append(f"| {names[k]} | " + " | ".join(cells) + " |")
-    lines.append("| service peak RSS while ingesting (baseline) | " + " | ".join(
+    lines.append("| service peak RSS while ingesting a stream (baseline) | " + " | ".join(
         f"{b['service_rss']['peak_mib']:.0f} MiB ({b['service_rss']['baseline_mib']:.0f})" for b in sizes) + " |")
+    lines.append("| service peak RSS while adopting a spooled shard | " + " | ".join(
+        f"{b['service_rss']['spool_peak_mib']:.0f} MiB" for b in sizes) + " |")
     ratio_names = {"save_vs_dcp": "save: lastgood / DCP (target ≥ 0.9)",
+                   "save_stream_vs_dcp": "save streamed: lastgood / DCP (target ≥ 0.9)",
+                   "stream_vs_grpc_upload": "save streamed: lastgood / bare gRPC upload",
                    "save_vs_torch_save": "save: lastgood / torch.save",
                    "save_vs_raw_disk": "save: lastgood / raw disk",
                    "block_vs_copy": "save() blocks / plain copy (target ≤ 1.5)",
@@ -457,14 +506,18 @@ def table(results: dict) -> str:
                    "restore_vs_dcp_load": "restore: lastgood / DCP load"}
     for k in RATIOS:
         lines.append(f"| *{ratio_names[k]}* | " + " | ".join(f"{b['ratios'][k]:.2f}×" for b in sizes) + " |")
-    fr, sc, cat = results["four_ranks"], results["scale"], results["catalog"]
-    lines += ["", "| case | figure |", "|---|---|",
-              f"| {fr['ranks']} ranks × {size_label(fr['per_rank_bytes'])} at once (processes), to commit | "
-              f"{fmt_s(median(fr['aggregate_s']))} · {fr['aggregate_gib_per_s']:.2f} GiB/s aggregate |",
-              f"| raw write + fsync of the same {fr['bytes'] / MiB:.0f} MiB | {fmt_s(median(fr['raw_s']))} · "
-              f"{fr['raw_gib_per_s']:.2f} GiB/s |",
-              f"| *{fr['ranks']} ranks / raw disk (target ≥ 0.8)* | {fr['ratio']:.2f}× |",
-              f"| service peak RSS while {fr['ranks']} ranks upload at once | {fr['service_rss_peak_mib']:.0f} MiB |",
+    sc, cat = results["scale"], results["catalog"]
+    lines += ["", "| case | figure |", "|---|---|"]
+    for fr in (results["four_ranks"], results["four_ranks_stream"]):
+        how = "spool" if fr["spool"] else "streamed"
+        lines += [f"| {fr['ranks']} ranks × {size_label(fr['per_rank_bytes'])} at once (processes, {how}), to commit | "
+                  f"{fmt_s(median(fr['aggregate_s']))} · {fr['aggregate_gib_per_s']:.2f} GiB/s aggregate |",
+                  f"| raw write + fsync of the same {fr['bytes'] / MiB:.0f} MiB (same reps) | "
+                  f"{fmt_s(median(fr['raw_s']))} · {fr['raw_gib_per_s']:.2f} GiB/s |",
+                  f"| *{fr['ranks']} ranks ({how}) / raw disk (target ≥ 0.8)* | {fr['ratio']:.2f}× |",
+                  f"| service peak RSS while {fr['ranks']} ranks save at once ({how}) | "
+                  f"{fr['service_rss_peak_mib']:.0f} MiB |"]
+    lines += [
               f"| {sc['ranks']} ranks, tiny shards: last rank's vote → COMMITTED (target ≤ 1 s) | "
               f"{sc['last_vote_to_commit_s'] * 1e3:.0f} ms |",
               f"| {sc['ranks']} tiny PutShards (8 threads) / {sc['ranks'] - 1} votes with wait 0 | "
@@ -541,6 +594,9 @@ def main(argv: list[str] | None = None) -> int:
         if not smoke:
             rank_procs.start()
         results["four_ranks"] = rank_procs.run(3)
+        rank_procs.stop()
+        rank_procs = RankProcs(rank_size, args.ranks, work, spool=False).start()
+        results["four_ranks_stream"] = rank_procs.run(3)
     finally:
         rank_procs.stop()
 

@@ -44,10 +44,14 @@ def test_bench_smoke_produces_every_figure(tmp_path):
         rss = block["service_rss"]
         assert len(rss["peak_mib_reps"]) >= 3 and rss["peak_mib"] >= rss["baseline_mib"] > 0
 
-    four = doc["four_ranks"]
-    assert four["ranks"] == 4 and len(four["aggregate_s"]) >= 3 and len(four["raw_s"]) >= 3
-    assert _number(four["ratio"]) and _number(four["aggregate_gib_per_s"]) and _number(four["raw_gib_per_s"])
-    assert _number(four["service_rss_peak_mib"])
+        assert len(rss["spool_peak_mib_reps"]) >= 3 and _number(rss["spool_peak_mib"])
+
+    for key, spool in (("four_ranks", True), ("four_ranks_stream", False)):
+        four = doc[key]
+        assert four["ranks"] == 4 and four["spool"] is spool
+        assert len(four["aggregate_s"]) >= 3 and len(four["raw_s"]) >= 3
+        assert _number(four["ratio"]) and _number(four["aggregate_gib_per_s"]) and _number(four["raw_gib_per_s"])
+        assert _number(four["service_rss_peak_mib"])
 
     scale = doc["scale"]
     assert len(scale["reps"]) >= 3 and _number(scale["last_vote_to_commit_s"])
