@@ -336,12 +336,15 @@ class Checkpointer:
         was given (a module whose custom load keeps its input, say): then that buffer
         belongs to the component from now on and leaves the pool."""
         for buf in held:
-            if state.aliases(buf):
-                log.warning("lastgood: restored state still refers to the download buffer; "
+            try:
+                reuse = not state.aliases(buf)
+            except Exception as e:  # noqa: BLE001 - cannot tell: do not reuse it, but free the slot
+                log.warning("lastgood: could not check restored state against the download buffer: %s", e)
+                reuse = False
+            if not reuse:
+                log.warning("lastgood: restored state may still refer to the download buffer; "
                             "it is left to the state and not reused for snapshots")
-                self._pool.release(None)
-            else:
-                self._pool.release(buf)
+            self._pool.release(buf if reuse else None)
 
     # ------------------------------------------------------------------ tags
     def _target(self, checkpoint_id: int | None) -> int:
@@ -370,24 +373,23 @@ class Checkpointer:
 
     def _apply(self, state: TrainState, manifest: Manifest, files: list, source: int) -> None:
         src = next(f for f in files if f.rank == source)
-        consumers = {n: c["kind"] for n, c in src.state["components"].items()}
         changed = manifest.world_size != self.world_size
         if changed:
             log.warning("lastgood: checkpoint %s was saved by %s ranks; restoring on %s", manifest.checkpoint_id,
                         manifest.world_size, self.world_size)
 
-        # the optimizers' current moments: restored in place, instead of into new tensors
-        targets = state.optimizer_tensors()
+        # the optimizers' current moments: restored in place, instead of into new tensors;
+        # module parameters and buffers: copied in by load_state_dict
+        targets = state.optimizer_tensors(src.state["components"])
+        direct = state.module_tensor_names()
 
         def tensor(name: str, device: str | None):
             spec = src.tensors[name]
             dst = targets.get(name)
             if dst is not None and fits(dst, spec, device):
                 return dst.copy_(tensor_from_buffer(src.buf, spec, src.start, None, copy=False))
-            # module weights are copied into the parameters by load_state_dict; everything
-            # else is cloned: the buffer goes back to the staging pool
-            copy = consumers.get(name.split(".", 1)[0]) != "module"
-            return tensor_from_buffer(src.buf, spec, src.start, device, copy)
+            # everything else is cloned: the buffer goes back to the staging pool
+            return tensor_from_buffer(src.buf, spec, src.start, device, copy=name not in direct)
 
         state.apply(src.state, tensor, lambda name: array_from_buffer(src.buf, src.tensors[name], src.start),
                     shards=ShardIndex(files),

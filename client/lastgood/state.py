@@ -143,16 +143,35 @@ class TrainState:
                          "param_index": param_index}, enc.tensors)
 
     # ------------------------------------------------------------------ restore
-    def optimizer_tensors(self) -> dict:
+    def optimizer_tensors(self, saved: dict) -> dict:
         """The tensors of every plain optimizer's current state, under the names a capture
-        gives them (empty for an optimizer that has not stepped yet)."""
+        gives them (none for an optimizer that has not stepped yet), for restore to copy
+        into. Only optimizers whose saved param groups (`saved`: the checkpoint's
+        components) have the sizes of the live ones: load_state_dict refuses anything else,
+        and must do so before a single moment was overwritten."""
         enc = Encoder()
         pnames = self._param_names()
         for name in self._order():
-            if self._kind(name) == "optimizer":
-                rename, _ = self._optimizer_renamer(self.components[name], name, pnames)
-                enc.encode(self.components[name].state_dict(), [name], rename)
+            if self._kind(name) != "optimizer":
+                continue
+            opt = self.components[name]
+            if not _groups_match(((saved.get(name) or {}).get("state") or {}).get("param_groups"), opt):
+                continue
+            rename, _ = self._optimizer_renamer(opt, name, pnames)
+            enc.encode(opt.state_dict(), [name], rename)
         return {n: t for n, t in enc.tensors.items() if isinstance(t, torch.Tensor)}
+
+    def module_tensor_names(self) -> set[str]:
+        """Stored names of the plain modules' parameters and buffers: load_state_dict copies
+        those into the module. Anything else a module stores (extra state) may be kept as
+        given, so restore hands it a tensor of its own."""
+        out = set()
+        for name, obj in self.components.items():
+            if self._kind(name) == "module":
+                m = _unwrap(obj)
+                out.update(f"{name}.{n}" for n, _ in m.named_parameters())
+                out.update(f"{name}.{n}" for n, _ in m.named_buffers())
+        return out
 
     def aliases(self, buf: torch.Tensor) -> bool:
         """Does any module or optimizer tensor share memory with `buf` (a CPU byte buffer)?"""
@@ -172,6 +191,8 @@ class TrainState:
             if isinstance(obj, nn.Module):
                 yield from (_local(t) for t in _unwrap(obj).parameters())
                 yield from (_local(t) for t in _unwrap(obj).buffers())
+                for m in _unwrap(obj).modules():  # tensors kept as plain attributes
+                    yield from (_local(v) for v in vars(m).values() if isinstance(v, torch.Tensor))
             elif isinstance(obj, torch.optim.Optimizer):
                 for per_param in obj.state.values():
                     yield from (_local(v) for v in per_param.values() if isinstance(v, torch.Tensor))
@@ -238,6 +259,13 @@ class TrainState:
             rng.restore(rng_state)
         else:
             rng.seed_all(reseed)
+
+
+def _groups_match(saved_groups, opt: torch.optim.Optimizer) -> bool:
+    """Do the saved (encoded) param groups have the live optimizer's group sizes?"""
+    if not isinstance(saved_groups, list) or not all(isinstance(g, dict) for g in saved_groups):
+        return False
+    return [len(g.get("params") or ()) for g in saved_groups] == [len(g["params"]) for g in opt.param_groups]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -248,35 +248,38 @@ class Transport(RestClient):
             return None
         return name
 
-    def spool_discard(self, name: str | None) -> None:
+    def spool_discard(self, name: str | None, spool: dict | None = None) -> None:
         """Remove a spool file the service did not take (it is gone once the service took it)."""
-        if name and self.spool is not None:
+        spool = spool or self.spool
+        if name and spool is not None:
             try:
-                os.unlink(os.path.join(self.spool["dir"], name))
-            except FileNotFoundError:
+                os.unlink(os.path.join(spool["dir"], name))
+            except OSError:
                 pass
 
     def put_shard(self, checkpoint_id: int, rank: int, file_name: str, data: memoryview,
                   xxh3: str, spooled: str | None = None) -> pb.PutShardResponse:
         """Stream the shard, or hand over the spool file `spooled` holding the same bytes.
-        A service that declines the spool file (another host's spool, none configured) gets
-        the bytes streamed instead."""
+        Whatever goes wrong with a hand-over, the bytes are streamed next, and that answer
+        is final: a service that declines the spool (another host's, none configured) or
+        no longer finds the file (a retry after a lost reply, a restart, a sweep) gets the
+        stream, which is a no-op when the shard was stored already."""
         data = memoryview(data).cast("B")
         header = pb.ShardHeader(checkpoint_id=checkpoint_id, rank=rank, file_name=file_name, size=data.nbytes,
                                 xxh3_128=xxh3)
         if spooled and self.spool is not None:
+            spool = self.spool
             spooled_header = pb.ShardHeader()
             spooled_header.CopyFrom(header)
-            spooled_header.spool_file, spooled_header.spool_id = spooled, self.spool["id"]
+            spooled_header.spool_file, spooled_header.spool_id = spooled, spool["id"]
             try:
                 return self._put(lambda: iter((pb.PutShardRequest(header=spooled_header).SerializeToString(),)))
             except ServiceError as e:
-                if "FAILED_PRECONDITION: spool:" not in str(e):
-                    raise
-                log.warning("lastgood: the service declined the spooled shard (%s); streaming it", e)
+                log.warning("lastgood: the spooled hand-over of %s failed (%s); streaming it", file_name, e)
+                if "spool: the header names another spool" in str(e) or "takes no spooled files" in str(e):
+                    self.spool = None  # this service does not read that directory: stream from now on
             finally:
-                self.spool_discard(spooled)
-            self.spool = None  # declined: this service does not read that directory
+                self.spool_discard(spooled, spool)
 
         def messages() -> Iterator[bytes]:
             yield pb.PutShardRequest(header=header).SerializeToString()

@@ -11,6 +11,7 @@ import json
 import logging
 import sys
 import threading
+import time
 
 import uvicorn
 
@@ -31,6 +32,7 @@ from .domain.queries import Queries
 from .settings import Settings
 
 log = logging.getLogger("lastgood")
+SPOOL_SWEEP_INTERVAL = 60.0
 
 
 class Service:
@@ -52,8 +54,12 @@ class Service:
                                    metrics=self.metrics)
         admin = settings.admin_token.get_secret_value() if settings.admin_token else None
         self.tokens = TokenStore(sessions, required=settings.auth_required, bootstrap_admin=admin)
-        spool_dir = settings.resolved_spool_dir()
-        self.spool = Spool(spool_dir) if spool_dir else None
+        self.spool = None
+        if spool_dir := settings.resolved_spool_dir():
+            try:
+                self.spool = Spool(spool_dir)
+            except OSError as e:
+                log.warning("no spool (same-host hand-over off; clients stream): %s", e)
         self._stop = threading.Event()
         self.grpc_server = None
         self.grpc_port = None
@@ -75,18 +81,23 @@ class Service:
         return self.settings.grpc_advertise or f"{self.settings.grpc_host}:{self.grpc_port}"
 
     def _reaper(self) -> None:
+        swept = time.monotonic()
         while not self._stop.wait(self.settings.reaper_interval):
             try:
                 self.commits.expire_leases()
             except Exception:
                 log.exception("lease reaper pass failed; will retry")
+            if self.spool and time.monotonic() - swept > SPOOL_SWEEP_INTERVAL:
+                swept = time.monotonic()
+                try:  # files whose writer died before handing them over
+                    self.spool.sweep(max(self.settings.gc_grace_seconds, self.settings.lease_seconds))
+                except Exception:
+                    log.exception("spool sweep failed; will retry")
 
     def _gc_loop(self) -> None:
         while not self._stop.wait(self.settings.gc_interval):
             try:
                 self.gc.execute(self.gc.plan())
-                if self.spool:  # files whose writer died before handing them over
-                    self.spool.sweep(max(self.settings.gc_grace_seconds, self.settings.lease_seconds))
             except Exception:
                 log.exception("scheduled GC pass failed; will retry")
 

@@ -75,10 +75,20 @@ def test_the_checkpointer_hands_its_shard_over_and_the_blob_is_that_file(svc, ru
     model = torch.nn.Linear(64, 64)
     with lastgood.Checkpointer(svc.url, run=run_name + "-ck") as ckpt:
         assert ckpt.transport.spool is not None
+        written = []
+        spool_write = ckpt.transport.spool_write
+
+        def observed(data):  # the real method; remember which inode it wrote
+            name = spool_write(data)
+            written.append((spool / name).stat().st_ino)
+            return name
+
+        ckpt.transport.spool_write = observed
         ckpt.save(3, lastgood.TrainState(model=model))
         ckpt.wait()
         cid = ckpt.last_saved.checkpoint_id
     assert spool_files(spool) == []
+    assert written == [shard_blob(svc, cid, 0).stat().st_ino]  # handed over, not streamed
     other = torch.nn.Linear(64, 64)
     with lastgood.Checkpointer(svc.url, run=run_name + "-ck") as ckpt:
         assert ckpt.restore(lastgood.TrainState(model=other)) == 3
@@ -148,6 +158,65 @@ def test_wrong_size_hash_id_or_extra_chunks_change_nothing(svc, cl, run_name):
     assert put("6" * 32 + ".part").size == len(data)
 
 
+def test_fifos_other_users_files_and_missing_files(svc, cl, run_name):
+    """A FIFO must be refused, not waited on (that would hold a server thread for good); a
+    file of another user, or one that is not there (taken already: a retried hand-over
+    after a lost reply), is a 'spool:' refusal, after which the client streams."""
+    spool, sid = spool_of(svc)
+    cid = cl.begin(run_name).checkpoint_id
+    data = make_shard(0, seed=12)
+    before = snapshot(svc, run_name)
+    os.mkfifo(spool / ("7" * 32 + ".part"))
+    err = rpc_error(SC.INVALID_ARGUMENT, spooled_put, cl, cid, data, "7" * 32 + ".part", sid)  # 30 s call timeout
+    assert "regular file" in err.details()
+    foreign = spool / ("8" * 32 + ".part")
+    foreign.write_bytes(data)
+    os.chown(foreign, 65534, 65534)
+    err = rpc_error(SC.FAILED_PRECONDITION, spooled_put, cl, cid, data, foreign.name, sid)
+    assert err.details().startswith("spool:") and "uid 65534" in err.details()
+    err = rpc_error(SC.FAILED_PRECONDITION, spooled_put, cl, cid, data, "9" * 32 + ".part", sid)
+    assert err.details().startswith("spool:") and "not in the spool" in err.details()
+    assert_unchanged(before, snapshot(svc, run_name))
+    assert spool_files(spool) == [] and list((spool / ".taken").iterdir()) == []
+
+    # the client: its hand-over landed but the reply was lost, so it hands over the same
+    # (now gone) file again; it streams instead and hears that the shard is stored
+    t = Transport(svc.url)
+    name = t.spool_write(data)
+    assert t.put_shard(cid, 0, shard_name(0), memoryview(data), hash_bytes(data), spooled=name).size == len(data)
+    again = t.put_shard(cid, 0, shard_name(0), memoryview(data), hash_bytes(data), spooled=name)
+    assert again.already_present and t.spool is not None  # a missing file does not turn the spool off
+    assert t.commit_rank(cid, 0, [shard_name(0)], wait=2).status == "COMMITTED"
+    t.close()
+
+
+def test_a_spool_on_another_file_system_is_copied(make_service, run_name):
+    """Adoption needs a rename into the blob store; across file systems (or bind mounts)
+    the service copies the taken file instead, through the same hashing path."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == Path("/tmp").stat().st_dev:
+        pytest.skip("needs /dev/shm on a file system of its own")
+    spool_dir = shm / f"lastgood-spool-{run_name}"
+    try:
+        svc = make_service(LASTGOOD_SPOOL_DIR=str(spool_dir))
+        t = Transport(svc.url)
+        assert t.spool is not None and Path(t.spool["dir"]) == spool_dir
+        data = make_shard(0, seed=13)
+        name = t.spool_write(data)
+        inode = (spool_dir / name).stat().st_ino
+        cid = t.begin(run_name, 1, 1, None, "a1", 0).checkpoint_id
+        assert t.put_shard(cid, 0, shard_name(0), memoryview(data), hash_bytes(data), spooled=name).size == len(data)
+        assert t.commit_rank(cid, 0, [shard_name(0)], wait=2).status == "COMMITTED"
+        blob = shard_blob(svc, cid, 0)
+        assert blob.read_bytes() == data and blob.stat().st_ino != inode
+        assert spool_files(spool_dir) == [] and list((spool_dir / ".taken").iterdir()) == []
+        t.close()
+    finally:
+        import shutil
+
+        shutil.rmtree(spool_dir, ignore_errors=True)
+
+
 def test_a_declined_hand_over_is_streamed_instead(svc, run_name, tmp_path):
     """A client that believes it shares a spool the service does not read (a replica on
     another host, say) is told so, streams the bytes, and removes its file."""
@@ -197,6 +266,9 @@ def test_sweep_removes_only_abandoned_spool_files(tmp_path):
     os.utime(other, (time.time() - 7200, time.time() - 7200))
     assert spool.sweep(3600) == 1
     assert not old.exists() and fresh.exists() and other.exists()
+    # a spool directory opened up to others is closed again
+    os.chmod(spool.dir, 0o777)
+    assert oct(Spool(tmp_path / "spool").dir.stat().st_mode & 0o777) == "0o700"
     # a file taken by a process that died is removed when the next one opens the spool
     (spool.taken_dir / ("c" * 32 + ".part")).write_bytes(b"x")
     again = Spool(tmp_path / "spool")

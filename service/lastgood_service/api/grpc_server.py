@@ -18,7 +18,7 @@ from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
 
 from ..domain.commit import CommitService, ShardHeader
 from ..domain.errors import DomainError, FailedPrecondition, InvalidArgument, TooLarge
-from ..domain.spool import Spool, read_chunks
+from ..domain.spool import Spool
 from ..domain.tokens import READER, WRITER, TokenStore
 from ..domain.queries import Queries
 from .errors import lookup
@@ -156,12 +156,11 @@ class Servicer(pb_grpc.CheckpointsServicer):
             raise FailedPrecondition("spool: this service takes no spooled files; stream the shard")
         if next(request_iterator, None) is not None:
             raise InvalidArgument("a spooled PutShard carries its header only, no chunks")
-        path = self.spool.take(h.spool_file, h.spool_id, h.size)
+        taken = self.spool.take(h.spool_file, h.spool_id, h.size)
         try:
-            return self.commits.put_shard(header, read_chunks(path, self.commits.settings.max_chunk_bytes),
-                                          adopt=path)
+            return self.commits.put_shard(header, taken.chunks(self.commits.settings.max_chunk_bytes), adopt=taken)
         finally:
-            path.unlink(missing_ok=True)  # still there only if it was refused (published: renamed)
+            taken.close()  # the file is gone if it was published (renamed into the store)
 
     @_mapped
     def CommitRank(self, request, context):

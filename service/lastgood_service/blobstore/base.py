@@ -13,11 +13,12 @@ Protocol (the service relies on each step):
      after a failed write or publish, and after publish it does nothing. Use the writer
      as a context manager: leaving the block by an exception aborts. (S3 also aborts by
      itself when a write or publish fails.)
-Adoption: `adopt_writer(key, path)` may return a writer whose bytes are already in the
-file at `path` (a spooled shard the service took over): `write` ignores what it is given
-(the caller still streams the file through it for hashing), `publish` makes that file the
-blob, `abort` deletes it. None (the default) means the store cannot adopt that file; the
-caller then copies it through `open_writer`.
+Adoption: `adopt_writer(key, taken)` may return a writer whose bytes are already in a
+spooled shard the service took over (domain/spool.Taken: a path and an open descriptor):
+`write` ignores what it is given (the caller hashes the file through the descriptor and
+passes the pieces on), `publish` makes that file the blob, `abort` leaves it to its owner.
+None (the default) means the store cannot adopt it; the caller then copies it through
+`open_writer`.
 Readers: `get(key, offset, length)` yields the bytes of [offset, offset+length) clipped to
 the blob, in chunks of at most READ_CHUNK bytes (empty past the end); a missing key raises
 FileNotFoundError from the call itself, before any chunk is asked for. `stat` returns
@@ -72,7 +73,7 @@ class BlobStore(abc.ABC):
     @abc.abstractmethod
     def open_writer(self, key: str) -> BlobWriter: ...
 
-    def adopt_writer(self, key: str, path) -> BlobWriter | None:
+    def adopt_writer(self, key: str, taken) -> BlobWriter | None:
         return None
 
     @abc.abstractmethod

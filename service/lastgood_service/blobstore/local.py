@@ -22,37 +22,38 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _publish(store: "LocalBlobStore", fd: int, tmp: Path, dest: Path) -> None:
+    """fsync the file, rename it into place, fsync every directory from the blob's up to
+    blobs/ (a concurrent publisher may have created one of them, and its entry must be
+    durable before we acknowledge)."""
+    os.fsync(fd)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, dest)
+    d = dest.parent
+    while True:
+        _fsync_dir(d)
+        if d == store.blob_dir:
+            break
+        d = d.parent
+
+
 class _LocalWriter(BlobWriter):
-    def __init__(self, store: "LocalBlobStore", key: str, adopt: Path | None = None) -> None:
+    def __init__(self, store: "LocalBlobStore", key: str) -> None:
         self._store = store
         self._dest = store._path(key)
-        self._tmp = adopt or store.tmp_dir / f"{uuid.uuid4().hex}.part"
-        self._adopted = adopt is not None
-        self._f = open(self._tmp, "rb" if self._adopted else "wb", buffering=0)
+        self._tmp = store.tmp_dir / f"{uuid.uuid4().hex}.part"
+        self._f = open(self._tmp, "wb", buffering=0)
         self._done = False
 
     def write(self, data) -> None:
-        if self._adopted:  # the bytes are in the file already
-            return
         mv = memoryview(data)
         while mv.nbytes:
             n = self._f.write(mv)
             mv = mv[n:]
 
     def publish(self) -> None:
-        dest = self._dest
-        os.fsync(self._f.fileno())
+        _publish(self._store, self._f.fileno(), self._tmp, self._dest)
         self._f.close()
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(self._tmp, dest)
-        # every directory from the blob's up to blobs/: a concurrent publisher may have
-        # created one of them, and its entry must be durable before we acknowledge
-        d = dest.parent
-        while True:
-            _fsync_dir(d)
-            if d == self._store.blob_dir:
-                break
-            d = d.parent
         self._done = True
 
     def abort(self) -> None:
@@ -65,6 +66,25 @@ class _LocalWriter(BlobWriter):
             self._tmp.unlink(missing_ok=True)
 
 
+class _AdoptedWriter(BlobWriter):
+    """A spooled file (domain/spool.Taken) becomes the blob: its bytes are there already."""
+
+    def __init__(self, store: "LocalBlobStore", key: str, taken) -> None:
+        self._store, self._dest, self._taken = store, store._path(key), taken
+
+    def write(self, data) -> None:
+        pass  # the caller hashes the file through the same descriptor; nothing to copy
+
+    def publish(self) -> None:
+        st, fst = os.lstat(self._taken.path), os.fstat(self._taken.fd)
+        if (st.st_ino, st.st_dev) != (fst.st_ino, fst.st_dev):
+            raise RuntimeError(f"{self._taken.path} no longer names the file that was hashed")
+        _publish(self._store, self._taken.fd, self._taken.path, self._dest)
+
+    def abort(self) -> None:
+        pass  # the file stays the caller's (Taken.close() removes it unless published)
+
+
 class LocalBlobStore(BlobStore):
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root).resolve()
@@ -72,6 +92,7 @@ class LocalBlobStore(BlobStore):
         self.tmp_dir = self.root / "tmp"
         self.blob_dir.mkdir(parents=True, exist_ok=True)
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        self._rename_ok: dict[Path, bool] = {}
         for stale in self.tmp_dir.glob("*.part"):  # writers of a process that crashed
             stale.unlink(missing_ok=True)
 
@@ -81,13 +102,25 @@ class LocalBlobStore(BlobStore):
     def open_writer(self, key: str) -> BlobWriter:
         return _LocalWriter(self, key)
 
-    def adopt_writer(self, key: str, path) -> BlobWriter | None:
-        """A file on the blob directory's file system becomes the blob by rename (fsync'd
-        first, like a written one); from any other it must be copied."""
-        path = Path(path)
-        if path.stat().st_dev != self.blob_dir.stat().st_dev:
-            return None
-        return _LocalWriter(self, key, adopt=path)
+    def adopt_writer(self, key: str, taken) -> BlobWriter | None:
+        """A taken spool file (domain/spool.Taken) becomes the blob by rename, fsync'd like a
+        written one, when its directory can rename into this store; else it is copied."""
+        return _AdoptedWriter(self, key, taken) if self._renames_from(taken.path.parent) else None
+
+    def _renames_from(self, directory: Path) -> bool:
+        """Can a file in `directory` be renamed into this store? Same st_dev is not enough
+        (two bind mounts of one file system): try it once per directory with an empty file."""
+        if directory not in self._rename_ok:
+            probe = directory / f".probe-{uuid.uuid4().hex}"
+            probe.touch()
+            try:
+                os.rename(probe, self.tmp_dir / probe.name)
+                (self.tmp_dir / probe.name).unlink()
+                self._rename_ok[directory] = True
+            except OSError:  # EXDEV
+                probe.unlink(missing_ok=True)
+                self._rename_ok[directory] = False
+        return self._rename_ok[directory]
 
     def get(self, key: str, offset: int = 0, length: int | None = None) -> Iterator[bytes]:
         path = self._path(key)

@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
@@ -186,12 +185,12 @@ class CommitService:
             return ck
 
     # ---------------------------------------------------------------- put
-    def put_shard(self, header: ShardHeader, chunks: Iterable[bytes], adopt: Path | None = None) -> PutResult:
+    def put_shard(self, header: ShardHeader, chunks: Iterable[bytes], adopt=None) -> PutResult:
         """Stream one shard file into a temporary blob, hashing as bytes arrive; publish it
         durably and record it VERIFIED only if size and hash match the client's.
 
-        `adopt`: the chunks are read from this file (a spooled shard, taken by the caller);
-        a blob store that can make that very file the blob does so instead of copying it."""
+        `adopt`: the chunks are read from this spooled shard (domain/spool.Taken); a blob
+        store that can make that very file the blob does so instead of copying it."""
         try:
             names.check_file_name(header.file_name)
         except names.InvalidName as e:

@@ -1,17 +1,25 @@
 """The spool: a same-host hand-over of shard files, instead of streaming them over a socket.
 
 A trainer on the service's own host writes its shard into the spool directory and sends
-only the header (with `spool_file` and the spool's id). The service *takes* the file - it
-renames it into a directory of its own, so the name cannot be swapped under it - opens it
-without following links, checks that it is a regular file of the declared size, then hashes
-every byte and publishes it exactly as it would publish streamed bytes (commit.put_shard);
-a local blob store adopts the file by rename, with no second write. Nothing is trusted that
-is not re-hashed.
+only the header (with `spool_file` and the spool's id). The service *takes* the file: it
+renames it to a name of its own choosing in `.taken/` (a second request naming the same
+file finds nothing), checks with lstat that it is a regular file with one link, owned by
+the service's user, of the declared size, and opens it without following links and
+without blocking (a FIFO swapped in between is refused, never waited on). From then on
+the file is handled through that descriptor: hashed, fsync'd, and - on a local blob store
+on the same file system - renamed into place as the blob only if the path still names the
+same inode. Every byte published was hashed from the descriptor by the service.
 
-The directory is the service user's (mode 0700): a client that cannot read the id file in
-it - another user, another container, another host behind the same load balancer - streams.
-The id, a random value per spool directory, tells a client that the directory it sees is the
-one this service reads: a header whose id is not ours is refused before any file is touched.
+Trust: the directory is the service user's (mode 0700, checked at start), so only that
+user's processes (and root) can put files there; a file owned by anyone else is declined.
+Such writers are trusted not to modify a file after they handed it over; a later change
+would still be caught by the hash on every restore and verify.
+
+A client that cannot read the id file in the directory - another user, another container,
+another host behind the same load balancer - streams. The id, random per spool directory,
+tells a client that the directory it sees is the one this service reads. Every refusal
+that is about the hand-over itself (another spool's id, a file that is not there, owned by
+someone else) is FAILED_PRECONDITION starting "spool:", and the client streams instead.
 """
 
 from __future__ import annotations
@@ -31,12 +39,42 @@ ID_FILE = ".lastgood-spool"
 _NAME = re.compile(r"^[0-9a-f]{32}\.part$")
 
 
+class Taken:
+    """A spool file the service took over: its path in `.taken/` and an open descriptor."""
+
+    def __init__(self, path: Path, fd: int, size: int) -> None:
+        self.path, self.fd, self.size = path, fd, size
+
+    def chunks(self, chunk: int) -> Iterator[memoryview]:
+        """The file's bytes through the descriptor, in pieces of at most `chunk`, through
+        one reused buffer: a consumer that keeps a piece must copy it."""
+        buf = bytearray(chunk)
+        view = memoryview(buf)
+        pos = 0
+        while n := os.preadv(self.fd, [view], pos):
+            pos += n
+            yield view[:n]
+
+    def close(self) -> None:
+        """Close the descriptor and remove the file unless it was published (renamed away)."""
+        try:
+            os.close(self.fd)
+        finally:
+            self.path.unlink(missing_ok=True)
+
+
 class Spool:
     def __init__(self, directory: Path) -> None:
         self.dir = Path(directory).resolve()
         self.taken_dir = self.dir / ".taken"
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.taken_dir.mkdir(mode=0o700, exist_ok=True)
+        for d in (self.dir, self.taken_dir):
+            st = d.stat()
+            if st.st_uid != os.geteuid():
+                raise PermissionError(f"spool directory {d} belongs to uid {st.st_uid}, not to this service")
+            if st.st_mode & 0o077:
+                os.chmod(d, 0o700)  # ours: only this user may hand files over
         id_file = self.dir / ID_FILE
         if not id_file.exists():
             tmp = self.dir / f"{ID_FILE}.{secrets.token_hex(4)}.tmp"
@@ -49,34 +87,42 @@ class Spool:
     def info(self) -> dict:
         return {"dir": str(self.dir), "id": self.id}
 
-    def take(self, name: str, spool_id: str, size: int) -> Path:
-        """Move the client's file out of its reach and check it; the caller owns it now."""
+    def take(self, name: str, spool_id: str, size: int) -> Taken:
+        """Move the client's file out of its reach and check it; the caller owns the result
+        and must close() it."""
         if spool_id != self.id:
             raise FailedPrecondition("spool: the header names another spool (another host or data directory); "
                                      "stream the shard instead")
         if not _NAME.match(name):
             raise InvalidArgument(f"spool_file must be 32 hex digits + '.part', got {name[:80]!r}")
-        taken = self.taken_dir / name
+        taken = self.taken_dir / f"{secrets.token_hex(16)}.part"
         try:
-            os.rename(self.dir / name, taken)  # atomic; a symlink moves as a link and fails below
+            os.rename(self.dir / name, taken)  # atomic; a symlink moves as a link and is refused below
         except FileNotFoundError:
-            raise InvalidArgument(f"spool_file {name} is not in the spool") from None
+            raise FailedPrecondition(f"spool: {name} is not in the spool (taken already, or swept); "
+                                     f"stream the shard instead") from None
         try:
-            fd = os.open(taken, os.O_RDONLY | os.O_NOFOLLOW)
+            st = os.lstat(taken)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                raise InvalidArgument(f"spool_file {name} is not a regular file with one link")
+            if st.st_uid != os.geteuid():
+                raise FailedPrecondition(f"spool: {name} belongs to uid {st.st_uid}, not to the service's user; "
+                                         f"stream the shard instead")
             try:
-                st = os.fstat(fd)
-            finally:
+                fd = os.open(taken, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError:
+                raise InvalidArgument(f"spool_file {name} is not a regular file") from None
+            st2 = os.fstat(fd)
+            if (st2.st_ino, st2.st_dev) != (st.st_ino, st.st_dev) or not stat.S_ISREG(st2.st_mode):
                 os.close(fd)
-        except OSError:
+                raise InvalidArgument(f"spool_file {name} changed while it was taken")
+        except BaseException:
             _remove(taken)
-            raise InvalidArgument(f"spool_file {name} is not a regular file") from None
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-            _remove(taken)
-            raise InvalidArgument(f"spool_file {name} is not a regular file with one link")
-        if st.st_size != size:
-            _remove(taken)
-            raise InvalidArgument(f"spool_file {name} holds {st.st_size} bytes, the header declares {size}")
-        return taken
+            raise
+        if st2.st_size != size:
+            Taken(taken, fd, st2.st_size).close()
+            raise InvalidArgument(f"spool_file {name} holds {st2.st_size} bytes, the header declares {size}")
+        return Taken(taken, fd, size)
 
     def sweep(self, max_age_seconds: float) -> int:
         """Remove client files never handed over (their writer died) older than max_age."""
@@ -91,16 +137,6 @@ class Spool:
             except FileNotFoundError:
                 pass
         return n
-
-
-def read_chunks(path: Path, chunk: int) -> Iterator[memoryview]:
-    """The file's bytes in pieces of at most `chunk`, through one reused buffer: a consumer
-    that keeps a piece must copy it."""
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(view):
-            yield view[:n]
 
 
 def _remove(path: Path) -> None:
