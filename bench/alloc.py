@@ -1,13 +1,15 @@
-"""The service's peak RSS while ingesting, under three glibc malloc settings.
+"""The service's peak RSS while ingesting a stream, with and without its memory bounds.
 
-    python -m bench.alloc [SIZE_GIB]    # default 1; six synchronous saves per setting
+    python -m bench.alloc [SIZE_GIB] [SAVES]   # default 1 GiB, six streamed saves per setting
 
 Each setting gets a fresh service process (environment variables only: no code change);
-VmRSS is sampled every 10 ms during each save.
+VmRSS is sampled every 10 ms during each save. The shards are streamed (LASTGOOD_SPOOL=0):
+a spooled hand-over allocates nothing per chunk.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import tempfile
@@ -16,14 +18,18 @@ from pathlib import Path
 
 from bench.common import GiB, MiB, RssSampler, Service, build_state
 
-SETTINGS = {"default": {}, "MALLOC_ARENA_MAX=2": {"MALLOC_ARENA_MAX": "2"},
-            "MALLOC_MMAP_THRESHOLD_=1MiB": {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}}
+SETTINGS = {"service defaults (8 MiB stream window, 2 malloc arenas)": {},
+            "gRPC's BDP-grown window": {"LASTGOOD_GRPC_STREAM_WINDOW": "0"},
+            "glibc's arenas": {"LASTGOOD_MALLOC_ARENA_MAX": "0"},
+            "neither": {"LASTGOOD_GRPC_STREAM_WINDOW": "0", "LASTGOOD_MALLOC_ARENA_MAX": "0"}}
 
 
 def main() -> None:
     import lastgood
 
+    os.environ["LASTGOOD_SPOOL"] = "0"
     size = int(float(sys.argv[1]) * GiB) if len(sys.argv) > 1 else GiB
+    saves = int(sys.argv[2]) if len(sys.argv) > 2 else 6
     model, opt = build_state(size)
     state = lastgood.TrainState(model=model, optimizer=opt)
     for name, env in SETTINGS.items():
@@ -33,7 +39,7 @@ def main() -> None:
         ckpt = lastgood.Checkpointer(svc.url, run="alloc")
         peaks, times = [], []
         try:
-            for i in range(6):
+            for i in range(saves):
                 with RssSampler(svc.pid) as rss:
                     t0 = time.perf_counter()
                     ckpt.save(i, state)

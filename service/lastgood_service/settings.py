@@ -31,6 +31,10 @@ class Settings(BaseSettings):
     grpc_port: int = Field(50051, description="0 picks a free port")
     grpc_advertise: str | None = Field(None, description="host:port clients dial; default grpc_host:bound port")
     grpc_workers: int = Field(64, ge=4, description="threads serving gRPC calls")
+    grpc_stream_window: int = Field(8 * MiB, ge=0, description="bytes of one stream gRPC buffers ahead of the "
+                                    "service (a fixed HTTP/2 window); 0: gRPC's own, grown by BDP probing")
+    malloc_arena_max: int = Field(2, ge=0, description="glibc malloc arenas (mallopt M_ARENA_MAX, unless "
+                                  "MALLOC_ARENA_MAX is set); 0: glibc's default")
 
     lease_seconds: float = Field(60.0, gt=0, description="a pending checkpoint with no rank activity for this long is ABANDONED")
     reaper_interval: float = Field(1.0, gt=0, description="how often expired leases are looked for")
