@@ -21,7 +21,7 @@ import torch
 
 from . import distributed, names
 from .errors import CorruptCheckpoint, LastgoodError, NoUsableCheckpoint, SaveFailed, ServiceError
-from .hashing import hash_bytes
+from .hashing import StreamHasher, hash_bytes
 from .manifest import Manifest
 from .staging import Snapshot, StagingPool, snapshot
 from .sharding import ShardIndex, StoredFile
@@ -116,10 +116,11 @@ class Checkpointer:
 
     def _upload(self, snap: Snapshot) -> None:
         data = snap.view()
-        digest = hash_bytes(data)
-        # on the service's host the shard is handed over as a file; written before begin,
-        # so that a long write never runs into the checkpoint's lease
-        spooled = self.transport.spool_write(data)
+        # on the service's host the shard is handed over as a file, hashed as it is written;
+        # written before begin, so that a long write never runs into the checkpoint's lease
+        hasher = StreamHasher()
+        spooled = self.transport.spool_write(data, hasher)
+        digest = hasher.hexdigest() if spooled and hasher.size == data.nbytes else hash_bytes(data)
         try:
             ck = self.transport.begin(self.run, snap.step, self.world_size, self.parent_id, self.attempt, self.rank)
         except BaseException:

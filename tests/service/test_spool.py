@@ -78,8 +78,8 @@ def test_the_checkpointer_hands_its_shard_over_and_the_blob_is_that_file(svc, ru
         written = []
         spool_write = ckpt.transport.spool_write
 
-        def observed(data):  # the real method; remember which inode it wrote
-            name = spool_write(data)
+        def observed(data, hasher=None):  # the real method; remember which inode it wrote
+            name = spool_write(data, hasher)
             written.append((spool / name).stat().st_ino)
             return name
 
