@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from ..conftest import FAST, ServiceProc
 from .helpers import Client
 
 
@@ -11,5 +12,23 @@ from .helpers import Client
 def client(service):
     """A gRPC client (generated stubs) on the session's shared service."""
     c = Client(service.grpc_target)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory, request):
+    """A service of the test module's own, with a long lease: no PENDING checkpoint expires
+    between two snapshots of a test, which would turn a status change into a false alarm."""
+    s = ServiceProc(tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1]),
+                    {**FAST, "LASTGOOD_LEASE_SECONDS": "120"}).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def cl(svc):
+    """A gRPC client on the module's own service."""
+    c = Client(svc.grpc_target)
     yield c
     c.close()

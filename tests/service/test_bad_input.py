@@ -19,25 +19,10 @@ from lastgood import wire
 from lastgood.hashing import hash_bytes
 from lastgood.v1 import lastgood_pb2 as pb
 
-from ..conftest import FAST, ServiceProc
 from .helpers import (Client, assert_unchanged, checkpoint, http, json_error, last_good_id, make_shard, rpc_error,
                       shard_name, snapshot)
 
 SC = grpc.StatusCode
-
-
-@pytest.fixture(scope="module")
-def svc(tmp_path_factory):
-    s = ServiceProc(tmp_path_factory.mktemp("bad-input"), {**FAST, "LASTGOOD_LEASE_SECONDS": "120"}).start()
-    yield s
-    s.stop()
-
-
-@pytest.fixture
-def cl(svc):
-    c = Client(svc.grpc_target)
-    yield c
-    c.close()
 
 
 @pytest.fixture(scope="module")

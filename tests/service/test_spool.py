@@ -17,24 +17,9 @@ from lastgood.hashing import hash_bytes
 from lastgood.transport import Transport
 from lastgood.v1 import lastgood_pb2 as pb
 
-from ..conftest import FAST, ServiceProc
 from .helpers import (Client, assert_unchanged, make_shard, rpc_error, shard_blob, shard_name, snapshot)
 
 SC = grpc.StatusCode
-
-
-@pytest.fixture(scope="module")
-def svc(tmp_path_factory):
-    s = ServiceProc(tmp_path_factory.mktemp("spool"), {**FAST, "LASTGOOD_LEASE_SECONDS": "120"}).start()
-    yield s
-    s.stop()
-
-
-@pytest.fixture
-def cl(svc):
-    c = Client(svc.grpc_target)
-    yield c
-    c.close()
 
 
 def spool_of(svc) -> tuple[Path, str]:
@@ -55,21 +40,30 @@ def spool_files(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
 
 
+def hand_over(svc, spool: Path, run_name: str, data: bytes) -> tuple[Path, int]:
+    """One rank's shard written into the spool and handed over through the client's own
+    Transport, committed; the blob, and the inode the client wrote."""
+    t = Transport(svc.url)
+    try:
+        assert t.spool is not None and Path(t.spool["dir"]) == spool
+        name = t.spool_write(data)
+        inode = (spool / name).stat().st_ino
+        cid = t.begin(run_name, 1, 1, None, "a1", 0).checkpoint_id
+        res = t.put_shard(cid, 0, shard_name(0), memoryview(data), hash_bytes(data), spooled=name)
+        assert (res.already_present, res.size, res.xxh3_128) == (False, len(data), hash_bytes(data))
+        assert t.commit_rank(cid, 0, [shard_name(0)], wait=2).status == "COMMITTED"
+    finally:
+        t.close()
+    blob = shard_blob(svc, cid, 0)
+    assert blob.read_bytes() == data
+    assert spool_files(spool) == [] and list((spool / ".taken").iterdir()) == []
+    return blob, inode
+
+
 def test_the_checkpointer_hands_its_shard_over_and_the_blob_is_that_file(svc, run_name):
     spool, _ = spool_of(svc)
-    t = Transport(svc.url)
-    assert t.spool is not None and Path(t.spool["dir"]) == spool
-    data = make_shard(0, seed=4)
-    name = t.spool_write(data)
-    inode = (spool / name).stat().st_ino
-    cid = t.begin(run_name, 1, 1, None, "a1", 0).checkpoint_id
-    res = t.put_shard(cid, 0, shard_name(0), memoryview(data), hash_bytes(data), spooled=name)
-    assert (res.already_present, res.size, res.xxh3_128) == (False, len(data), hash_bytes(data))
-    assert t.commit_rank(cid, 0, [shard_name(0)], wait=2).status == "COMMITTED"
-    blob = shard_blob(svc, cid, 0)
-    assert blob.read_bytes() == data and blob.stat().st_ino == inode  # adopted, not copied
-    assert spool_files(spool) == [] and list((spool / ".taken").iterdir()) == []
-    t.close()
+    blob, inode = hand_over(svc, spool, run_name, make_shard(0, seed=4))
+    assert blob.stat().st_ino == inode  # adopted, not copied
 
     # the whole Checkpointer path: saved through the spool, restored bit-exactly
     model = torch.nn.Linear(64, 64)
@@ -199,18 +193,8 @@ def test_a_spool_on_another_file_system_is_copied(make_service, run_name):
     spool_dir = shm / f"lastgood-spool-{run_name}"
     try:
         svc = make_service(LASTGOOD_SPOOL_DIR=str(spool_dir))
-        t = Transport(svc.url)
-        assert t.spool is not None and Path(t.spool["dir"]) == spool_dir
-        data = make_shard(0, seed=13)
-        name = t.spool_write(data)
-        inode = (spool_dir / name).stat().st_ino
-        cid = t.begin(run_name, 1, 1, None, "a1", 0).checkpoint_id
-        assert t.put_shard(cid, 0, shard_name(0), memoryview(data), hash_bytes(data), spooled=name).size == len(data)
-        assert t.commit_rank(cid, 0, [shard_name(0)], wait=2).status == "COMMITTED"
-        blob = shard_blob(svc, cid, 0)
-        assert blob.read_bytes() == data and blob.stat().st_ino != inode
-        assert spool_files(spool_dir) == [] and list((spool_dir / ".taken").iterdir()) == []
-        t.close()
+        blob, inode = hand_over(svc, spool_dir, run_name, make_shard(0, seed=13))
+        assert blob.stat().st_ino != inode  # copied
     finally:
         import shutil
 
