@@ -14,6 +14,7 @@ import atexit
 import json
 import logging
 import os
+import re
 import time
 import urllib.error
 import urllib.parse
@@ -40,6 +41,7 @@ CHUNK = 4 * 1024 * 1024
 log = logging.getLogger("lastgood")
 _RETRY = (grpc.StatusCode.UNAVAILABLE,)
 _SPOOL_WRITE = 8 * 1024 * 1024
+_LENT = re.compile(r"^\.out/[0-9a-f]{32}\.part$")
 
 
 # Channels still open when the interpreter finalizes are torn down in no set order with
@@ -312,20 +314,28 @@ class Transport(RestClient):
     def read_file(self, checkpoint_id: int, rank: int, file_name: str, size: int,
                   into=None) -> tuple[memoryview, str]:
         """The whole file, and the xxh3-128 of what arrived (hashed while receiving), written
-        into `into` (a writable buffer of at least `size` bytes; by default a new one)."""
+        into `into` (a writable buffer of at least `size` bytes; by default a new one). On
+        the service's host it may come as a link in the spool instead of a stream."""
         view = memoryview(bytearray(size) if into is None else into).cast("B")
         if view.nbytes < size:
             raise ValueError(f"read_file: a buffer of {view.nbytes} bytes cannot hold {size}")
         view = view[:size]
         hasher = StreamHasher()
         pos = 0
+        spool = self.spool
         try:
             for raw in self._get_shard(pb.GetShardRequest(checkpoint_id=checkpoint_id, rank=rank,
-                                                          file_name=file_name),
+                                                          file_name=file_name, spool_id=spool["id"] if spool else ""),
                                        timeout=max(self.timeout, 3600.0), metadata=self._md):
                 chunk = wire.unframe(raw, wire.GET_CHUNK)
                 if chunk is None:
-                    chunk = pb.GetShardResponse.FromString(raw).chunk
+                    msg = pb.GetShardResponse.FromString(raw)
+                    if msg.spool_file:
+                        if pos or spool is None:
+                            raise ServiceError(f"GetShard answered with a spool file mid-stream for {file_name}")
+                        pos = _read_lent(spool["dir"], msg.spool_file, view, hasher)
+                        continue
+                    chunk = msg.chunk
                 n = len(chunk)
                 if pos + n > size:
                     raise ServiceError(f"GetShard sent more than the manifest's {size} bytes for {file_name}")
@@ -337,3 +347,29 @@ class Transport(RestClient):
         if pos != size:
             raise ServiceError(f"GetShard ended after {pos} of {size} bytes of {file_name}")
         return view, hasher.hexdigest()
+
+
+def _read_lent(spool_dir: str, name: str, view: memoryview, hasher: StreamHasher) -> int:
+    """Read a link the service made in its spool (the file, up to len(view) bytes and one
+    more to notice a longer file) into `view`, hashing each piece; remove the link."""
+    if not _LENT.match(name):
+        raise ServiceError(f"GetShard named a spool file {name[:80]!r} outside the spool's .out/")
+    path = os.path.join(spool_dir, name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise ServiceError(f"GetShard: cannot open the spool file {name}: {e}") from None
+    try:
+        os.unlink(path)  # ours from here on: the open descriptor keeps the bytes
+        pos = 0
+        while pos < view.nbytes:
+            n = os.readv(fd, [view[pos:pos + _SPOOL_WRITE]])
+            if not n:
+                break
+            hasher.update(view[pos:pos + n])
+            pos += n
+        if pos == view.nbytes and os.read(fd, 1):
+            raise ServiceError(f"the spool file {name} is longer than the manifest says")
+        return pos
+    finally:
+        os.close(fd)

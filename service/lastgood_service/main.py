@@ -90,8 +90,9 @@ class Service:
                 log.exception("lease reaper pass failed; will retry")
             if self.spool and time.monotonic() - swept > SPOOL_SWEEP_INTERVAL:
                 swept = time.monotonic()
-                try:  # files whose writer died before handing them over
+                try:  # files whose writer died before handing them over, links whose reader died
                     self.spool.sweep(max(self.settings.gc_grace_seconds, self.settings.lease_seconds))
+                    self.spool.sweep_lent(max(self.settings.lease_seconds, SPOOL_SWEEP_INTERVAL))
                 except Exception:
                     log.exception("spool sweep failed; will retry")
 

@@ -253,8 +253,64 @@ def test_sweep_removes_only_abandoned_spool_files(tmp_path):
     # a spool directory opened up to others is closed again
     os.chmod(spool.dir, 0o777)
     assert oct(Spool(tmp_path / "spool").dir.stat().st_mode & 0o777) == "0o700"
-    # a file taken by a process that died is removed when the next one opens the spool
+    # a file taken by a process that died, or a link its reader left, is removed when the
+    # next service opens the spool; links are swept by age
     (spool.taken_dir / ("c" * 32 + ".part")).write_bytes(b"x")
+    (spool.out_dir / ("d" * 32 + ".part")).write_bytes(b"x")
     again = Spool(tmp_path / "spool")
-    assert again.id == spool.id and list(again.taken_dir.iterdir()) == []
+    assert again.id == spool.id and list(again.taken_dir.iterdir()) == [] and list(again.out_dir.iterdir()) == []
+    (again.out_dir / ("e" * 32 + ".part")).write_bytes(b"x")
+    assert again.sweep_lent(3600) == 0 and again.sweep_lent(0) == 1
     assert oct((tmp_path / "spool").stat().st_mode & 0o777) == "0o700"
+
+
+def test_a_same_host_reader_gets_a_link_instead_of_a_stream(svc, cl, run_name, monkeypatch):
+    """The read direction: GetShard with the spool's id answers with a hard link to the
+    blob in the spool; the client reads and hashes it into its buffer and removes the link.
+    Ranged reads, and readers without the spool, get chunks."""
+    from lastgood import transport as transport_mod
+
+    spool, sid = spool_of(svc)
+    cid, shards = cl.save(run_name, 1)
+    data = shards[0]
+    lent = []
+    real = transport_mod._read_lent
+    monkeypatch.setattr(transport_mod, "_read_lent", lambda *a: lent.append(a[1]) or real(*a))
+    t = Transport(svc.url)
+    try:
+        buf = bytearray(len(data) + 100)
+        view, digest = t.read_file(cid, 0, shard_name(0), len(data), into=buf)
+        assert bytes(view) == data and digest == hash_bytes(data) and len(lent) == 1
+        assert list((spool / ".out").iterdir()) == []  # the reader removed its link
+        assert shard_blob(svc, cid, 0).read_bytes() == data and shard_blob(svc, cid, 0).stat().st_nlink == 1
+        t.spool = None  # a reader elsewhere streams
+        view, digest = t.read_file(cid, 0, shard_name(0), len(data))
+        assert bytes(view) == data and digest == hash_bytes(data) and len(lent) == 1
+    finally:
+        t.close()
+    # a ranged read with the spool id is streamed
+    msgs = list(cl.stub.GetShard(pb.GetShardRequest(checkpoint_id=cid, rank=0, file_name=shard_name(0),
+                                                     offset=8, length=16, spool_id=sid), timeout=30))
+    assert [m.spool_file for m in msgs] == [""] and b"".join(m.chunk for m in msgs) == data[8:24]
+    # the whole file with the spool id: a link, which this test removes itself
+    (only,) = list(cl.stub.GetShard(pb.GetShardRequest(checkpoint_id=cid, rank=0, file_name=shard_name(0),
+                                                        spool_id=sid), timeout=30))
+    assert only.spool_file.startswith(".out/") and not only.chunk
+    assert (spool / only.spool_file).read_bytes() == data
+    (spool / only.spool_file).unlink()
+
+
+def test_the_client_reads_lent_files_only_from_the_spools_out_folder(tmp_path):
+    from lastgood.errors import ServiceError
+    from lastgood.hashing import StreamHasher
+    from lastgood.transport import _read_lent
+
+    (tmp_path / "secret").write_bytes(b"not a shard")
+    for name in ("../secret", "secret", ".out/../../secret", "/etc/passwd", ".out/" + "a" * 31 + ".part"):
+        with pytest.raises(ServiceError, match="outside the spool"):
+            _read_lent(str(tmp_path / "spool"), name, memoryview(bytearray(16)), StreamHasher())
+    # a lent file longer than the manifest says is refused
+    (tmp_path / ".out").mkdir()
+    (tmp_path / ".out" / ("b" * 32 + ".part")).write_bytes(b"x" * 17)
+    with pytest.raises(ServiceError, match="longer"):
+        _read_lent(str(tmp_path), ".out/" + "b" * 32 + ".part", memoryview(bytearray(16)), StreamHasher())

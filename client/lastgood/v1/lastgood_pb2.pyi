@@ -125,21 +125,25 @@ class GetManifestResponse(_message.Message):
     def __init__(self, checkpoint_id: _Optional[int] = ..., step: _Optional[int] = ..., manifest: _Optional[bytes] = ...) -> None: ...
 
 class GetShardRequest(_message.Message):
-    __slots__ = ("checkpoint_id", "rank", "file_name", "offset", "length")
+    __slots__ = ("checkpoint_id", "rank", "file_name", "offset", "length", "spool_id")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     FILE_NAME_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SPOOL_ID_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: int
     rank: int
     file_name: str
     offset: int
     length: int
-    def __init__(self, checkpoint_id: _Optional[int] = ..., rank: _Optional[int] = ..., file_name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    spool_id: str
+    def __init__(self, checkpoint_id: _Optional[int] = ..., rank: _Optional[int] = ..., file_name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., spool_id: _Optional[str] = ...) -> None: ...
 
 class GetShardResponse(_message.Message):
-    __slots__ = ("chunk",)
+    __slots__ = ("chunk", "spool_file")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SPOOL_FILE_FIELD_NUMBER: _ClassVar[int]
     chunk: bytes
-    def __init__(self, chunk: _Optional[bytes] = ...) -> None: ...
+    spool_file: str
+    def __init__(self, chunk: _Optional[bytes] = ..., spool_file: _Optional[str] = ...) -> None: ...

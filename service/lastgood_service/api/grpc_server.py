@@ -205,6 +205,13 @@ class Servicer(pb_grpc.CheckpointsServicer):
     def GetShard(self, request, context):
         self._allow(context, READER, checkpoint_id=request.checkpoint_id)
         sh = self.commits.shard_for_read(request.checkpoint_id, request.rank, request.file_name)
+        if (request.spool_id and self.spool is not None and request.spool_id == self.spool.id
+                and not request.offset and not request.length):
+            # the read direction of the same-host hand-over: a link instead of a stream
+            name = self.commits.lend_shard(sh, self.spool)
+            if name is not None:
+                yield pb.GetShardResponse(spool_file=name).SerializeToString()
+                return
         step = self.commits.settings.max_chunk_bytes
         with self.streams.hold(context):
             for chunk in self.commits.read_range(sh, request.offset, request.length or None):

@@ -76,6 +76,10 @@ class BlobStore(abc.ABC):
     def adopt_writer(self, key: str, taken) -> BlobWriter | None:
         return None
 
+    def local_path(self, key: str):
+        """The blob as a file on this host, for a same-host reader; None (the default): none."""
+        return None
+
     @abc.abstractmethod
     def get(self, key: str, offset: int = 0, length: int | None = None) -> Iterator[bytes]: ...
 

@@ -102,6 +102,10 @@ class LocalBlobStore(BlobStore):
     def open_writer(self, key: str) -> BlobWriter:
         return _LocalWriter(self, key)
 
+    def local_path(self, key: str) -> Path | None:
+        path = self._path(key)
+        return path if path.is_file() else None
+
     def adopt_writer(self, key: str, taken) -> BlobWriter | None:
         """A taken spool file (domain/spool.Taken) becomes the blob by rename, fsync'd like a
         written one, when its directory can rename into this store; else it is copied."""

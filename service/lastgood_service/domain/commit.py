@@ -578,6 +578,14 @@ class CommitService:
                            f"marks the checkpoint CORRUPT") from None
         return self._metered(chunks) if self.metrics else chunks
 
+    def lend_shard(self, sh: Shard, spool) -> str | None:
+        """The whole shard as a link in the spool for a reader on this host, or None."""
+        path = self.blobs.local_path(sh.blob_key)
+        name = spool.lend(path) if path is not None else None
+        if name is not None and self.metrics:
+            self.metrics.bytes_served.inc(sh.size)
+        return name
+
     def _metered(self, chunks):
         start = time.monotonic()
         for chunk in chunks:

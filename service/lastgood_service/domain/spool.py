@@ -67,9 +67,11 @@ class Spool:
     def __init__(self, directory: Path) -> None:
         self.dir = Path(directory).resolve()
         self.taken_dir = self.dir / ".taken"
+        self.out_dir = self.dir / ".out"
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.taken_dir.mkdir(mode=0o700, exist_ok=True)
-        for d in (self.dir, self.taken_dir):
+        self.out_dir.mkdir(mode=0o700, exist_ok=True)
+        for d in (self.dir, self.taken_dir, self.out_dir):
             st = d.stat()
             if st.st_uid != os.geteuid():
                 raise PermissionError(f"spool directory {d} belongs to uid {st.st_uid}, not to this service")
@@ -83,6 +85,7 @@ class Spool:
         self.id = id_file.read_text().strip()
         for stale in self.taken_dir.iterdir():  # taken by a process that died before publishing
             _remove(stale)
+        self.sweep_lent(0)
 
     def info(self) -> dict:
         return {"dir": str(self.dir), "id": self.id}
@@ -123,6 +126,29 @@ class Spool:
             Taken(taken, fd, st2.st_size).close()
             raise InvalidArgument(f"spool_file {name} holds {st2.st_size} bytes, the header declares {size}")
         return Taken(taken, fd, size)
+
+    def lend(self, blob: Path) -> str | None:
+        """A hard link to a blob for a reader on this host (the read direction of the
+        hand-over): its name relative to the spool, or None when no link can be made (the
+        blob is elsewhere, on another file system, or in an object store)."""
+        name = f"{secrets.token_hex(16)}.part"
+        try:
+            os.link(blob, self.out_dir / name)
+        except OSError:
+            return None
+        return f"{self.out_dir.name}/{name}"
+
+    def sweep_lent(self, max_age_seconds: float) -> int:
+        """Remove links whose reader did not remove them (it died) older than max_age."""
+        now, n = time.time(), 0
+        for p in self.out_dir.iterdir():
+            try:
+                if now - p.lstat().st_ctime >= max_age_seconds:
+                    _remove(p)
+                    n += 1
+            except FileNotFoundError:
+                pass
+        return n
 
     def sweep(self, max_age_seconds: float) -> int:
         """Remove client files never handed over (their writer died) older than max_age."""
