@@ -37,9 +37,9 @@ from bench.pipe import PipeClient
 # What every run must produce (tests/bench checks each one is a number in the JSON).
 PER_SIZE = ["copy_floor", "raw_write_fsync", "torch_save", "dcp_save", "lastgood_save_sync",
             "lastgood_save_stream", "lastgood_save_async_block", "lastgood_save_async_commit", "torch_load",
-            "dcp_load", "lastgood_restore", "grpc_download", "grpc_upload"]
+            "dcp_load", "lastgood_restore", "lastgood_restore_stream", "grpc_download", "grpc_upload"]
 RATIOS = ["save_vs_dcp", "save_stream_vs_dcp", "save_vs_torch_save", "save_vs_raw_disk", "stream_vs_grpc_upload",
-          "block_vs_copy", "restore_vs_grpc", "restore_vs_torch_load", "restore_vs_dcp_load"]
+          "block_vs_copy", "restore_vs_grpc", "restore_stream_vs_grpc", "restore_vs_torch_load", "restore_vs_dcp_load"]
 
 TARGETS = [  # (name, figure path, comparison, bound, what)
     ("save throughput vs DCP (same host: spool)", "save_vs_dcp", ">=", 0.9,
@@ -47,7 +47,10 @@ TARGETS = [  # (name, figure path, comparison, bound, what)
     ("save throughput vs DCP (streamed over gRPC)", "save_stream_vs_dcp", ">=", 0.9,
      "the same, with the shard streamed (LASTGOOD_SPOOL=0), as from another host"),
     ("save() blocks the trainer", "block_vs_copy", "<=", 1.5, "async save() time / plain CPU copy"),
-    ("restore vs gRPC ceiling", "restore_vs_grpc", ">=", 0.8, "lastgood restore / bare gRPC download"),
+    ("restore vs gRPC ceiling (same host: spool)", "restore_vs_grpc", ">=", 0.8,
+     "lastgood restore / bare gRPC download; the shard read from a link in the spool"),
+    ("restore vs gRPC ceiling (streamed)", "restore_stream_vs_grpc", ">=", 0.8,
+     "the same, with the shard streamed (LASTGOOD_SPOOL=0)"),
     ("4 ranks vs raw disk (spool)", "four_ranks.ratio", ">=", 0.8,
      "aggregate ingest of 4 rank processes / raw write+fsync"),
     ("4 ranks vs raw disk (streamed)", "four_ranks_stream.ratio", ">=", 0.8,
@@ -306,10 +309,17 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
         gc.collect()
 
         reader = lastgood.Checkpointer(svc.url, run=run)
+        with spool_off():
+            stream_reader = lastgood.Checkpointer(svc.url, run=run)
         got = []
 
         def lg_restore():
             times["lastgood_restore"].append(timed(lambda: got.append(reader.restore(state))))
+            assert got[-1] == step, (got, step)
+            gc.collect()
+
+        def lg_restore_stream():
+            times["lastgood_restore_stream"].append(timed(lambda: got.append(stream_reader.restore(state))))
             assert got[-1] == step, (got, step)
             gc.collect()
 
@@ -319,15 +329,17 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
 
         restores = [("torch.load", lambda: times["torch_load"].append(torch_load(model, opt, pt_path))),
                     ("DCP load", lambda: times["dcp_load"].append(dcp_load(model, opt, dcp_path))),
-                    ("lastgood", lg_restore), ("gRPC", ceiling)]
+                    ("lastgood", lg_restore), ("lastgood streamed", lg_restore_stream), ("gRPC", ceiling)]
         for i in range(reps):
             order = rotate(restores, i)
             for _name, case in order:
                 case()
             log(f"  restore rep {i + 1} ({' > '.join(n for n, _ in order)}): torch.load {times['torch_load'][-1]:.2f} s, "
-                f"DCP load {times['dcp_load'][-1]:.2f} s, lastgood {times['lastgood_restore'][-1]:.2f} s, gRPC "
+                f"DCP load {times['dcp_load'][-1]:.2f} s, lastgood {times['lastgood_restore'][-1]:.2f} s / streamed "
+                f"{times['lastgood_restore_stream'][-1]:.2f} s, gRPC "
                 f"ceiling down {times['grpc_download'][-1]:.2f} s / up {times['grpc_upload'][-1]:.2f} s")
         reader.close()
+        stream_reader.close()
     finally:
         svc.stop()
         for p in (raw_path, pt_path, dcp_path):
@@ -347,6 +359,7 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
         "save_vs_raw_disk": tput["lastgood_save_sync"] / tput["raw_write_fsync"],
         "block_vs_copy": med["lastgood_save_async_block"] / med["copy_floor"],
         "restore_vs_grpc": tput["lastgood_restore"] / tput["grpc_download"],
+        "restore_stream_vs_grpc": tput["lastgood_restore_stream"] / tput["grpc_download"],
         "restore_vs_torch_load": tput["lastgood_restore"] / tput["torch_load"],
         "restore_vs_dcp_load": tput["lastgood_restore"] / tput["dcp_load"],
     }
@@ -479,7 +492,8 @@ def table(results: dict) -> str:
         "lastgood_save_async_block": "**lastgood async: save() blocks**",
         "lastgood_save_async_commit": "**lastgood async: save() → commit**",
         "torch_load": "torch.load(weights_only) + load_state_dict", "dcp_load": "DCP load (in place)",
-        "lastgood_restore": "**lastgood restore (hash-verified, in place)**",
+        "lastgood_restore": "**lastgood restore (hash-verified, in place)** (same host: spool)",
+        "lastgood_restore_stream": "**lastgood restore, streamed** (gRPC)",
         "grpc_download": "bare gRPC stream, hashed (download)", "grpc_upload": "bare gRPC stream, hashed (upload)",
     }
     head = "| case | " + " | ".join(f"{b['label']} ({b['bytes'] / MiB:.0f} MiB, {len(sizes) and b['reps']}×)"
@@ -502,6 +516,7 @@ def table(results: dict) -> str:
                    "save_vs_raw_disk": "save: lastgood / raw disk",
                    "block_vs_copy": "save() blocks / plain copy (target ≤ 1.5)",
                    "restore_vs_grpc": "restore: lastgood / gRPC ceiling (target ≥ 0.8)",
+                   "restore_stream_vs_grpc": "restore streamed: lastgood / gRPC ceiling (target ≥ 0.8)",
                    "restore_vs_torch_load": "restore: lastgood / torch.load",
                    "restore_vs_dcp_load": "restore: lastgood / DCP load"}
     for k in RATIOS:
