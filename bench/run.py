@@ -259,20 +259,17 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
         log(f"  lastgood warm-up save (allocates the staging buffer): {t_cold:.2f} s")
         step_box = [step]
 
-        def lg_sync():
-            step_box[0] += 1
-            with RssSampler(svc.pid) as rss:
-                times["lastgood_save_sync"].append(timed(lambda: (ckpt.save(step_box[0], state), ckpt.wait())))
-            spool_rss_peaks.append(rss.peak)
-            svc.gc()
+        def sync_save(key: str, saver, peaks: list):
+            def case():
+                step_box[0] += 1
+                with RssSampler(svc.pid) as rss:
+                    times[key].append(timed(lambda: (saver.save(step_box[0], state), saver.wait())))
+                peaks.append(rss.peak)
+                svc.gc()
+            return case
 
-        def lg_stream():
-            step_box[0] += 1
-            with RssSampler(svc.pid) as rss:
-                times["lastgood_save_stream"].append(timed(lambda: (streamer.save(step_box[0], state),
-                                                                    streamer.wait())))
-            rss_peaks.append(rss.peak)
-            svc.gc()
+        lg_sync = sync_save("lastgood_save_sync", ckpt, spool_rss_peaks)
+        lg_stream = sync_save("lastgood_save_stream", streamer, rss_peaks)
 
         def lg_async():
             step_box[0] += 1
@@ -313,15 +310,15 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
             stream_reader = lastgood.Checkpointer(svc.url, run=run)
         got = []
 
-        def lg_restore():
-            times["lastgood_restore"].append(timed(lambda: got.append(reader.restore(state))))
-            assert got[-1] == step, (got, step)
-            gc.collect()
+        def restore(key: str, restorer):
+            def case():
+                times[key].append(timed(lambda: got.append(restorer.restore(state))))
+                assert got[-1] == step, (got, step)
+                gc.collect()
+            return case
 
-        def lg_restore_stream():
-            times["lastgood_restore_stream"].append(timed(lambda: got.append(stream_reader.restore(state))))
-            assert got[-1] == step, (got, step)
-            gc.collect()
+        lg_restore = restore("lastgood_restore", reader)
+        lg_restore_stream = restore("lastgood_restore_stream", stream_reader)
 
         def ceiling():
             times["grpc_download"].append(pipe.client.download(nbytes))
