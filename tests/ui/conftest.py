@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,11 +171,24 @@ def graph_version(page) -> int:
 
 
 def click_node(page, key: str) -> None:
-    """A real mouse click where cytoscape drew the element."""
-    # after two frames, so that a resize the last action caused (the detail panel opening) is drawn
-    pos = page.evaluate("(k) => new Promise((done) => requestAnimationFrame(() => requestAnimationFrame("
-                        "() => done(window.lastgoodGraph.renderedPosition(k)))))", key)
+    """A real mouse click where cytoscape drew the element, once the drawing holds still:
+    a resize the page is still going through (the detail panel opening, the runs list
+    filling in) refits the graph and moves every node, and a click computed before it
+    lands beside the node (seen once in CI, on the first click of a fresh page)."""
+    def where():
+        # after two frames, so that a resize the last action caused is drawn
+        pos = page.evaluate("(k) => new Promise((done) => requestAnimationFrame(() => requestAnimationFrame("
+                            "() => done(window.lastgoodGraph.renderedPosition(k)))))", key)
+        return pos, page.locator("#graph").bounding_box()
+
+    deadline = time.monotonic() + 10
+    pos, box = where()
+    while time.monotonic() < deadline:
+        page.wait_for_timeout(150)
+        again = where()
+        if again == (pos, box):
+            break
+        pos, box = again
     assert pos is not None, f"{key} is not drawn"
-    box = page.locator("#graph").bounding_box()
     assert 0 <= pos["x"] <= box["width"] and 0 <= pos["y"] <= box["height"], f"{key} is drawn out of view: {pos}"
     page.mouse.click(box["x"] + pos["x"], box["y"] + pos["y"])
