@@ -62,6 +62,12 @@ class Client:
     def close(self) -> None:
         self.channel.close()
 
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def begin(self, run: str, step: int = 1, world_size: int = 1, parent_id: int = 0,
               attempt: str = ATTEMPT, rank: int = 0) -> pb.BeginCheckpointResponse:
         return self.stub.BeginCheckpoint(pb.BeginCheckpointRequest(

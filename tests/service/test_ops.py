@@ -53,11 +53,8 @@ def test_metrics_follow_what_happens(make_service, run_name):
 
 def test_json_logs_carry_run_and_checkpoint_ids(make_service, run_name):
     svc = make_service(LASTGOOD_LOG_FORMAT="json")
-    c = Client(svc.grpc_target)
-    try:
+    with Client(svc.grpc_target) as c:
         cid, _ = c.save(run_name, 7)
-    finally:
-        c.close()
     lines = [json.loads(line) for line in svc.log.read_text().splitlines() if line.startswith("{")]
     assert lines, "no JSON log lines"
     commit = [x for x in lines if x.get("checkpoint_id") == cid and "committed" in x["message"]]
@@ -66,11 +63,8 @@ def test_json_logs_carry_run_and_checkpoint_ids(make_service, run_name):
 
 def test_oversized_rest_body_is_refused_before_it_is_read(make_service, run_name):
     svc = make_service(LASTGOOD_MAX_REQUEST_BYTES="2048")
-    c = Client(svc.grpc_target)
-    try:
+    with Client(svc.grpc_target) as c:
         cid, _ = c.save(run_name, 1)
-    finally:
-        c.close()
     h = http(svc)
     r = h.post(f"/api/v1/runs/{run_name}/events", json={"kind": "note", "data": {"x": "a" * 4000}})
     assert r.status_code == 413 and r.json()["error"]["code"] == "too_large"
