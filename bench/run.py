@@ -75,6 +75,16 @@ def rotate(cases: list, i: int) -> list:
     return cases[k:] + cases[:k]
 
 
+def interleaved(cases: list, reps: int):
+    """Run every (name, case) once per repetition, each repetition starting one case later;
+    yields (repetition, the order it ran in) after each."""
+    for i in range(reps):
+        order = rotate(cases, i)
+        for _name, case in order:
+            case()
+        yield i, order
+
+
 def timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -287,10 +297,7 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
                  ("torch.save", lambda: times["torch_save"].append(torch_save(model, opt, pt_path))),
                  ("DCP", lambda: times["dcp_save"].append(dcp_save(model, opt, dcp_path))),
                  ("lastgood sync", lg_sync), ("lastgood stream", lg_stream), ("lastgood async", lg_async)]
-        for i in range(reps):
-            order = rotate(saves, i)
-            for _name, case in order:
-                case()
+        for i, order in interleaved(saves, reps):
             log(f"  save rep {i + 1} ({' > '.join(n for n, _ in order)}): raw {times['raw_write_fsync'][-1]:.2f} s, "
                 f"torch.save {times['torch_save'][-1]:.2f} s, DCP {times['dcp_save'][-1]:.2f} s, lastgood sync "
                 f"{times['lastgood_save_sync'][-1]:.2f} s / streamed {times['lastgood_save_stream'][-1]:.2f} s "
@@ -327,10 +334,7 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
         restores = [("torch.load", lambda: times["torch_load"].append(torch_load(model, opt, pt_path))),
                     ("DCP load", lambda: times["dcp_load"].append(dcp_load(model, opt, dcp_path))),
                     ("lastgood", lg_restore), ("lastgood streamed", lg_restore_stream), ("gRPC", ceiling)]
-        for i in range(reps):
-            order = rotate(restores, i)
-            for _name, case in order:
-                case()
+        for i, order in interleaved(restores, reps):
             log(f"  restore rep {i + 1} ({' > '.join(n for n, _ in order)}): torch.load {times['torch_load'][-1]:.2f} s, "
                 f"DCP load {times['dcp_load'][-1]:.2f} s, lastgood {times['lastgood_restore'][-1]:.2f} s / streamed "
                 f"{times['lastgood_restore_stream'][-1]:.2f} s, gRPC "
