@@ -173,3 +173,31 @@ def test_gc_in_a_loop_during_uploads_and_restores(make_service, run_name):
     committed = [c for c in listing if c["status"] == "COMMITTED"]
     assert [c["step"] for c in committed] == [11]
     assert http(svc).post(f"/api/v1/checkpoints/{committed[0]['id']}/verify").json()["ok"]
+
+
+def test_a_retried_save_after_gc_deleted_its_abandoned_sibling_is_not_a_branch(make_service, run_name):
+    """A save that died (ABANDONED) and was then deleted by GC never claimed its parent:
+    the retry under the same parent continues the branch, and branch-heads does not keep
+    the old parent forever. Control: a committed child that GC deleted does still claim
+    its parent, so a later sibling of it is a real branch."""
+    svc = make_service(**GC_ENV)
+    h = http(svc)
+    with Client(svc.grpc_target) as c:
+        ids = _chain(c, run_name, [10, 20])
+        for round_ in range(3):  # a save dies, GC reclaims it, the retry commits
+            dead = c.begin(run_name, step=30 + round_, parent_id=ids[-1], attempt=f"died-{round_}").checkpoint_id
+            c.abort(dead)
+            assert dead in h.post("/api/v1/gc").json()["result"]["deleted"]
+            cid, _ = c.save(run_name, 30 + round_, parent_id=ids[-1], attempt=f"retry-{round_}")
+            ids.append(cid)
+            h.post("/api/v1/gc")
+    g = h.get(f"/api/v1/runs/{run_name}/lineage").json()
+    assert g["branches"] == 1
+    listing = h.get(f"/api/v1/runs/{run_name}/checkpoints", params={"limit": 100}).json()["items"]
+    assert [c["id"] for c in listing if c["status"] == "COMMITTED"] == [ids[-1]]  # latest:1 and nothing else
+
+    # control: a committed checkpoint that GC deleted still claims its parent
+    with Client(svc.grpc_target) as c:
+        sibling, _ = c.save(run_name, 40, parent_id=ids[-2], attempt="restored-older")
+    assert checkpoint(svc, ids[-2])["status"] == "DELETED"
+    assert h.get(f"/api/v1/runs/{run_name}/lineage").json()["branches"] == 2

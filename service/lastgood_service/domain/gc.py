@@ -70,9 +70,10 @@ class GarbageCollector:
 
     # ---------------------------------------------------------------- decisions
     def _run_view(self, s: Session, run: Run) -> RunView:
-        rows = list(s.execute(select(Checkpoint.id, Checkpoint.parent_id, Checkpoint.status, Checkpoint.step)
+        rows = list(s.execute(select(Checkpoint.id, Checkpoint.parent_id, Checkpoint.status, Checkpoint.step,
+                                     Checkpoint.committed_at)
                               .where(Checkpoint.run_id == run.id).order_by(Checkpoint.id)))
-        branches = assign_branches([(r.id, r.parent_id, r.status) for r in rows])
+        branches = assign_branches([(r.id, r.parent_id, r.committed_at is not None) for r in rows])
         heads: dict[int, tuple[int, int]] = {}
         for r in rows:
             if r.status == COMMITTED:

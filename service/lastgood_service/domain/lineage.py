@@ -3,9 +3,11 @@
 Branches are derived, not stored: walking checkpoints in creation order, a committed
 checkpoint continues its parent's branch if it is the parent's first committed child,
 and starts a new branch otherwise (the trainer restored an older checkpoint and saved
-again: a rollback or a restart from further back). Pending, abandoned and deleted
-checkpoints stay on their parent's branch without claiming it, so a retried save after
-a crash is not mistaken for a branch.
+again: a rollback or a restart from further back). Pending and abandoned checkpoints
+stay on their parent's branch without claiming it, so a retried save after a crash is not
+mistaken for a branch. Whether a row claims is whether it was ever committed
+(`committed_at`), not its status now: GC turns committed and abandoned checkpoints alike
+into DELETED, and only the first kind continued its parent's branch.
 """
 
 from __future__ import annotations
@@ -15,18 +17,18 @@ from collections import defaultdict
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ..catalog.models import COMMITTED, CORRUPT, DELETED, LAST_GOOD, SYSTEM, Checkpoint, Run, Tag, Vote
+from ..catalog.models import LAST_GOOD, SYSTEM, Checkpoint, Run, Tag, Vote
 
 
-def assign_branches(rows: list[tuple[int, int | None, str]]) -> dict[int, int]:
-    """rows: (id, parent_id, status) in creation order -> id -> branch number (0 first).
+def assign_branches(rows: list[tuple[int, int | None, bool]]) -> dict[int, int]:
+    """rows: (id, parent_id, was_committed) in creation order -> id -> branch number (0 first).
     Roots hang off one virtual root (None), so a second committed root is a branch too."""
     branch: dict[int | None, int] = {None: 0}
     claimed: set[int | None] = set()  # parents whose branch a committed child continued
     next_branch = 1
-    for cid, parent, status in rows:
+    for cid, parent, was_committed in rows:
         parent = parent if parent in branch else None
-        if status not in (COMMITTED, CORRUPT, DELETED):
+        if not was_committed:
             branch[cid] = branch[parent]
         elif parent not in claimed:
             claimed.add(parent)
@@ -54,9 +56,9 @@ def _seconds(a, b):
 
 
 def lineage(s: Session, run: Run, limit: int, offset: int) -> dict:
-    rows = list(s.execute(select(Checkpoint.id, Checkpoint.parent_id, Checkpoint.status)
+    rows = list(s.execute(select(Checkpoint.id, Checkpoint.parent_id, Checkpoint.committed_at)
                           .where(Checkpoint.run_id == run.id).order_by(Checkpoint.id)))
-    branches = assign_branches([tuple(r) for r in rows])
+    branches = assign_branches([(r.id, r.parent_id, r.committed_at is not None) for r in rows])
     page = list(s.scalars(select(Checkpoint).where(Checkpoint.run_id == run.id)
                           .order_by(Checkpoint.id).limit(limit).offset(offset)))
     ids = [c.id for c in page]
