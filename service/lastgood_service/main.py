@@ -82,7 +82,7 @@ class Service:
         return self.settings.grpc_advertise or f"{self.settings.grpc_host}:{self.grpc_port}"
 
     def _reaper(self) -> None:
-        swept = time.monotonic()
+        swept = float("-inf")  # the first pass sweeps the spool: a service that restarts often still cleans it
         while not self._stop.wait(self.settings.reaper_interval):
             try:
                 self.commits.expire_leases()

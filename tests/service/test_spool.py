@@ -314,3 +314,25 @@ def test_the_client_reads_lent_files_only_from_the_spools_out_folder(tmp_path):
     (tmp_path / ".out" / ("b" * 32 + ".part")).write_bytes(b"x" * 17)
     with pytest.raises(ServiceError, match="longer"):
         _read_lent(str(tmp_path), ".out/" + "b" * 32 + ".part", memoryview(bytearray(16)), StreamHasher())
+
+
+def test_a_restarted_service_sweeps_stale_spool_files_at_start(make_service, tmp_path):
+    """Files of writers that died are swept once they are older than the lease (and GC grace),
+    also by a service that restarts more often than its sweep interval (60 s): the first
+    pass runs at start-up. A fresh file (a writer still at work) is kept. Control: the same
+    stale file stays while no sweep runs (before the restart)."""
+    env = {"LASTGOOD_GC_GRACE_SECONDS": "0"}
+    svc = make_service(tmp_path / "svc", **env)
+    spool, _ = spool_of(svc)
+    stale, fresh = spool / ("a" * 32 + ".part"), spool / ("b" * 32 + ".part")
+    svc.stop()
+    stale.write_bytes(b"x" * 10)
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    assert stale.exists()  # control: nothing swept it while no service ran
+    fresh.write_bytes(b"y")
+    svc = make_service(tmp_path / "svc", **env)
+    deadline = time.monotonic() + 15
+    while stale.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not stale.exists() and fresh.exists()
