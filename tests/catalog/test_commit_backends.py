@@ -10,15 +10,25 @@ from __future__ import annotations
 import json
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
 
 from lastgood.hashing import hash_bytes
 from lastgood_service.catalog.models import Checkpoint, Event, Run, Shard, Vote
-from lastgood_service.domain.commit import ShardHeader, manifest_key
+from lastgood_service.domain import keys
+from lastgood_service.domain.commit import ShardHeader, key_prefix
 from lastgood_service.domain.errors import Conflict, FailedPrecondition, HashMismatch, InvalidArgument, NotFound
 from tests.service.helpers import make_shard, shard_name
 
 ATTEMPT = "attempt-1"
+
+
+def prefix_of(sessions, cid: int) -> str:
+    with sessions() as s:
+        return key_prefix(s, s.get(Checkpoint, cid))
+
+
+def manifest_key(sessions, cid: int) -> str:
+    return keys.manifest_key(prefix_of(sessions, cid))
 
 
 def put(commits, cid: int, rank: int, data: bytes, name: str | None = None, xxh3: str | None = None,
@@ -76,17 +86,17 @@ def test_commit_only_after_every_rank_voted(commits, sessions, blobs):
         assert put(commits, cid, r, data).already_present is False
     res = commits.vote(cid, 0, [shard_name(0)])
     assert res.status == "PENDING" and res.missing_ranks == [1]
-    assert blobs.stat(manifest_key(cid)) is None and last_good(sessions, "run-b") is None
+    assert blobs.stat(manifest_key(sessions, cid)) is None and last_good(sessions, "run-b") is None
     res = commits.vote(cid, 1, [shard_name(1)])
     assert res.status == "COMMITTED" and res.missing_ranks == []
     assert last_good(sessions, "run-b") == cid
-    manifest = json.loads(blobs.read_all(manifest_key(cid)))
+    manifest = json.loads(blobs.read_all(manifest_key(sessions, cid)))
     assert (manifest["checkpoint_id"], manifest["run"], manifest["world_size"]) == (cid, "run-b", 2)
     with sessions() as s:
         ck = s.get(Checkpoint, cid)
         assert ck.committed_at is not None and ck.committed_at.tzinfo is not None  # UTC on both backends
         assert ck.bytes == sum(len(d) for d in shards.values())
-        assert ck.manifest_hash == hash_bytes(blobs.read_all(manifest_key(cid)))
+        assert ck.manifest_hash == hash_bytes(blobs.read_all(ck.manifest_key))
         stored = {sh.rank: sh for sh in s.scalars(select(Shard).where(Shard.checkpoint_id == cid))}
         assert {r: (sh.size, sh.xxh3_128, sh.status) for r, sh in stored.items()} == \
             {r: (len(d), hash_bytes(d), "VERIFIED") for r, d in shards.items()}
@@ -118,7 +128,7 @@ def test_hash_mismatch_records_nothing_and_never_commits(commits, sessions, blob
         commits.vote(cid, 0, [shard_name(0)])
     with sessions() as s:
         assert s.scalar(select(func.count()).select_from(Shard).where(Shard.checkpoint_id == cid)) == 0
-    assert [b.key for b in blobs.list(f"ckpt/{cid}/")] == []
+    assert [b.key for b in blobs.list(prefix_of(sessions, cid))] == []
     assert last_good(sessions, "run-d") == before
     assert "hash_mismatch" in event_kinds(sessions, cid)
 
@@ -172,14 +182,14 @@ def test_recovery_rolls_forward_only_with_manifest_and_shards(commits, sessions,
     with_manifest, without = cids
     # the manifest try_commit would have written: let try_commit write it, on a copy of the state
     assert commits.try_commit(with_manifest) is True
-    body = blobs.read_all(manifest_key(with_manifest))
+    body = blobs.read_all(manifest_key(sessions, with_manifest))
     with sessions() as s, s.begin():  # put it back to PENDING, as the crash left it
         ck = s.get(Checkpoint, with_manifest)
         ck.status, ck.committed_at, ck.manifest_key, ck.manifest_hash = "PENDING", None, None, None
         s.get(Run, ck.run_id).last_good_id = None
         for ev in s.scalars(select(Event).where(Event.checkpoint_id == with_manifest, Event.kind == "commit")):
             s.delete(ev)
-    assert blobs.read_all(manifest_key(with_manifest)) == body
+    assert blobs.read_all(manifest_key(sessions, with_manifest)) == body
     assert commits.recover() == [with_manifest]
     assert status(sessions, with_manifest) == "COMMITTED"
     assert status(sessions, without) == "PENDING"
@@ -208,3 +218,37 @@ def test_large_step_numbers_and_long_names_fit_both_backends(commits, sessions):
     with sessions() as s:
         ck = s.get(Checkpoint, cid)
         assert ck.step == step and s.get(Run, ck.run_id).name == run
+
+
+def test_a_reissued_id_never_writes_into_a_lost_checkpoints_blobs(commits, sessions, blobs):
+    """A catalog that lost its newest rows hands their ids out again. The new checkpoint
+    with a lost one's id must get blob keys of its own: the lost manifest stays readable
+    (the store is the source of truth for `rebuild`), and GC of the new one leaves it."""
+    from lastgood_service.domain.gc import GarbageCollector
+    from lastgood_service.domain.retention import Retention
+
+    lost = save(commits, "run-lost", 7)
+    lost_prefix = prefix_of(sessions, lost)
+    lost_manifest = blobs.read_all(keys.manifest_key(lost_prefix))
+    lost_keys = sorted(b.key for b in blobs.list(lost_prefix))
+    with sessions() as s, s.begin():  # the catalog forgets it, as a destroyed WAL does
+        for table in (Event, Vote, Shard):
+            for row in s.scalars(select(table).where(table.checkpoint_id == lost)):
+                s.delete(row)
+        s.get(Run, s.get(Checkpoint, lost).run_id).last_good_id = None
+        s.flush()
+        s.delete(s.get(Checkpoint, lost))
+        if s.bind.dialect.name == "postgresql":  # a restored backup resets the sequence too
+            s.execute(text("SELECT setval(pg_get_serial_sequence('checkpoints', 'id'), :v, false)"), {"v": lost})
+    again = save(commits, "run-lost", 3, attempt="relaunch")
+    assert again == lost  # the id is handed out again (both backends reuse it here)
+    assert blobs.read_all(keys.manifest_key(lost_prefix)) == lost_manifest
+    with sessions() as s, s.begin():
+        s.get(Checkpoint, again).status = "ABANDONED"
+        s.get(Run, s.get(Checkpoint, again).run_id).last_good_id = None
+    gc = GarbageCollector(sessions, blobs, Retention.parse("latest:1,last-good,branch-heads"), grace_seconds=0)
+    plan = gc.plan()
+    assert [d.checkpoint_id for d in plan.checkpoints] == [again]
+    assert not set(plan.checkpoints[0].keys) & set(lost_keys)
+    gc.execute(plan)
+    assert sorted(b.key for b in blobs.list(lost_prefix)) == lost_keys

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import lastgood
+from tests.service.helpers import shard_blob
 from lastgood.staging import StagingPool
 
 
@@ -133,7 +134,7 @@ def test_restore_falls_back_past_a_corrupt_checkpoint(make_service, run_name):
     # control: intact, restore picks the newest
     with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
         assert ckpt.restore(lastgood.TrainState(model=nn.Linear(16, 16))) == 2
-    blob = next((svc.blob_root / "blobs" / "ckpt" / str(newest)).glob("r0/*"))
+    blob = shard_blob(svc, newest, 0)
     raw = bytearray(blob.read_bytes())
     raw[-1] ^= 0xFF  # flip bits in the last tensor byte
     blob.write_bytes(bytes(raw))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.multiproc.launch import torchrun, why
+from tests.service.helpers import shard_blob
 
 HERE = Path(__file__).parent
 
@@ -22,7 +23,7 @@ def test_one_ranks_missing_blob_makes_every_rank_fall_back(make_service, run_nam
     assert ok.returncode == 0, why(ok)
     assert "[rank 0] restored step 2 weight 10.0" in ok.stdout and "[rank 1] restored step 2 weight 11.0" in ok.stdout
 
-    next((svc.blob_root / "blobs/ckpt" / str(newest["id"])).glob("r1/*")).unlink()
+    shard_blob(svc, newest["id"], 1).unlink()
     res = torchrun(HERE / "restore_missing_blob.py", [svc.url, run_name], timeout=120)
     assert res.returncode == 0, why(res)
     assert "[rank 0] restored step 1 weight 1.0" in res.stdout

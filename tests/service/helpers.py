@@ -203,10 +203,18 @@ def blob_files(svc) -> tuple[dict[str, int], dict[str, int]]:
     return out[0], out[1]
 
 
+def ckpt_dir(svc, checkpoint_id: int) -> Path:
+    """The folder of a checkpoint's blobs in the local store (keys: ckpt/<id>-<nonce>/...,
+    see lastgood_service.domain.keys); a path that does not exist when it has none."""
+    root = svc.blob_root / "blobs" / "ckpt"
+    found = [p for p in root.glob(f"{checkpoint_id}-*") if p.is_dir()] if root.exists() else []
+    assert len(found) <= 1, found
+    return found[0] if found else root / f"{checkpoint_id}-none"
+
+
 def shard_blob(svc, checkpoint_id: int, rank: int) -> Path:
-    """The one blob file holding rank's shard of the checkpoint (keys are ckpt/<id>/r<rank>/<xxh3>)."""
-    files = [p for p in (svc.blob_root / "blobs" / "ckpt" / str(checkpoint_id) / f"r{rank}").iterdir()
-             if p.is_file()]
+    """The one blob file holding rank's shard of the checkpoint (keys end in r<rank>/<xxh3>)."""
+    files = [p for p in (ckpt_dir(svc, checkpoint_id) / f"r{rank}").iterdir() if p.is_file()]
     assert len(files) == 1, files
     return files[0]
 

@@ -13,7 +13,7 @@ from torch import nn
 import lastgood
 from lastgood_service.domain.retention import Retention, RunView
 
-from .helpers import Client, blob_files, checkpoint, http, json_error, last_good_id
+from .helpers import Client, blob_files, checkpoint, ckpt_dir, http, json_error, last_good_id
 
 GC_ENV = {"LASTGOOD_RETENTION": "latest:1,tagged,last-good,branch-heads", "LASTGOOD_GC_INTERVAL": "0",
           "LASTGOOD_GC_GRACE_SECONDS": "0"}
@@ -81,7 +81,7 @@ def test_plan_is_a_dry_run_and_execute_deletes_exactly_it(make_service, run_name
     assert sorted(done["deleted"]) == sorted([ids[0], ids[3], dead]) and done["bytes_freed"] == plan["bytes_freed"]
     for cid in (ids[0], ids[3], dead):
         assert checkpoint(svc, cid)["status"] == "DELETED"
-        assert not list((svc.blob_root / "blobs/ckpt" / str(cid)).rglob("*"))
+        assert not list(ckpt_dir(svc, cid).rglob("*"))
     for cid in (ids[1], ids[2], ids[4]):
         assert checkpoint(svc, cid)["status"] == "COMMITTED"
         assert http(svc).post(f"/api/v1/checkpoints/{cid}/verify").json()["ok"]

@@ -12,7 +12,7 @@ from safetensors.numpy import load as st_load
 
 from lastgood.hashing import hash_bytes
 
-from .helpers import (ATTEMPT, checkpoint, events, http, json_error, last_good_id, make_shard, rpc_error,
+from .helpers import (ATTEMPT, checkpoint, ckpt_dir, events, http, json_error, last_good_id, make_shard, rpc_error,
                       shard_blob, shard_name, snapshot, wait_status)
 
 SC = grpc.StatusCode
@@ -187,7 +187,7 @@ def test_hash_mismatch_is_rejected_and_never_commits(service, client, run_name):
     view = checkpoint(service, cid)
     assert view["status"] == "PENDING" and view["manifest"] is None
     assert last_good_id(service, run_name) is None
-    assert not (service.blob_root / "blobs" / "ckpt" / str(cid) / "r0").exists()
+    assert not (ckpt_dir(service, cid) / "r0").exists()
     assert list((service.blob_root / "tmp").iterdir()) == []
 
     mismatches = [e for e in events(service, run_name) if e["kind"] == "hash_mismatch"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from .helpers import (Client, checkpoint, events, http, json_error, last_good_id, make_shard, shard_name,
+from .helpers import (Client, checkpoint, ckpt_dir, events, http, json_error, last_good_id, make_shard, shard_name,
                       wait_status)
 
 # what a client may see when the server process vanishes under its call
@@ -46,7 +46,7 @@ def test_crash_after_manifest_rolls_forward(make_service, run_name):
 
     crashing = make_service(data_dir=first.data_dir, LASTGOOD_FAILPOINT="crash_after_manifest")
     cid, data = _crash_during_commit(crashing, run_name, step=2)
-    manifest_blob = crashing.blob_root / "blobs" / "ckpt" / str(cid) / "manifest.json"
+    manifest_blob = ckpt_dir(crashing, cid) / "manifest.json"
     assert manifest_blob.exists(), "the failpoint fires after the manifest is written"
 
     svc = make_service(data_dir=first.data_dir)
@@ -75,7 +75,7 @@ def test_crash_before_manifest_waits_for_expiry(make_service, run_name):
     # sure the restarted service is up before the lease can run out.
     crashing = make_service(LASTGOOD_FAILPOINT="crash_before_manifest", LASTGOOD_LEASE_SECONDS="5")
     cid, data = _crash_during_commit(crashing, run_name, step=1)
-    assert not (crashing.blob_root / "blobs" / "ckpt" / str(cid) / "manifest.json").exists()
+    assert not (ckpt_dir(crashing, cid) / "manifest.json").exists()
 
     svc = make_service(data_dir=crashing.data_dir)
     view = checkpoint(svc, cid)
@@ -89,5 +89,5 @@ def test_crash_before_manifest_waits_for_expiry(make_service, run_name):
     kinds = [e["kind"] for e in events(svc, run_name) if e["checkpoint_id"] == cid]
     assert "expired" in kinds and "commit" not in kinds
     # the shard was verified and stored, yet nothing of it is visible
-    assert len(list((svc.blob_root / "blobs" / "ckpt" / str(cid) / "r0").iterdir())) == 1
+    assert len(list((ckpt_dir(svc, cid) / "r0").iterdir())) == 1
     json_error(http(svc).get(f"/api/v1/checkpoints/{cid}/ranks/0/files/{shard_name(0)}"), 409)

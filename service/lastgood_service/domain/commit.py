@@ -40,6 +40,7 @@ from ..blobstore import BlobStore
 from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, PENDING, SUSPECT, SYSTEM, VERIFIED, Checkpoint, Event,
                               Run, Shard, Tag, Vote, utcnow)
 from ..settings import Settings
+from . import keys
 from .lineage import ancestors as lineage_ancestors
 from .errors import (Conflict, FailedPrecondition, HashMismatch, InvalidArgument, NotFound, OutOfRange,
                      TooLarge)
@@ -47,12 +48,9 @@ from .errors import (Conflict, FailedPrecondition, HashMismatch, InvalidArgument
 log = logging.getLogger("lastgood.commit")
 
 
-def shard_key(checkpoint_id: int, rank: int, xxh3: str) -> str:
-    return f"ckpt/{checkpoint_id}/r{rank}/{xxh3}"
-
-
-def manifest_key(checkpoint_id: int) -> str:
-    return f"ckpt/{checkpoint_id}/manifest.json"
+def key_prefix(s: Session, ck: Checkpoint) -> str:
+    """The folder of ck's blobs (domain/keys.py says why it is not the id alone)."""
+    return keys.prefix(ck.id, s.get(Run, ck.run_id).name, ck.step, ck.attempt)
 
 
 @dataclass(frozen=True)
@@ -210,6 +208,9 @@ class CommitService:
             self._require_pending(ck, "upload")
             self._require_not_voted(s, header)
             ck.lease_expires_at = self._lease()
+            # The key derives from the declared hash, so an S3 multipart upload can start now;
+            # bytes that do not match it are aborted and never become visible.
+            key = keys.shard_key(key_prefix(s, ck), header.rank, header.xxh3_128)
 
         hasher = StreamHasher()
         index_json = None
@@ -217,9 +218,6 @@ class CommitService:
         prefix = bytearray()
         renew_every = self.settings.lease_seconds / 4
         last_renew = time.monotonic()
-        # The key derives from the declared hash, so an S3 multipart upload can start now;
-        # bytes that do not match it are aborted and never become visible.
-        key = shard_key(header.checkpoint_id, header.rank, header.xxh3_128)
         writer = self.blobs.adopt_writer(key, adopt) if adopt is not None else None
         with writer or self.blobs.open_writer(key) as w:
             for chunk in chunks:
@@ -388,8 +386,8 @@ class CommitService:
             if any({f.name for f in by_rank[r]} != votes[r] for r in votes):
                 raise FailedPrecondition(f"checkpoint {checkpoint_id}: votes and verified shards disagree")
             manifest = Manifest(ck.id, run.name, ck.step, ck.attempt, ck.world_size, ck.parent_id, by_rank)
+            key = keys.manifest_key(key_prefix(s, ck))
         body = manifest.to_bytes()
-        key = manifest_key(checkpoint_id)
         self._failpoint("crash_before_manifest")
         stored = self.blobs.stat(key)
         if stored is None or self.blobs.read_all(key) != body:
@@ -484,10 +482,11 @@ class CommitService:
         """At start-up: roll a PENDING checkpoint forward when every rank voted, its manifest
         blob is written and every verified shard is present; leave the rest to expiry."""
         with self.sessions() as s, s.begin():
-            pending = list(s.scalars(select(Checkpoint.id).where(Checkpoint.status == PENDING)))
+            pending = [(ck.id, keys.manifest_key(key_prefix(s, ck)))
+                       for ck in s.scalars(select(Checkpoint).where(Checkpoint.status == PENDING))]
         rolled = []
-        for cid in pending:
-            if self.blobs.stat(manifest_key(cid)) is None:
+        for cid, key in pending:
+            if self.blobs.stat(key) is None:
                 continue
             with self.sessions() as s, s.begin():
                 shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == cid)))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import re
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -23,12 +22,12 @@ from sqlalchemy.orm import Session, sessionmaker
 from ..blobstore import BlobStore
 from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, DELETED, PENDING, Checkpoint, ReadLease, Run, Tag,
                               utcnow)
+from . import keys
 from .commit import add_event
 from .lineage import assign_branches
 from .retention import Retention, RunView
 
 log = logging.getLogger("lastgood.gc")
-_KEY = re.compile(r"^ckpt/(\d+)/")
 
 
 @dataclass
@@ -104,30 +103,42 @@ class GarbageCollector:
     def plan(self) -> Plan:
         now = self.clock()
         plan = Plan(self.retention.describe())
-        blobs_by_ckpt: dict[int, list[tuple[str, int]]] = defaultdict(list)
-        for info in self.blobs.list("ckpt/"):
-            m = _KEY.match(info.key)
-            if m:
-                blobs_by_ckpt[int(m.group(1))].append((info.key, info.size))
-            else:
-                plan.unknown.append(info.key)
+        stored = [(keys.parse(info.key), info) for info in self.blobs.list(keys.ROOT)]
+        plan.unknown += [info.key for parsed, info in stored if parsed is None]
         with self.sessions() as s, s.begin():
-            statuses = dict(s.execute(select(Checkpoint.id, Checkpoint.status)).all())
+            owners = self._owners(s)
+            blobs_by_ckpt: dict[int, list[tuple[str, int]]] = defaultdict(list)
+            for parsed, info in stored:
+                if parsed is None:
+                    continue
+                if self._owned(parsed, owners):
+                    blobs_by_ckpt[parsed.checkpoint_id].append((info.key, info.size))
+                else:  # an id this catalog does not know, or another catalog history's: left alone
+                    plan.unknown.append(info.key)
             for run in s.scalars(select(Run).order_by(Run.name)):
                 kept = self.retention.keep(self._run_view(s, run))
                 for ck in s.scalars(select(Checkpoint).where(Checkpoint.run_id == run.id).order_by(Checkpoint.id)):
                     reason = self._why_deletable(s, ck, kept, now)
                     if reason:
-                        keys = blobs_by_ckpt.get(ck.id, [])
+                        found = blobs_by_ckpt.get(ck.id, [])
                         plan.checkpoints.append(PlannedDeletion(ck.id, run.name, ck.step, ck.status, reason,
-                                                                [k for k, _ in keys], sum(n for _, n in keys)))
-        for cid, keys in sorted(blobs_by_ckpt.items()):
-            status = statuses.get(cid)
-            if status == DELETED:
-                plan.orphans += keys
-            elif status is None:
-                plan.unknown += [k for k, _ in keys]
+                                                                [k for k, _ in found], sum(n for _, n in found)))
+        for cid, found in sorted(blobs_by_ckpt.items()):
+            if owners[cid][3] == DELETED:
+                plan.orphans += found
         return plan
+
+    @staticmethod
+    def _owners(s: Session) -> dict[int, tuple[str, int, str, str]]:
+        """checkpoint id -> (run, step, attempt, status), for placing blobs by their keys."""
+        return {cid: (run, step, attempt, status) for cid, run, step, attempt, status in s.execute(
+            select(Checkpoint.id, Run.name, Checkpoint.step, Checkpoint.attempt, Checkpoint.status)
+            .join(Run, Run.id == Checkpoint.run_id))}
+
+    @staticmethod
+    def _owned(parsed: keys.ParsedKey, owners: dict) -> bool:
+        owner = owners.get(parsed.checkpoint_id)
+        return owner is not None and keys.belongs_to(parsed, parsed.checkpoint_id, *owner[:3])
 
     def execute(self, plan: Plan) -> dict:
         """Delete what the plan lists, and nothing else; skip whatever is no longer deletable."""
@@ -152,10 +163,10 @@ class GarbageCollector:
         orphans_done = []
         if plan.orphans:
             with self.sessions() as s, s.begin():
-                statuses = dict(s.execute(select(Checkpoint.id, Checkpoint.status)).all())
+                owners = self._owners(s)
             for key, size in plan.orphans:
-                m = _KEY.match(key)
-                if m and statuses.get(int(m.group(1))) == DELETED:
+                parsed = keys.parse(key)
+                if parsed and self._owned(parsed, owners) and owners[parsed.checkpoint_id][3] == DELETED:
                     self.blobs.delete(key)
                     orphans_done.append(key)
                     freed += size

@@ -1,0 +1,75 @@
+"""Blob keys of checkpoints: the one place that spells them and reads them back.
+
+    ckpt/<id>-<nonce>/r<rank>/<xxh3-128>     a shard file (named by its content hash)
+    ckpt/<id>-<nonce>/manifest.json          the manifest that makes the checkpoint complete
+
+Why a nonce next to the id: a catalog that loses its newest rows (a destroyed SQLite WAL, a
+restored database backup) hands the same ids out again. Keyed by the id alone, a new
+checkpoint would write into the lost one's folder, overwrite its manifest and let GC delete
+its shards with its own. The nonce is derived from what identifies a save - run, step and
+launch attempt - so it needs no column, is the same on every replica, and a checkpoint of
+another catalog history with the same id gets another folder. It is derived from the
+manifest's own fields too, so `rebuild` can check a manifest against its key.
+
+Checkpoints written before the nonce (`ckpt/<id>/...`) keep their keys: the catalog stores
+every key it wrote (shards.blob_key, checkpoints.manifest_key) and reads use those.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import xxhash
+
+ROOT = "ckpt/"
+MANIFEST = "manifest.json"
+_KEY = re.compile(r"^ckpt/(\d+)(?:-([0-9a-f]{16}))?/(.+)$")
+_SHARD = re.compile(r"^r(\d+)/([0-9a-f]{32})$")
+
+
+def nonce(run: str, step: int, attempt: str) -> str:
+    return xxhash.xxh3_64_hexdigest(f"{run}\0{step}\0{attempt}".encode())
+
+
+def prefix(checkpoint_id: int, run: str, step: int, attempt: str) -> str:
+    return f"{ROOT}{checkpoint_id}-{nonce(run, step, attempt)}/"
+
+
+def shard_key(ckpt_prefix: str, rank: int, xxh3: str) -> str:
+    return f"{ckpt_prefix}r{rank}/{xxh3}"
+
+
+def manifest_key(ckpt_prefix: str) -> str:
+    return ckpt_prefix + MANIFEST
+
+
+@dataclass(frozen=True)
+class ParsedKey:
+    checkpoint_id: int
+    nonce: str | None   # None: a key from before the nonce
+    rest: str           # "manifest.json" or "r<rank>/<xxh3>"
+
+    @property
+    def prefix(self) -> str:
+        return f"{ROOT}{self.checkpoint_id}{'-' + self.nonce if self.nonce else ''}/"
+
+    @property
+    def is_manifest(self) -> bool:
+        return self.rest == MANIFEST
+
+    def shard(self) -> tuple[int, str] | None:
+        m = _SHARD.match(self.rest)
+        return (int(m.group(1)), m.group(2)) if m else None
+
+
+def parse(key: str) -> ParsedKey | None:
+    """A checkpoint blob's key taken apart, or None for a key lastgood did not write."""
+    m = _KEY.match(key)
+    return ParsedKey(int(m.group(1)), m.group(2), m.group(3)) if m else None
+
+
+def belongs_to(parsed: ParsedKey, checkpoint_id: int, run: str, step: int, attempt: str) -> bool:
+    """Whether a blob is this catalog row's: same id, and the nonce of its run, step and
+    attempt (a key from before the nonce belongs to the row with its id)."""
+    return parsed.checkpoint_id == checkpoint_id and parsed.nonce in (None, nonce(run, step, attempt))
