@@ -22,7 +22,9 @@ from .blobstore import open_blobstore
 from .catalog.db import make_engine, make_sessionmaker, upgrade_head
 from .domain.commit import CommitService
 from .domain.curation import Curator
+from .domain.gate import CatalogGate
 from .domain.gc import GarbageCollector
+from .domain.repair import Repair
 from .domain.errors import DomainError
 from .domain.retention import Retention
 from .domain.spool import Spool
@@ -47,12 +49,14 @@ class Service:
         self.engine = make_engine(url)
         sessions = make_sessionmaker(self.engine)
         blobs = open_blobstore(settings.resolved_blob_url(), settings)
-        self.queries = Queries(sessions)
+        self.gate = CatalogGate()  # closed at start while the catalog is behind the store
+        self.repair = Repair(sessions, blobs)
+        self.queries = Queries(sessions, self.gate)
         self.metrics = Metrics(pending=self.queries.pending_count)
-        self.commits = CommitService(settings, sessions, blobs, metrics=self.metrics)
+        self.commits = CommitService(settings, sessions, blobs, metrics=self.metrics, gate=self.gate)
         self.curator = Curator(sessions)
         self.gc = GarbageCollector(sessions, blobs, Retention.parse(settings.retention), settings.gc_grace_seconds,
-                                   metrics=self.metrics)
+                                   metrics=self.metrics, gate=self.gate)
         admin = settings.admin_token.get_secret_value() if settings.admin_token else None
         self.tokens = TokenStore(sessions, required=settings.auth_required, bootstrap_admin=admin)
         self.spool = None
@@ -69,6 +73,9 @@ class Service:
         rolled = self.commits.recover()
         if rolled:
             log.warning("rolled forward at start-up: %s", rolled)
+        if self.settings.startup_store_check and (lost := self.repair.lost_manifests()):
+            self.gate.close([p.checkpoint_id for p in lost])
+            log.error("%s", self.gate.reason)
         s = self.settings
         self.grpc_server, self.grpc_port = start_grpc_server(
             Servicer(self.commits, self.queries, self.tokens, self.spool), s.grpc_host, s.grpc_port, s.grpc_workers,
@@ -160,6 +167,35 @@ def _token_command(args, settings: Settings) -> int:
         engine.dispose()
 
 
+def _repair_command(args, settings: Settings) -> int:
+    """`lastgood-service fsck|rebuild`: the catalog against the blob store (domain/repair.py).
+    Exit 0: consistent (fsck) or rebuilt; 1: fsck found disagreements; 4: rebuild left conflicts."""
+    url = settings.resolved_catalog_url()
+    if settings.auto_migrate:
+        upgrade_head(url, settings.migrations_dir)
+    engine = make_engine(url)
+    repair = Repair(make_sessionmaker(engine), open_blobstore(settings.resolved_blob_url(), settings))
+    try:
+        if args.command == "fsck":
+            report = repair.fsck(rehash=args.rehash)
+            out = report.to_dict()
+            if not args.json:
+                for f in report.findings:
+                    print(f"{f.kind:17} {f.detail}" + (f"  [{f.key}]" if f.key else ""))
+                print(f"{report.checkpoints} checkpoints, {report.blobs} blobs: "
+                      + (", ".join(f"{n} {k}" for k, n in out["counts"].items()) or "consistent"))
+                if report.of("lost_commit"):
+                    print("the catalog lacks committed checkpoints the store holds: run `lastgood-service rebuild`")
+            else:
+                print(json.dumps(out, indent=2))
+            return 0 if report.ok else 1
+        result = repair.rebuild()
+        print(json.dumps(result, indent=2))
+        return 4 if result["conflicts"] else 0
+    finally:
+        engine.dispose()
+
+
 def _limit_malloc_arenas(n: int) -> None:
     """glibc gives each thread that allocates its own arena (up to 8 per core), and freed
     4 MiB chunks stay in them: with 2 the service's RSS while ingesting is lower and flat
@@ -191,6 +227,10 @@ def main(argv: list[str] | None = None) -> None:
     revoke = tsub.add_parser("revoke")
     revoke.add_argument("id", type=int)
     tsub.add_parser("list")
+    fsck = sub.add_parser("fsck", help="check the catalog against the blob store (exit 1 on disagreements)")
+    fsck.add_argument("--rehash", action="store_true", help="also re-hash every committed shard (reads every byte)")
+    fsck.add_argument("--json", action="store_true")
+    sub.add_parser("rebuild", help="restore the catalog's lost commits from the manifests in the blob store")
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in {"host": args.host, "port": args.port, "grpc_port": args.grpc_port,
                                    "data_dir": args.data_dir}.items() if v is not None}
@@ -198,6 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     _logging(settings)
     if args.command == "token":
         sys.exit(_token_command(args, settings))
+    if args.command in ("fsck", "rebuild"):
+        sys.exit(_repair_command(args, settings))
     exposed = settings.exposed_without_auth()
     if exposed:
         sys.exit(f"lastgood-service: refusing to listen on {', '.join(exposed)} without authentication: "

@@ -46,6 +46,8 @@ class Settings(BaseSettings):
 
     migrations_dir: Path = Field(default_factory=_default_migrations_dir)
     auto_migrate: bool = Field(True, description="run `alembic upgrade head` at start")
+    startup_store_check: bool = Field(True, description="at start, list the store's manifests and refuse writes "
+                                      "while the catalog lacks any (lost commits: run `lastgood-service rebuild`)")
     log_level: str = "INFO"
     auth_required: bool = Field(False, description="every API call needs a bearer token (required off loopback)")
     admin_token: SecretStr | None = Field(None, description="a bootstrap admin token (create real ones with it)")

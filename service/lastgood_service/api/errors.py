@@ -16,6 +16,7 @@ TABLE: dict[type[e.DomainError], tuple[int, grpc.StatusCode, str]] = {
     e.TooLarge: (413, grpc.StatusCode.RESOURCE_EXHAUSTED, "too_large"),
     e.Unauthenticated: (401, grpc.StatusCode.UNAUTHENTICATED, "unauthenticated"),
     e.PermissionDenied: (403, grpc.StatusCode.PERMISSION_DENIED, "permission_denied"),
+    e.Unavailable: (503, grpc.StatusCode.UNAVAILABLE, "unavailable"),
 }
 
 

@@ -41,6 +41,7 @@ from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, PENDING, SUSPECT, S
                               Run, Shard, Tag, Vote, utcnow)
 from ..settings import Settings
 from . import keys
+from .gate import CatalogGate
 from .lineage import ancestors as lineage_ancestors
 from .errors import (Conflict, FailedPrecondition, HashMismatch, InvalidArgument, NotFound, OutOfRange,
                      TooLarge)
@@ -84,8 +85,9 @@ def add_event(s: Session, kind: str, run_id: int | None, checkpoint_id: int | No
 
 class CommitService:
     def __init__(self, settings: Settings, sessions: sessionmaker[Session], blobs: BlobStore,
-                 clock: Callable[[], dt.datetime] = utcnow, metrics=None) -> None:
+                 clock: Callable[[], dt.datetime] = utcnow, metrics=None, gate: CatalogGate | None = None) -> None:
         self.settings = settings
+        self.gate = gate or CatalogGate()
         self.sessions = sessions
         self.blobs = blobs
         self.clock = clock
@@ -129,6 +131,7 @@ class CommitService:
     # ---------------------------------------------------------------- begin
     def begin(self, run: str, step: int, world_size: int, parent_id: int | None, attempt: str,
               rank: int = 0) -> Checkpoint:
+        self.gate.check()
         try:
             names.check_run_name(run)
             names.check_attempt(attempt)
@@ -189,6 +192,7 @@ class CommitService:
 
         `adopt`: the chunks are read from this spooled shard (domain/spool.Taken); a blob
         store that can make that very file the blob does so instead of copying it."""
+        self.gate.check()
         try:
             names.check_file_name(header.file_name)
         except names.InvalidName as e:
@@ -311,6 +315,7 @@ class CommitService:
 
     # ---------------------------------------------------------------- vote and commit
     def vote(self, checkpoint_id: int, rank: int, files: list[str], wait_seconds: float = 0.0) -> VoteResult:
+        self.gate.check()
         if len(set(files)) != len(files):
             raise InvalidArgument("the vote lists a file twice")
         if not math.isfinite(wait_seconds):

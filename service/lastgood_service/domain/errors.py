@@ -41,3 +41,7 @@ class Unauthenticated(DomainError):
 
 class PermissionDenied(DomainError):
     """Valid credentials that do not allow this operation or this run."""
+
+
+class Unavailable(DomainError):
+    """The service cannot do this now (a clear reason says until when); clients retry."""

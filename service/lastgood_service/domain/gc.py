@@ -24,6 +24,7 @@ from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, DELETED, PENDING, C
                               utcnow)
 from . import keys
 from .commit import add_event
+from .gate import CatalogGate
 from .lineage import assign_branches
 from .retention import Retention, RunView
 
@@ -59,8 +60,10 @@ class Plan:
 
 class GarbageCollector:
     def __init__(self, sessions: sessionmaker[Session], blobs: BlobStore, retention: Retention,
-                 grace_seconds: float, clock: Callable[[], dt.datetime] = utcnow, metrics=None) -> None:
+                 grace_seconds: float, clock: Callable[[], dt.datetime] = utcnow, metrics=None,
+                 gate: CatalogGate | None = None) -> None:
         self.sessions = sessions
+        self.gate = gate or CatalogGate()  # closed: the blobs of lost commits look deletable
         self.blobs = blobs
         self.retention = retention
         self.grace = dt.timedelta(seconds=grace_seconds)
@@ -101,6 +104,7 @@ class GarbageCollector:
 
     # ---------------------------------------------------------------- plan / execute
     def plan(self) -> Plan:
+        self.gate.check()
         now = self.clock()
         plan = Plan(self.retention.describe())
         stored = [(keys.parse(info.key), info) for info in self.blobs.list(keys.ROOT)]
@@ -142,6 +146,7 @@ class GarbageCollector:
 
     def execute(self, plan: Plan) -> dict:
         """Delete what the plan lists, and nothing else; skip whatever is no longer deletable."""
+        self.gate.check()
         deleted, skipped, freed = [], [], 0
         now = self.clock()
         for d in plan.checkpoints:

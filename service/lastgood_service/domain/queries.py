@@ -14,6 +14,7 @@ from lastgood import names
 from ..catalog.models import STATUSES, Checkpoint, Event, ReadLease, Run
 from ..catalog.models import DELETED, PENDING, Shard, Vote, utcnow
 from . import lineage
+from .gate import CatalogGate
 from .errors import InvalidArgument, NotFound
 from .lineage import tags_by_checkpoint
 from .retention import Retention
@@ -48,8 +49,9 @@ def _page(limit: int, offset: int) -> None:
 
 
 class Queries:
-    def __init__(self, sessions: sessionmaker[Session]) -> None:
+    def __init__(self, sessions: sessionmaker[Session], gate: CatalogGate | None = None) -> None:
         self.sessions = sessions
+        self.gate = gate or CatalogGate()
 
     def _run(self, s: Session, name: str) -> Run:
         try:
@@ -118,6 +120,7 @@ class Queries:
             return checkpoint_view(ck, run, tags_by_checkpoint(s, run, [ck.id]).get(ck.id, []))
 
     def last_good(self, run_name: str) -> dict:
+        self.gate.check()  # a catalog behind the store would hand out an older step as last-good
         with self.sessions() as s, s.begin():
             run = self._run(s, run_name)
             if run.last_good_id is None:

@@ -1,0 +1,243 @@
+"""The store is the source of truth: check the catalog against it (`fsck`) and rebuild the
+catalog's lost commits from it (`rebuild`). restic's `check` / `rebuild-index` are the model.
+
+Every committed checkpoint's manifest is a blob (domain/keys.py names it), written before
+the commit transaction and holding run, step, attempt, world size, parent and every file
+with size and xxh3-128. A catalog that lost acknowledged commits (a destroyed SQLite WAL,
+an old backup restored) is *behind* the store: it lacks a checkpoint whose manifest is
+there. The service detects that at start-up and refuses writes and last-good look-ups
+(UNAVAILABLE, naming the command to run) until `rebuild` has put the lost commits back:
+serving on would silently hand trainers an older step and reissue the lost ids.
+
+What a rebuild cannot bring back, because no manifest holds it: tags, aliases, pins,
+suspect marks, events, read leases, and the lost checkpoints' times (they get the time of
+the rebuild, in id order, so the commit rule makes the newest rebuilt commit last-good).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from lastgood.hashing import hash_bytes
+from lastgood.manifest import Manifest
+
+from ..blobstore import BlobStore
+from ..catalog.models import (COMMITTED, CORRUPT, DELETED, VERIFIED, Checkpoint, Run, Shard, Vote,
+                              utcnow)
+from . import keys
+from .commit import CommitService, add_event
+
+log = logging.getLogger("lastgood.repair")
+
+
+@dataclass
+class Finding:
+    kind: str                  # see Report.KINDS
+    detail: str
+    checkpoint_id: int | None = None
+    key: str | None = None
+
+
+@dataclass
+class Report:
+    KINDS = {
+        "lost_commit": "a committed manifest in the store that the catalog does not have (rebuild restores it)",
+        "missing_manifest": "a committed checkpoint whose manifest blob is gone",
+        "manifest_mismatch": "a committed checkpoint whose manifest blob does not hash as recorded",
+        "missing_blob": "a committed checkpoint's shard blob is gone or has another size",
+        "orphan": "a blob of a DELETED checkpoint (GC removes it)",
+        "unknown": "a blob no catalog row and no manifest accounts for (left alone)",
+        "id_conflict": "a lost manifest whose id the catalog has given to another checkpoint",
+    }
+    findings: list[Finding] = field(default_factory=list)
+    checkpoints: int = 0
+    blobs: int = 0
+
+    def add(self, kind: str, detail: str, checkpoint_id: int | None = None, key: str | None = None) -> None:
+        self.findings.append(Finding(kind, detail, checkpoint_id, key))
+
+    def of(self, kind: str) -> list[Finding]:
+        return [f for f in self.findings if f.kind == kind]
+
+    @property
+    def ok(self) -> bool:
+        return not [f for f in self.findings if f.kind != "orphan"]
+
+    def to_dict(self) -> dict:
+        counts: dict[str, int] = {}
+        for f in self.findings:
+            counts[f.kind] = counts.get(f.kind, 0) + 1
+        return {"ok": self.ok, "checkpoints": self.checkpoints, "blobs": self.blobs, "counts": counts,
+                "findings": [asdict(f) for f in self.findings]}
+
+
+class Repair:
+    def __init__(self, sessions: sessionmaker[Session], blobs: BlobStore,
+                 clock: Callable[[], dt.datetime] = utcnow) -> None:
+        self.sessions = sessions
+        self.blobs = blobs
+        self.clock = clock
+
+    # ---------------------------------------------------------------- looking
+    def _rows(self, s: Session) -> dict[int, tuple[Checkpoint, str]]:
+        return {ck.id: (ck, name) for ck, name in s.execute(
+            select(Checkpoint, Run.name).join(Run, Run.id == Checkpoint.run_id))}
+
+    def lost_manifests(self) -> list[keys.ParsedKey]:
+        """Manifests in the store of checkpoints the catalog does not hold as committed (or
+        as corrupt or deleted since): rows it lost, or whose commit it lost. Start-up runs
+        this after recovery, which rolls forward what it can by itself."""
+        found = [p for info in self.blobs.list(keys.ROOT) if (p := keys.parse(info.key)) and p.is_manifest]
+        with self.sessions() as s, s.begin():
+            rows = self._rows(s)
+            return [p for p in found if not self._known(p, rows)]
+
+    @staticmethod
+    def _known(p: keys.ParsedKey, rows) -> bool:
+        row = rows.get(p.checkpoint_id)
+        if row is None:
+            return False
+        ck, run = row
+        return keys.belongs_to(p, ck.id, run, ck.step, ck.attempt) and ck.status in (COMMITTED, CORRUPT, DELETED)
+
+    def fsck(self, rehash: bool = False) -> Report:
+        """Compare catalog and store; read nothing but manifests (and every shard with rehash)."""
+        report = Report()
+        stored = {info.key: info.size for info in self.blobs.list(keys.ROOT)}
+        report.blobs = len(stored)
+        accounted: set[str] = set()
+        with self.sessions() as s, s.begin():
+            rows = self._rows(s)
+            shards_of: dict[int, list[Shard]] = {}
+            for sh in s.scalars(select(Shard)):
+                shards_of.setdefault(sh.checkpoint_id, []).append(sh)
+        report.checkpoints = len(rows)
+        for cid, (ck, _run) in sorted(rows.items()):
+            mine = [sh.blob_key for sh in shards_of.get(cid, [])] + ([ck.manifest_key] if ck.manifest_key else [])
+            accounted.update(mine)
+            if ck.status == DELETED:
+                for key in mine:
+                    if key in stored:
+                        report.add("orphan", f"checkpoint {cid} is DELETED; its blob remains", cid, key)
+                continue
+            if ck.status != COMMITTED:
+                continue
+            if ck.manifest_key not in stored:
+                report.add("missing_manifest", f"checkpoint {cid}: manifest {ck.manifest_key} is missing", cid,
+                           ck.manifest_key)
+            elif hash_bytes(self.blobs.read_all(ck.manifest_key)) != ck.manifest_hash:
+                report.add("manifest_mismatch", f"checkpoint {cid}: manifest does not hash as recorded", cid,
+                           ck.manifest_key)
+            for sh in shards_of.get(cid, []):
+                size = stored.get(sh.blob_key)
+                if size != sh.size:
+                    what = "is missing" if size is None else f"holds {size} bytes, not {sh.size}"
+                    report.add("missing_blob", f"checkpoint {cid} rank {sh.rank} {sh.file_name}: blob {what}",
+                               cid, sh.blob_key)
+                elif rehash and hash_bytes(self.blobs.read_all(sh.blob_key)) != sh.xxh3_128:
+                    report.add("missing_blob", f"checkpoint {cid} rank {sh.rank} {sh.file_name}: bytes differ",
+                               cid, sh.blob_key)
+        for p in self.lost_manifests():
+            manifest_key = keys.manifest_key(p.prefix)
+            row = rows.get(p.checkpoint_id)
+            mine = row is not None and keys.belongs_to(p, row[0].id, row[1], row[0].step, row[0].attempt)
+            kind = "id_conflict" if row is not None and not mine else "lost_commit"
+            report.add(kind, f"checkpoint {p.checkpoint_id}: manifest in the store, not in the catalog"
+                       + (" (its id now names another checkpoint)" if kind == "id_conflict" else ""),
+                       p.checkpoint_id, manifest_key)
+            accounted.update(k for k in stored if k.startswith(p.prefix))
+        for key in sorted(set(stored) - accounted):
+            p = keys.parse(key)
+            row = rows.get(p.checkpoint_id) if p else None
+            if row and keys.belongs_to(p, row[0].id, row[1], row[0].step, row[0].attempt) and row[0].status != DELETED:
+                continue  # a pending or abandoned checkpoint's blob: lease expiry and GC own it
+            if row and row[0].status == DELETED and keys.belongs_to(p, row[0].id, row[1], row[0].step,
+                                                                    row[0].attempt):
+                report.add("orphan", f"checkpoint {p.checkpoint_id} is DELETED; its blob remains",
+                           p.checkpoint_id, key)
+            else:
+                report.add("unknown", "no catalog row or manifest accounts for this blob", None, key)
+        return report
+
+    # ---------------------------------------------------------------- rebuilding
+    def rebuild(self) -> dict:
+        """Put every lost commit back into the catalog, from its manifest; idempotent."""
+        restored, conflicts, corrupt = [], [], []
+        lost = sorted(self.lost_manifests(), key=lambda p: p.checkpoint_id)  # parents before children
+        stored = {info.key: info.size for info in self.blobs.list(keys.ROOT)}
+        base = self.clock()
+        for i, p in enumerate(lost):
+            key = keys.manifest_key(p.prefix)
+            body = self.blobs.read_all(key)
+            try:
+                m = Manifest.from_bytes(body)
+            except (ValueError, KeyError, TypeError) as e:
+                conflicts.append({"checkpoint_id": p.checkpoint_id, "why": f"unreadable manifest: {e}"})
+                continue
+            if m.checkpoint_id != p.checkpoint_id or not keys.belongs_to(p, m.checkpoint_id, m.run, m.step,
+                                                                         m.attempt):
+                conflicts.append({"checkpoint_id": p.checkpoint_id, "why": f"{key} does not match its key"})
+                continue
+            now = base + dt.timedelta(microseconds=i)
+            with self.sessions() as s, s.begin():
+                ck = s.get(Checkpoint, m.checkpoint_id)
+                if ck is not None and not keys.belongs_to(p, ck.id, s.get(Run, ck.run_id).name, ck.step, ck.attempt):
+                    conflicts.append({"checkpoint_id": m.checkpoint_id,
+                                      "why": "the catalog gave this id to another checkpoint"})
+                    continue
+                run = s.scalar(select(Run).where(Run.name == m.run))
+                if run is None:
+                    run = Run(name=m.run, created_at=now)
+                    s.add(run)
+                    s.flush()
+                parent = s.get(Checkpoint, m.parent_id) if m.parent_id else None
+                complete = all(stored.get(keys.shard_key(p.prefix, r, f.xxh3_128)) == f.size
+                               for r, files in m.ranks.items() for f in files)
+                if ck is None:
+                    ck = Checkpoint(id=m.checkpoint_id, run_id=run.id, step=m.step, attempt=m.attempt,
+                                    created_at=now)
+                    s.add(ck)
+                else:  # its begin survived, its commit did not: the manifest says what the votes were
+                    for table in (Shard, Vote):
+                        for row in s.scalars(select(table).where(table.checkpoint_id == ck.id)):
+                            s.delete(row)
+                    s.flush()
+                ck.world_size, ck.parent_id = m.world_size, parent.id if parent else None
+                ck.status, ck.bytes = (COMMITTED if complete else CORRUPT), m.total_bytes()
+                ck.lease_expires_at, ck.committed_at = now, now
+                ck.manifest_key, ck.manifest_hash = key, hash_bytes(body)
+                s.flush()
+                for r, files in m.ranks.items():
+                    for f in files:
+                        index = {"data_start": f.data_start, "tensors": f.tensors} if f.tensors is not None else None
+                        s.add(Shard(checkpoint_id=ck.id, rank=r, file_name=f.name, size=f.size,
+                                    xxh3_128=f.xxh3_128, blob_key=keys.shard_key(p.prefix, r, f.xxh3_128),
+                                    status=VERIFIED, index_json=json.dumps(index) if index else None,
+                                    created_at=now))
+                    s.add(Vote(checkpoint_id=ck.id, rank=r, files_json=json.dumps(sorted(f.name for f in files)),
+                               created_at=now))
+                moved = complete and CommitService._maybe_move_last_good(s, ck)
+                add_event(s, "rebuilt", run.id, ck.id, step=ck.step, status=ck.status, last_good=moved,
+                          parent_missing=bool(m.parent_id) and parent is None)
+            (restored if complete else corrupt).append(m.checkpoint_id)
+        self._advance_id_sequence()
+        log.warning("rebuild: %d commits restored, %d incomplete (CORRUPT), %d conflicts",
+                    len(restored), len(corrupt), len(conflicts))
+        return {"restored": restored, "corrupt": corrupt, "conflicts": conflicts}
+
+    def _advance_id_sequence(self) -> None:
+        """PostgreSQL hands ids out from a sequence that rows inserted with explicit ids do
+        not move; SQLite takes max(id) + 1 by itself."""
+        with self.sessions() as s, s.begin():
+            if s.bind.dialect.name == "postgresql":
+                from sqlalchemy import text
+
+                s.execute(text("SELECT setval(pg_get_serial_sequence('checkpoints', 'id'), "
+                               "GREATEST((SELECT COALESCE(MAX(id), 0) FROM checkpoints), 1))"))
