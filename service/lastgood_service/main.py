@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import uvicorn
 
@@ -22,6 +23,7 @@ from .blobstore import open_blobstore
 from .catalog.db import make_engine, make_sessionmaker, upgrade_head
 from .domain.commit import CommitService
 from .domain.curation import Curator
+from .domain.faults import Ballast
 from .domain.gate import CatalogGate
 from .domain.gc import GarbageCollector
 from .domain.repair import Repair
@@ -38,6 +40,13 @@ log = logging.getLogger("lastgood")
 SPOOL_SWEEP_INTERVAL = 60.0
 
 
+def _sqlite_dir(url: str) -> Path | None:
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    return Path(u.database).resolve().parent if u.get_backend_name() == "sqlite" and u.database else None
+
+
 class Service:
     """Everything one service process runs; `start()` then `stop()`."""
 
@@ -49,14 +58,22 @@ class Service:
         self.engine = make_engine(url)
         sessions = make_sessionmaker(self.engine)
         blobs = open_blobstore(settings.resolved_blob_url(), settings)
+        if settings.failpoint == "blob_eio":  # testing only: a device that fails every write
+            from .blobstore.faulty import WriteEIO
+
+            blobs = WriteEIO(blobs)
         self.gate = CatalogGate()  # closed at start while the catalog is behind the store
         self.repair = Repair(sessions, blobs)
         self.queries = Queries(sessions, self.gate)
         self.metrics = Metrics(pending=self.queries.pending_count)
         self.commits = CommitService(settings, sessions, blobs, metrics=self.metrics, gate=self.gate)
         self.curator = Curator(sessions)
+        self.ballast = Ballast(_sqlite_dir(url) / ".lastgood-ballast" if _sqlite_dir(url) else None,
+                               settings.ballast_bytes)
+        self.ballast.ensure()
         self.gc = GarbageCollector(sessions, blobs, Retention.parse(settings.retention), settings.gc_grace_seconds,
-                                   metrics=self.metrics, gate=self.gate)
+                                   metrics=self.metrics, gate=self.gate, ballast=self.ballast)
+        self.metrics.watch_free_bytes(blobs.free_bytes)
         admin = settings.admin_token.get_secret_value() if settings.admin_token else None
         self.tokens = TokenStore(sessions, required=settings.auth_required, bootstrap_admin=admin)
         self.spool = None

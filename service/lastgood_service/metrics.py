@@ -33,5 +33,10 @@ class Metrics:
             Gauge("lastgood_pending_checkpoints", "Checkpoints begun and not yet committed or abandoned",
                   registry=r).set_function(pending)
 
+    def watch_free_bytes(self, free: Callable[[], int | None]) -> None:
+        """Room left in the blob store, read at scrape time (NaN where the store cannot tell)."""
+        Gauge("lastgood_store_free_bytes", "Bytes free in the blob store (local stores)", registry=self.registry
+              ).set_function(lambda: float("nan") if (n := free()) is None else n)
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -46,6 +46,10 @@ class Settings(BaseSettings):
 
     migrations_dir: Path = Field(default_factory=_default_migrations_dir)
     auto_migrate: bool = Field(True, description="run `alembic upgrade head` at start")
+    store_reserve_bytes: int = Field(64 * MiB, ge=0, description="a shard is refused (store full) unless this "
+                                     "much room stays free on a local store after it")
+    ballast_bytes: int = Field(32 * MiB, ge=0, description="space held in a file beside an SQLite catalog and given "
+                               "up when the disk is full, so that GC can record its deletions; 0: none")
     startup_store_check: bool = Field(True, description="at start, list the store's manifests and refuse writes "
                                       "while the catalog lacks any (lost commits: run `lastgood-service rebuild`)")
     log_level: str = "INFO"
@@ -66,7 +70,8 @@ class Settings(BaseSettings):
     failpoint: str | None = Field(
         None, description="testing only: crash_before_manifest / crash_after_manifest make the process "
                           "exit abruptly at that point of a commit; lose_commit_reply fails every "
-                          "CommitRank reply after the commit happened")
+                          "CommitRank reply after the commit happened; blob_eio fails every blob write "
+                          "with EIO")
 
     @field_validator("retention")
     @classmethod

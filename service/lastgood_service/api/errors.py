@@ -17,6 +17,7 @@ TABLE: dict[type[e.DomainError], tuple[int, grpc.StatusCode, str]] = {
     e.Unauthenticated: (401, grpc.StatusCode.UNAUTHENTICATED, "unauthenticated"),
     e.PermissionDenied: (403, grpc.StatusCode.PERMISSION_DENIED, "permission_denied"),
     e.Unavailable: (503, grpc.StatusCode.UNAVAILABLE, "unavailable"),
+    e.StoreFull: (507, grpc.StatusCode.RESOURCE_EXHAUSTED, "store_full"),
 }
 
 

@@ -18,12 +18,23 @@ from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
 
 from ..domain.commit import CommitService, ShardHeader
 from ..domain.errors import DomainError, FailedPrecondition, InvalidArgument, TooLarge
+from ..domain.faults import as_domain_error
 from ..domain.spool import Spool
 from ..domain.tokens import READER, WRITER, TokenStore
 from ..domain.queries import Queries
 from .errors import lookup
 
 log = logging.getLogger("lastgood.grpc")
+
+
+def _abort_unexpected(context, name: str, exc: Exception) -> None:
+    """A storage fault (full disk, I/O error) by its name; anything else INTERNAL, logged."""
+    mapped = as_domain_error(exc)
+    if mapped is not None:
+        log.error("%s: %s", name, mapped)
+        context.abort(lookup(mapped)[1], str(mapped))
+    log.exception("%s failed", name)
+    context.abort(grpc.StatusCode.INTERNAL, f"{name} failed inside the service; see its log")
 
 
 def _mapped(fn):
@@ -37,9 +48,8 @@ def _mapped(fn):
             context.abort(lookup(exc)[1], str(exc))
         except grpc.RpcError:
             raise
-        except Exception:
-            log.exception("%s failed", fn.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{fn.__name__} failed inside the service; see its log")
+        except Exception as exc:
+            _abort_unexpected(context, fn.__name__, exc)
 
     return wrapper
 
@@ -51,9 +61,8 @@ def _mapped_stream(fn):
             yield from fn(self, request, context)
         except DomainError as exc:
             context.abort(lookup(exc)[1], str(exc))
-        except Exception:
-            log.exception("%s failed", fn.__name__)
-            context.abort(grpc.StatusCode.INTERNAL, f"{fn.__name__} failed inside the service; see its log")
+        except Exception as exc:
+            _abort_unexpected(context, fn.__name__, exc)
 
     return wrapper
 

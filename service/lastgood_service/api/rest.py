@@ -7,6 +7,7 @@ api/errors.py. Every error body is JSON: {"error": {"code": ..., "message": ...}
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 import re
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from ..domain.commit import CommitService
 from ..domain.curation import Curator
 from ..domain.gc import GarbageCollector
 from ..domain.errors import DomainError, InvalidArgument, OutOfRange
+from ..domain.faults import as_domain_error
 from ..domain.queries import MAX_PAGE, Queries
 from ..domain.queries import gc_policy_view
 from ..domain.spool import Spool
@@ -34,6 +36,8 @@ from ..domain.tokens import TokenStore
 from ..metrics import Metrics
 from .auth import make_authorizer
 from .errors import lookup
+
+log = logging.getLogger("lastgood.rest")
 
 
 @dataclass
@@ -142,6 +146,15 @@ def create_app(ctx: AppContext) -> FastAPI:
     async def _validation(_req: Request, exc: RequestValidationError):
         parts = [f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg')}" for err in exc.errors()]
         return _error(422, "invalid_request", "; ".join(parts) or "invalid request")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_req: Request, exc: Exception):  # a full disk by its name; never a plain-text 500
+        mapped = as_domain_error(exc)
+        if mapped is not None:
+            status, _code, name = lookup(mapped)
+            return _error(status, name, str(mapped))
+        log.error("request failed", exc_info=exc)
+        return _error(500, "internal", "the request failed inside the service; see its log")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req: Request, exc: StarletteHTTPException):

@@ -76,6 +76,10 @@ class BlobStore(abc.ABC):
     def adopt_writer(self, key: str, taken) -> BlobWriter | None:
         return None
 
+    def free_bytes(self) -> int | None:
+        """Room left for new blobs, when the store can tell (a local file system); None: unknown."""
+        return None
+
     def local_path(self, key: str):
         """The blob as a file on this host, for a same-host reader; None (the default): none."""
         return None

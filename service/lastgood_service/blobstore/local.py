@@ -7,6 +7,7 @@ fsyncs make the bytes and the directory entry survive power loss before publish 
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,6 +102,9 @@ class LocalBlobStore(BlobStore):
 
     def open_writer(self, key: str) -> BlobWriter:
         return _LocalWriter(self, key)
+
+    def free_bytes(self) -> int | None:
+        return shutil.disk_usage(self.blob_dir).free
 
     def local_path(self, key: str) -> Path | None:
         path = self._path(key)

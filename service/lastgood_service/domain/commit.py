@@ -44,7 +44,7 @@ from . import keys
 from .gate import CatalogGate
 from .lineage import ancestors as lineage_ancestors
 from .errors import (Conflict, FailedPrecondition, HashMismatch, InvalidArgument, NotFound, OutOfRange,
-                     TooLarge)
+                     StoreFull, TooLarge)
 
 log = logging.getLogger("lastgood.commit")
 
@@ -103,6 +103,15 @@ class CommitService:
         if ck is None:
             raise NotFound(f"checkpoint {checkpoint_id} does not exist")
         return ck
+
+    def _require_room(self, size: int) -> None:
+        """Refuse a shard the store cannot hold before a byte of it is written, keeping
+        `store_reserve_bytes` free for the catalog and for GC's own writes."""
+        free = self.blobs.free_bytes()
+        if free is not None and size > free - self.settings.store_reserve_bytes:
+            raise StoreFull(f"store full: {free} bytes free, a shard of {size} bytes does not fit beside the "
+                            f"{self.settings.store_reserve_bytes}-byte reserve; free space (GC, retention) "
+                            f"or grow the volume")
 
     def _require_pending(self, ck: Checkpoint, what: str) -> None:
         if ck.status != PENDING:
@@ -222,6 +231,8 @@ class CommitService:
         prefix = bytearray()
         renew_every = self.settings.lease_seconds / 4
         last_renew = time.monotonic()
+        if adopt is None:
+            self._require_room(header.size)
         writer = self.blobs.adopt_writer(key, adopt) if adopt is not None else None
         with writer or self.blobs.open_writer(key) as w:
             for chunk in chunks:

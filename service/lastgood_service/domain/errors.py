@@ -43,5 +43,9 @@ class PermissionDenied(DomainError):
     """Valid credentials that do not allow this operation or this run."""
 
 
+class StoreFull(DomainError):
+    """The store has no room for this (the message says how much it has)."""
+
+
 class Unavailable(DomainError):
     """The service cannot do this now (a clear reason says until when); clients retry."""

@@ -24,6 +24,7 @@ from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, DELETED, PENDING, C
                               utcnow)
 from . import keys
 from .commit import add_event
+from .faults import Ballast, is_disk_full
 from .gate import CatalogGate
 from .lineage import assign_branches
 from .retention import Retention, RunView
@@ -61,8 +62,9 @@ class Plan:
 class GarbageCollector:
     def __init__(self, sessions: sessionmaker[Session], blobs: BlobStore, retention: Retention,
                  grace_seconds: float, clock: Callable[[], dt.datetime] = utcnow, metrics=None,
-                 gate: CatalogGate | None = None) -> None:
+                 gate: CatalogGate | None = None, ballast: Ballast | None = None) -> None:
         self.sessions = sessions
+        self.ballast = ballast or Ballast(None, 0)
         self.gate = gate or CatalogGate()  # closed: the blobs of lost commits look deletable
         self.blobs = blobs
         self.retention = retention
@@ -132,6 +134,19 @@ class GarbageCollector:
                 plan.orphans += found
         return plan
 
+    def _mark_deleted(self, d: PlannedDeletion, now: dt.datetime) -> bool:
+        """Re-check one planned deletion under a row lock and record it; False: skip it."""
+        with self.sessions() as s, s.begin():
+            ck = s.scalar(select(Checkpoint).where(Checkpoint.id == d.checkpoint_id).with_for_update())
+            run = s.get(Run, ck.run_id) if ck else None
+            kept = self.retention.keep(self._run_view(s, run)) if run else set()
+            if not (ck is not None and ck.status == d.status and self._why_deletable(s, ck, kept, now)):
+                return False
+            ck.status, ck.deleted_at = DELETED, now
+            add_event(s, "gc_delete", ck.run_id, ck.id, step=ck.step, reason=d.reason, bytes=d.bytes,
+                      was=d.status)
+            return True
+
     @staticmethod
     def _owners(s: Session) -> dict[int, tuple[str, int, str, str]]:
         """checkpoint id -> (run, step, attempt, status), for placing blobs by their keys."""
@@ -149,18 +164,18 @@ class GarbageCollector:
         self.gate.check()
         deleted, skipped, freed = [], [], 0
         now = self.clock()
+        released = False
         for d in plan.checkpoints:
-            with self.sessions() as s, s.begin():
-                ck = s.scalar(select(Checkpoint).where(Checkpoint.id == d.checkpoint_id).with_for_update())
-                run = s.get(Run, ck.run_id) if ck else None
-                kept = self.retention.keep(self._run_view(s, run)) if run else set()
-                still = ck is not None and ck.status == d.status and self._why_deletable(s, ck, kept, now)
-                if not still:
-                    skipped.append(d.checkpoint_id)
-                    continue
-                ck.status, ck.deleted_at = DELETED, now
-                add_event(s, "gc_delete", ck.run_id, ck.id, step=ck.step, reason=d.reason, bytes=d.bytes,
-                          was=d.status)
+            try:
+                marked = self._mark_deleted(d, now)
+            except Exception as e:
+                if not is_disk_full(e) or not self.ballast.release():
+                    raise
+                released = True  # the catalog could not write at all: give it the ballast's room
+                marked = self._mark_deleted(d, now)
+            if not marked:
+                skipped.append(d.checkpoint_id)
+                continue
             for key in d.keys:  # only after the catalog says DELETED: a crash leaves orphans, never holes
                 self.blobs.delete(key)
             deleted.append(d.checkpoint_id)
@@ -175,6 +190,8 @@ class GarbageCollector:
                     self.blobs.delete(key)
                     orphans_done.append(key)
                     freed += size
+        if released and freed:
+            self.ballast.ensure()
         if deleted or orphans_done:
             log.info("gc deleted checkpoints %s and %d orphan blobs", deleted, len(orphans_done))
         if self.metrics and freed:
