@@ -29,7 +29,7 @@ from lastgood.hashing import hash_bytes
 from lastgood.manifest import Manifest
 
 from ..blobstore import BlobStore
-from ..catalog.models import (COMMITTED, CORRUPT, DELETED, VERIFIED, Checkpoint, Run, Shard, Vote,
+from ..catalog.models import (COMMITTED, CORRUPT, DELETED, PENDING, VERIFIED, Checkpoint, Run, Shard, Vote,
                               utcnow)
 from . import keys
 from .commit import CommitService, add_event
@@ -99,13 +99,16 @@ class Repair:
             rows = self._rows(s)
             return [p for p in found if not self._known(p, rows)]
 
-    @staticmethod
-    def _known(p: keys.ParsedKey, rows) -> bool:
+    def _known(self, p: keys.ParsedKey, rows) -> bool:
+        """A PENDING row with a live lease is a commit in flight on another replica (its
+        manifest is written just before its commit transaction), not a lost one."""
         row = rows.get(p.checkpoint_id)
         if row is None:
             return False
         ck, run = row
-        return keys.belongs_to(p, ck.id, run, ck.step, ck.attempt) and ck.status in (COMMITTED, CORRUPT, DELETED)
+        in_flight = ck.status == PENDING and ck.lease_expires_at > self.clock()
+        return keys.belongs_to(p, ck.id, run, ck.step, ck.attempt) and (
+            in_flight or ck.status in (COMMITTED, CORRUPT, DELETED))
 
     def fsck(self, rehash: bool = False) -> Report:
         """Compare catalog and store; read nothing but manifests (and every shard with rehash)."""
