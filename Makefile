@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 SERVICE_STAMP := $(VENV)/.installed-service
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: run test demo bench proto clean
+.PHONY: run test demo bench chaos proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ demo: $(DEV_STAMP)
 # the full benchmark against the peers and the limits (about 20 minutes; see bench/README.md)
 bench: $(DEV_STAMP)
 	$(BIN)/python -m bench.run
+
+# the chaos suite, long: hundreds of service SIGKILLs with the invariants checked after each (docs/storage.md)
+chaos: $(DEV_STAMP)
+	LASTGOOD_CHAOS_CYCLES=$${LASTGOOD_CHAOS_CYCLES:-200} $(BIN)/python -m pytest -q -s tests/chaos -k keep --timeout=7200
 
 proto: $(DEV_STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I client/proto --python_out=client --pyi_out=client \
