@@ -11,6 +11,7 @@ from torch import nn
 
 import lastgood
 from lastgood.hashing import hash_bytes
+from lastgood_service.domain import keys
 
 
 def make_training(seed: int):
@@ -65,10 +66,11 @@ def test_save_restore_and_download_on_s3_and_postgres(make_service, pg_server, p
     # where the bytes and the rows really are: S3 and PostgreSQL, nothing on local disk
     client = s3_server.client()
     names = sorted(o.object_name for o in client.list_objects(bucket_name=s3_bucket, recursive=True))
-    assert f"ckpt/{cid}/manifest.json" in names
-    assert f"ckpt/{cid}/r0/{entry['xxh3_128']}" in names
+    prefix = keys.prefix(cid, run_name, view["step"], view["attempt"])
+    assert keys.manifest_key(prefix) in names
+    assert keys.shard_key(prefix, 0, entry["xxh3_128"]) in names
     assert client._list_multipart_uploads(bucket_name=s3_bucket).uploads == []
-    stat = client.stat_object(bucket_name=s3_bucket, object_name=f"ckpt/{cid}/r0/{entry['xxh3_128']}")
+    stat = client.stat_object(bucket_name=s3_bucket, object_name=keys.shard_key(prefix, 0, entry["xxh3_128"]))
     assert "-" in stat.etag, "a shard this size is uploaded in parts"
     with pg_server.connect(pg_url.rsplit("/", 1)[1]) as c:
         assert c.execute("SELECT status FROM checkpoints WHERE id = %s", (cid,)).fetchone() == ("COMMITTED",)

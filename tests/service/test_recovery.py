@@ -71,9 +71,10 @@ def test_crash_after_manifest_rolls_forward(make_service, run_name):
 
 def test_crash_before_manifest_waits_for_expiry(make_service, run_name):
     # CONTROL for the test above: no manifest was written, so recovery must not roll forward.
-    # A 5 s lease on the crashing service (the expiry time is stored in the catalog) makes
-    # sure the restarted service is up before the lease can run out.
-    crashing = make_service(LASTGOOD_FAILPOINT="crash_before_manifest", LASTGOOD_LEASE_SECONDS="5")
+    # A 15 s lease on the crashing service (the expiry time is stored in the catalog) makes
+    # sure the restarted service is up before the lease can run out, even on a loaded machine
+    # (5 s was not always enough).
+    crashing = make_service(LASTGOOD_FAILPOINT="crash_before_manifest", LASTGOOD_LEASE_SECONDS="15")
     cid, data = _crash_during_commit(crashing, run_name, step=1)
     assert not (ckpt_dir(crashing, cid) / "manifest.json").exists()
 
@@ -83,7 +84,7 @@ def test_crash_before_manifest_waits_for_expiry(make_service, run_name):
     assert last_good_id(svc, run_name) is None
     json_error(http(svc).get(f"/api/v1/checkpoints/{cid}/ranks/0/files/{shard_name(0)}"), 409)
 
-    view = wait_status(svc, cid, "ABANDONED", timeout=15)
+    view = wait_status(svc, cid, "ABANDONED", timeout=30)
     assert view["manifest"] is None
     assert last_good_id(svc, run_name) is None
     kinds = [e["kind"] for e in events(svc, run_name) if e["checkpoint_id"] == cid]

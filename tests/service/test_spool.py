@@ -321,7 +321,7 @@ def test_a_restarted_service_sweeps_stale_spool_files_at_start(make_service, tmp
     also by a service that restarts more often than its sweep interval (60 s): the first
     pass runs at start-up. A fresh file (a writer still at work) is kept. Control: the same
     stale file stays while no sweep runs (before the restart)."""
-    env = {"LASTGOOD_GC_GRACE_SECONDS": "0"}
+    env = {"LASTGOOD_GC_GRACE_SECONDS": "0", "LASTGOOD_LEASE_SECONDS": "60"}  # fresh: under a minute old
     svc = make_service(tmp_path / "svc", **env)
     spool, _ = spool_of(svc)
     stale, fresh = spool / ("a" * 32 + ".part"), spool / ("b" * 32 + ".part")
