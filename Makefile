@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 SERVICE_STAMP := $(VENV)/.installed-service
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: run test demo bench proto clean
+.PHONY: run test test-fast demo bench screenshot proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,12 +27,21 @@ run: $(SERVICE_STAMP)
 test: $(DEV_STAMP)
 	$(BIN)/python -m pytest
 
+# the inner loop: everything but torchrun, the browser, the bench smoke and single slow tests
+# (markers in pytest.ini); under two minutes on two cores
+test-fast: $(DEV_STAMP)
+	$(BIN)/python -m pytest -m "not multiproc and not ui and not slow and not bench"
+
 demo: $(DEV_STAMP)
 	$(BIN)/python examples/gpt/demo.py
 
 # the full benchmark against the peers and the limits (about 20 minutes; see bench/README.md)
 bench: $(DEV_STAMP)
 	$(BIN)/python -m bench.run
+
+# docs/lineage.png, the README's picture, from a seeded service in Chromium
+screenshot: $(DEV_STAMP)
+	$(BIN)/python docs/lineage.py
 
 proto: $(DEV_STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I client/proto --python_out=client --pyi_out=client \
