@@ -96,6 +96,27 @@ def test_gc_plan_execute_and_download_lease(make_service, tmp_path):
     res = lastgood("download", str(old), str(tmp_path / "gone"), url=svc.url, code=4)
     assert f"checkpoint {old} is DELETED" in error_line(res)
 
+    # --run: one run's part of the plan, as the page's "this run only"
+    other = "cli-gc-other"
+    c = Client(svc.grpc_target)
+    try:
+        first = save_big(c, other, 1, MiB)
+        c.save(other, 2, parent_id=first)
+    finally:
+        c.close()
+    assert planned(svc) == {first}
+    mine, theirs, text, wet = lastgood_many([
+        (["--url", svc.url, "--json", "gc", "--dry-run", "--run", run], 0),
+        (["--url", svc.url, "--json", "gc", "--dry-run", "--run", other], 0),
+        (["--url", svc.url, "gc", "--dry-run", "--run", other], 0),
+        (["--url", svc.url, "gc", "--run", other], 2)])
+    assert mine.json()["run"] == run and mine.json()["plan"]["checkpoints"] == []
+    assert [d["checkpoint_id"] for d in theirs.json()["plan"]["checkpoints"]] == [first]
+    assert theirs.json()["plan"]["bytes_freed"] == theirs.json()["plan"]["checkpoints"][0]["bytes"] > 2 * MiB
+    assert "would delete 1 checkpoint of run cli-gc-other, freeing 2.0 MiB" in text.out
+    assert "--run filters the plan of --dry-run" in wet.err
+    assert _statuses(svc, other)[first] == "COMMITTED"
+
 
 def _statuses(svc, run: str) -> dict[int, str]:
     r = httpx.get(f"{svc.url}/api/v1/runs/{run}/checkpoints", timeout=30)

@@ -160,6 +160,18 @@ def test_events(service, tree):
 def test_usage_errors_exit_2(service):
     calls = [["show", "abc"], ["show", "0"], ["show", "@tag"], ["show", "run@"], ["ls", "a/b"],
              ["ls", "run", "--limit", "0"], ["nosuchcommand"], ["download", "1"], ["--timeout", "0", "runs"]]
-    for res in lastgood_many([(["--url", service.url, *argv], 2) for argv in calls]):
+    urls = [(["--url", "127.0.0.1:8000", "runs"], 2), (["runs"], 2, {"LASTGOOD_URL": "localhost:8000"}),
+            (["--url", "ftp://127.0.0.1", "runs"], 2), (["--url", "http://", "runs"], 2)]
+    for res in lastgood_many([(["--url", service.url, *argv], 2) for argv in calls] + urls):
         assert "Usage: lastgood" in res.err and "Error: " in res.err, res.err
         assert res.out == ""
+    no_scheme = lastgood_many(urls[:2])
+    for res in no_scheme:  # said as what it is, with the fix, not as an unreachable service (exit 6)
+        assert "is not an http:// or https:// URL (did you mean http://" in res.err, res.err
+
+
+def test_text_output_ends_with_a_newline(service, tree):
+    calls = [["runs"], ["ls", tree.run], ["show", str(tree.f)], ["lineage", tree.run], ["events", tree.run],
+             ["gc", "--dry-run"], ["verify", str(tree.f)]]
+    for res in lastgood_many([(["--url", service.url, *argv], 0) for argv in calls]):
+        assert res.out.endswith("\n") and not res.out.endswith("\n\n"), (res.argv, res.out[-200:])
