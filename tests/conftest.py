@@ -20,8 +20,10 @@ pytest_plugins = ["tests.pg", "tests.s3"]  # real PostgreSQL and S3 (moto server
 ROOT = Path(__file__).resolve().parents[1]
 
 # Every test in these folders gets these markers (pytest.ini describes them), so a new test
-# there is deselected by `make test-fast` without anyone remembering to mark it.
-MARKERS_BY_FOLDER = {"multiproc": ("multiproc", "slow"), "ui": ("ui", "slow"), "bench": ("bench", "slow")}
+# there is deselected by `make test-fast` without anyone remembering to mark it. catalog/
+# starts PostgreSQL servers and replicas: slow as a whole.
+MARKERS_BY_FOLDER = {"multiproc": ("multiproc", "slow"), "ui": ("ui", "slow"), "bench": ("bench", "slow"),
+                     "catalog": ("slow",)}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -9,6 +9,7 @@ import subprocess
 import time
 
 import httpx
+import pytest
 
 from tests.service.helpers import Client
 
@@ -54,6 +55,7 @@ def stopped_mid_download(url: str, cid: int, dest, tries: int = 5) -> subprocess
     raise AssertionError(f"download finished before it could be stopped, {tries} times")
 
 
+@pytest.mark.slow
 def test_gc_plan_execute_and_download_lease(make_service, tmp_path):
     svc = make_service(LASTGOOD_RETENTION="latest:1,last-good,branch-heads", LASTGOOD_GC_GRACE_SECONDS="0",
                        LASTGOOD_GC_INTERVAL="0")

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from lastgood.cli import cli
 
@@ -21,6 +22,7 @@ def rest(service, path: str, **params):
     return r.json()
 
 
+@pytest.mark.slow
 def test_help_on_every_command_and_exit_codes_documented():
     assert sorted(cli.commands) == sorted(COMMANDS)
     top, *each = lastgood_many([(["--help"], 0)] + [([c, "--help"], 0) for c in COMMANDS])
@@ -95,6 +97,7 @@ def test_show(service, tree):
     assert "ABANDONED" in pending and "no manifest: the checkpoint is ABANDONED" in pending
 
 
+@pytest.mark.slow
 def test_checkpoint_references(service, tree):
     assert lastgood("--json", "show", f"{tree.run}@last-good", url=service.url).json()["id"] == tree.f
     lastgood("tag", str(tree.b), "candidate", url=service.url)
@@ -113,6 +116,7 @@ def test_checkpoint_references(service, tree):
     lastgood("untag", str(tree.d), "candidate", url=service.url)
 
 
+@pytest.mark.slow
 def test_lineage_tree(service, tree):
     doc = lastgood("lineage", tree.run, "--json", url=service.url).json()
     want = rest(service, f"/api/v1/runs/{tree.run}/lineage")
