@@ -1,12 +1,15 @@
 """SpikeGuard: roll back automatically when the loss (or gradient norm) spikes.
 
     guard = lastgood.SpikeGuard(ckpt, state, lr_factor=0.5)
-    for batch in loader:
-        loss = ...; loss.backward()
-        if guard.observe(step, loss.item(), grad_norm=norm, batch=ids):
+    for ids, x, y in loader:            # ids: the dataset indices of this step's samples
+        loss = loss_fn(model(x), y); loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        if guard.observe(step, loss.item(), grad_norm=norm.item(), batch=ids):
             step = guard.next_step      # the state is back at the checkpoint before the spike
             break                       # re-enter the data loop: it continues after the spike
         optimizer.step(); ...; ckpt.save(step, state)
+
+(docs/training.md has a complete program, which a test runs.)
 
 Call `observe` after backward and before `optimizer.step()`, on every rank. NaN or Inf
 trips it at once; otherwise a value more than `threshold` robust deviations above the
