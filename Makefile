@@ -48,4 +48,4 @@ proto: $(DEV_STAMP)
 		--grpc_python_out=client client/proto/lastgood/v1/lastgood.proto
 
 clean:
-	rm -rf $(VENV) data
+	rm -rf $(VENV) data demo-data
