@@ -227,7 +227,7 @@ def dockerfile_env() -> dict[str, str]:
 
 def test_dockerfile_builds_the_service_without_torch():
     lines = dockerfile_lines()
-    assert lines[0] == "FROM python:3.11-slim"
+    assert re.fullmatch(r"FROM python:3\.11\.\d+-slim-bookworm", lines[0]), lines[0]  # a pinned patch release
     copies = {}
     for line in lines:
         if line.startswith("COPY "):
@@ -244,6 +244,30 @@ def test_dockerfile_builds_the_service_without_torch():
                        "PIP_DISABLE_PIP_VERSION_CHECK"} <= {f"LASTGOOD_{n.upper()}" for n in Settings.model_fields}
     assert lines[-1] == 'CMD ["lastgood-service"]'
     assert any(line.startswith("USER ") and line != "USER root" for line in lines), "run as a non-root user"
+
+
+def test_the_image_installs_from_the_lock():
+    """Every dependency of the image is pinned: the install is constrained by
+    service/requirements.lock, which pins each of the distributions' own dependencies."""
+    import tomllib
+
+    installs = " ".join(line for line in dockerfile_lines() if line.startswith("RUN ") and "pip install" in line)
+    assert "--constraint /app/service/requirements.lock" in installs
+    lock = {}
+    for line in (ROOT / "service" / "requirements.lock").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"not pinned: {line}"
+            lock[re.sub(r"[-_.]+", "-", name).lower()] = version
+    assert "torch" not in lock and "lastgood" not in lock
+    for project in ("client", "service"):
+        deps = tomllib.loads((ROOT / project / "pyproject.toml").read_text())["project"]["dependencies"]
+        for dep in deps:
+            name = re.sub(r"[-_.]+", "-", re.split(r"[\s\[<>=!~;]", dep, maxsplit=1)[0]).lower()
+            if name != "lastgood":
+                assert name in lock, f"{project} needs {name}, which the lock does not pin"
+    python = re.search(r"python:(3\.\d+\.\d+)", dockerfile_lines()[0]).group(1)
+    assert f"Python {python}" in (ROOT / "service" / "requirements.lock").read_text()
 
 
 def test_dockerignore_keeps_what_the_image_needs():
