@@ -37,10 +37,11 @@ def seed_service(svc: ServiceProcess, grpc: Client) -> int:
     }).raise_for_status()
     parent = ids[2500]
     for step in range(2600, 3600, 100):
-        parent = ids[("b", step)] = seed.save(grpc, run, step, parent, "attempt-2")
-    aborted = grpc.begin(run, 3600, parent_id=parent, attempt="attempt-2").checkpoint_id
+        # after the rollback the same job saves under "<launch>.1" (Checkpointer.attempt)
+        parent = ids[("b", step)] = seed.save(grpc, run, step, parent, "attempt-1.1")
+    aborted = grpc.begin(run, 3600, parent_id=parent, attempt="attempt-1.1").checkpoint_id
     grpc.abort(aborted, reason="rank 3 lost")
-    grpc.begin(run, 3600, parent_id=parent, attempt="attempt-3")
+    grpc.begin(run, 3600, parent_id=parent, attempt="attempt-2")  # the relaunch, saving
     seed.tag(svc, ids[1000], "pre-lr-change")
     seed.tag(svc, ids[("b", 3000)], "best", alias=True)
     seed.pin(svc, ids[1000])
