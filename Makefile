@@ -28,7 +28,7 @@ test: $(DEV_STAMP)
 	$(BIN)/python -m pytest
 
 # the inner loop: everything but torchrun, the browser, the bench smoke and single slow tests
-# (markers in pytest.ini); under two minutes on two cores
+# (markers in pytest.ini): 383 of 483 tests, about 65 s of CPU
 test-fast: $(DEV_STAMP)
 	$(BIN)/python -m pytest -m "not multiproc and not ui and not slow and not bench"
 
