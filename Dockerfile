@@ -1,6 +1,6 @@
 # The lastgood service, without torch: the service only moves and hashes bytes.
 #   docker build -t lastgood-service .      (docker-compose.yml builds it too)
-FROM python:3.11-slim
+FROM python:3.11.7-slim-bookworm
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -9,10 +9,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
-# the torch-free client (wire contract: proto stubs, manifest, hashing) and the service
+# the torch-free client (wire contract: proto stubs, manifest, hashing) and the service, every
+# dependency at the version service/requirements.lock pins (made on this Python version)
 COPY client/ /app/client/
 COPY service/ /app/service/
-RUN pip install /app/client /app/service
+RUN pip install --constraint /app/service/requirements.lock /app/client /app/service
 
 # the Alembic environment: the service migrates at start unless LASTGOOD_AUTO_MIGRATE=false,
 # and `alembic -c /app/migrations/alembic.ini upgrade head` runs it by hand

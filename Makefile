@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 SERVICE_STAMP := $(VENV)/.installed-service
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: run test demo bench chaos proto clean
+.PHONY: run test test-fast demo bench chaos screenshot proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ run: $(SERVICE_STAMP)
 test: $(DEV_STAMP)
 	$(BIN)/python -m pytest
 
+# the inner loop: everything but torchrun, the browser, the bench smoke and single slow tests
+# (markers in pytest.ini): 383 of 483 tests, about 65 s of CPU
+test-fast: $(DEV_STAMP)
+	$(BIN)/python -m pytest -m "not multiproc and not ui and not slow and not bench"
+
 demo: $(DEV_STAMP)
 	$(BIN)/python examples/gpt/demo.py
 
@@ -38,9 +43,13 @@ bench: $(DEV_STAMP)
 chaos: $(DEV_STAMP)
 	LASTGOOD_CHAOS_CYCLES=$${LASTGOOD_CHAOS_CYCLES:-200} $(BIN)/python -m pytest -q -s tests/chaos -k keep --timeout=7200
 
+# docs/lineage.png, the README's picture, from a seeded service in Chromium
+screenshot: $(DEV_STAMP)
+	$(BIN)/python docs/lineage.py
+
 proto: $(DEV_STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I client/proto --python_out=client --pyi_out=client \
 		--grpc_python_out=client client/proto/lastgood/v1/lastgood.proto
 
 clean:
-	rm -rf $(VENV) data
+	rm -rf $(VENV) data demo-data

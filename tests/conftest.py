@@ -19,6 +19,23 @@ pytest_plugins = ["tests.pg", "tests.s3"]  # real PostgreSQL and S3 (moto server
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Every test in these folders gets these markers (pytest.ini describes them), so a new test
+# there is deselected by `make test-fast` without anyone remembering to mark it. catalog/
+# starts PostgreSQL servers and replicas: slow as a whole.
+MARKERS_BY_FOLDER = {"multiproc": ("multiproc", "slow"), "ui": ("ui", "slow"), "bench": ("bench", "slow"),
+                     "catalog": ("slow",), "chaos": ("chaos", "slow")}
+
+
+def pytest_collection_modifyitems(config, items):
+    tests = ROOT / "tests"
+    for item in items:
+        try:
+            folder = item.path.relative_to(tests).parts[0]
+        except ValueError:
+            continue
+        for name in MARKERS_BY_FOLDER.get(folder, ()):
+            item.add_marker(name)
+
 
 @dataclass
 class ServiceProc(ServiceProcess):

@@ -1,12 +1,15 @@
 """SpikeGuard: roll back automatically when the loss (or gradient norm) spikes.
 
     guard = lastgood.SpikeGuard(ckpt, state, lr_factor=0.5)
-    for batch in loader:
-        loss = ...; loss.backward()
-        if guard.observe(step, loss.item(), grad_norm=norm, batch=ids):
+    for ids, x, y in loader:            # ids: the dataset indices of this step's samples
+        loss = loss_fn(model(x), y); loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+        if guard.observe(step, loss.item(), grad_norm=norm.item(), batch=ids):
             step = guard.next_step      # the state is back at the checkpoint before the spike
             break                       # re-enter the data loop: it continues after the spike
         optimizer.step(); ...; ckpt.save(step, state)
+
+(docs/training.md has a complete program, which a test runs.)
 
 Call `observe` after backward and before `optimizer.step()`, on every rank. NaN or Inf
 trips it at once; otherwise a value more than `threshold` robust deviations above the
@@ -84,12 +87,16 @@ class SpikeGuard:
         if batch is not None:
             self.batches.append((step, [int(i) for i in batch]))
         found = self._check("loss", self.loss, loss) or self._check("grad_norm", self.grad, grad_norm)
-        if distributed.all_max(1 if found else 0) == 0:
+        # the lowest rank that saw a spike, or world_size if none did: that rank reports it,
+        # with its own numbers (another rank's loss may be unremarkable)
+        world = self.ckpt.world_size
+        reporter = distributed.all_min(self.ckpt.rank if found else world)
+        if reporter == world:
             self.loss.values.append(loss)
             if grad_norm is not None:
                 self.grad.values.append(grad_norm)
             return False
-        self._rollback(step, found or {"reason": "another rank saw a spike"}, loss, grad_norm)
+        self._rollback(step, found or {"reason": "another rank saw a spike"}, loss, grad_norm, reporter)
         return True
 
     # ------------------------------------------------------------------ rollback
@@ -105,7 +112,7 @@ class SpikeGuard:
                 return c
         raise LastgoodError(f"no committed checkpoint before step {spike_step - self.margin} to roll back to")
 
-    def _rollback(self, step: int, found: dict, loss: float, grad_norm: float | None) -> None:
+    def _rollback(self, step: int, found: dict, loss: float, grad_norm: float | None, reporter: int = 0) -> None:
         self.ckpt.wait()  # in-flight saves commit first, so that they are marked suspect too
         target_id = 0
         if self.ckpt.rank == 0:
@@ -114,9 +121,9 @@ class SpikeGuard:
         target = self.ckpt.transport.get_json(f"/api/v1/checkpoints/{target_id}")
         skipped_ids = sorted({i for s, ids in self.batches if target["step"] < s <= step for i in ids})
         all_skipped = sorted(set(distributed.all_gather_ints(skipped_ids)))
-        if self.ckpt.rank == 0:
+        if self.ckpt.rank == reporter:  # the rank that saw the spike records it, with its numbers
             data = {**found, "loss": loss if math.isfinite(loss) else str(loss), "grad_norm": grad_norm,
-                    "lr_factor": self.lr_factor, "rollback": self.rollbacks + 1,
+                    "rank": reporter, "lr_factor": self.lr_factor, "rollback": self.rollbacks + 1,
                     "skipped": {"steps": [target["step"] + 1, step], "samples": all_skipped}}
             self.ckpt.transport.post_json(f"/api/v1/runs/{self.ckpt.run}/rollback",
                                           {"target_id": target_id, "spike_step": step, "data": data})

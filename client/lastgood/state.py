@@ -203,7 +203,7 @@ class TrainState:
 
         `shards` (a sharding.ShardIndex) holds every stored DTensor shard needed to fill this
         rank's current shards. `reseed`: this rank did not exist when the checkpoint was
-        saved; its RNGs are seeded from it instead of restored (see README). With
+        saved; its RNGs are seeded from it instead of restored (see docs/training.md). With
         `world_changed`, loaders restore their global data position."""
         if json_state.get("version") != STATE_VERSION:
             raise LastgoodError(f"unsupported state version {json_state.get('version')!r}")

@@ -55,7 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ddp-fixed-buckets", action="store_true",
                    help="keep DDP's gradient-bucket layout fixed (find_unused_parameters=True): with more "
-                        "than two ranks a resumed run is then bit-identical (see README)")
+                        "than two ranks a resumed run is then bit-identical (see docs/training.md)")
     p.add_argument("--spike-guard", action="store_true", help="roll back automatically on a loss spike")
     p.add_argument("--spike-margin", type=int, default=0, help="trust only checkpoints this many steps before a spike")
     p.add_argument("--poison", default=None, metavar="EPOCH:ID",

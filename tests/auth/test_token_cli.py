@@ -10,6 +10,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from tests.conftest import FAST, ServiceProc
 
@@ -19,6 +20,7 @@ def token_cli(data_dir, *args) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60, env={**os.environ, "LASTGOOD_LOG_LEVEL": "WARNING"})
 
 
+@pytest.mark.slow
 def test_token_commands(tmp_path):
     made = token_cli(tmp_path, "create", "--name", "ci-reader", "--role", "reader", "--scope", "team-")
     assert made.returncode == 0, made.stderr

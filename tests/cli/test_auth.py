@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 from .conftest import error_line, lastgood_many
 
 BOOT = "cli-test-bootstrap-admin-token"
 
 
+@pytest.mark.slow
 def test_token_from_option_or_environment(make_service):
     svc = make_service(LASTGOOD_AUTH_REQUIRED="true", LASTGOOD_ADMIN_TOKEN=BOOT)
     u = ["--url", svc.url]

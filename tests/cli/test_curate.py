@@ -4,6 +4,7 @@ named is printed as text, never as rich markup."""
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from tests.service.helpers import Client
 
@@ -15,6 +16,7 @@ def tags_of(service, cid: int) -> list[tuple[str, str]]:
     return [(t["name"], t["kind"]) for t in r.json()["tags"]]
 
 
+@pytest.mark.slow
 def test_tag_untag_pin_unpin(service, tree):
     res = lastgood("tag", str(tree.b), "best", url=service.url)
     assert res.out.strip() == f"tagged #{tree.b} best"
@@ -38,6 +40,7 @@ def test_tag_untag_pin_unpin(service, tree):
     assert tags_of(service, tree.b) == [] and tags_of(service, tree.f) == [("last-good", "system")]
 
 
+@pytest.mark.slow
 def test_refusals_and_not_found(service, tree):
     # conflict / refused: exit 4, with the service's own message; not found: exit 3
     u = ["--url", service.url]
@@ -67,6 +70,7 @@ def test_refusals_and_not_found(service, tree):
 MARKUP = ["[red]x[/red]", "[bold]b", ":smile:", "[link=http://evil.example]click[/link]", "a\\[b]"]
 
 
+@pytest.mark.slow
 def test_markup_in_user_strings_prints_literally(service):
     run = unique_run("markup")
     c = Client(service.grpc_target)

@@ -90,6 +90,7 @@ def test_download_of_ranks(service, tree, tmp_path):
     assert f"checkpoint {tree.p} is ABANDONED" in error_line(res)
 
 
+@pytest.mark.slow
 def test_corrupt_blob_fails_verification(service, tmp_path):
     run = unique_run("corrupt")
     c = Client(service.grpc_target)
@@ -125,6 +126,7 @@ def test_corrupt_blob_fails_verification(service, tmp_path):
     assert f"#{good}  ok: the manifest and 1 file re-hash" in ok.out
 
 
+@pytest.mark.slow
 def test_unreachable_silent_and_local_errors(service, tree, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

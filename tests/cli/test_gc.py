@@ -9,6 +9,7 @@ import subprocess
 import time
 
 import httpx
+import pytest
 
 from tests.service.helpers import Client
 
@@ -54,6 +55,7 @@ def stopped_mid_download(url: str, cid: int, dest, tries: int = 5) -> subprocess
     raise AssertionError(f"download finished before it could be stopped, {tries} times")
 
 
+@pytest.mark.slow
 def test_gc_plan_execute_and_download_lease(make_service, tmp_path):
     svc = make_service(LASTGOOD_RETENTION="latest:1,last-good,branch-heads", LASTGOOD_GC_GRACE_SECONDS="0",
                        LASTGOOD_GC_INTERVAL="0")
@@ -95,6 +97,27 @@ def test_gc_plan_execute_and_download_lease(make_service, tmp_path):
     assert "deleting 0 checkpoints, freeing 0 B" in again and "deleted 0 checkpoints" in again
     res = lastgood("download", str(old), str(tmp_path / "gone"), url=svc.url, code=4)
     assert f"checkpoint {old} is DELETED" in error_line(res)
+
+    # --run: one run's part of the plan, as the page's "this run only"
+    other = "cli-gc-other"
+    c = Client(svc.grpc_target)
+    try:
+        first = save_big(c, other, 1, MiB)
+        c.save(other, 2, parent_id=first)
+    finally:
+        c.close()
+    assert planned(svc) == {first}
+    mine, theirs, text, wet = lastgood_many([
+        (["--url", svc.url, "--json", "gc", "--dry-run", "--run", run], 0),
+        (["--url", svc.url, "--json", "gc", "--dry-run", "--run", other], 0),
+        (["--url", svc.url, "gc", "--dry-run", "--run", other], 0),
+        (["--url", svc.url, "gc", "--run", other], 2)])
+    assert mine.json()["run"] == run and mine.json()["plan"]["checkpoints"] == []
+    assert [d["checkpoint_id"] for d in theirs.json()["plan"]["checkpoints"]] == [first]
+    assert theirs.json()["plan"]["bytes_freed"] == theirs.json()["plan"]["checkpoints"][0]["bytes"] > 2 * MiB
+    assert "would delete 1 checkpoint of run cli-gc-other, freeing 2.0 MiB" in text.out
+    assert "--run filters the plan of --dry-run" in wet.err
+    assert _statuses(svc, other)[first] == "COMMITTED"
 
 
 def _statuses(svc, run: str) -> dict[int, str]:

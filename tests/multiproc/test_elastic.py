@@ -5,6 +5,7 @@ relaunch on fewer ranks goes on from last-good without repeating or skipping a s
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -17,8 +18,8 @@ from compare import compare  # noqa: E402
 
 def test_elastic_restart_resumes_bit_identically(service, run_name, tmp_path):
     # Four ranks: DDP's one-time gradient-bucket rebuild would make the first step after a
-    # restart reduce in another order (README, "DDP on more than two ranks"), so both runs
-    # keep DDP's bucket layout fixed. The control below shows the difference without it.
+    # restart reduce in another order (docs/training.md, "DDP on more than two ranks"), so both
+    # runs keep DDP's bucket layout fixed.
     ref = tmp_path / "reference"
     res = train(service.url, f"{run_name}-ref", ref, "--ddp-fixed-buckets", nproc=4)
     assert res.returncode == 0, why(res)
@@ -28,7 +29,7 @@ def test_elastic_restart_resumes_bit_identically(service, run_name, tmp_path):
                f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--rdzv-id={run_name}"]
     # no --run-name: the run is torchrun's --rdzv-id (TORCHELASTIC_RUN_ID). The launcher
     # setting works around a PyTorch 2.13 bug: the agent's shared TCPStore outlives a round,
-    # so a restarted gloo group reads the dead round's addresses (README, "torchrun elastic").
+    # so a restarted gloo group reads the dead round's addresses (docs/training.md, "torchrun elastic").
     res = train(service.url, None, out, "--ddp-fixed-buckets", kill="2:10:after_step", nproc=4,
                 launcher=elastic, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     assert res.returncode == 0, why(res)  # the agent restarted the group and it finished
@@ -67,9 +68,12 @@ def test_a_node_lost_for_good_relaunched_on_fewer_ranks(service, run_name, tmp_p
     assert set(before).isdisjoint(after[:16 - 2])  # what was trained before is not trained again
 
 
-def test_control_ddp_bucket_rebuild_breaks_bitwise_resume_beyond_two_ranks(service, run_name, tmp_path):
-    """Why the elastic test fixes DDP's bucket layout: with DDP's default, a 4-rank resume
-    differs from the uninterrupted run in the last bits (lastgood restored everything)."""
+def test_with_ddp_default_buckets_a_4_rank_resume_is_exact_through_the_first_resumed_step(service, run_name, tmp_path):
+    """What lastgood owes without `--ddp-fixed-buckets`: the restored state is exact, so the
+    resumed run matches the uninterrupted one through its first step. Later steps may differ
+    in the last bits (DDP rebuilds its gradient buckets once, after a process's first step:
+    docs/training.md, "DDP on more than two ranks"); that is PyTorch's behaviour, not ours,
+    and this test does not hold it either way, so a PyTorch that keeps the layout passes too."""
     ref, out = tmp_path / "reference", tmp_path / "resumed"
     assert train(service.url, f"{run_name}-ref", ref, nproc=4).returncode == 0
     assert train(service.url, run_name, out, kill="2:10:after_step", nproc=4).returncode != 0
@@ -77,4 +81,6 @@ def test_control_ddp_bucket_rebuild_breaks_bitwise_resume_beyond_two_ranks(servi
     assert res.returncode == 0, why(res)
     assert "starting at step 9 (restored: 8)" in res.stdout
     diffs = compare(ref, out, world=4)
-    assert diffs and not any("step 9:" in d for d in diffs)  # exact up to the first step after the resume
+    assert not any("logged by only one run" in d for d in diffs), diffs
+    early = [d for d in diffs if (m := re.match(r"rank \d+ step (\d+):", d)) and int(m.group(1)) <= 9]
+    assert not early, early  # exact up to and including the first step after the resume

@@ -3,9 +3,10 @@ back, the run completes, the poisoned batch is never fed again, and the lineage 
 the branch and the tags. Control: without the guard the poison goes into the weights.
 
 Example trainer: 2 ranks, 6 steps per epoch, saves after steps 2, 5, 8, ...; in epoch 1
-sample 23 reads corrupted (loss weight 1e4); rank 0 meets it at step 9. With margin 2
-the guard trusts only checkpoints saved before step 7: it rolls back to step 5, and the
-checkpoint of step 8 becomes suspect.
+sample 29 reads corrupted (loss weight 1e4); rank 1 meets it at step 9 (rank 0's loss
+stays ordinary: the spike event must carry rank 1's numbers). With margin 2 the guard
+trusts only checkpoints saved before step 7: it rolls back to step 5, and the checkpoint
+of step 8 becomes suspect.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from safetensors import safe_open
 
 from tests.multiproc.launch import train, why
 
-POISON = ["--loader", "plain", "--poison", "1:23", "--spike-margin", "2"]
+POISON = ["--loader", "plain", "--poison", "1:29", "--spike-margin", "2"]
 
 
 def records(out: Path, rank: int) -> list[dict]:
@@ -43,14 +44,15 @@ def guarded(service, tmp_path_factory):
 def test_spike_rolls_back_and_the_poison_is_never_fed_again(service, guarded):
     run, out = guarded
     rec0, rec1 = records(out, 0), records(out, 1)
-    spikes = [r for r in rec0 if r.get("spike")]
-    assert [r["step"] for r in spikes] == [9] and 23 in spikes[0]["ids"]
-    assert float.fromhex(spikes[0]["loss"]) > 1000
     spike1 = [r for r in rec1 if r.get("spike")]
-    assert [r["step"] for r in spike1] == [9]  # every rank rolled back together
+    assert [r["step"] for r in spike1] == [9] and 29 in spike1[0]["ids"]
+    assert float.fromhex(spike1[0]["loss"]) > 1000
+    spikes = [r for r in rec0 if r.get("spike")]
+    assert [r["step"] for r in spikes] == [9]  # every rank rolled back together
+    assert float.fromhex(spikes[0]["loss"]) < 100  # rank 0 saw nothing unusual itself
     after = rec0[rec0.index(spikes[0]) + 1:] + rec1[rec1.index(spike1[0]) + 1:]
     assert len(after) == 2 * 14  # steps 6..19 again, on both ranks
-    assert all(23 not in r["ids"] for r in after)  # never fed again, in any later epoch, on any rank
+    assert all(29 not in r["ids"] for r in after)  # never fed again, in any later epoch, on any rank
     # the training went on from step 6 (the step after the target) to the end
     steps0 = [r["step"] for r in rec0]
     assert steps0[rec0.index(spikes[0]) + 1] == 6 and steps0[-1] == 19
@@ -60,9 +62,12 @@ def test_spike_rolls_back_and_the_poison_is_never_fed_again(service, guarded):
     spike = next(e for e in evs if e["kind"] == "spike")
     assert spike["data"]["step"] == 9 and spike["data"]["metric"] == "loss"
     assert spike["data"]["z"] > spike["data"]["threshold"] and spike["data"]["median"] > 0
+    # the numbers of the rank that saw it (rank 1), not of rank 0, which only heard of it
+    assert spike["data"]["rank"] == 1
+    assert spike["data"]["loss"] == spike["data"]["value"] == float.fromhex(spike1[0]["loss"]) > 1000
     rollback = next(e for e in evs if e["kind"] == "rollback")
     assert rollback["data"]["target_step"] == 5 and rollback["data"]["lr_factor"] == 0.5
-    assert rollback["data"]["skipped"]["steps"] == [6, 9] and 23 in rollback["data"]["skipped"]["samples"]
+    assert rollback["data"]["skipped"]["steps"] == [6, 9] and 29 in rollback["data"]["skipped"]["samples"]
 
     g = service.get(f"/api/v1/runs/{run}/lineage").json()
     by_step_branch = {(n["step"], n["branch"]): n for n in g["nodes"]}
@@ -88,8 +93,8 @@ def test_control_without_the_guard_the_poison_stays_in_the_weights(service, guar
     out = tmp_path / "unguarded"
     res = train(service.url, run_name, out, *POISON)
     assert res.returncode == 0, why(res)
-    rec0 = records(out, 0)
-    assert any(r["step"] == 9 and 23 in r["ids"] and float.fromhex(r["loss"]) > 1000 for r in rec0)
+    rec1 = records(out, 1)
+    assert any(r["step"] == 9 and 29 in r["ids"] and float.fromhex(r["loss"]) > 1000 for r in rec1)
     assert not [e for e in service.get(f"/api/v1/runs/{run_name}/events").json()["items"] if e["kind"] == "rollback"]
     # Adam's second moments still carry the poisoned gradient, orders of magnitude above the guarded run's
     assert max_exp_avg_sq(out) > 1000 * max_exp_avg_sq(guarded[1])

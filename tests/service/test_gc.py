@@ -36,6 +36,7 @@ def test_bad_retention_specs_are_refused(spec):
         Retention.parse(spec)
 
 
+@pytest.mark.slow
 def test_a_bad_retention_setting_stops_the_service_with_the_reason(make_service):
     with pytest.raises(RuntimeError, match="retention"):
         make_service(LASTGOOD_RETENTION="latest:2")
@@ -51,6 +52,7 @@ def _chain(c: Client, run: str, steps) -> list[int]:
     return ids
 
 
+@pytest.mark.slow
 def test_plan_is_a_dry_run_and_execute_deletes_exactly_it(make_service, run_name):
     svc = make_service(**GC_ENV)
     c = Client(svc.grpc_target)
@@ -97,6 +99,7 @@ def _shard_bytes() -> bytes:
     return make_shard(0)
 
 
+@pytest.mark.slow
 def test_execute_rechecks_and_never_exceeds_its_plan(make_service, run_name):
     """Domain-level: between plan and execute a checkpoint gets pinned, a restore takes a
     lease on another, and a third becomes deletable: execute skips the first two and does
@@ -135,6 +138,7 @@ def test_execute_rechecks_and_never_exceeds_its_plan(make_service, run_name):
     engine.dispose()
 
 
+@pytest.mark.slow
 def test_gc_in_a_loop_during_uploads_and_restores(make_service, run_name):
     svc = make_service(**GC_ENV)
     stop, errors, passes = threading.Event(), [], []

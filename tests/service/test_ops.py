@@ -22,6 +22,7 @@ def metric(text: str, name: str, labels: str = "") -> float:
     return float(m.group(1))
 
 
+@pytest.mark.slow
 def test_metrics_follow_what_happens(make_service, run_name):
     svc = make_service(LASTGOOD_GC_INTERVAL="0", LASTGOOD_GC_GRACE_SECONDS="0",
                        LASTGOOD_RETENTION="latest:1,last-good,branch-heads")
@@ -51,6 +52,7 @@ def test_metrics_follow_what_happens(make_service, run_name):
     assert freed > 0 and metric(h.get("/metrics").text, "lastgood_gc_bytes_freed_total") == freed
 
 
+@pytest.mark.slow
 def test_json_logs_carry_run_and_checkpoint_ids(make_service, run_name):
     svc = make_service(LASTGOOD_LOG_FORMAT="json")
     with Client(svc.grpc_target) as c:
@@ -61,6 +63,7 @@ def test_json_logs_carry_run_and_checkpoint_ids(make_service, run_name):
     assert commit and commit[0]["run"] == run_name and commit[0]["step"] == 7 and commit[0]["level"] == "INFO"
 
 
+@pytest.mark.slow
 def test_oversized_rest_body_is_refused_before_it_is_read(make_service, run_name):
     svc = make_service(LASTGOOD_MAX_REQUEST_BYTES="2048")
     with Client(svc.grpc_target) as c:
@@ -75,6 +78,7 @@ def test_oversized_rest_body_is_refused_before_it_is_read(make_service, run_name
     assert h.post(f"/api/v1/runs/{run_name}/events", json={"kind": "note", "data": {"x": "a"}}).status_code == 200
 
 
+@pytest.mark.slow
 def test_too_many_streams_from_one_client_are_refused(make_service, run_name):
     svc = make_service(LASTGOOD_MAX_STREAMS_PER_CLIENT="1")
     c = Client(svc.grpc_target)

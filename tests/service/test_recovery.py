@@ -35,6 +35,7 @@ def _crash_during_commit(svc, run: str, step: int) -> tuple[int, bytes]:
     return cid, data
 
 
+@pytest.mark.slow
 def test_crash_after_manifest_rolls_forward(make_service, run_name):
     first = make_service()
     c = Client(first.grpc_target)
@@ -69,6 +70,7 @@ def test_crash_after_manifest_rolls_forward(make_service, run_name):
         c.close()
 
 
+@pytest.mark.slow
 def test_crash_before_manifest_waits_for_expiry(make_service, run_name):
     # CONTROL for the test above: no manifest was written, so recovery must not roll forward.
     # A 15 s lease on the crashing service (the expiry time is stored in the catalog) makes

@@ -11,8 +11,11 @@ import subprocess
 import sys
 
 import grpc
+import pytest
 
 from .helpers import Client, checkpoint, ckpt_dir, http, json_error, last_good_id, rpc_error, shard_name
+
+pytestmark = pytest.mark.slow  # service restarts / a mounted volume
 
 
 def unavailable(resp) -> str:

@@ -184,6 +184,7 @@ def test_fifos_other_users_files_and_missing_files(svc, cl, run_name):
     t.close()
 
 
+@pytest.mark.slow
 def test_a_spool_on_another_file_system_is_copied(make_service, run_name):
     """Adoption needs a rename into the blob store; across file systems (or bind mounts)
     the service copies the taken file instead, through the same hashing path."""
@@ -221,6 +222,7 @@ def test_a_declined_hand_over_is_streamed_instead(svc, run_name, tmp_path):
     t.close()
 
 
+@pytest.mark.slow
 def test_without_a_spool_clients_stream(make_service, run_name):
     svc = make_service(LASTGOOD_SPOOL="false")
     assert svc.get("/api/v1/info").json()["spool"] is None

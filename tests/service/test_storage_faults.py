@@ -19,6 +19,8 @@ from .helpers import Client, http, json_error, rpc_error, shard_name
 
 MiB = 1024 * 1024
 
+pytestmark = pytest.mark.slow  # service restarts / a mounted volume
+
 
 @pytest.fixture
 def small_volume(tmp_path):

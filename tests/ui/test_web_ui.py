@@ -325,33 +325,3 @@ def test_a_2000_checkpoint_run_is_folded_and_unfolds_on_click(open_page, ui_serv
     after = wait_graph(page, world.big, newer_than=version)
     assert len(after["nodes"]) == len(snap["nodes"]) - 1 + smallest["count"]
     assert {f"c{i}" for i in smallest["members"]} <= set(by_key(after))
-
-
-# ---------------------------------------------------------------- the picture in the README
-def test_readme_screenshot(open_page, ui_service, grpc_client):
-    """A run as a person would see it: a long line folded, a spike and its rollback, a
-    relaunch on a new branch, tags, a pin, a failed save and one in progress."""
-    run = "gpt-small"
-    parent, ids = 0, {}
-    for step in range(0, 3100, 100):
-        parent = ids[step] = seed.save(grpc_client, run, step, parent)
-    httpx.post(f"{ui_service.url}/api/v1/runs/{run}/rollback", timeout=30, json={
-        "target_id": ids[2500], "spike_step": 2950, "data": {"loss": 11.2, "median": 2.4, "mad": 0.1}}).raise_for_status()
-    parent = ids[2500]
-    for step in range(2600, 3600, 100):
-        parent = ids[("b", step)] = seed.save(grpc_client, run, step, parent, "attempt-2")
-    aborted = grpc_client.begin(run, 3600, parent_id=parent, attempt="attempt-2").checkpoint_id
-    grpc_client.abort(aborted, reason="rank 3 lost")
-    grpc_client.begin(run, 3600, parent_id=parent, attempt="attempt-3")
-    seed.tag(ui_service, ids[1000], "pre-lr-change")
-    seed.tag(ui_service, ids[("b", 3000)], "best", alias=True)
-    seed.pin(ui_service, ids[1000])
-    parent = 0
-    for step in range(0, 500, 100):  # a second run, for the runs list
-        parent = seed.save(grpc_client, "gpt-small-ablation", step, parent)
-    page, _ = open_page(page_url(ui_service, run=run), width=1600, height=900)
-    wait_graph(page, run)
-    click_node(page, f"c{ids[('b', 3500)]}")
-    page.wait_for_selector("#restore-curl")
-    ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / "lineage.png"))

@@ -244,8 +244,25 @@ class RunType(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+class UrlType(click.ParamType):
+    """The service's REST base URL: http(s)://HOST[:PORT][/PREFIX]. Without a scheme urllib
+    would fail later with "unknown url type", reported as an unreachable service (exit 6);
+    it is a usage error, said up front."""
+
+    name = "URL"
+
+    def convert(self, value, param, ctx):
+        text = str(value).strip()
+        parts = urllib.parse.urlsplit(text)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            hint = f" (did you mean http://{text}?)" if "://" not in text else ""
+            self.fail(f"{text!r} is not an http:// or https:// URL{hint}", param, ctx)
+        return text
+
+
 CKPT = CkptType()
 RUN = RunType()
+URL = UrlType()
 
 
 def json_option(f):
@@ -287,7 +304,7 @@ class LastgoodGroup(click.Group):
 
 @click.group(cls=LastgoodGroup, epilog=EXIT_HELP,
              context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--url", envvar="LASTGOOD_URL", default=DEFAULT_URL, show_default=True, metavar="URL",
+@click.option("--url", envvar="LASTGOOD_URL", default=DEFAULT_URL, show_default=True, type=URL,
               help="REST base URL of the lastgood service [env: LASTGOOD_URL].")
 @click.option("--token", envvar="LASTGOOD_TOKEN", metavar="TOKEN", show_envvar=False,
               help="Bearer token, for a service that requires one [env: LASTGOOD_TOKEN].")

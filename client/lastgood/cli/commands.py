@@ -160,16 +160,23 @@ def unpin(st: State, ckpt: CkptRef) -> None:
 # ---------------------------------------------------------------- gc, verify
 @cli.command()
 @click.option("--dry-run", is_flag=True, help="Only show the plan: what would go and the bytes freed.")
+@click.option("--run", "run", type=RUN, default=None, help="With --dry-run: only this run's part of the plan.")
 @json_option
 @pass_state
-def gc(st: State, dry_run: bool) -> None:
+def gc(st: State, dry_run: bool, run: str | None) -> None:
     """Delete what nothing keeps (retention, tags, pins, leases).
 
-    Without --dry-run it runs now (the service also runs it on its own schedule) and
-    shows the plan and the result. JSON: {"plan": ..., "dry_run": ..., "result": ...}.
+    Without --dry-run it runs now, for every run (the service also runs it on its own
+    schedule), and shows the plan and the result. JSON: {"plan": ..., "dry_run": ...,
+    "result": ...}; with --run, "run" too, and the plan holds that run's checkpoints only.
     """
+    if run is not None and not dry_run:
+        raise click.UsageError("--run filters the plan of --dry-run; GC itself runs for every run")
     if dry_run:
-        doc = {"plan": st.rest.get_json("/api/v1/gc/plan"), "dry_run": True}
+        plan = st.rest.get_json("/api/v1/gc/plan")
+        doc = {"plan": plan if run is None else render.plan_of_run(plan, run), "dry_run": True}
+        if run is not None:
+            doc["run"] = run
     else:
         doc = st.rest.post_json("/api/v1/gc", query={"dry_run": "false"})
 

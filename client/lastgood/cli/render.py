@@ -230,6 +230,14 @@ def line(console: Console, *parts) -> None:
     console.print(Text.assemble(*parts))
 
 
+def plan_of_run(plan: dict, run: str) -> dict:
+    """One run's part of a GC plan, as the page's "this run only" shows it: its checkpoints
+    and their bytes; orphan and unknown blobs belong to no run and are left out."""
+    cks = [d for d in plan["checkpoints"] if d["run"] == run]
+    return {**plan, "checkpoints": cks, "bytes_freed": sum(d["bytes"] or 0 for d in cks), "orphans": [],
+            "unknown": [], "run": run, "all_runs_bytes_freed": plan["bytes_freed"]}
+
+
 def gc_plan(console: Console, plan: dict, dry_run: bool) -> None:
     verb = "would delete" if dry_run else "deleting"
     cks = plan["checkpoints"]
@@ -244,10 +252,14 @@ def gc_plan(console: Console, plan: dict, dry_run: bool) -> None:
         console.print(table)
     orphans = plan["orphans"]
     summary = f"{verb} {len(cks)} checkpoint{'s' if len(cks) != 1 else ''}"
+    if "run" in plan:
+        summary += f" of run {plan['run']}"
     if orphans:
         summary += f" and {len(orphans)} orphan blob{'s' if len(orphans) != 1 else ''}"
     summary += f", freeing {fmt_bytes(plan['bytes_freed'])} ({plan['bytes_freed']:,} bytes)"
     console.print(Text(summary, style="bold"))
+    if "all_runs_bytes_freed" in plan:
+        console.print(Text(f"all runs: {fmt_bytes(plan['all_runs_bytes_freed'])} freed", style="dim"))
     if plan["unknown"]:
         console.print(Text(f"{len(plan['unknown'])} blob(s) lastgood cannot place are left alone", style="dim"))
 

@@ -150,7 +150,7 @@ class _S3Writer(BlobWriter):
         """Drop the buffer and abort the multipart upload. Never raises: it runs while
         another error propagates, and must not replace it. A failed abort is logged with
         the upload id (a bucket lifecycle rule that aborts incomplete uploads after a day
-        is the backstop; see README)."""
+        is the backstop; see docs/operations.md)."""
         if self._done:
             return
         self._done = True

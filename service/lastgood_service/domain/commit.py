@@ -1,6 +1,6 @@
 """The two-phase commit: begin, put, vote, commit, abort, expiry, recovery, verification.
 
-Invariants (shared/design.md), and where this module keeps them:
+Invariants (docs/architecture.md), and where this module keeps them:
   I1 no acknowledged commit is lost: a rank hears COMMITTED only after the one transaction
      that marks the checkpoint COMMITTED and moves last-good has committed; blobs were
      published durably (fsync + rename + fsync dir) before they were recorded VERIFIED.

@@ -178,7 +178,8 @@ class Queries:
                  failure_window_seconds: float = 24 * 3600) -> dict:
         """Runs with what the runs list shows: last-good, checkpoints by status, bytes still
         stored (everything not DELETED), last activity (the newest event), pending saves and
-        the failures (aborts, expiries, corruptions, hash mismatches) within the window.
+        the failures (aborts, expiries, corruptions, hash mismatches) within the window, and
+        how many loss spikes and rollbacks the run has had (ever: a rollback is history).
         `last_event_id` changes whenever anything happens to the run: the page polls it."""
         _page(limit, offset)
         since = utcnow() - dt.timedelta(seconds=failure_window_seconds)
@@ -200,6 +201,10 @@ class Queries:
                 select(Event.run_id, func.count(), func.max(Event.at))
                 .where(Event.run_id.in_(ids), Event.kind.in_(FAILURE_EVENTS), Event.at >= since)
                 .group_by(Event.run_id))}
+            spikes = {(r, k): n for r, k, n in s.execute(
+                select(Event.run_id, Event.kind, func.count())
+                .where(Event.run_id.in_(ids), Event.kind.in_(("spike", "rollback")))
+                .group_by(Event.run_id, Event.kind))}
             lg_ids = [r.last_good_id for r in runs if r.last_good_id]
             lg_step = dict(s.execute(select(Checkpoint.id, Checkpoint.step).where(Checkpoint.id.in_(lg_ids))).all())
             items = [{
@@ -211,6 +216,7 @@ class Queries:
                 "last_event_id": last.get(r.id, (0, None))[0],
                 "recent_failures": fails.get(r.id, (0, None))[0],
                 "last_failure_at": _iso(fails.get(r.id, (0, None))[1]),
+                "spikes": spikes.get((r.id, "spike"), 0), "rollbacks": spikes.get((r.id, "rollback"), 0),
             } for r in runs]
         return {"items": items, "total": total, "limit": limit, "offset": offset,
                 "failure_window_seconds": failure_window_seconds}

@@ -155,6 +155,11 @@ function health(run) {
       `${run.recent_failures} failure${run.recent_failures === 1 ? '' : 's'} (24 h)`));
   }
   if (run.pending > 0) out.push(h('span', { class: 'badge warn' }, `${run.pending} saving`));
+  if (run.spikes > 0 || run.rollbacks > 0) {
+    const plural = (n, word) => `${formatNumber(n)} ${word}${n === 1 ? '' : 's'}`;
+    out.push(h('span', { class: 'badge warn', title: 'loss spikes the SpikeGuard rolled back from (ever)' },
+      `${plural(run.spikes || 0, 'spike')}, ${plural(run.rollbacks || 0, 'rollback')}`));
+  }
   if (!out.length) out.push(h('span', { class: 'badge ok' }, 'ok'));
   return out;
 }
@@ -223,15 +228,48 @@ function onTapGroup(key) {
 }
 
 // ---------------------------------------------------------------- events list
+/** A number as people read it: at most five significant digits, thousands separated. */
+function num(x) {
+  return typeof x === 'number' && Number.isFinite(x) ? x.toLocaleString('en-US', { maximumSignificantDigits: 5 }) : String(x);
+}
+
+const SUMMARISED = {
+  spike: ['step', 'metric', 'value', 'loss', 'median', 'mad', 'z', 'threshold', 'reason', 'rank', 'grad_norm',
+    'lr_factor', 'rollback'],
+  rollback: ['target_step', 'spike_step', 'lr_factor', 'skipped', 'suspect', 'last_good_before', 'last_good'],
+};
+
+/** Whatever the sentence leaves out, as short JSON (a client may add its own fields). */
+function remainder(kind, d) {
+  const rest = Object.fromEntries(Object.entries(d).filter(([k]) => !SUMMARISED[kind].includes(k)));
+  return Object.keys(rest).length ? [clip(JSON.stringify(rest), 200)] : [];
+}
+
+/** Spike and rollback events as a sentence; the full data is in the title (hover). */
 function eventText(e) {
   const d = e.data || {};
   const parts = [];
-  if (e.kind === 'spike') parts.push(`at step ${d.step}`);
-  if (e.kind === 'rollback') parts.push(`to step ${d.target_step}`, `spike at step ${d.spike_step}`);
-  const rest = Object.fromEntries(Object.entries(d).filter(([k]) => !['step', 'target_step', 'spike_step'].includes(k)));
-  const json = JSON.stringify(rest);
-  if (json && json !== '{}') parts.push(clip(json, 300));
-  return parts.join(' · ');
+  if (e.kind === 'spike') {
+    parts.push(`at step ${d.step}`);
+    if (d.metric !== undefined) parts.push(`${d.metric} ${num(d.value)}`);
+    else if (d.loss !== undefined) parts.push(`loss ${num(d.loss)}`);
+    if (d.median !== undefined) parts.push(`median ${num(d.median)}`);
+    if (d.z !== undefined) parts.push(`z ${num(d.z)}${d.threshold !== undefined ? ` > ${num(d.threshold)}` : ''}`);
+    else if (d.reason) parts.push(String(d.reason));
+    if (d.rank !== undefined) parts.push(`rank ${d.rank}`);
+    return [...parts, ...remainder('spike', d)].join(' · ');
+  }
+  if (e.kind === 'rollback') {
+    parts.push(`to step ${d.target_step}`, `spike at step ${d.spike_step}`);
+    if (d.lr_factor != null) parts.push(`lr × ${num(d.lr_factor)}`);
+    const sk = d.skipped || {};
+    if (Array.isArray(sk.steps) && sk.steps.length === 2) parts.push(`steps ${sk.steps[0]}–${sk.steps[1]} skipped`);
+    if (Array.isArray(sk.samples)) parts.push(`${formatNumber(sk.samples.length)} sample${sk.samples.length === 1 ? '' : 's'} excluded`);
+    if (Array.isArray(d.suspect)) parts.push(`${formatNumber(d.suspect.length)} checkpoint${d.suspect.length === 1 ? '' : 's'} suspect`);
+    return [...parts, ...remainder('rollback', d)].join(' · ');
+  }
+  const json = JSON.stringify(d);
+  return json && json !== '{}' ? clip(json, 300) : '';
 }
 
 function renderEvents() {
@@ -240,7 +278,7 @@ function renderEvents() {
     h('span', { class: `badge kind ev-${e.kind}` }, e.kind),
     e.checkpoint_id ? h('button', { type: 'button', class: 'link', onclick: () => openCheckpoint(e.checkpoint_id) },
       `checkpoint ${e.checkpoint_id}`) : null,
-    h('span', { class: 'event-data' }, eventText(e))));
+    h('span', { class: 'event-data', title: clip(JSON.stringify(e.data || {}), 2000) }, eventText(e))));
   fill($('events'), items.length ? items : h('li', { class: 'muted' }, 'No spikes, rollbacks, restarts or failures.'));
 }
 

@@ -23,6 +23,15 @@ export function displayStatus(node) {
   return status;
 }
 
+/**
+ * The launch an attempt id belongs to. After a restore inside a running job (a SpikeGuard
+ * rollback) the Checkpointer saves under `<launch>.<n>` (client/lastgood/checkpointer.py,
+ * Checkpointer.attempt), so only a change of launch means the job was launched again.
+ */
+export function launchOf(attempt) {
+  return String(attempt ?? '').replace(/\.\d+$/, '');
+}
+
 function push(map, key, value) {
   const list = map.get(key);
   if (list) list.push(value);
@@ -53,11 +62,12 @@ export function buildModel(lineage, events, { collapse = true, expanded = new Se
   for (const n of nodes.values()) if (nodes.has(n.parent_id)) push(children, n.parent_id, n.id);
 
   const anchored = new Set(events.filter((e) => e.checkpoint_id != null).map((e) => e.checkpoint_id));
-  const restarted = new Set(); // a new attempt id: the job was launched again
+  const restarted = new Set(); // a new launch: the job was launched again
   const branchStart = new Set();
+  const rollbackTargets = new Set(events.filter((e) => e.kind === 'rollback').map((e) => e.checkpoint_id));
   for (const n of nodes.values()) {
     const p = nodes.get(n.parent_id);
-    if (p && p.attempt !== n.attempt) restarted.add(n.id);
+    if (p && launchOf(p.attempt) !== launchOf(n.attempt)) restarted.add(n.id);
     if (p && p.branch !== n.branch) branchStart.add(n.id);
   }
   const kids = (id) => children.get(id) || [];
@@ -141,19 +151,23 @@ export function buildModel(lineage, events, { collapse = true, expanded = new Se
 
   // cytoscape elements
   const elements = [{ group: 'nodes', data: { id: 'root' }, classes: 'lineage vroot' }];
+  const labels = new Map();
   for (const s of shown) {
     if (s.node) {
       const n = s.node;
       const lines = [`step ${formatNumber(n.step)}`];
       if (n.display !== 'committed') lines.push(n.display);
       if (n.last_good) lines.push('★ last-good');
-      if (branchStart.has(n.id)) lines.push(`branch ${n.branch}`);
+      if (branchStart.has(n.id)) {
+        lines.push(rollbackTargets.has(n.parent_id) && !restarted.has(n.id) ? `branch ${n.branch} (rollback)` : `branch ${n.branch}`);
+      }
       if (restarted.has(n.id)) lines.push('restart');
       const words = tagWords(n.tags);
       if (words.length) lines.push(words.join(' '));
       const classes = ['lineage', 'checkpoint', `st-${n.display}`];
       if (n.last_good) classes.push('last-good');
       if (n.tags.some((t) => t.kind === 'pin')) classes.push('pinned');
+      labels.set(s.key, lines.join('\n'));
       elements.push({ group: 'nodes', data: { id: s.key, checkpointId: n.id, step: n.step, label: lines.join('\n') },
         classes: classes.join(' ') });
     } else {
@@ -185,7 +199,7 @@ export function buildModel(lineage, events, { collapse = true, expanded = new Se
     nodes: shown.map((s) => (s.node
       ? { key: s.key, kind: 'checkpoint', id: s.node.id, step: s.node.step, status: s.node.display,
         parentId: s.node.parent_id, branch: s.node.branch, lastGood: s.node.last_good,
-        tags: s.node.tags.map((t) => t.name) }
+        tags: s.node.tags.map((t) => t.name), label: labels.get(s.key) }
       : { key: s.key, kind: 'group', status: s.group.display, count: s.group.members.length,
         firstStep: s.group.firstStep, lastStep: s.group.lastStep, members: s.group.members })),
     edges: edges.map((e) => ({ from: e.from, to: e.to })),
