@@ -4,7 +4,8 @@ RestClient is the REST half alone (urllib, no gRPC channel): the command line us
 Transport adds the gRPC data path on top.
 
 The only thing configured is the REST base URL; the gRPC endpoint is learned from
-GET /api/v1/info. Unary calls are retried on UNAVAILABLE (the service restarting);
+GET /api/v1/info. Unary calls are retried on UNAVAILABLE (the service restarting), and
+PutShard also when the service has too many streams open;
 everything the service refuses surfaces as ServiceError with its message.
 """
 
@@ -216,7 +217,7 @@ class Transport(RestClient):
             try:
                 return method(request, timeout=timeout or self.timeout, metadata=self._md)
             except grpc.RpcError as e:
-                if e.code() in _RETRY and attempt < self.retries:
+                if (e.code() in _RETRY or _busy(e)) and attempt < self.retries:
                     time.sleep(delay)
                     delay = min(delay * 2, 5.0)
                     continue
@@ -347,6 +348,11 @@ class Transport(RestClient):
         if pos != size:
             raise ServiceError(f"GetShard ended after {pos} of {size} bytes of {file_name}")
         return view, hasher.hexdigest()
+
+
+def _busy(e: grpc.RpcError) -> bool:
+    """The service refused a stream because too many are open; nothing was read (wire.py)."""
+    return e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (e.details() or "").startswith(wire.STREAMS_BUSY)
 
 
 def _read_lent(spool_dir: str, name: str, view: memoryview, hasher: StreamHasher) -> int:
