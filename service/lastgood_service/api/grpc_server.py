@@ -20,10 +20,14 @@ from ..domain.errors import DomainError, FailedPrecondition, InvalidArgument, To
 from ..domain.spool import Spool
 from ..domain.tokens import READER, WRITER, Principal, TokenStore
 from ..domain.queries import Queries
-from .errors import lookup
+from .errors import bounded, lookup
 from .streams import IdleWatch, StreamSlots
 
 log = logging.getLogger("lastgood.grpc")
+
+
+def _abort(context, exc: DomainError):
+    context.abort(lookup(exc)[1], bounded(str(exc)))
 
 
 def _mapped(fn):
@@ -34,7 +38,7 @@ def _mapped(fn):
         try:
             return fn(self, request, context)
         except DomainError as exc:
-            context.abort(lookup(exc)[1], str(exc))
+            _abort(context, exc)
         except grpc.RpcError:
             raise
         except Exception:
@@ -50,7 +54,7 @@ def _mapped_stream(fn):
         try:
             yield from fn(self, request, context)
         except DomainError as exc:
-            context.abort(lookup(exc)[1], str(exc))
+            _abort(context, exc)
         except Exception:
             log.exception("%s failed", fn.__name__)
             context.abort(grpc.StatusCode.INTERNAL, f"{fn.__name__} failed inside the service; see its log")
