@@ -314,3 +314,28 @@ def test_the_client_reads_lent_files_only_from_the_spools_out_folder(tmp_path):
     (tmp_path / ".out" / ("b" * 32 + ".part")).write_bytes(b"x" * 17)
     with pytest.raises(ServiceError, match="longer"):
         _read_lent(str(tmp_path), ".out/" + "b" * 32 + ".part", memoryview(bytearray(16)), StreamHasher())
+
+
+def test_lent_links_and_blobs_are_read_only(svc, cl, run_name):
+    """The proto promises the reader a read-only link. A hard link is the blob's own inode:
+    blobs are published 0444, streamed or adopted from the spool, and a blob from before
+    that is made read-only when it is lent."""
+    spool, sid = spool_of(svc)
+
+    def lend(cid: int) -> Path:
+        (only,) = list(cl.stub.GetShard(pb.GetShardRequest(checkpoint_id=cid, rank=0, file_name=shard_name(0),
+                                                            spool_id=sid), timeout=30))
+        return spool / only.spool_file
+
+    streamed, _ = cl.save(run_name, 1)
+    adopted = hand_over(svc, spool, f"{run_name}-spooled", make_shard(0, seed=5))[0]
+    assert oct(adopted.stat().st_mode & 0o777) == "0o444"
+    older, _ = cl.save(run_name, 2)
+    shard_blob(svc, older, 0).chmod(0o644)  # as the store published blobs before
+    for cid in (streamed, older):
+        link = lend(cid)
+        try:
+            assert oct(link.stat().st_mode & 0o777) == "0o444"
+            assert oct(shard_blob(svc, cid, 0).stat().st_mode & 0o777) == "0o444"
+        finally:
+            link.unlink()
