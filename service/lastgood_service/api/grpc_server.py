@@ -30,12 +30,36 @@ def _abort(context, exc: DomainError):
     context.abort(lookup(exc)[1], bounded(str(exc)))
 
 
+class _Malformed:
+    """A request that did not parse. gRPC answers INTERNAL when a deserializer raises, so the
+    deserializer returns this instead, and the method answers INVALID_ARGUMENT."""
+
+    def __init__(self, cls) -> None:
+        self.what = cls.__name__
+
+
+def _lenient(cls):
+    def parse(raw: bytes):
+        try:
+            return cls.FromString(raw)
+        except Exception:  # DecodeError; whatever else a parser may raise on hostile bytes
+            return _Malformed(cls)
+
+    return parse
+
+
+def _check_parsed(request) -> None:
+    if isinstance(request, _Malformed):
+        raise InvalidArgument(f"the request is not a valid {request.what} message")
+
+
 def _mapped(fn):
     """Turn domain errors into gRPC status codes; anything else is an INTERNAL error, logged."""
 
     @functools.wraps(fn)
     def wrapper(self, request, context):
         try:
+            _check_parsed(request)
             return fn(self, request, context)
         except DomainError as exc:
             _abort(context, exc)
@@ -52,6 +76,7 @@ def _mapped_stream(fn):
     @functools.wraps(fn)
     def wrapper(self, request, context):
         try:
+            _check_parsed(request)
             yield from fn(self, request, context)
         except DomainError as exc:
             _abort(context, exc)
@@ -235,21 +260,22 @@ SERVICE = "lastgood.v1.Checkpoints"
 
 def handlers(servicer: Servicer) -> dict[str, grpc.RpcMethodHandler]:
     """The generated registration, except for the two shard streams: PutShard receives and
-    GetShard sends raw message bytes, framed and parsed by hand (wire.py). Every method of
+    GetShard sends raw message bytes, framed and parsed by hand (wire.py), and for requests
+    that do not parse: INVALID_ARGUMENT (_lenient), not gRPC's INTERNAL. Every method of
     the service in the .proto must be here (a test checks it)."""
     unary = grpc.unary_unary_rpc_method_handler
     return {
-        "BeginCheckpoint": unary(servicer.BeginCheckpoint, pb.BeginCheckpointRequest.FromString,
+        "BeginCheckpoint": unary(servicer.BeginCheckpoint, _lenient(pb.BeginCheckpointRequest),
                                  pb.BeginCheckpointResponse.SerializeToString),
         "PutShard": grpc.stream_unary_rpc_method_handler(servicer.PutShard, None,
                                                          pb.PutShardResponse.SerializeToString),
-        "CommitRank": unary(servicer.CommitRank, pb.CommitRankRequest.FromString,
+        "CommitRank": unary(servicer.CommitRank, _lenient(pb.CommitRankRequest),
                             pb.CommitRankResponse.SerializeToString),
-        "AbortCheckpoint": unary(servicer.AbortCheckpoint, pb.AbortCheckpointRequest.FromString,
+        "AbortCheckpoint": unary(servicer.AbortCheckpoint, _lenient(pb.AbortCheckpointRequest),
                                  pb.AbortCheckpointResponse.SerializeToString),
-        "GetManifest": unary(servicer.GetManifest, pb.GetManifestRequest.FromString,
+        "GetManifest": unary(servicer.GetManifest, _lenient(pb.GetManifestRequest),
                              pb.GetManifestResponse.SerializeToString),
-        "GetShard": grpc.unary_stream_rpc_method_handler(servicer.GetShard, pb.GetShardRequest.FromString, None),
+        "GetShard": grpc.unary_stream_rpc_method_handler(servicer.GetShard, _lenient(pb.GetShardRequest), None),
     }
 
 
