@@ -130,3 +130,14 @@ def test_one_callers_stalled_streams_do_not_refuse_another_tokens_upload(make_se
     finally:
         release.set()
     channel.close()
+
+
+def test_streams_can_never_be_set_to_take_every_worker():
+    from pydantic import ValidationError
+
+    from lastgood_service.settings import Settings
+
+    assert Settings(grpc_workers=64).grpc_max_streams == 32  # half, by default
+    assert Settings(grpc_workers=64, grpc_max_streams=47).grpc_max_streams == 47
+    with pytest.raises(ValidationError, match="no worker for unary RPCs"):
+        Settings(grpc_workers=64, grpc_max_streams=48)  # 48 + 16 waiting votes: none left
