@@ -141,3 +141,33 @@ def test_streams_can_never_be_set_to_take_every_worker():
     assert Settings(grpc_workers=64, grpc_max_streams=47).grpc_max_streams == 47
     with pytest.raises(ValidationError, match="no worker for unary RPCs"):
         Settings(grpc_workers=64, grpc_max_streams=48)  # 48 + 16 waiting votes: none left
+
+
+def test_a_download_nobody_reads_is_cancelled_after_the_idle_timeout(make_service, run_name):
+    """GetShard holds its worker while the reader does not take the chunks; after the idle
+    timeout the service cancels it. A reader that keeps reading is not affected."""
+    svc = make_service(LASTGOOD_GRPC_IDLE_TIMEOUT="1", LASTGOOD_SPOOL="false")
+    data = bytes(range(256)) * (32 * 4096)  # 32 MiB: more than gRPC buffers between the two ends
+    channel = grpc.insecure_channel(svc.grpc_target, options=[("grpc.max_receive_message_length", -1)])
+    stub = pb_grpc.CheckpointsStub(channel)
+    try:
+        cid = stub.BeginCheckpoint(pb.BeginCheckpointRequest(run=run_name, step=1, world_size=1, attempt="a"),
+                                   timeout=30).checkpoint_id
+        chunks = [pb.PutShardRequest(chunk=data[i:i + 4 * 2**20]) for i in range(0, len(data), 4 * 2**20)]
+        stub.PutShard(iter([pb.PutShardRequest(header=pb.ShardHeader(
+            checkpoint_id=cid, rank=0, file_name="big.bin", size=len(data), xxh3_128=hash_bytes(data)))] + chunks),
+            timeout=60)
+        assert stub.CommitRank(pb.CommitRankRequest(checkpoint_id=cid, rank=0, files=["big.bin"], wait_seconds=2),
+                               timeout=30).status == "COMMITTED"
+        request = pb.GetShardRequest(checkpoint_id=cid, rank=0, file_name="big.bin")
+        assert b"".join(m.chunk for m in stub.GetShard(request, timeout=60)) == data  # a reader that reads
+        stalled = stub.GetShard(request, timeout=60)
+        next(stalled)
+        time.sleep(3)  # reads nothing for longer than the idle timeout
+        with pytest.raises(grpc.RpcError) as info:
+            for _ in stalled:
+                pass
+        assert info.value.code() == grpc.StatusCode.CANCELLED
+        assert "GetShard: no message for 1.0 s" in svc.log.read_text()
+    finally:
+        channel.close()
