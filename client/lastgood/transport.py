@@ -15,6 +15,7 @@ import atexit
 import json
 import logging
 import os
+import random
 import re
 import time
 import urllib.error
@@ -212,13 +213,20 @@ class Transport(RestClient):
 
     # ---------------------------------------------------------------- gRPC
     def _unary(self, what: str, method, request, timeout: float | None = None):
-        delay = 0.2
-        for attempt in range(self.retries + 1):
+        """One call, tried again after UNAVAILABLE (`retries` times) and, for as long as the
+        call's own timeout, after a refusal for too many open streams: with a budget of
+        streams per token, the ranks of a large job take turns."""
+        timeout = timeout or self.timeout
+        delay, attempt = 0.2, 0
+        busy_until = time.monotonic() + timeout
+        while True:
             try:
-                return method(request, timeout=timeout or self.timeout, metadata=self._md)
+                return method(request, timeout=timeout, metadata=self._md)
             except grpc.RpcError as e:
-                if (e.code() in _RETRY or _busy(e)) and attempt < self.retries:
-                    time.sleep(delay)
+                busy = _busy(e) and time.monotonic() + delay < busy_until
+                if busy or (e.code() in _RETRY and attempt < self.retries):
+                    attempt += not busy
+                    time.sleep(delay * random.uniform(0.5, 1.0))  # ranks refused together retry apart
                     delay = min(delay * 2, 5.0)
                     continue
                 raise _service_error(e, what) from None

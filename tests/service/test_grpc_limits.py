@@ -171,3 +171,27 @@ def test_a_download_nobody_reads_is_cancelled_after_the_idle_timeout(make_servic
         assert "GetShard: no message for 1.0 s" in svc.log.read_text()
     finally:
         channel.close()
+
+
+def test_the_client_waits_its_turn_when_the_service_has_too_many_streams(make_service, run_name):
+    """A refusal for too many open streams read nothing: the client library tries again
+    (with backoff, up to the call's timeout) instead of failing the save."""
+    from lastgood.transport import Transport
+
+    svc = make_service(LASTGOOD_GRPC_WORKERS="4", LASTGOOD_GRPC_IDLE_TIMEOUT="2")  # 2 streams at most
+    release = threading.Event()
+    holder = grpc.insecure_channel(svc.grpc_target)
+    put = holder.stream_unary("/lastgood.v1.Checkpoints/PutShard")
+    held = [put.future(_silent(release), timeout=60) for _ in range(2)]
+    t = Transport(svc.url)
+    try:
+        time.sleep(0.5)  # both hold their slots now (until the idle timeout)
+        data = make_shard(0)
+        cid = t.begin(run_name, 1, 1, None, "a", 0).checkpoint_id
+        res = t.put_shard(cid, 0, shard_name(0), memoryview(data), hash_bytes(data))
+        assert res.size == len(data)
+        assert {h.exception(timeout=30).code() for h in held} == {grpc.StatusCode.CANCELLED}  # they were held
+    finally:
+        release.set()
+        t.close()
+        holder.close()
