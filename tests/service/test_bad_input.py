@@ -390,6 +390,16 @@ def test_range_with_absurdly_long_numbers(svc, committed, rng):
     json_error(resp, (400, 416))
 
 
+def test_rest_error_messages_that_echo_input_are_bounded(svc, committed):
+    """REST answers through the same bound as gRPC (api/errors.bounded)."""
+    run, cid, _ = committed
+    resp = svc.get(f"/api/v1/checkpoints/{cid}/ranks/0/files/{shard_name(0)}",
+                   headers={"Range": "bytes=" + "0-1," * 8000})
+    err = json_error(resp, 400)
+    assert err["message"].startswith("unsupported Range header") and len(err["message"]) < 1200, len(err["message"])
+    assert err["message"].endswith(" more characters)")
+
+
 # ---------------------------------------------------------------- BeginCheckpoint arguments
 @pytest.mark.parametrize("run", ["", "a/b", "../x", "x" * 200, "..", "-x", "a b", "caf\u00e9", "a..b"])
 def test_invalid_run_names_on_begin(svc, cl, run):
