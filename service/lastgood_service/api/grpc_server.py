@@ -16,7 +16,7 @@ from lastgood.v1 import lastgood_pb2 as pb
 from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
 
 from ..domain.commit import CommitService, ShardHeader
-from ..domain.errors import DomainError, FailedPrecondition, InvalidArgument, TooLarge
+from ..domain.errors import DomainError, FailedPrecondition, InvalidArgument
 from ..domain.spool import Spool
 from ..domain.tokens import READER, WRITER, Principal, TokenStore
 from ..domain.queries import Queries
