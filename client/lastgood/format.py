@@ -21,7 +21,16 @@ from .errors import FormatError
 FORMAT_VERSION = "1"
 META_FORMAT = "lastgood.format"
 META_STATE = "lastgood.state"
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself uses
+# Bounds checked before a header is parsed or a shape multiplied out. The service parses
+# the header of every shard it receives, and as Python objects JSON takes up to 30 times
+# its size, so these bound the service's memory per upload (docs/security.md: the worst
+# header within them). A tensor takes ~100 bytes and ~8 values of a header, plus its part
+# of the JSON state: ~13,000 tensors fit in one rank's file. (safetensors allows 100 MB.)
+MAX_HEADER_BYTES = 2 * 1024 * 1024
+MAX_HEADER_VALUES = 2 ** 17  # JSON values, counted from the raw bytes (see _count_values)
+MAX_DIMS = 64              # dimensions of one tensor
+MAX_DIM = 2 ** 48          # elements along one dimension
+MAX_OFFSET = 2 ** 63 - 1   # a byte offset, as int64
 
 DTYPE_SIZES: dict[str, int] = {
     "F64": 8, "I64": 8, "U64": 8, "C64": 8,
@@ -64,6 +73,7 @@ def plan_layout(specs: list[TensorSpec], metadata: dict[str, str]) -> Layout:
     for s in specs:
         if s.dtype not in DTYPE_SIZES:
             raise FormatError(f"tensor {s.name!r}: unsupported dtype {s.dtype}")
+        _check_shape(s.name, list(s.shape))
         if s.name == "__metadata__":
             raise FormatError("'__metadata__' is reserved")
     ordered = sorted(specs, key=lambda s: -DTYPE_SIZES[s.dtype])  # stable
@@ -76,6 +86,9 @@ def plan_layout(specs: list[TensorSpec], metadata: dict[str, str]) -> Layout:
         pos += s.nbytes
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=True).encode()
     raw += b" " * ((-(8 + len(raw))) % 8)
+    if len(raw) > MAX_HEADER_BYTES:  # refused here rather than by the service after the upload
+        raise FormatError(f"the shard's safetensors header would be {len(raw)} bytes, over the "
+                          f"{MAX_HEADER_BYTES}-byte limit ({len(specs)} tensors plus the state's JSON)")
     head = struct.pack("<Q", len(raw)) + raw
     start = len(head)
     return Layout(
@@ -95,6 +108,26 @@ def header_length(prefix: bytes | memoryview) -> int:
     return 8 + n
 
 
+def _count_values(raw: bytes) -> int:
+    """An upper bound on the JSON values (and object members) in `raw`, without parsing it:
+    each follows a comma or opens a container. Those inside strings count too, so it is an
+    over-estimate; what json.loads builds is at most this many objects (and their keys)."""
+    return raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+
+
+def _check_shape(name: str, shape) -> None:
+    """Each bound before anything is multiplied out."""
+    if (not isinstance(shape, list) or len(shape) > MAX_DIMS
+            or not all(type(d) is int and 0 <= d <= MAX_DIM for d in shape)):
+        raise FormatError(f"tensor {name[:200]!r}: bad shape {_short(shape)} (at most {MAX_DIMS} dimensions "
+                          f"of 0..{MAX_DIM})")
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 200 else f"{text[:200]}... ({len(text) - 200} more characters)"
+
+
 def parse_header(head: bytes | memoryview, file_size: int | None = None) -> tuple[dict, dict[str, str]]:
     """Parse and validate a safetensors header.
 
@@ -106,8 +139,13 @@ def parse_header(head: bytes | memoryview, file_size: int | None = None) -> tupl
     total = header_length(head)
     if len(head) < total:
         raise FormatError("truncated safetensors header")
+    raw = bytes(head[8:total])
+    values = _count_values(raw)
+    if values > MAX_HEADER_VALUES:
+        raise FormatError(f"safetensors header holds up to {values} JSON values, over the limit of "
+                          f"{MAX_HEADER_VALUES}")
     try:
-        obj = json.loads(bytes(head[8:total]).decode("utf-8"))
+        obj = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, absurd numbers, absurd nesting
         raise FormatError(f"safetensors header is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(obj, dict):
@@ -118,23 +156,23 @@ def parse_header(head: bytes | memoryview, file_size: int | None = None) -> tupl
     spans = []
     for name, e in obj.items():
         if not isinstance(e, dict):
-            raise FormatError(f"tensor {name!r}: entry is not an object")
+            raise FormatError(f"tensor {name[:200]!r}: entry is not an object")
         dtype, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
         if dtype not in DTYPE_SIZES:
-            raise FormatError(f"tensor {name!r}: unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise FormatError(f"tensor {name!r}: bad shape {shape!r}")
+            raise FormatError(f"tensor {name[:200]!r}: unknown dtype {_short(dtype)}")
+        _check_shape(name, shape)
         if (not isinstance(offs, list) or len(offs) != 2
-                or not all(isinstance(o, int) and o >= 0 for o in offs) or offs[0] > offs[1]):
-            raise FormatError(f"tensor {name!r}: bad data_offsets {offs!r}")
+                or not all(type(o) is int and 0 <= o <= MAX_OFFSET for o in offs) or offs[0] > offs[1]):
+            raise FormatError(f"tensor {name[:200]!r}: bad data_offsets {_short(offs)}")
         if TensorSpec(name, dtype, tuple(shape)).nbytes != offs[1] - offs[0]:
-            raise FormatError(f"tensor {name!r}: {offs[1] - offs[0]} bytes do not fit dtype {dtype} and shape {shape}")
+            raise FormatError(f"tensor {name[:200]!r}: {offs[1] - offs[0]} bytes do not fit dtype {dtype} and "
+                              f"shape {shape}")
         spans.append((offs[0], offs[1], name))
     spans.sort()
     pos = 0
     for a, b, name in spans:
         if a != pos:
-            raise FormatError(f"tensor {name!r}: data section has a hole or overlap at byte {pos}")
+            raise FormatError(f"tensor {name[:200]!r}: data section has a hole or overlap at byte {pos}")
         pos = b
     if file_size is not None and total + pos != file_size:
         raise FormatError(f"data section is {file_size - total} bytes but the tensors cover {pos}")

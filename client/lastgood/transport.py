@@ -4,7 +4,8 @@ RestClient is the REST half alone (urllib, no gRPC channel): the command line us
 Transport adds the gRPC data path on top.
 
 The only thing configured is the REST base URL; the gRPC endpoint is learned from
-GET /api/v1/info. Unary calls are retried on UNAVAILABLE (the service restarting);
+GET /api/v1/info. Unary calls are retried on UNAVAILABLE (the service restarting), and
+PutShard also when the service has too many streams open;
 everything the service refuses surfaces as ServiceError with its message.
 """
 
@@ -14,6 +15,7 @@ import atexit
 import json
 import logging
 import os
+import random
 import re
 import time
 import urllib.error
@@ -211,13 +213,20 @@ class Transport(RestClient):
 
     # ---------------------------------------------------------------- gRPC
     def _unary(self, what: str, method, request, timeout: float | None = None):
-        delay = 0.2
-        for attempt in range(self.retries + 1):
+        """One call, tried again after UNAVAILABLE (`retries` times) and, for as long as the
+        call's own timeout, after a refusal for too many open streams: with a budget of
+        streams per token, the ranks of a large job take turns."""
+        timeout = timeout or self.timeout
+        delay, attempt = 0.2, 0
+        busy_until = time.monotonic() + timeout
+        while True:
             try:
-                return method(request, timeout=timeout or self.timeout, metadata=self._md)
+                return method(request, timeout=timeout, metadata=self._md)
             except grpc.RpcError as e:
-                if e.code() in _RETRY and attempt < self.retries:
-                    time.sleep(delay)
+                busy = _busy(e) and time.monotonic() + delay < busy_until
+                if busy or (e.code() in _RETRY and attempt < self.retries):
+                    attempt += not busy
+                    time.sleep(delay * random.uniform(0.5, 1.0))  # ranks refused together retry apart
                     delay = min(delay * 2, 5.0)
                     continue
                 raise _service_error(e, what) from None
@@ -347,6 +356,11 @@ class Transport(RestClient):
         if pos != size:
             raise ServiceError(f"GetShard ended after {pos} of {size} bytes of {file_name}")
         return view, hasher.hexdigest()
+
+
+def _busy(e: grpc.RpcError) -> bool:
+    """The service refused a stream because too many are open; nothing was read (wire.py)."""
+    return e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (e.details() or "").startswith(wire.STREAMS_BUSY)
 
 
 def _read_lent(spool_dir: str, name: str, view: memoryview, hasher: StreamHasher) -> int:

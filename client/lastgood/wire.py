@@ -16,6 +16,11 @@ from __future__ import annotations
 PUT_CHUNK = 2 << 3 | 2  # PutShardRequest.chunk (field 2)
 GET_CHUNK = 1 << 3 | 2  # GetShardResponse.chunk (field 1)
 
+# How a RESOURCE_EXHAUSTED answer to PutShard/GetShard begins when the service refused the
+# stream because too many are open (not because the shard is too large): the service read
+# nothing, and the client tries again after a pause.
+STREAMS_BUSY = "streams: "
+
 
 def varint(n: int) -> bytes:
     if n < 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1024 * 1024
@@ -60,7 +60,13 @@ class Settings(BaseSettings):
     spool_dir: Path | None = Field(None, description="the spool directory; default <data_dir>/spool (put it on "
                                                      "the blob store's file system: files are adopted by rename)")
     max_request_bytes: int = Field(1024 * 1024, gt=0, description="largest REST request body")
-    max_streams_per_client: int = Field(16, gt=0, description="concurrent PutShard/GetShard streams per client address")
+    max_streams_per_client: int = Field(16, gt=0, description="concurrent PutShard/GetShard streams per caller: per "
+                                        "token, or per connection when tokens are off")
+    grpc_max_streams: int = Field(0, ge=0, description="concurrent PutShard/GetShard streams in the whole service; "
+                                  "0: half of grpc_workers. Streams beyond it are refused at once (RESOURCE_EXHAUSTED) "
+                                  "so that unary RPCs always find a worker")
+    grpc_idle_timeout: float = Field(60.0, gt=0, description="a PutShard/GetShard stream that neither sends nor "
+                                     "receives a message for this many seconds is cancelled, freeing its worker")
     log_format: str = Field("text", pattern="^(text|json)$", description="text, or json: one object a line")
     retention: str = Field("latest:3,tagged,last-good,branch-heads",
                            description="what GC keeps: latest:N, every:N (steps), tagged, last-good, branch-heads")
@@ -72,6 +78,18 @@ class Settings(BaseSettings):
                           "exit abruptly at that point of a commit; lose_commit_reply fails every "
                           "CommitRank reply after the commit happened; blob_eio fails every blob write "
                           "with EIO")
+
+    @model_validator(mode="after")
+    def _streams_leave_workers(self) -> "Settings":
+        # streams and waiting votes (a quarter of the pool, api/grpc_server.py) together
+        # must leave workers for every other RPC
+        if not self.grpc_max_streams:
+            self.grpc_max_streams = self.grpc_workers // 2
+        if self.grpc_max_streams + self.grpc_workers // 4 >= self.grpc_workers:
+            raise ValueError(f"grpc_max_streams={self.grpc_max_streams} with grpc_workers={self.grpc_workers} "
+                             f"would leave no worker for unary RPCs; at most "
+                             f"{self.grpc_workers - self.grpc_workers // 4 - 1}")
+        return self
 
     @field_validator("retention")
     @classmethod

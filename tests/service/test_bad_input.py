@@ -130,6 +130,19 @@ def test_vote_while_ranks_are_missing(svc, cl, run_name):
     assert list(cl.vote(cid, 2, [], wait=0).missing_ranks) == [1]  # rank 2 has no files: an empty vote
 
 
+def test_a_vote_naming_20000_missing_files_keeps_its_status(svc, cl, run_name):
+    """The error text echoes the vote; unbounded it outgrew gRPC's metadata limit and the
+    client saw RESOURCE_EXHAUSTED instead of FAILED_PRECONDITION (api/errors.bounded)."""
+    cid = cl.begin(run_name).checkpoint_id
+    before = snapshot(svc, run_name)
+    files = [f"missing-{i:05d}.safetensors" for i in range(20_000)]
+    err = rpc_error(SC.FAILED_PRECONDITION, cl.vote, cid, 0, files, wait=0)
+    details = err.details()
+    assert "missing-00000.safetensors" in details and len(details) < 1200, len(details)
+    assert details.endswith(" more characters)"), details[-80:]
+    _unchanged(svc, before, run_name)
+
+
 def test_upload_after_the_rank_voted_is_refused(svc, cl, run_name):
     cid = cl.begin(run_name, world_size=2).checkpoint_id
     for r in (0, 1):
@@ -375,6 +388,16 @@ def test_range_with_absurdly_long_numbers(svc, committed, rng):
     # a one-off connection: the service drops a keep-alive connection after a 500
     resp = svc.get(f"/api/v1/checkpoints/{cid}/ranks/0/files/{shard_name(0)}", headers={"Range": rng})
     json_error(resp, (400, 416))
+
+
+def test_rest_error_messages_that_echo_input_are_bounded(svc, committed):
+    """REST answers through the same bound as gRPC (api/errors.bounded)."""
+    run, cid, _ = committed
+    resp = svc.get(f"/api/v1/checkpoints/{cid}/ranks/0/files/{shard_name(0)}",
+                   headers={"Range": "bytes=" + "0-1," * 8000})
+    err = json_error(resp, 400)
+    assert err["message"].startswith("unsupported Range header") and len(err["message"]) < 1200, len(err["message"])
+    assert err["message"].endswith(" more characters)")
 
 
 # ---------------------------------------------------------------- BeginCheckpoint arguments

@@ -338,3 +338,28 @@ def test_a_restarted_service_sweeps_stale_spool_files_at_start(make_service, tmp
     while stale.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not stale.exists() and fresh.exists()
+
+
+def test_lent_links_and_blobs_are_read_only(svc, cl, run_name):
+    """The proto promises the reader a read-only link. A hard link is the blob's own inode:
+    blobs are published 0444, streamed or adopted from the spool, and a blob from before
+    that is made read-only when it is lent."""
+    spool, sid = spool_of(svc)
+
+    def lend(cid: int) -> Path:
+        (only,) = list(cl.stub.GetShard(pb.GetShardRequest(checkpoint_id=cid, rank=0, file_name=shard_name(0),
+                                                            spool_id=sid), timeout=30))
+        return spool / only.spool_file
+
+    streamed, _ = cl.save(run_name, 1)
+    adopted = hand_over(svc, spool, f"{run_name}-spooled", make_shard(0, seed=5))[0]
+    assert oct(adopted.stat().st_mode & 0o777) == "0o444"
+    older, _ = cl.save(run_name, 2)
+    shard_blob(svc, older, 0).chmod(0o644)  # as the store published blobs before
+    for cid in (streamed, older):
+        link = lend(cid)
+        try:
+            assert oct(link.stat().st_mode & 0o777) == "0o444"
+            assert oct(shard_blob(svc, cid, 0).stat().st_mode & 0o777) == "0o444"
+        finally:
+            link.unlink()

@@ -1,4 +1,5 @@
-"""The one table from domain errors to HTTP statuses and gRPC codes."""
+"""The one table from domain errors to HTTP statuses and gRPC codes, and the one bound on
+the length of the message that goes with them."""
 
 from __future__ import annotations
 
@@ -26,3 +27,16 @@ def lookup(exc: e.DomainError) -> tuple[int, grpc.StatusCode, str]:
         if cls in TABLE:
             return TABLE[cls]
     return 400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"
+
+
+MAX_MESSAGE = 1024  # characters of an error message; the rest is counted, not sent
+
+
+def bounded(message: str) -> str:
+    """An error message cut to MAX_MESSAGE characters. Messages echo input (a vote's missing
+    files, a bad header): unbounded, 20,000 file names outgrew gRPC's metadata limit and the
+    client saw RESOURCE_EXHAUSTED instead of the real status."""
+    if len(message) <= MAX_MESSAGE:
+        return message
+    return f"{message[:MAX_MESSAGE]}… ({len(message) - MAX_MESSAGE} more characters)"
+

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
@@ -17,14 +16,19 @@ from lastgood.v1 import lastgood_pb2 as pb
 from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
 
 from ..domain.commit import CommitService, ShardHeader
-from ..domain.errors import DomainError, FailedPrecondition, InvalidArgument, TooLarge
+from ..domain.errors import DomainError, FailedPrecondition, InvalidArgument
 from ..domain.faults import as_domain_error
 from ..domain.spool import Spool
-from ..domain.tokens import READER, WRITER, TokenStore
+from ..domain.tokens import READER, WRITER, Principal, TokenStore
 from ..domain.queries import Queries
-from .errors import lookup
+from .errors import bounded, lookup
+from .streams import IdleWatch, StreamSlots
 
 log = logging.getLogger("lastgood.grpc")
+
+
+def _abort(context, exc: DomainError):
+    context.abort(lookup(exc)[1], bounded(str(exc)))
 
 
 def _abort_unexpected(context, name: str, exc: Exception) -> None:
@@ -32,9 +36,32 @@ def _abort_unexpected(context, name: str, exc: Exception) -> None:
     mapped = as_domain_error(exc)
     if mapped is not None:
         log.error("%s: %s", name, mapped)
-        context.abort(lookup(mapped)[1], str(mapped))
+        _abort(context, mapped)
     log.exception("%s failed", name)
     context.abort(grpc.StatusCode.INTERNAL, f"{name} failed inside the service; see its log")
+
+
+class _Malformed:
+    """A request that did not parse. gRPC answers INTERNAL when a deserializer raises, so the
+    deserializer returns this instead, and the method answers INVALID_ARGUMENT."""
+
+    def __init__(self, cls) -> None:
+        self.what = cls.__name__
+
+
+def _lenient(cls):
+    def parse(raw: bytes):
+        try:
+            return cls.FromString(raw)
+        except Exception:  # DecodeError; whatever else a parser may raise on hostile bytes
+            return _Malformed(cls)
+
+    return parse
+
+
+def _check_parsed(request) -> None:
+    if isinstance(request, _Malformed):
+        raise InvalidArgument(f"the request is not a valid {request.what} message")
 
 
 def _mapped(fn):
@@ -43,9 +70,10 @@ def _mapped(fn):
     @functools.wraps(fn)
     def wrapper(self, request, context):
         try:
+            _check_parsed(request)
             return fn(self, request, context)
         except DomainError as exc:
-            context.abort(lookup(exc)[1], str(exc))
+            _abort(context, exc)
         except grpc.RpcError:
             raise
         except Exception as exc:
@@ -58,9 +86,10 @@ def _mapped_stream(fn):
     @functools.wraps(fn)
     def wrapper(self, request, context):
         try:
+            _check_parsed(request)
             yield from fn(self, request, context)
         except DomainError as exc:
-            context.abort(lookup(exc)[1], str(exc))
+            _abort(context, exc)
         except Exception as exc:
             _abort_unexpected(context, fn.__name__, exc)
 
@@ -87,29 +116,17 @@ def _chunks(raw_messages):
         yield chunk
 
 
-class _StreamSlots:
-    """At most `limit` concurrent streams per client address: refused before any byte moves."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._open: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def hold(self, context):
-        peer = context.peer().rsplit(":", 1)[0]  # ipv4:1.2.3.4:5678 -> ipv4:1.2.3.4
-        with self._lock:
-            if self._open.get(peer, 0) >= self.limit:
-                raise TooLarge(f"{self.limit} streams are already open from {peer}; "
-                               f"LASTGOOD_MAX_STREAMS_PER_CLIENT limits them")
-            self._open[peer] = self._open.get(peer, 0) + 1
+def _timed(messages, watched):
+    """The client's messages, with the idle clock running only while we wait for one."""
+    while True:
+        watched.waiting()
         try:
-            yield
+            message = next(messages)
+        except StopIteration:
+            return
         finally:
-            with self._lock:
-                self._open[peer] -= 1
-                if not self._open[peer]:
-                    del self._open[peer]
+            watched.busy()
+        yield message
 
 
 class Servicer(pb_grpc.CheckpointsServicer):
@@ -123,12 +140,22 @@ class Servicer(pb_grpc.CheckpointsServicer):
         self.spool = spool
         self.queries = queries
         self.tokens = tokens
-        self.streams = _StreamSlots(commits.settings.max_streams_per_client)
+        settings = commits.settings
+        self.streams = StreamSlots(settings.grpc_max_streams, settings.max_streams_per_client)
+        self.idle = IdleWatch(settings.grpc_idle_timeout)
         self._waiters = threading.BoundedSemaphore(max(1, commits.settings.grpc_workers // 4))
 
-    def _allow(self, context, role: str, *, run: str | None = None, checkpoint_id: int | None = None) -> None:
+    def _caller(self, context) -> tuple[Principal, str]:
+        """Who calls, from the metadata alone (before any message is read), and the key its
+        streams are counted under: its token, or with tokens off its connection."""
         header = dict(context.invocation_metadata()).get("authorization")
         principal = self.tokens.authenticate(header)
+        return principal, f"token {header}" if header else f"peer {context.peer()}"
+
+    def _allow(self, context, role: str, *, run: str | None = None, checkpoint_id: int | None = None,
+               principal: Principal | None = None) -> None:
+        if principal is None:
+            principal, _key = self._caller(context)
         self.tokens.require(principal, role)
         if checkpoint_id is not None:
             run = self.queries.run_of_checkpoint(checkpoint_id)
@@ -145,18 +172,23 @@ class Servicer(pb_grpc.CheckpointsServicer):
 
     @_mapped
     def PutShard(self, request_iterator, context):
-        first = next(request_iterator, None)  # raw bytes: see handlers()
-        first = None if first is None else _put_message(first)
-        if first is None or first.WhichOneof("body") != "header":
-            raise InvalidArgument("the first PutShard message must carry the shard header")
-        h = first.header
-        self._allow(context, WRITER, checkpoint_id=h.checkpoint_id)
-        header = ShardHeader(h.checkpoint_id, h.rank, h.file_name, h.size, h.xxh3_128)
-        with self.streams.hold(context):
+        # who calls and whether it has a slot, before a message is read: a caller that
+        # sends nothing holds at most a slot, and only until the idle timeout
+        principal, key = self._caller(context)
+        self.tokens.require(principal, WRITER)
+        with self.streams.hold(key), self.idle.watch(context, "PutShard") as watched:
+            messages = _timed(request_iterator, watched)  # raw bytes: see handlers()
+            first = next(messages, None)
+            first = None if first is None else _put_message(first)
+            if first is None or first.WhichOneof("body") != "header":
+                raise InvalidArgument("the first PutShard message must carry the shard header")
+            h = first.header
+            self._allow(context, WRITER, checkpoint_id=h.checkpoint_id, principal=principal)
+            header = ShardHeader(h.checkpoint_id, h.rank, h.file_name, h.size, h.xxh3_128)
             if h.spool_file or h.spool_id:
-                res = self._put_spooled(h, header, request_iterator)
+                res = self._put_spooled(h, header, messages)
             else:
-                res = self.commits.put_shard(header, _chunks(request_iterator))
+                res = self.commits.put_shard(header, _chunks(messages))
         return pb.PutShardResponse(already_present=res.already_present, size=res.size, xxh3_128=res.xxh3_128)
 
     def _put_spooled(self, h, header: ShardHeader, request_iterator):
@@ -212,7 +244,8 @@ class Servicer(pb_grpc.CheckpointsServicer):
 
     @_mapped_stream
     def GetShard(self, request, context):
-        self._allow(context, READER, checkpoint_id=request.checkpoint_id)
+        principal, key = self._caller(context)
+        self._allow(context, READER, checkpoint_id=request.checkpoint_id, principal=principal)
         sh = self.commits.shard_for_read(request.checkpoint_id, request.rank, request.file_name)
         if (request.spool_id and self.spool is not None and request.spool_id == self.spool.id
                 and not request.offset and not request.length):
@@ -222,11 +255,13 @@ class Servicer(pb_grpc.CheckpointsServicer):
                 yield pb.GetShardResponse(spool_file=name).SerializeToString()
                 return
         step = self.commits.settings.max_chunk_bytes
-        with self.streams.hold(context):
+        with self.streams.hold(key), self.idle.watch(context, "GetShard") as watched:
             for chunk in self.commits.read_range(sh, request.offset, request.length or None):
                 view = memoryview(chunk).cast("B")
                 for i in range(0, view.nbytes, step):  # the store's read size need not be ours
+                    watched.waiting()  # until the client has taken the message
                     yield wire.frame(wire.GET_CHUNK, view[i:i + step])  # raw bytes: see handlers()
+                    watched.busy()
 
 
 SERVICE = "lastgood.v1.Checkpoints"
@@ -234,21 +269,22 @@ SERVICE = "lastgood.v1.Checkpoints"
 
 def handlers(servicer: Servicer) -> dict[str, grpc.RpcMethodHandler]:
     """The generated registration, except for the two shard streams: PutShard receives and
-    GetShard sends raw message bytes, framed and parsed by hand (wire.py). Every method of
+    GetShard sends raw message bytes, framed and parsed by hand (wire.py), and for requests
+    that do not parse: INVALID_ARGUMENT (_lenient), not gRPC's INTERNAL. Every method of
     the service in the .proto must be here (a test checks it)."""
     unary = grpc.unary_unary_rpc_method_handler
     return {
-        "BeginCheckpoint": unary(servicer.BeginCheckpoint, pb.BeginCheckpointRequest.FromString,
+        "BeginCheckpoint": unary(servicer.BeginCheckpoint, _lenient(pb.BeginCheckpointRequest),
                                  pb.BeginCheckpointResponse.SerializeToString),
         "PutShard": grpc.stream_unary_rpc_method_handler(servicer.PutShard, None,
                                                          pb.PutShardResponse.SerializeToString),
-        "CommitRank": unary(servicer.CommitRank, pb.CommitRankRequest.FromString,
+        "CommitRank": unary(servicer.CommitRank, _lenient(pb.CommitRankRequest),
                             pb.CommitRankResponse.SerializeToString),
-        "AbortCheckpoint": unary(servicer.AbortCheckpoint, pb.AbortCheckpointRequest.FromString,
+        "AbortCheckpoint": unary(servicer.AbortCheckpoint, _lenient(pb.AbortCheckpointRequest),
                                  pb.AbortCheckpointResponse.SerializeToString),
-        "GetManifest": unary(servicer.GetManifest, pb.GetManifestRequest.FromString,
+        "GetManifest": unary(servicer.GetManifest, _lenient(pb.GetManifestRequest),
                              pb.GetManifestResponse.SerializeToString),
-        "GetShard": grpc.unary_stream_rpc_method_handler(servicer.GetShard, pb.GetShardRequest.FromString, None),
+        "GetShard": grpc.unary_stream_rpc_method_handler(servicer.GetShard, _lenient(pb.GetShardRequest), None),
     }
 
 

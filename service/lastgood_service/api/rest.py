@@ -35,7 +35,7 @@ from ..domain.spool import Spool
 from ..domain.tokens import TokenStore
 from ..metrics import Metrics
 from .auth import make_authorizer
-from .errors import lookup
+from .errors import bounded, lookup
 
 log = logging.getLogger("lastgood.rest")
 
@@ -81,7 +81,8 @@ class LeaseBody(BaseModel):
 
 
 def _error(status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
+    return JSONResponse({"error": {"code": code, "message": bounded(message)}}, status_code=status,
+                        headers=headers)
 
 
 _RANGE = re.compile(r"^bytes=(\d{0,19})-(\d{0,19})$", re.ASCII)  # 19 digits: any int64 offset

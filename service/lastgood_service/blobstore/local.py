@@ -23,10 +23,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+BLOB_MODE = 0o444  # a published blob is never written again (a new version is a new key)
+
+
 def _publish(store: "LocalBlobStore", fd: int, tmp: Path, dest: Path) -> None:
-    """fsync the file, rename it into place, fsync every directory from the blob's up to
-    blobs/ (a concurrent publisher may have created one of them, and its entry must be
-    durable before we acknowledge)."""
+    """Make the file read-only, fsync it, rename it into place, fsync every directory from
+    the blob's up to blobs/ (a concurrent publisher may have created one of them, and its
+    entry must be durable before we acknowledge). Read-only, because the spool lends
+    readers hard links to blobs (domain/spool.py), which share the blob's inode and mode."""
+    os.fchmod(fd, BLOB_MODE)
     os.fsync(fd)
     dest.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, dest)

@@ -309,7 +309,7 @@ class CommitService:
                 if final:
                     raise FormatError("truncated safetensors header")
                 return None
-            tensors, _meta = parse_header(bytes(prefix[:n]), file_size=size)
+            tensors, _meta = parse_header(memoryview(prefix)[:n], file_size=size)  # no copy of a copy
         except FormatError as e:
             raise InvalidArgument(f"not a valid safetensors file: {e}") from None
         return json.dumps({"data_start": n, "tensors": tensor_index(tensors)}, separators=(",", ":"))

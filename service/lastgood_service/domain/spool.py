@@ -128,13 +128,22 @@ class Spool:
         return Taken(taken, fd, size)
 
     def lend(self, blob: Path) -> str | None:
-        """A hard link to a blob for a reader on this host (the read direction of the
-        hand-over): its name relative to the spool, or None when no link can be made (the
-        blob is elsewhere, on another file system, or in an object store)."""
+        """A read-only hard link to a blob for a reader on this host (the read direction of
+        the hand-over): its name relative to the spool, or None when no link can be made
+        (the blob is elsewhere, on another file system, or in an object store).
+
+        A hard link is the blob's own inode, so its mode is the blob's: the local store
+        publishes blobs read-only (0444), and a blob published before it did so is made
+        read-only here - the blob itself, which nothing writes after publishing anyway."""
         name = f"{secrets.token_hex(16)}.part"
+        link = self.out_dir / name
         try:
-            os.link(blob, self.out_dir / name)
+            os.link(blob, link)
+            mode = stat.S_IMODE(os.lstat(link).st_mode)
+            if mode & 0o222:
+                os.chmod(link, mode & ~0o222)
         except OSError:
+            link.unlink(missing_ok=True)
             return None
         return f"{self.out_dir.name}/{name}"
 
