@@ -40,9 +40,9 @@ from ..blobstore import BlobStore
 from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, PENDING, SUSPECT, SYSTEM, VERIFIED, Checkpoint, Event,
                               Run, Shard, Tag, Vote, utcnow)
 from ..settings import Settings
-from .lineage import ancestors as lineage_ancestors
-from .errors import (Conflict, FailedPrecondition, HashMismatch, InvalidArgument, NotFound, OutOfRange,
-                     TooLarge)
+from .lineage import usable_ancestor
+from .errors import (Conflict, DamagedMismatch, DamagedMissing, FailedPrecondition, HashMismatch, InvalidArgument,
+                     NotFound, OutOfRange, TooLarge)
 
 log = logging.getLogger("lastgood.commit")
 
@@ -530,17 +530,6 @@ class CommitService:
         return {"checkpoint_id": checkpoint_id, "ok": not bad, "files": len(shards), "bad": bad,
                 "status": CORRUPT if bad else ck.status}
 
-    @staticmethod
-    def _usable_ancestor(s: Session, ck: Checkpoint) -> int | None:
-        """I3 after a corruption: the newest committed, non-suspect checkpoint on ck's own
-        branch, i.e. up its parent chain (never a checkpoint of an abandoned branch)."""
-        suspect = set(s.scalars(select(Tag.checkpoint_id).where(Tag.run_id == ck.run_id, Tag.name == SUSPECT)))
-        status = dict(s.execute(select(Checkpoint.id, Checkpoint.status).where(Checkpoint.run_id == ck.run_id)).all())
-        for cid in lineage_ancestors(s, ck):
-            if status.get(cid) == COMMITTED and cid not in suspect:
-                return cid
-        return None
-
     def _mark_corrupt(self, checkpoint_id: int, bad: list[dict]) -> None:
         log.error("checkpoint %s is CORRUPT: %s", checkpoint_id, bad, extra={"checkpoint_id": checkpoint_id})
         with self.sessions() as s, s.begin():
@@ -549,7 +538,7 @@ class CommitService:
             ck.status = CORRUPT
             run = s.get(Run, ck.run_id, with_for_update=True)
             if run.last_good_id == ck.id:
-                run.last_good_id = self._usable_ancestor(s, ck)
+                run.last_good_id = usable_ancestor(s, ck)
             if first:
                 add_event(s, "corrupt", ck.run_id, ck.id, bad=bad, last_good=run.last_good_id)
         self._notify()
@@ -603,10 +592,11 @@ class CommitService:
             body = self.blobs.read_all(key)
         except FileNotFoundError:
             self._mark_corrupt(checkpoint_id, [{"file": "manifest", "expected": want, "found": "missing"}])
-            raise NotFound(f"the manifest of checkpoint {checkpoint_id} is missing from the store; "
-                           f"the checkpoint is now CORRUPT") from None
+            raise DamagedMissing(f"the manifest of checkpoint {checkpoint_id} is missing from the store; "
+                                 f"the checkpoint is now CORRUPT") from None
         if hash_bytes(body) != want:
             self._mark_corrupt(checkpoint_id, [{"file": "manifest", "expected": want, "found": hash_bytes(body)}])
-            raise HashMismatch(f"the manifest of checkpoint {checkpoint_id} does not match its hash; "
-                               f"the checkpoint is now CORRUPT")
+            raise DamagedMismatch(f"the manifest of checkpoint {checkpoint_id} does not match its hash; "
+                                  f"the checkpoint is now CORRUPT")
         return body
+
