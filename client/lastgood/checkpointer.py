@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from . import distributed, names
-from .errors import CorruptCheckpoint, LastgoodError, NoUsableCheckpoint, SaveFailed, ServiceError
+from .errors import CorruptCheckpoint, FormatError, LastgoodError, NoUsableCheckpoint, SaveFailed, ServiceError
 from .hashing import StreamHasher, hash_bytes
 from .manifest import Manifest
 from .staging import Snapshot, StagingPool, snapshot
@@ -298,7 +298,7 @@ class Checkpointer:
     def _try_fetch(self, cid: int):
         try:
             return self.OK, self._fetch(cid), None
-        except CorruptCheckpoint as e:  # bytes that are not the commit's
+        except (CorruptCheckpoint, FormatError) as e:  # bytes or state that are not the commit's
             return self.UNUSABLE, None, e
         except ServiceError as e:
             if e.code in DAMAGED:  # a blob or manifest gone or damaged, or no longer committed
