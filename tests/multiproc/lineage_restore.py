@@ -1,7 +1,8 @@
 """Rank script: the relaunch. For each RUN[:stream] on the command line, restore into a
-fresh model and optimizer and print one line per rank:
+fresh model and optimizer and write one line to OUT/results-rank<R>.txt (a file per rank:
+the ranks' stdout lines may interleave):
 
-    RESULT <run> <step|None|refused:<error type>> <bitwise|differs|->
+    <run> <step|None|refused:<error type>> <bitwise|differs|->
 
 `bitwise`: weights, momentum and RNG are exactly lineage_state's at the restored step.
 `:stream` reads the shards as a gRPC stream instead of a link in the service's spool."""
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,9 +21,10 @@ from lineage_state import build, make, same, seed
 
 
 def main() -> None:
-    url, runs = sys.argv[1], sys.argv[2:]
+    url, out, runs = sys.argv[1], Path(sys.argv[2]), sys.argv[3:]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    results = []
     for spec in runs:
         run, _, how = spec.partition(":")
         os.environ["LASTGOOD_SPOOL"] = "0" if how == "stream" else "1"
@@ -31,15 +34,16 @@ def main() -> None:
                 step = ckpt.restore(lastgood.TrainState(model=model, optimizer=opt))
         except Exception as e:  # noqa: BLE001 - reported, and the next run goes on
             print(f"[rank {rank}] {run}: {type(e).__name__}: {e}", flush=True)
-            print(f"[rank {rank}] RESULT {run} refused:{type(e).__name__} -", flush=True)
+            results.append(f"{run} refused:{type(e).__name__} -")
             continue
         if step is None:
-            print(f"[rank {rank}] RESULT {run} None -", flush=True)
+            results.append(f"{run} None -")
             continue
         rng = torch.get_rng_state()
         exact = torch.equal(rng, torch.manual_seed(seed(step, rank)).get_state()) and same((model, opt),
                                                                                           build(rank, step))
-        print(f"[rank {rank}] RESULT {run} {step} {'bitwise' if exact else 'differs'}", flush=True)
+        results.append(f"{run} {step} {'bitwise' if exact else 'differs'}")
+    (out / f"results-rank{rank}.txt").write_text("".join(line + "\n" for line in results))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import uuid
 from pathlib import Path
 
@@ -25,7 +24,6 @@ import pytest
 from tests.multiproc.launch import torchrun, why
 
 HERE = Path(__file__).parent
-RESULT = re.compile(r"\[rank (\d)\] RESULT (\S+) (\S+) (\S+)$", re.M)
 SEED = int(os.environ.get("LASTGOOD_MATRIX_SEED") or random.SystemRandom().randrange(2**32))
 
 
@@ -86,7 +84,7 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def matrix(service):
+def matrix(service, tmp_path_factory):
     tag = uuid.uuid4().hex[:6]
     runs = {case: f"matrix-{case}-{tag}" for case in CASES}
     saved = torchrun(HERE / "lineage_save.py",
@@ -106,13 +104,16 @@ def matrix(service):
             path = where(service, ids[case][step], rank)
             notes[(case, step)] = f"{path.relative_to(service.blob_root)}: {what(path, rng)}"
 
+    out = tmp_path_factory.mktemp("matrix")
     relaunch = torchrun(HERE / "lineage_restore.py",
-                        [service.url, *(runs[c] + (":stream" if s else "") for c, (_, _, s) in CASES.items())],
+                        [service.url, str(out), *(runs[c] + (":stream" if s else "") for c, (_, _, s) in CASES.items())],
                         timeout=240)
     assert relaunch.returncode == 0, why(relaunch)
     results: dict[str, dict[int, tuple[str, str]]] = {}
-    for rank, run, got, exact in RESULT.findall(relaunch.stdout):
-        results.setdefault(run, {})[int(rank)] = (got, exact)
+    for rank in (0, 1):
+        for line in (out / f"results-rank{rank}.txt").read_text().splitlines():
+            run, got, exact = line.split()
+            results.setdefault(run, {})[rank] = (got, exact)
     return {"runs": runs, "ids": ids, "notes": notes, "results": results, "output": relaunch}
 
 
@@ -125,7 +126,7 @@ def test_damage_falls_back_to_the_newest_good_ancestor(service, matrix, case):
     damage, want, _ = CASES[case]
     run = matrix["runs"][case]
     got = matrix["results"].get(run, {})
-    context = (f"seed {SEED}; damage: {[n for (c, _), n in matrix['notes'].items() if c == case]}\n"
+    context = (f"seed {SEED}; damage: {[n for (c, _), n in matrix['notes'].items() if c == case]}; restored: {got}\n"
                + "\n".join(line for line in matrix["output"].stdout.splitlines() if run in line))
 
     if want is None:  # a run that never saved: no checkpoint, and that is not an error
