@@ -1,11 +1,12 @@
-"""Rank script: the relaunch. For each RUN[:stream] on the command line, restore into a
+"""Rank script: the relaunch. For each RUN[:how] on the command line, restore into a
 fresh model and optimizer and write one line to OUT/results-rank<R>.txt (a file per rank:
 the ranks' stdout lines may interleave):
 
-    <run> <step|None|refused:<error type>> <bitwise|differs|->
+    <RUN[:how]> <step|None|refused:<error type>> <bitwise|differs|->
 
 `bitwise`: weights, momentum and RNG are exactly lineage_state's at the restored step.
-`:stream` reads the shards as a gRPC stream instead of a link in the service's spool."""
+`:stream` reads the shards as a gRPC stream instead of a link in the service's spool; any
+other `:how` only tells two restores of one run apart."""
 
 from __future__ import annotations
 
@@ -34,15 +35,15 @@ def main() -> None:
                 step = ckpt.restore(lastgood.TrainState(model=model, optimizer=opt))
         except Exception as e:  # noqa: BLE001 - reported, and the next run goes on
             print(f"[rank {rank}] {run}: {type(e).__name__}: {e}", flush=True)
-            results.append(f"{run} refused:{type(e).__name__} -")
+            results.append(f"{spec} refused:{type(e).__name__} -")
             continue
         if step is None:
-            results.append(f"{run} None -")
+            results.append(f"{spec} None -")
             continue
         rng = torch.get_rng_state()
         exact = torch.equal(rng, torch.manual_seed(seed(step, rank)).get_state()) and same((model, opt),
                                                                                           build(rank, step))
-        results.append(f"{run} {step} {'bitwise' if exact else 'differs'}")
+        results.append(f"{spec} {step} {'bitwise' if exact else 'differs'}")
     (out / f"results-rank{rank}.txt").write_text("".join(line + "\n" for line in results))
     dist.barrier()
     dist.destroy_process_group()

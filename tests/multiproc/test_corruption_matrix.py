@@ -106,14 +106,15 @@ def matrix(service, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("matrix")
     relaunch = torchrun(HERE / "lineage_restore.py",
-                        [service.url, str(out), *(runs[c] + (":stream" if s else "") for c, (_, _, s) in CASES.items())],
+                        [service.url, str(out), *(runs[c] + (":stream" if s else "") for c, (_, _, s) in CASES.items()),
+                         runs["all-damaged"] + ":again"],  # now the service itself answers "none usable"
                         timeout=240)
     assert relaunch.returncode == 0, why(relaunch)
     results: dict[str, dict[int, tuple[str, str]]] = {}
     for rank in (0, 1):
         for line in (out / f"results-rank{rank}.txt").read_text().splitlines():
-            run, got, exact = line.split()
-            results.setdefault(run, {})[rank] = (got, exact)
+            spec, got, exact = line.split()
+            results.setdefault(spec.removesuffix(":stream"), {})[rank] = (got, exact)
     return {"runs": runs, "ids": ids, "notes": notes, "results": results, "output": relaunch}
 
 
@@ -138,8 +139,10 @@ def test_damage_falls_back_to_the_newest_good_ancestor(service, matrix, case):
     lg = service.get(f"/api/v1/runs/{run}/last-good")
     if want == "refused":
         # every rank refuses alike; the service says why there is no last-good (not 'no checkpoint')
-        assert got == {0: ("refused:NoUsableCheckpoint", "-"), 1: ("refused:NoUsableCheckpoint", "-")}, context
+        refused = {0: ("refused:NoUsableCheckpoint", "-"), 1: ("refused:NoUsableCheckpoint", "-")}
+        assert got == refused, context
         assert lg.status_code == 409 and lg.json()["error"]["code"] == "no_usable_checkpoint", lg.text
+        assert matrix["results"].get(run + ":again") == refused, context  # and so does the next relaunch
         return
     assert got == {0: (str(want), "bitwise"), 1: (str(want), "bitwise")}, context
     assert lg.status_code == 200 and lg.json()["id"] == ids[want], lg.text
