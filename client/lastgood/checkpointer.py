@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from . import distributed, names
-from .errors import CorruptCheckpoint, LastgoodError, NoUsableCheckpoint, SaveFailed, ServiceError
+from .errors import CorruptCheckpoint, FormatError, LastgoodError, NoUsableCheckpoint, SaveFailed, ServiceError
 from .hashing import StreamHasher, hash_bytes
 from .manifest import Manifest
 from .staging import Snapshot, StagingPool, snapshot
@@ -29,6 +29,9 @@ from .state import TrainState, array_from_buffer, fits, tensor_from_buffer
 from .transport import Transport
 
 log = logging.getLogger("lastgood")
+# service answers that say a checkpoint cannot be read as committed (gRPC code names and
+# HTTP statuses): missing, damaged (422 hash_mismatch, DATA_LOSS), or no longer COMMITTED
+DAMAGED = ("NOT_FOUND", "DATA_LOSS", "FAILED_PRECONDITION", 404, 409, 422)
 
 
 def shard_file_name(rank: int) -> str:
@@ -206,15 +209,19 @@ class Checkpointer:
     def restore(self, state: TrainState, checkpoint_id: int | None = None) -> int | None:
         """Load the run's last-good (or the given checkpoint) into `state` in place.
 
-        Returns its step, or None if the run has no checkpoint. Every byte read is
-        re-hashed. Ranks agree on each candidate (rank 0 picks, then broadcasts) and on
-        each outcome (all_max of ok / unusable / failed), so they never resume from
-        different checkpoints and never wait on a rank that gave up. An unusable candidate
-        (hash mismatch, missing blob) is re-verified by the service, which marks it CORRUPT,
-        and its parent chain is tried next.
+        Returns its step, or None if the run has no checkpoint (the service says so; an
+        error never reads as "none"). Every byte read is re-hashed and every shard's state
+        checked before anything is applied. Ranks agree on each candidate (rank 0 picks,
+        then broadcasts) and on each outcome (all_max of ok / unusable / failed), so they
+        never resume from different checkpoints and never wait on a rank that gave up. An
+        unusable candidate (bytes that differ from the commit, a file missing, too short or
+        too long, a manifest damaged, a state that cannot be read) is re-verified by the
+        service, which marks it CORRUPT, and the service's choice of its newest usable
+        ancestor is tried next. A run whose every candidate is damaged raises
+        NoUsableCheckpoint on every rank. docs/recovery.md has the whole story.
         """
         self._jobs.join()  # in-flight saves finish first; their failures stay for wait()
-        tried: set[int] = set()
+        tried: list[int] = []
         cid = self._agree(lambda: checkpoint_id if checkpoint_id is not None else self._last_good_id())
         while cid > 0:
             code, result, err = self._try_fetch(cid)
@@ -229,35 +236,39 @@ class Checkpointer:
                     self._give_back(state, held)
                 self.parent_id = cid
                 self._restores += 1
-                log.info("lastgood: restored %s step %s (checkpoint %s)", self.run, manifest.step, cid)
+                if tried:
+                    log.warning("lastgood: restored %s step %s (checkpoint %s), the newest good ancestor of damaged "
+                                "checkpoint(s) %s", self.run, manifest.step, cid, tried)
+                else:
+                    log.info("lastgood: restored %s step %s (checkpoint %s)", self.run, manifest.step, cid)
                 return manifest.step
             if agreed == self.FAILED:
                 raise err or LastgoodError(f"restoring checkpoint {cid} failed on another rank; see its log")
             if err is not None:
                 log.error("lastgood: checkpoint %s is unusable: %s", cid, err)
             if self.rank == 0:
-                try:
-                    self.transport.verify(cid)  # the service re-hashes it and marks it CORRUPT
-                except ServiceError as ve:
-                    log.error("lastgood: verify of checkpoint %s failed: %s", cid, ve)
+                self._report_unusable(cid)
             if checkpoint_id is not None:
                 raise err or CorruptCheckpoint(f"checkpoint {cid} is unusable on another rank")
-            tried.add(cid)
-            cid = self._agree(lambda: self._next_candidate(cid, tried))
+            tried.append(cid)
+            cid = self._agree(lambda: self._fallback(cid))
         if tried:
-            raise NoUsableCheckpoint(f"no committed checkpoint of run {self.run!r} passed verification "
-                                     f"(tried {sorted(tried)})")
+            raise NoUsableCheckpoint(f"run {self.run!r} has no usable checkpoint: {tried} and every ancestor of "
+                                     f"theirs are damaged (CORRUPT); restore a checkpoint by id or start a new run")
         return None
 
     def _agree(self, pick) -> int:
-        """Rank 0 picks (0: none), everyone gets its answer; -1 tells the others it failed."""
+        """Rank 0 picks (0: none), everyone gets its answer; a negative value tells the
+        others it failed (-2: the run has no usable checkpoint, raised alike everywhere)."""
         value, err = 0, None
         if self.rank == 0:
             try:
                 value = pick() or 0
             except Exception as e:  # noqa: BLE001 - re-raised after the broadcast
-                value, err = -1, e
+                value, err = (-2 if isinstance(e, NoUsableCheckpoint) else -1), e
         value = distributed.broadcast_int(value)
+        if value == -2:
+            raise err or NoUsableCheckpoint(f"run {self.run!r} has no usable checkpoint; see rank 0's log")
         if value < 0:
             raise err or LastgoodError("rank 0 could not choose a checkpoint to restore; see its log")
         return value
@@ -266,22 +277,31 @@ class Checkpointer:
         lg = self.transport.last_good(self.run)
         return lg["id"] if lg else 0
 
-    def _next_candidate(self, failed: int, tried: set[int]) -> int:
-        """The newest usable ancestor of the failed checkpoint: the same branch, further back."""
-        for c in self.transport.get_json(f"/api/v1/checkpoints/{failed}/ancestors")["items"]:
-            if (c["id"] not in tried and c["status"] == "COMMITTED"
-                    and not any(t["name"] == "suspect" for t in c["tags"])):
-                return c["id"]
-        lg = self._last_good_id()
-        return lg if lg not in tried else 0
+    def _report_unusable(self, cid: int) -> None:
+        """Have the service re-verify the checkpoint: it re-hashes every file and reads every
+        shard's state, marks the checkpoint CORRUPT when anything is wrong and moves
+        last-good back. The client only reports; the service decides."""
+        try:
+            res = self.transport.verify(cid)
+        except ServiceError as e:
+            log.error("lastgood: verify of checkpoint %s failed: %s", cid, e)
+            return
+        if res.get("ok"):
+            log.error("lastgood: the service found checkpoint %s intact, but this job cannot use it; "
+                      "trying its ancestors", cid)
+
+    def _fallback(self, failed: int) -> int:
+        """The service's newest usable ancestor of the failed checkpoint (0: none left): the
+        same rule that moves last-good back when a checkpoint turns out CORRUPT."""
+        return self.transport.get_json(f"/api/v1/checkpoints/{failed}/ancestors").get("fallback_id") or 0
 
     def _try_fetch(self, cid: int):
         try:
             return self.OK, self._fetch(cid), None
-        except CorruptCheckpoint as e:
+        except (CorruptCheckpoint, FormatError) as e:  # bytes or state that are not the commit's
             return self.UNUSABLE, None, e
         except ServiceError as e:
-            if e.code in ("NOT_FOUND", "DATA_LOSS", 404, 409):  # a blob gone, or no longer committed
+            if e.code in DAMAGED:  # a blob or manifest gone or damaged, or no longer committed
                 return self.UNUSABLE, None, e
             return self.FAILED, None, e
         except Exception as e:  # noqa: BLE001 - agreed on with the other ranks, then raised

@@ -29,8 +29,9 @@ import numpy as np
 import torch
 
 from .errors import LastgoodError
+from .format import TENSOR_REFS
 
-_TAGS = ("__tensor__", "__dtensor__", "__ndarray__", "__tuple__", "__dict__", "__float__", "__np__", "__bytes__",
+_TAGS = (*TENSOR_REFS, "__tuple__", "__dict__", "__float__", "__np__", "__bytes__",
          "__dtype__", "__device__")
 
 

@@ -24,7 +24,9 @@ class CorruptCheckpoint(LastgoodError):
 
 
 class NoUsableCheckpoint(LastgoodError):
-    """Every candidate checkpoint of the run failed verification."""
+    """The run committed checkpoints, but every one restore could fall back to is damaged
+    (CORRUPT). A refusal, raised on every rank: restore never answers "no checkpoint" for
+    such a run, which would start the training over."""
 
 
 class FormatError(LastgoodError):

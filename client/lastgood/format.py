@@ -31,6 +31,12 @@ MAX_HEADER_VALUES = 2 ** 17  # JSON values, counted from the raw bytes (see _cou
 MAX_DIMS = 64              # dimensions of one tensor
 MAX_DIM = 2 ** 48          # elements along one dimension
 MAX_OFFSET = 2 ** 63 - 1   # a byte offset, as int64
+# The state document's nesting limit: far deeper than any state_dict (an optimizer's is
+# about 10 levels), and shallow enough that decoding it never runs into Python's recursion
+# limit (codec.decode takes up to two frames a level).
+MAX_STATE_DEPTH = 200
+# The codec's references from the state document into the tensor section (see codec.py).
+TENSOR_REFS = ("__tensor__", "__dtensor__", "__ndarray__")
 
 DTYPE_SIZES: dict[str, int] = {
     "F64": 8, "I64": 8, "U64": 8, "C64": 8,
@@ -185,3 +191,36 @@ def tensor_index(tensors: dict) -> dict[str, dict]:
         name: {"dtype": e["dtype"], "shape": e["shape"], "offsets": e["data_offsets"]}
         for name, e in sorted(tensors.items())
     }
+
+
+def parse_state(meta: dict[str, str], tensors: dict) -> dict:
+    """A shard's lastgood.state document, checked before anything is decoded from it: JSON,
+    an object, nested at most MAX_STATE_DEPTH deep, and every tensor reference naming a
+    tensor of this file (`tensors`, as parse_header returns them).
+
+    A committed shard can hash right and still fail here (it was uploaded that way); the
+    client then treats the checkpoint as damaged, and the service's verify, which runs
+    the same check, marks it CORRUPT. FormatError says what is wrong, bounded."""
+    text = meta.get(META_STATE)
+    if text is None:
+        raise FormatError(f"no {META_STATE} in the shard's metadata")
+    try:
+        state = json.loads(text)
+    except (ValueError, RecursionError) as e:  # not JSON, or nested beyond the parser's limit
+        raise FormatError(f"{META_STATE} is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
+    if not isinstance(state, dict):
+        raise FormatError(f"{META_STATE} is not a JSON object")
+    todo: list[tuple[object, int]] = [(state, 1)]  # iterative: the depth is what is checked
+    while todo:
+        node, depth = todo.pop()
+        if depth > MAX_STATE_DEPTH:
+            raise FormatError(f"{META_STATE} is nested more than {MAX_STATE_DEPTH} levels deep")
+        if isinstance(node, dict):
+            for tag in TENSOR_REFS:
+                if tag in node and (not isinstance(node[tag], str) or node[tag] not in tensors):
+                    raise FormatError(f"{META_STATE} refers to tensor {str(node[tag])[:200]!r}, "
+                                      f"which the shard does not hold")
+            todo.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            todo.extend((v, depth + 1) for v in node)
+    return state

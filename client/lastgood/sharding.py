@@ -11,7 +11,6 @@ same world size (one exact overlap: the rank's own shard) and at another one.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import torch
@@ -20,9 +19,9 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from .codec import ShardRef, _is_dtensor
-from .errors import CorruptCheckpoint, LastgoodError
-from .format import META_STATE, header_length, parse_header
+from .codec import ShardRef, _is_dtensor, decode
+from .errors import CorruptCheckpoint, FormatError, LastgoodError
+from .format import header_length, parse_header, parse_state
 from .state import tensor_from_buffer
 
 
@@ -32,7 +31,9 @@ def is_sharded(module: nn.Module) -> bool:
 
 @dataclass
 class StoredFile:
-    """One rank's shard file, downloaded and verified."""
+    """One rank's shard file, downloaded and verified: its bytes hash right, and its state
+    can be read (checked here, before the ranks agree on the checkpoint, so that a file
+    that cannot be applied is a damaged checkpoint to fall back from, on every rank)."""
 
     rank: int
     buf: memoryview
@@ -43,7 +44,11 @@ class StoredFile:
     def __post_init__(self) -> None:
         self.tensors, meta = parse_header(self.buf, file_size=len(self.buf))
         self.start = header_length(self.buf)
-        self.state = json.loads(meta[META_STATE])
+        self.state = parse_state(meta, self.tensors)
+        try:  # a dry run of the decode restore will do: the codec's own forms, nothing made
+            decode(self.state, lambda name, device: None, lambda name: None)
+        except Exception as e:  # noqa: BLE001 - whatever the codec chokes on is damage
+            raise FormatError(f"the shard's state cannot be decoded: {type(e).__name__}: {str(e)[:200]}") from None
 
     def tensor(self, name: str) -> torch.Tensor:
         return tensor_from_buffer(self.buf, self.tensors[name], self.start, None, copy=False)

@@ -33,7 +33,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 import grpc  # noqa: E402
 
 from . import wire
-from .errors import ServiceError
+from .errors import CorruptCheckpoint, NoUsableCheckpoint, ServiceError
 from .hashing import StreamHasher
 from .manifest import Manifest
 from .v1 import lastgood_pb2 as pb
@@ -44,6 +44,8 @@ log = logging.getLogger("lastgood")
 _RETRY = (grpc.StatusCode.UNAVAILABLE,)
 _SPOOL_WRITE = 8 * 1024 * 1024
 _LENT = re.compile(r"^\.out/[0-9a-f]{32}\.part$")
+# the service's answers to GET /runs/{run}/last-good that mean "nothing to restore"
+NO_CHECKPOINT = ("not_found", "no_checkpoint")
 
 
 # Channels still open when the interpreter finalizes are torn down in no set order with
@@ -148,11 +150,18 @@ class RestClient:
         return json.loads(self._request(method, path, None, body))
 
     def last_good(self, run: str) -> dict | None:
+        """The run's last-good (with its manifest, read and checked by the service), or None
+        when the service says the run has none: the run is unknown (`not_found`) or never
+        committed a checkpoint (`no_checkpoint`). A run whose checkpoints are all damaged
+        raises NoUsableCheckpoint, and every other failure raises: an error is never read
+        as "no checkpoint", which would start the training over."""
         try:
             return self.get_json(f"/api/v1/runs/{run}/last-good")
-        except ServiceError as e:
-            if e.code == 404:
+        except HttpError as e:
+            if e.status == 404 and e.reason in NO_CHECKPOINT:
                 return None
+            if e.reason == "no_usable_checkpoint":
+                raise NoUsableCheckpoint(e.detail) from None
             raise
 
     def committed(self, run: str, limit: int = 100) -> list[dict]:
@@ -347,14 +356,16 @@ class Transport(RestClient):
                     chunk = msg.chunk
                 n = len(chunk)
                 if pos + n > size:
-                    raise ServiceError(f"GetShard sent more than the manifest's {size} bytes for {file_name}")
+                    raise CorruptCheckpoint(f"checkpoint {checkpoint_id} rank {rank} {file_name}: the stored file is "
+                                            f"longer than the committed {size} bytes")
                 view[pos:pos + n] = chunk
                 hasher.update(chunk)
                 pos += n
         except grpc.RpcError as e:
             raise _service_error(e, "GetShard") from None
-        if pos != size:
-            raise ServiceError(f"GetShard ended after {pos} of {size} bytes of {file_name}")
+        if pos != size:  # the whole stored file came, without an error: it is shorter
+            raise CorruptCheckpoint(f"checkpoint {checkpoint_id} rank {rank} {file_name}: the stored file ends "
+                                    f"after {pos} of the committed {size} bytes")
         return view, hasher.hexdigest()
 
 
@@ -383,7 +394,8 @@ def _read_lent(spool_dir: str, name: str, view: memoryview, hasher: StreamHasher
             hasher.update(view[pos:pos + n])
             pos += n
         if pos == view.nbytes and os.read(fd, 1):
-            raise ServiceError(f"the spool file {name} is longer than the manifest says")
+            raise CorruptCheckpoint(f"the stored file lent as {name} is longer than the committed "
+                                    f"{view.nbytes} bytes")
         return pos
     finally:
         os.close(fd)

@@ -43,7 +43,7 @@ def test_two_ranks_commit_only_after_both_votes(service, client, run_name):
     view = checkpoint(service, cid)
     assert view["status"] == "PENDING" and view["manifest"] is None and view["last_good"] is False
     assert view["world_size"] == 2 and view["step"] == 10 and view["run"] == run_name
-    assert json_error(http(service).get(f"/api/v1/runs/{run_name}/last-good"), 404)["code"] == "not_found"
+    assert json_error(http(service).get(f"/api/v1/runs/{run_name}/last-good"), 404)["code"] == "no_checkpoint"
     assert json_error(_download(service, cid, 0, shard_name(0)), 409)["code"] == "failed_precondition"
     json_error(http(service).get(f"/api/v1/checkpoints/{cid}/manifest"), 409)
     rpc_error(SC.FAILED_PRECONDITION, client.manifest, cid)

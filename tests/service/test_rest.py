@@ -9,8 +9,8 @@ import pytest
 
 from lastgood.hashing import hash_bytes
 
-from .helpers import (Client, checkpoint, events, http, json_error, last_good_id, make_shard, shard_blob,
-                      shard_name)
+from .helpers import (Client, checkpoint, ckpt_dir, events, http, json_error, last_good_id, make_shard, rpc_error,
+                      shard_blob, shard_name)
 
 
 @pytest.fixture(scope="module")
@@ -222,11 +222,45 @@ def test_corruption_found_by_verify_moves_last_good_back(make_service, run_name)
     assert last_good_id(svc, run_name) == first
 
 
-    # a blob that is gone altogether is corruption too; with no good checkpoint left, no last-good
+    # a blob that is gone altogether is corruption too; with no good checkpoint left, no
+    # last-good, and the answer says so: not "no checkpoint", which would start a job over
     shard_blob(svc, first, 0).unlink()
     body = h.post(f"/api/v1/checkpoints/{first}/verify").json()
     assert body["ok"] is False and body["status"] == "CORRUPT" and body["bad"][0]["found"] == "missing"
-    assert last_good_id(svc, run_name) is None
+    err = json_error(h.get(f"/api/v1/runs/{run_name}/last-good"), 409)
+    assert err["code"] == "no_usable_checkpoint" and f"[{second}, {first}]" in err["message"]
+
+
+@pytest.mark.parametrize("damage", ["flip", "delete"])
+def test_a_damaged_manifest_of_last_good_answers_its_parent(service, client, run_name, damage):
+    """Reading last-good finds its manifest damaged: that checkpoint becomes CORRUPT and
+    the answer, on REST and gRPC alike, is the newest good ancestor, never an error (which
+    a client could only give up on) and never "no checkpoint" (which starts a job over)."""
+    first, _ = client.save(run_name, step=1)
+    second, _ = client.save(run_name, step=2, parent_id=first)
+    third, _ = client.save(run_name, step=3, parent_id=second)
+    for cid in (third, second):  # the first fallback is damaged too
+        path = ckpt_dir(service, cid) / "manifest.json"
+        if damage == "delete":
+            path.unlink()
+        else:
+            raw = bytearray(path.read_bytes())
+            raw[len(raw) // 2] ^= 0x01
+            path.write_bytes(bytes(raw))
+
+    lg = http(service).get(f"/api/v1/runs/{run_name}/last-good")
+    assert lg.status_code == 200, lg.text
+    assert lg.json()["id"] == first and lg.json()["manifest"]["checkpoint_id"] == first
+    assert [checkpoint(service, c)["status"] for c in (first, second, third)] == ["COMMITTED", "CORRUPT", "CORRUPT"]
+    assert client.manifest(0, run_name).checkpoint_id == first
+    assert http(service).get(f"/api/v1/checkpoints/{third}/ancestors").json()["fallback_id"] == first
+
+    # the last good one damaged as well: a refusal that says why, on REST and gRPC
+    (ckpt_dir(service, first) / "manifest.json").unlink()
+    err = json_error(http(service).get(f"/api/v1/runs/{run_name}/last-good"), 409)
+    assert err["code"] == "no_usable_checkpoint"
+    rpc_error(grpc.StatusCode.FAILED_PRECONDITION, client.manifest, 0, run_name)
+    assert http(service).get(f"/api/v1/checkpoints/{third}/ancestors").json()["fallback_id"] is None
 
 
 def test_download_of_a_vanished_blob_is_a_json_error(make_service, run_name):

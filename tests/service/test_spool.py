@@ -303,7 +303,7 @@ def test_a_same_host_reader_gets_a_link_instead_of_a_stream(svc, cl, run_name, m
 
 
 def test_the_client_reads_lent_files_only_from_the_spools_out_folder(tmp_path):
-    from lastgood.errors import ServiceError
+    from lastgood.errors import CorruptCheckpoint, ServiceError
     from lastgood.hashing import StreamHasher
     from lastgood.transport import _read_lent
 
@@ -311,10 +311,10 @@ def test_the_client_reads_lent_files_only_from_the_spools_out_folder(tmp_path):
     for name in ("../secret", "secret", ".out/../../secret", "/etc/passwd", ".out/" + "a" * 31 + ".part"):
         with pytest.raises(ServiceError, match="outside the spool"):
             _read_lent(str(tmp_path / "spool"), name, memoryview(bytearray(16)), StreamHasher())
-    # a lent file longer than the manifest says is refused
+    # a lent file longer than the manifest says is refused, as damage (restore falls back)
     (tmp_path / ".out").mkdir()
     (tmp_path / ".out" / ("b" * 32 + ".part")).write_bytes(b"x" * 17)
-    with pytest.raises(ServiceError, match="longer"):
+    with pytest.raises(CorruptCheckpoint, match="longer"):
         _read_lent(str(tmp_path), ".out/" + "b" * 32 + ".part", memoryview(bytearray(16)), StreamHasher())
 
 

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 
 from lastgood.errors import FormatError
-from lastgood.format import TensorSpec, parse_header, plan_layout
+from lastgood.format import MAX_STATE_DEPTH, META_STATE, TensorSpec, parse_header, parse_state, plan_layout
 from lastgood.staging import StagingPool, snapshot
 
 
@@ -89,3 +89,32 @@ def test_parse_header_rejects_absurd_header_length_and_bad_json():
         parse_header(struct.pack("<Q", 3) + b"{x}")
     with pytest.raises(FormatError, match="shorter"):
         parse_header(b"\x01\x02")
+
+
+# ---------------------------------------------------------------- the state document
+def _one_tensor():
+    return {"model.w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+
+
+def test_parse_state_reads_a_well_formed_state():
+    state = {"version": 1, "components": {"model": {"kind": "module", "state": {"w": {"__tensor__": "model.w"}}}}}
+    assert parse_state({META_STATE: json.dumps(state)}, _one_tensor()) == state
+
+
+@pytest.mark.parametrize("text, says", [
+    ('{"a": ', "not valid JSON"),
+    ("[" * 100_000 + "]" * 100_000, "not valid JSON"),      # beyond the JSON parser's own limit
+    ('{"a": ' + "[" * MAX_STATE_DEPTH + "]" * MAX_STATE_DEPTH + "}", "nested more than"),
+    ("[1, 2]", "not a JSON object"),
+    ('{"w": {"__tensor__": "model.gone"}}', "'model.gone'"),
+    ('{"w": {"__ndarray__": 5}}', "refers to tensor '5'"),
+    (None, "no lastgood.state"),
+])
+def test_parse_state_refuses_what_restore_could_not_apply(text, says):
+    with pytest.raises(FormatError, match=says):
+        parse_state({} if text is None else {META_STATE: text}, _one_tensor())
+
+
+def test_parse_state_takes_the_deepest_state_it_allows():
+    deep = '{"a": ' + "[" * (MAX_STATE_DEPTH - 2) + "]" * (MAX_STATE_DEPTH - 2) + "}"
+    assert parse_state({META_STATE: deep}, _one_tensor())["a"]

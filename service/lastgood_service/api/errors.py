@@ -8,6 +8,8 @@ import grpc
 from ..domain import errors as e
 
 TABLE: dict[type[e.DomainError], tuple[int, grpc.StatusCode, str]] = {
+    e.NoCheckpoint: (404, grpc.StatusCode.NOT_FOUND, "no_checkpoint"),
+    e.NoUsableCheckpoint: (409, grpc.StatusCode.FAILED_PRECONDITION, "no_usable_checkpoint"),
     e.NotFound: (404, grpc.StatusCode.NOT_FOUND, "not_found"),
     e.InvalidArgument: (400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
     e.Conflict: (409, grpc.StatusCode.ALREADY_EXISTS, "conflict"),

@@ -234,7 +234,8 @@ class Servicer(pb_grpc.CheckpointsServicer):
             cid = request.checkpoint_id
         elif request.run:
             self._allow(context, READER, run=request.run)
-            cid = self.queries.last_good(request.run)["id"]
+            view, body = self.queries.readable_last_good(request.run, self.commits.manifest_bytes)
+            return pb.GetManifestResponse(checkpoint_id=view["id"], step=view["step"], manifest=body)
         else:
             self._allow(context, READER)
             raise InvalidArgument("name a checkpoint_id or a run")

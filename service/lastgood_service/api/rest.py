@@ -208,8 +208,11 @@ def create_app(ctx: AppContext) -> FastAPI:
 
     @app.get("/api/v1/runs/{run}/last-good", tags=["runs"])
     def last_good(run: str):
-        view = ctx.queries.last_good(run)
-        view["manifest"] = _manifest_json(view["id"])
+        """The run's last-good with its manifest, checked; 404 `not_found`: no such run; 404
+        `no_checkpoint`: the run never committed one; 409 `no_usable_checkpoint`: it did,
+        but all are damaged (a refusal, not "start from scratch")."""
+        view, body = ctx.queries.readable_last_good(run, ctx.commits.manifest_bytes)
+        view["manifest"] = json.loads(body)
         return view
 
     @app.get("/api/v1/runs/{run}/events", tags=["runs"])

@@ -32,7 +32,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from lastgood import names
 from lastgood.errors import FormatError
-from lastgood.format import header_length, parse_header, tensor_index
+from lastgood.format import META_STATE, header_length, parse_header, parse_state, tensor_index
 from lastgood.hashing import StreamHasher, hash_bytes, is_valid_hex
 from lastgood.manifest import FileEntry, Manifest
 
@@ -42,9 +42,9 @@ from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, PENDING, SUSPECT, S
 from ..settings import Settings
 from . import keys
 from .gate import CatalogGate
-from .lineage import ancestors as lineage_ancestors
-from .errors import (Conflict, FailedPrecondition, HashMismatch, InvalidArgument, NotFound, OutOfRange,
-                     StoreFull, TooLarge)
+from .lineage import usable_ancestor
+from .errors import (Conflict, DamagedMismatch, DamagedMissing, FailedPrecondition, HashMismatch, InvalidArgument,
+                     NotFound, OutOfRange, StoreFull, TooLarge)
 
 log = logging.getLogger("lastgood.commit")
 
@@ -515,8 +515,10 @@ class CommitService:
 
     # ---------------------------------------------------------------- verification
     def verify(self, checkpoint_id: int) -> dict:
-        """Re-hash every shard of a committed checkpoint. A mismatch or a missing blob marks
-        it CORRUPT, records an event and moves last-good back to the newest good commit."""
+        """Re-hash every shard of a committed checkpoint, and read the state of every
+        lastgood shard as a restore would (format.parse_state). A mismatch, a missing blob
+        or a state that cannot be read marks it CORRUPT, records an event and moves
+        last-good back to the newest good commit."""
         with self.sessions() as s, s.begin():
             ck = self._get_checkpoint(s, checkpoint_id)
             if ck.status not in (COMMITTED, CORRUPT):
@@ -532,29 +534,23 @@ class CommitService:
             bad.append({"file": "manifest", "expected": ck.manifest_hash, "found": got})
         for sh in shards:
             h = StreamHasher()
+            head = _HeadReader(sh)
             try:
                 for chunk in self.blobs.get(sh.blob_key):
                     h.update(chunk)
+                    head.feed(chunk)
                 got = h.hexdigest() if h.size == sh.size else f"size {h.size}"
             except FileNotFoundError:
                 got = "missing"
             if got != sh.xxh3_128:
                 bad.append({"rank": sh.rank, "file": sh.file_name, "expected": sh.xxh3_128, "found": got})
+            elif (problem := head.state_problem()) is not None:
+                bad.append({"rank": sh.rank, "file": sh.file_name, "expected": "a readable lastgood.state",
+                            "found": problem})
         if bad:
             self._mark_corrupt(checkpoint_id, bad)
         return {"checkpoint_id": checkpoint_id, "ok": not bad, "files": len(shards), "bad": bad,
                 "status": CORRUPT if bad else ck.status}
-
-    @staticmethod
-    def _usable_ancestor(s: Session, ck: Checkpoint) -> int | None:
-        """I3 after a corruption: the newest committed, non-suspect checkpoint on ck's own
-        branch, i.e. up its parent chain (never a checkpoint of an abandoned branch)."""
-        suspect = set(s.scalars(select(Tag.checkpoint_id).where(Tag.run_id == ck.run_id, Tag.name == SUSPECT)))
-        status = dict(s.execute(select(Checkpoint.id, Checkpoint.status).where(Checkpoint.run_id == ck.run_id)).all())
-        for cid in lineage_ancestors(s, ck):
-            if status.get(cid) == COMMITTED and cid not in suspect:
-                return cid
-        return None
 
     def _mark_corrupt(self, checkpoint_id: int, bad: list[dict]) -> None:
         log.error("checkpoint %s is CORRUPT: %s", checkpoint_id, bad, extra={"checkpoint_id": checkpoint_id})
@@ -564,7 +560,7 @@ class CommitService:
             ck.status = CORRUPT
             run = s.get(Run, ck.run_id, with_for_update=True)
             if run.last_good_id == ck.id:
-                run.last_good_id = self._usable_ancestor(s, ck)
+                run.last_good_id = usable_ancestor(s, ck)
             if first:
                 add_event(s, "corrupt", ck.run_id, ck.id, bad=bad, last_good=run.last_good_id)
         self._notify()
@@ -618,10 +614,45 @@ class CommitService:
             body = self.blobs.read_all(key)
         except FileNotFoundError:
             self._mark_corrupt(checkpoint_id, [{"file": "manifest", "expected": want, "found": "missing"}])
-            raise NotFound(f"the manifest of checkpoint {checkpoint_id} is missing from the store; "
-                           f"the checkpoint is now CORRUPT") from None
+            raise DamagedMissing(f"the manifest of checkpoint {checkpoint_id} is missing from the store; "
+                                 f"the checkpoint is now CORRUPT") from None
         if hash_bytes(body) != want:
             self._mark_corrupt(checkpoint_id, [{"file": "manifest", "expected": want, "found": hash_bytes(body)}])
-            raise HashMismatch(f"the manifest of checkpoint {checkpoint_id} does not match its hash; "
-                               f"the checkpoint is now CORRUPT")
+            raise DamagedMismatch(f"the manifest of checkpoint {checkpoint_id} does not match its hash; "
+                                  f"the checkpoint is now CORRUPT")
         return body
+
+
+class _HeadReader:
+    """Keeps the first bytes of a .safetensors shard while verify hashes it, up to the end
+    of its header, to read the lastgood state there: the bytes may hash right and still
+    not be a state a restore can apply (they were uploaded that way)."""
+
+    def __init__(self, sh: Shard) -> None:
+        self.size = sh.size
+        self.want = sh.file_name.endswith(".safetensors")
+        self.buf = bytearray()
+        self.need = 8
+
+    def feed(self, chunk: bytes) -> None:
+        view = memoryview(chunk)
+        while self.want and view.nbytes and len(self.buf) < self.need:
+            take = self.need - len(self.buf)
+            self.buf += view[:take]
+            view = view[take:]
+            if self.need == 8 and len(self.buf) == 8:
+                try:
+                    self.need = header_length(self.buf)
+                except FormatError:  # state_problem() says so
+                    return
+
+    def state_problem(self) -> str | None:
+        if not self.want:
+            return None
+        try:
+            tensors, meta = parse_header(bytes(self.buf), file_size=self.size)
+            if META_STATE in meta:  # a shard with lastgood's state: a restore must be able to read it
+                parse_state(meta, tensors)
+        except FormatError as e:
+            return str(e)[:300]
+        return None

@@ -49,3 +49,25 @@ class StoreFull(DomainError):
 
 class Unavailable(DomainError):
     """The service cannot do this now (a clear reason says until when); clients retry."""
+
+
+class NoCheckpoint(NotFound):
+    """The run exists but never committed a checkpoint: a job starts from scratch."""
+
+
+class NoUsableCheckpoint(FailedPrecondition):
+    """The run committed checkpoints, but none is usable any more (all damaged): a refusal,
+    never to be read as "no checkpoint", which would start the training over."""
+
+
+class Damaged(DomainError):
+    """Stored bytes of a committed checkpoint are gone or differ from what was committed.
+    Raised once the checkpoint has been marked CORRUPT and last-good has moved back."""
+
+
+class DamagedMissing(NotFound, Damaged):
+    pass
+
+
+class DamagedMismatch(HashMismatch, Damaged):
+    pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
+from collections.abc import Callable
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -12,10 +13,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from lastgood import names
 
 from ..catalog.models import STATUSES, Checkpoint, Event, ReadLease, Run
-from ..catalog.models import DELETED, PENDING, Shard, Vote, utcnow
+from ..catalog.models import CORRUPT, DELETED, PENDING, Shard, Vote, utcnow
 from . import lineage
 from .gate import CatalogGate
-from .errors import InvalidArgument, NotFound
+from .errors import Damaged, FailedPrecondition, InvalidArgument, NoCheckpoint, NotFound, NoUsableCheckpoint
 from .lineage import tags_by_checkpoint
 from .retention import Retention
 
@@ -120,13 +121,42 @@ class Queries:
             return checkpoint_view(ck, run, tags_by_checkpoint(s, run, [ck.id]).get(ck.id, []))
 
     def last_good(self, run_name: str) -> dict:
+        """The run's last-good, or why there is none, three ways apart: the run does not
+        exist (NotFound), it never committed a checkpoint (NoCheckpoint), or it did and none
+        is usable any more (NoUsableCheckpoint: they were found damaged). A job starts from
+        scratch on the first two only."""
         self.gate.check()  # a catalog behind the store would hand out an older step as last-good
         with self.sessions() as s, s.begin():
             run = self._run(s, run_name)
             if run.last_good_id is None:
-                raise NotFound(f"run {run_name!r} has no committed checkpoint")
+                damaged = list(s.scalars(select(Checkpoint.id).where(Checkpoint.run_id == run.id,
+                                                                     Checkpoint.status == CORRUPT)
+                                         .order_by(Checkpoint.id.desc()).limit(10)))
+                if damaged or s.scalar(select(Checkpoint.id).where(Checkpoint.run_id == run.id,
+                                                                   Checkpoint.committed_at.is_not(None)).limit(1)):
+                    raise NoUsableCheckpoint(
+                        f"run {run_name!r} has committed checkpoints but none is usable: last-good was found damaged "
+                        f"and has no good ancestor (CORRUPT: {damaged}{', ...' if len(damaged) == 10 else ''}); "
+                        f"restore a checkpoint by id, or start a new run to train from scratch")
+                raise NoCheckpoint(f"run {run_name!r} has no committed checkpoint")
             ck = s.get(Checkpoint, run.last_good_id)
             return checkpoint_view(ck, run, tags_by_checkpoint(s, run, [ck.id]).get(ck.id, []))
+
+    def readable_last_good(self, run_name: str, manifest_bytes: Callable[[int], bytes]) -> tuple[dict, bytes]:
+        """The run's last-good and its manifest, read and checked (`manifest_bytes`,
+        CommitService's). A manifest found missing or damaged there marks its checkpoint
+        CORRUPT and moves last-good back to the newest usable ancestor, so the answer is
+        that ancestor, or NoUsableCheckpoint once none is left: never "no checkpoint" for
+        a run that had some. Each turn marks one more checkpoint CORRUPT, so it ends."""
+        seen: set[int] = set()
+        while True:
+            view = self.last_good(run_name)
+            try:
+                return view, manifest_bytes(view["id"])
+            except (Damaged, FailedPrecondition):  # FailedPrecondition: marked CORRUPT meanwhile
+                if view["id"] in seen:  # last-good did not move: not something to walk past
+                    raise
+                seen.add(view["id"])
 
     def pending_count(self) -> int:
         with self.sessions() as s, s.begin():
@@ -155,7 +185,9 @@ class Queries:
             ids = lineage.ancestors(s, ck)
             rows = {c.id: c for c in s.scalars(select(Checkpoint).where(Checkpoint.id.in_(ids)))}
             tags = tags_by_checkpoint(s, run, ids)
-            return {"checkpoint_id": ck.id, "items": [checkpoint_view(rows[i], run, tags.get(i, [])) for i in ids]}
+            # where a restore goes when this checkpoint is unusable (the service's one rule)
+            return {"checkpoint_id": ck.id, "fallback_id": lineage.usable_ancestor(s, ck),
+                    "items": [checkpoint_view(rows[i], run, tags.get(i, [])) for i in ids]}
 
     def events(self, run_name: str, limit: int = 100, offset: int = 0, kinds: list[str] | None = None) -> dict:
         """The run's events, oldest first; `kinds` keeps only those kinds (the web page's timeline)."""
