@@ -147,11 +147,16 @@ def test_chaos_cycles_keep_the_invariants(make_service, tmp_path):
 def test_control_the_checks_see_a_violation(make_service, tmp_path):
     """Control: a committed blob removed behind the service's back (not recorded as damage)
     must be reported, or the suite above would prove nothing."""
-    fig = run_chaos(make_service, tmp_path, 1, SEED)
-    assert not fig.violations and fig.acked
+    fig = Figures()
     svc = make_service(tmp_path / "svc", **ENV)
-    newest = max(cid for cid in fig.acked if ckpt_dir(svc, cid).exists())
-    next(ckpt_dir(svc, newest).glob("r1/*")).unlink()
+    with Client(svc.grpc_target) as c:
+        parent = 0
+        for step in (1, 2):
+            parent, _ = c.save("chaos-control", step, world_size=2, parent_id=parent)
+            fig.acked[parent] = ("chaos-control", step)
+    check(svc, fig)
+    assert not fig.violations, fig.violations
+    next(ckpt_dir(svc, parent).glob("r1/*")).unlink()
     check(svc, fig)
     assert any(v.startswith("I2") for v in fig.violations), fig.violations
 
@@ -183,7 +188,7 @@ def run_chaos(make_service, tmp_path, cycles: int, seed: int) -> Figures:
         for t in threads:
             t.start()
         time.sleep(rng.uniform(0.5, 2.5))
-        candidates = [cid for cid, (run, _) in fig.acked.items() if cid not in fig.damaged]
+        candidates = [cid for cid in fig.acked if cid not in fig.damaged and ckpt_dir(svc, cid).exists()]
         if candidates and svc.proc.poll() is None and rng.random() < 0.4:
             cid = rng.choice(candidates)
             try:
