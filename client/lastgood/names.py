@@ -1,26 +1,41 @@
-"""Validation of the user-chosen strings that cross the wire.
+"""Validation of the user-chosen values that cross the wire: names and integer bounds.
 
 Run names and shard file names are user strings. They are never used to build a storage
 key (keys derive from ids and hashes), but they appear in URLs and in file names on
 download, so they are restricted to a safe alphabet: no '/', no '..', no control bytes.
+Every pattern must match the *whole* value (`fullmatch`): `re.match(r"...$")` also
+accepts a trailing newline, and a committed file named `x\\n` could never be downloaded.
+
+Integers a client sends (ids, steps, ranks, sizes, offsets) are bounded here too, once, so
+that the REST models, the path parameters and the gRPC handlers refuse the same values
+before any of them reaches the catalog (SQLite and PostgreSQL integers are 64-bit signed).
 """
 
 from __future__ import annotations
 
 import re
 
-_RUN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_FILE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
-_ATTEMPT = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+_RUN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+_ATTEMPT = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+_SPOOL = re.compile(r"[0-9a-f]{32}\.part")  # a file a client hands over in the spool
+_LENT = re.compile(r"\.out/[0-9a-f]{32}\.part")  # a link the service lends, relative to the spool
+
+MAX_ID = 2**62      # checkpoint, lease and token ids; steps; byte offsets (headroom under int64)
+MAX_RANK = 2**31 - 1  # ranks and world sizes (int32)
 
 
-class InvalidName(ValueError):
+class InvalidValue(ValueError):
+    """A value outside the bounds the wire allows."""
+
+
+class InvalidName(InvalidValue):
     pass
 
 
 def _check(kind: str, value: object, pattern: re.Pattern[str], rule: str) -> str:
-    if not isinstance(value, str) or not pattern.match(value) or ".." in value:
-        raise InvalidName(f"invalid {kind} {value!r}: {rule}")
+    if not isinstance(value, str) or not pattern.fullmatch(value) or ".." in value:
+        raise InvalidName(f"invalid {kind} {value[:80] if isinstance(value, str) else value!r}: {rule}")
     return value
 
 
@@ -40,3 +55,18 @@ def check_file_name(value: object) -> str:
 
 def check_attempt(value: object) -> str:
     return _check("attempt", value, _ATTEMPT, "1-64 characters from A-Z a-z 0-9 . _ : -")
+
+
+def is_spool_name(value: object) -> bool:
+    return isinstance(value, str) and _SPOOL.fullmatch(value) is not None
+
+
+def is_lent_name(value: object) -> bool:
+    return isinstance(value, str) and _LENT.fullmatch(value) is not None
+
+
+def check_int(kind: str, value: object, high: int = MAX_ID, low: int = 0) -> int:
+    """`value` as an int within [low, high], else InvalidValue (a bool is not an int here)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise InvalidValue(f"{kind} must be an integer in {low}..{high}, got {str(value)[:40]}")
+    return value

@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import random
-import re
 import time
 import urllib.error
 import urllib.parse
@@ -32,7 +31,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import grpc  # noqa: E402
 
-from . import wire
+from . import names, wire
 from .errors import CorruptCheckpoint, NoUsableCheckpoint, ServiceError
 from .hashing import StreamHasher
 from .manifest import Manifest
@@ -43,7 +42,6 @@ CHUNK = 4 * 1024 * 1024
 log = logging.getLogger("lastgood")
 _RETRY = (grpc.StatusCode.UNAVAILABLE,)
 _SPOOL_WRITE = 8 * 1024 * 1024
-_LENT = re.compile(r"^\.out/[0-9a-f]{32}\.part$")
 # the service's answers to GET /runs/{run}/last-good that mean "nothing to restore"
 NO_CHECKPOINT = ("not_found", "no_checkpoint")
 
@@ -377,7 +375,7 @@ def _busy(e: grpc.RpcError) -> bool:
 def _read_lent(spool_dir: str, name: str, view: memoryview, hasher: StreamHasher) -> int:
     """Read a link the service made in its spool (the file, up to len(view) bytes and one
     more to notice a longer file) into `view`, hashing each piece; remove the link."""
-    if not _LENT.match(name):
+    if not names.is_lent_name(name):
         raise ServiceError(f"GetShard named a spool file {name[:80]!r} outside the spool's .out/")
     path = os.path.join(spool_dir, name)
     try:

@@ -24,7 +24,7 @@ MAX_PAGE = 1000
 MAX_LINEAGE = 10000
 # events that mean a save or a checkpoint went wrong: the runs overview counts the recent ones
 FAILURE_EVENTS = ("abort", "expired", "corrupt", "hash_mismatch")
-_EVENT_KIND = re.compile(r"^[a-z_]{1,32}$")
+_EVENT_KIND = re.compile(r"[a-z_]{1,32}")
 
 
 def _iso(t):
@@ -192,7 +192,7 @@ class Queries:
     def events(self, run_name: str, limit: int = 100, offset: int = 0, kinds: list[str] | None = None) -> dict:
         """The run's events, oldest first; `kinds` keeps only those kinds (the web page's timeline)."""
         _page(limit, offset)
-        if kinds is not None and (not kinds or not all(_EVENT_KIND.match(k) for k in kinds)):
+        if kinds is not None and (not kinds or not all(_EVENT_KIND.fullmatch(k) for k in kinds)):
             raise InvalidArgument("kind must be a comma list of event kinds such as spike,rollback,restart")
         with self.sessions() as s, s.begin():
             run = self._run(s, run_name)

@@ -25,7 +25,6 @@ someone else) is FAILED_PRECONDITION starting "spool:", and the client streams i
 from __future__ import annotations
 
 import os
-import re
 import secrets
 import shutil
 import stat
@@ -33,10 +32,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from lastgood import names
+
 from .errors import FailedPrecondition, InvalidArgument
 
 ID_FILE = ".lastgood-spool"
-_NAME = re.compile(r"^[0-9a-f]{32}\.part$")
 
 
 class Taken:
@@ -96,7 +96,7 @@ class Spool:
         if spool_id != self.id:
             raise FailedPrecondition("spool: the header names another spool (another host or data directory); "
                                      "stream the shard instead")
-        if not _NAME.match(name):
+        if not names.is_spool_name(name):
             raise InvalidArgument(f"spool_file must be 32 hex digits + '.part', got {name[:80]!r}")
         taken = self.taken_dir / f"{secrets.token_hex(16)}.part"
         try:
@@ -163,7 +163,7 @@ class Spool:
         """Remove client files never handed over (their writer died) older than max_age."""
         now, n = time.time(), 0
         for p in self.dir.iterdir():
-            if p.name.startswith(".") or not _NAME.match(p.name):
+            if p.name.startswith(".") or not names.is_spool_name(p.name):
                 continue
             try:
                 if now - p.lstat().st_mtime > max_age_seconds:
