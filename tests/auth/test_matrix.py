@@ -267,3 +267,43 @@ def test_the_client_carries_its_token_over_rest_and_grpc(world, tmp_path):
     reader.close()
     with pytest.raises(lastgood.ServiceError, match="401"):
         lastgood.Checkpointer(url, run="team-a-client").restore(lastgood.TrainState(model=fresh))
+
+
+# Issue 10 (1): pydantic reads these path segments as the id itself; the scope check once
+# skipped any segment that was not all digits, and a token scoped to other runs got through.
+SPELLINGS = ["+{}", "%20{}", "{}%20", "{}.0", "0_{}", "{}%0A"]
+ID_ROUTES = sorted(k for k, v in SPEC.items() if v != PUBLIC and v[1] in ("checkpoint", "lease"))
+
+
+def _id_url(world, method, path, spelling, lease_id):
+    url, body = _concrete(world, method, path) if "{lease_id}" not in path else (path, None)
+    raw = str(lease_id if "{lease_id}" in path else world["cid"])
+    url = url.replace("{lease_id}", raw)
+    return url.replace(f"/{raw}", "/" + spelling.format(raw), 1), body
+
+
+def test_every_id_spelling_is_the_id_itself(world):
+    """Control: each spelling reaches checkpoint `cid` for an unscoped caller, so that the
+    refusals below are the scope check and not a 422."""
+    h, cid = world["http"], world["cid"]
+    for spelling in SPELLINGS:
+        r = h.get("/api/v1/checkpoints/" + spelling.format(cid), headers=world["boot"])
+        assert r.status_code == 200 and r.json()["id"] == cid, (spelling, r.status_code, r.text[:200])
+
+
+@pytest.mark.parametrize("role", ["reader", "admin"])
+def test_scoped_tokens_are_refused_other_runs_whatever_the_id_spelling(world, role):
+    h, boot, cid = world["http"], world["boot"], world["cid"]
+    scoped = {"Authorization": f"Bearer {world['token_fn'](role, 'team-b-')['token']}"}
+    lease = h.post(f"/api/v1/checkpoints/{cid}/leases", json={}, headers=boot).json()["lease_id"]
+    failures, tried = [], 0
+    for (method, path), spelling in itertools.product(ID_ROUTES, SPELLINGS + ["{}"]):
+        url, body = _id_url(world, method, path, spelling, lease)
+        r = h.request(method, url, json=body, headers=scoped)
+        tried += 1
+        if r.status_code != 403 or r.json()["error"]["code"] != "permission_denied":
+            failures.append(f"{method} {url}: {r.status_code} {r.text[:120]}")
+    assert tried == len(ID_ROUTES) * 7 and not failures, "\n".join(failures)
+    ck = h.get(f"/api/v1/checkpoints/{cid}", headers=boot).json()
+    assert "pinned" not in [t["name"] for t in ck["tags"]]           # nothing changed
+    assert h.delete(f"/api/v1/leases/{lease}", headers=boot).status_code == 200  # the lease was never released

@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable
 
 from fastapi import Request
+from fastapi.dependencies.utils import request_params_to_args
 
 from ..domain.errors import PermissionDenied
 from ..domain.tokens import ADMIN, READER, WRITER, Principal, TokenStore
@@ -56,6 +57,19 @@ POLICY: dict[tuple[str, str], str | tuple[str, str]] = {
 }
 
 
+def parsed_path_params(request: Request) -> dict | None:
+    """The path parameters exactly as the handler will receive them, or None if they do not
+    validate. Scope checks must use these, never the raw segments: pydantic reads `+8`,
+    `%208`, `8.0`, `0_8` and `8%0A` as checkpoint 8, and a check on the raw text that let
+    those through reached other runs (issue 10). Parsing with the route's own fields keeps
+    one definition of what an id is."""
+    dependant = getattr(request.scope.get("route"), "dependant", None)
+    if dependant is None:
+        return None
+    values, errors = request_params_to_args(dependant.path_params, request.path_params)
+    return None if errors else values
+
+
 def make_authorizer(tokens: TokenStore, run_of_checkpoint: Callable[[int], str],
                     run_of_lease: Callable[[int], str]):
     """The app-wide dependency: authenticate, then check role and scope from POLICY."""
@@ -72,15 +86,17 @@ def make_authorizer(tokens: TokenStore, run_of_checkpoint: Callable[[int], str],
         tokens.require(principal, role)  # no lookups for callers without the role
         if principal.run_prefix is None:
             return  # unscoped: every run
-        params = request.path_params
         run = None
-        if scope == "run":
-            run = params["run"]
-        elif scope in ("checkpoint", "lease"):
-            raw = params["checkpoint_id" if scope == "checkpoint" else "lease_id"]
-            if not raw.isdigit() or len(raw) > 18:
-                return  # not an id: the route's validation answers 422 and the handler never runs
-            run = (run_of_checkpoint if scope == "checkpoint" else run_of_lease)(int(raw))
+        if scope in ("run", "checkpoint", "lease"):
+            params = parsed_path_params(request)
+            if params is None:  # fail closed: a scoped token never reaches a run it cannot name
+                raise PermissionDenied(f"token {principal.name!r} is limited to runs starting with "
+                                       f"{principal.run_prefix!r}, and this path names no valid run or id")
+            if scope == "run":
+                run = params["run"]
+            else:
+                lookup = run_of_checkpoint if scope == "checkpoint" else run_of_lease
+                run = lookup(params["checkpoint_id" if scope == "checkpoint" else "lease_id"])
         elif scope == "global":
             raise PermissionDenied(f"token {principal.name!r} is limited to runs starting with "
                                    f"{principal.run_prefix!r}; this operation spans every run")
