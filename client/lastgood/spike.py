@@ -23,7 +23,8 @@ service to mark everything saved after it `suspect` (never last-good again), tag
 in place; puts back the spike-time state of the data loaders and `extra` (the data cursor
 moves past the batches that preceded the spike; they are recorded, and a
 ResumableDistributedSampler never yields them again); and scales the learning rate by
-`lr_factor`. The next save starts a new branch.
+`lr_factor`. The next save starts a new branch. The events carry a non-finite loss or
+gradient norm as the string "nan", "inf" or "-inf" (lastgood.jsonvalues: JSON has no NaN).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import math
 import statistics
 from collections import deque
 
-from . import distributed
+from . import distributed, jsonvalues
 from .errors import LastgoodError
 from .sampler import ResumableDistributedSampler
 
@@ -72,7 +73,7 @@ class SpikeGuard:
         if x is None:
             return None
         if not math.isfinite(x):
-            return {"metric": name, "value": str(x), "reason": "not finite"}
+            return {"metric": name, "value": jsonvalues.carry(x), "reason": "not finite"}
         if len(win.values) >= self.min_history:
             z, med, mad = win.score(x)
             if z > self.threshold:
@@ -122,9 +123,10 @@ class SpikeGuard:
         skipped_ids = sorted({i for s, ids in self.batches if target["step"] < s <= step for i in ids})
         all_skipped = sorted(set(distributed.all_gather_ints(skipped_ids)))
         if self.ckpt.rank == reporter:  # the rank that saw the spike records it, with its numbers
-            data = {**found, "loss": loss if math.isfinite(loss) else str(loss), "grad_norm": grad_norm,
-                    "rank": reporter, "lr_factor": self.lr_factor, "rollback": self.rollbacks + 1,
-                    "skipped": {"steps": [target["step"] + 1, step], "samples": all_skipped}}
+            # strict JSON: a NaN or infinite loss or gradient norm goes as "nan", "inf", "-inf"
+            data = jsonvalues.carried({**found, "loss": loss, "grad_norm": grad_norm,
+                                       "rank": reporter, "lr_factor": self.lr_factor, "rollback": self.rollbacks + 1,
+                                       "skipped": {"steps": [target["step"] + 1, step], "samples": all_skipped}})
             self.ckpt.transport.post_json(f"/api/v1/runs/{self.ckpt.run}/rollback",
                                           {"target_id": target_id, "spike_step": step, "data": data})
         kept = {name: self.state._adapters[name].state_dict() if name in self.state._adapters else dict(self.state.extra)

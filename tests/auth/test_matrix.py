@@ -307,3 +307,18 @@ def test_scoped_tokens_are_refused_other_runs_whatever_the_id_spelling(world, ro
     ck = h.get(f"/api/v1/checkpoints/{cid}", headers=boot).json()
     assert "pinned" not in [t["name"] for t in ck["tags"]]           # nothing changed
     assert h.delete(f"/api/v1/leases/{lease}", headers=boot).status_code == 200  # the lease was never released
+
+
+# Issue 10 (9): with tokens required, only these answer without one (docs/security.md).
+PUBLIC_PATHS = {"/healthz", "/api/v1/info", "/", "/openapi.json", "/static/app.js", "/static/app.css"}
+
+
+def test_only_the_documented_routes_answer_without_a_token(world):
+    h = world["http"]
+    for path in PUBLIC_PATHS:
+        assert h.get(path).status_code == 200, path
+    for path in ("/docs", "/redoc", "/docs/oauth2-redirect"):  # off: they would load their UI from a CDN
+        assert h.get(path).status_code == 404, path
+    assert {k for k, v in POLICY.items() if v == PUBLIC} == {
+        ("GET", "/healthz"), ("GET", "/api/v1/info"), ("GET", "/"), ("GET", "/openapi.json")}
+    # every other route refuses an anonymous caller: test_rest_matrix["none"] covers each one

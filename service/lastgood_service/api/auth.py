@@ -25,7 +25,8 @@ _CONVERTER = re.compile(r"\{(\w+):\w+\}")
 POLICY: dict[tuple[str, str], str | tuple[str, str]] = {
     ("GET", "/healthz"): PUBLIC,
     ("GET", "/api/v1/info"): PUBLIC,           # where the gRPC endpoint is; no data
-    ("GET", "/"): PUBLIC,                      # the web page; its API calls carry tokens
+    ("GET", "/"): PUBLIC,                      # the web page (and /static/*); its API calls carry tokens
+    ("GET", "/openapi.json"): PUBLIC,          # the API's shape, the same for every deployment; no data
     ("GET", "/metrics"): (READER, "global"),
     ("GET", "/api/v1/runs"): (READER, "list"),
     ("GET", "/api/v1/runs/{run}"): (READER, "run"),

@@ -17,15 +17,16 @@ from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.responses import FileResponse
+from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lastgood import names
+from lastgood import jsonvalues, names
 
 from .. import __version__
 from ..domain.commit import CommitService
-from ..domain.curation import Curator
+from ..domain.curation import MAX_LEASE_SECONDS, Curator
 from ..domain.gc import GarbageCollector
 from ..domain.errors import DomainError, InvalidArgument, OutOfRange
 from ..domain.faults import as_domain_error
@@ -58,15 +59,17 @@ class TagBody(BaseModel):
 
 
 class RollbackBody(BaseModel):
-    target_id: int = Field(ge=1, description="the checkpoint training returns to")
-    spike_step: int = Field(ge=0, description="the step at which the spike was seen")
-    data: dict = Field(default_factory=dict, description="the guard's numbers: loss, median, mad, threshold, ...")
+    target_id: int = Field(ge=1, le=names.MAX_ID, description="the checkpoint training returns to")
+    spike_step: int = Field(ge=0, le=names.MAX_ID, description="the step at which the spike was seen")
+    data: dict = Field(default_factory=dict, description="the guard's numbers: loss, median, mad, threshold, ... "
+                                                         "(strict JSON: a non-finite number is sent as \"nan\", "
+                                                         "\"inf\" or \"-inf\")")
 
 
 class EventBody(BaseModel):
-    kind: str
-    checkpoint_id: int | None = None
-    data: dict = Field(default_factory=dict)
+    kind: str = Field(description="spike, restart or note")
+    checkpoint_id: int | None = Field(None, ge=1, le=names.MAX_ID)
+    data: dict = Field(default_factory=dict, description="strict JSON, at most 32 levels deep")
 
 
 class TokenBody(BaseModel):
@@ -77,7 +80,60 @@ class TokenBody(BaseModel):
 
 class LeaseBody(BaseModel):
     holder: str = Field("client", max_length=128)
-    seconds: float = Field(600.0, description="how long the lease lasts, 1 s to 24 h")
+    seconds: float = Field(600.0, ge=1, le=MAX_LEASE_SECONDS, description="how long the lease lasts, 1 s to 24 h")
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="not_found, invalid_argument, invalid_request, conflict, ...")
+    message: str
+
+
+class ErrorBody(BaseModel):
+    """Every error answer's body."""
+    error: ErrorDetail
+
+
+_MEANING = {
+    400: "invalid argument (a name, a status, a Range header, ...)",
+    401: "no valid token (only when tokens are required)",
+    403: "the token's role or run scope does not allow this",
+    404: "no such run, checkpoint, lease, token, tag or file",
+    409: "the checkpoint is not in a state that allows this, or it conflicts with what is recorded",
+    413: "request body over the service's limit",
+    416: "the Range is outside the file",
+    422: "the request does not validate (types, bounds, strict JSON), or a stored hash does not match",
+}
+
+
+def answers(*codes: int, params: bool = True) -> dict:
+    """The error statuses a route declares in the OpenAPI document, with the shared body:
+    `codes`, plus 422 for a route with parameters or a body and 401/403 (every route that
+    does not declare its own `responses` is public)."""
+    codes = set(codes) | {401, 403} | ({422} if params else set())
+    return {c: {"model": ErrorBody, "description": _MEANING[c]} for c in sorted(codes)}
+
+
+class StrictJSONRequest(Request):
+    """A request whose JSON body is strict (lastgood.jsonvalues): non-finite numbers, text
+    that is not UTF-8 and deep nesting are refused with 422 before any handler sees them."""
+
+    async def json(self):
+        if not hasattr(self, "_json"):
+            try:
+                self._json = jsonvalues.loads(await self.body())
+            except jsonvalues.InvalidJSON as e:
+                raise json.JSONDecodeError(str(e), "", 0) from None  # FastAPI answers it with 422
+        return self._json
+
+
+class StrictJSONRoute(APIRoute):
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def strict(request: Request):
+            return await handler(StrictJSONRequest(request.scope, request.receive))
+
+        return strict
 
 
 def _error(status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
@@ -109,8 +165,9 @@ def parse_range(header: str, size: int) -> tuple[int, int]:
 
 
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE)]
-Offset = Annotated[int, Query(ge=0, le=2**62)]
-CkptId = Annotated[int, Path(ge=1, le=2**62)]
+Offset = Annotated[int, Query(ge=0, le=names.MAX_ID)]
+Id = Annotated[int, Path(ge=1, le=names.MAX_ID)]  # checkpoint, lease and token ids
+CkptId = Id
 
 # The web page (static/: plain files, no build step, no CDN). Scripts and styles come from
 # our own files only, so user strings that slip into markup could never run.
@@ -135,8 +192,12 @@ class UIFiles(StaticFiles):
 
 def create_app(ctx: AppContext) -> FastAPI:
     authorize = make_authorizer(ctx.tokens, ctx.queries.run_of_checkpoint, ctx.queries.run_of_lease)
+    # No /docs or /redoc: they load Swagger UI and ReDoc from a CDN, which the page's CSP
+    # and offline deployments rule out. /openapi.json stays public (docs/security.md).
     app = FastAPI(title="lastgood", version=__version__, dependencies=[Depends(authorize)],
+                  docs_url=None, redoc_url=None,
                   description="Checkpoint store for PyTorch training: runs, checkpoints, last-good, downloads.")
+    app.router.route_class = StrictJSONRoute
 
     @app.exception_handler(DomainError)
     async def _domain(_req: Request, exc: DomainError):
@@ -145,7 +206,9 @@ def create_app(ctx: AppContext) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req: Request, exc: RequestValidationError):
-        parts = [f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg')}" for err in exc.errors()]
+        parts = [f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('ctx', {}).get('error') or err.get('msg')}"
+                 if err.get("type") == "json_invalid" else
+                 f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg')}" for err in exc.errors()]
         return _error(422, "invalid_request", "; ".join(parts) or "invalid request")
 
     @app.exception_handler(Exception)
@@ -159,7 +222,7 @@ def create_app(ctx: AppContext) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req: Request, exc: StarletteHTTPException):
-        return _error(exc.status_code, "http_error", str(exc.detail))
+        return _error(exc.status_code, "http_error", str(exc.detail), exc.headers)  # 405 keeps its Allow
 
     @app.get("/healthz", tags=["ops"])
     def healthz():
@@ -173,22 +236,22 @@ def create_app(ctx: AppContext) -> FastAPI:
                 "max_chunk_bytes": s.max_chunk_bytes, "max_shard_bytes": s.max_shard_bytes,
                 "lease_seconds": s.lease_seconds, "spool": ctx.spool.info() if ctx.spool else None}
 
-    @app.get("/api/v1/runs", tags=["runs"])
+    @app.get("/api/v1/runs", tags=["runs"], responses=answers(400))
     def list_runs(request: Request, limit: Limit = 100, offset: Offset = 0):
         principal = getattr(request.state, "principal", None)
         return ctx.queries.list_runs(limit, offset, principal.run_prefix if principal else None)
 
-    @app.get("/api/v1/tokens", tags=["tokens"])
+    @app.get("/api/v1/tokens", tags=["tokens"], responses=answers(params=False))
     def list_tokens():
         return {"items": ctx.tokens.list()}
 
-    @app.post("/api/v1/tokens", tags=["tokens"])
+    @app.post("/api/v1/tokens", tags=["tokens"], responses=answers(400, 413))
     def create_token(body: TokenBody):
         """The token is in the answer, once: only its hash is stored."""
         return ctx.tokens.create(body.name, body.role, body.run_prefix)
 
-    @app.delete("/api/v1/tokens/{token_id}", tags=["tokens"])
-    def revoke_token(token_id: Annotated[int, Path(ge=1, le=2**62)]):
+    @app.delete("/api/v1/tokens/{token_id}", tags=["tokens"], responses=answers(404))
+    def revoke_token(token_id: Id):
         return ctx.tokens.revoke(token_id)
 
     @app.get("/metrics", tags=["ops"], include_in_schema=False)
@@ -198,15 +261,15 @@ def create_app(ctx: AppContext) -> FastAPI:
         body, content_type = ctx.metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.get("/api/v1/runs/{run}", tags=["runs"])
+    @app.get("/api/v1/runs/{run}", tags=["runs"], responses=answers(400, 404))
     def get_run(run: str):
         return ctx.queries.get_run(run)
 
-    @app.get("/api/v1/runs/{run}/checkpoints", tags=["runs"])
+    @app.get("/api/v1/runs/{run}/checkpoints", tags=["runs"], responses=answers(400, 404))
     def list_checkpoints(run: str, status: str | None = None, limit: Limit = 100, offset: Offset = 0):
         return ctx.queries.list_checkpoints(run, status, limit, offset)
 
-    @app.get("/api/v1/runs/{run}/last-good", tags=["runs"])
+    @app.get("/api/v1/runs/{run}/last-good", tags=["runs"], responses=answers(400, 404, 409))
     def last_good(run: str):
         """The run's last-good with its manifest, checked; 404 `not_found`: no such run; 404
         `no_checkpoint`: the run never committed one; 409 `no_usable_checkpoint`: it did,
@@ -215,7 +278,7 @@ def create_app(ctx: AppContext) -> FastAPI:
         view["manifest"] = json.loads(body)
         return view
 
-    @app.get("/api/v1/runs/{run}/events", tags=["runs"])
+    @app.get("/api/v1/runs/{run}/events", tags=["runs"], responses=answers(400, 404))
     def events(run: str, limit: Limit = 100, offset: Offset = 0,
                kind: Annotated[str | None, Query(max_length=400, description="comma list of kinds")] = None):
         return ctx.queries.events(run, limit, offset, kind.split(",") if kind is not None else None)
@@ -223,55 +286,56 @@ def create_app(ctx: AppContext) -> FastAPI:
     def _manifest_json(cid: int):
         return json.loads(ctx.commits.manifest_bytes(cid))
 
-    @app.get("/api/v1/runs/{run}/lineage", tags=["lineage"])
+    @app.get("/api/v1/runs/{run}/lineage", tags=["lineage"], responses=answers(400, 404))
     def run_lineage(run: str, limit: Annotated[int, Query(ge=1, le=10000)] = 10000, offset: Offset = 0):
         """The run's checkpoint tree: nodes (step, status, branch, tags, bytes, durations) and parent edges."""
         return ctx.queries.lineage(run, limit, offset)
 
-    @app.get("/api/v1/checkpoints/{checkpoint_id}/ancestors", tags=["lineage"])
+    @app.get("/api/v1/checkpoints/{checkpoint_id}/ancestors", tags=["lineage"], responses=answers(404))
     def ancestors(checkpoint_id: CkptId):
         return ctx.queries.ancestors(checkpoint_id)
 
-    @app.post("/api/v1/checkpoints/{checkpoint_id}/tags", tags=["tags"])
+    @app.post("/api/v1/checkpoints/{checkpoint_id}/tags", tags=["tags"], responses=answers(400, 404, 409, 413))
     def set_tag(checkpoint_id: CkptId, body: TagBody):
         return ctx.curator.set_tag(checkpoint_id, body.name, body.alias)
 
-    @app.delete("/api/v1/checkpoints/{checkpoint_id}/tags/{name:path}", tags=["tags"])  # tags may hold '/'
+    @app.delete("/api/v1/checkpoints/{checkpoint_id}/tags/{name:path}", tags=["tags"],  # tags may hold '/'
+                responses=answers(400, 404))
     def remove_tag(checkpoint_id: CkptId, name: str):
         return ctx.curator.remove_tag(checkpoint_id, name)
 
-    @app.put("/api/v1/checkpoints/{checkpoint_id}/pin", tags=["tags"])
+    @app.put("/api/v1/checkpoints/{checkpoint_id}/pin", tags=["tags"], responses=answers(404, 409))
     def pin(checkpoint_id: CkptId):
         return ctx.curator.pin(checkpoint_id, True)
 
-    @app.delete("/api/v1/checkpoints/{checkpoint_id}/pin", tags=["tags"])
+    @app.delete("/api/v1/checkpoints/{checkpoint_id}/pin", tags=["tags"], responses=answers(404, 409))
     def unpin(checkpoint_id: CkptId):
         return ctx.curator.pin(checkpoint_id, False)
 
-    @app.post("/api/v1/runs/{run}/rollback", tags=["lineage"])
+    @app.post("/api/v1/runs/{run}/rollback", tags=["lineage"], responses=answers(400, 404, 409, 413))
     def rollback(run: str, body: RollbackBody):
         """Mark what followed the target suspect, tag the target rollback-target, move last-good back."""
         return ctx.curator.rollback(run, body.target_id, body.spike_step, body.data)
 
-    @app.post("/api/v1/runs/{run}/events", tags=["runs"])
+    @app.post("/api/v1/runs/{run}/events", tags=["runs"], responses=answers(400, 404, 413))
     def record_event(run: str, body: EventBody):
         return ctx.curator.record_event(run, body.kind, body.checkpoint_id, body.data)
 
-    @app.post("/api/v1/checkpoints/{checkpoint_id}/leases", tags=["checkpoints"])
+    @app.post("/api/v1/checkpoints/{checkpoint_id}/leases", tags=["checkpoints"], responses=answers(400, 404, 409, 413))
     def acquire_lease(checkpoint_id: CkptId, body: LeaseBody):
         """Keep the checkpoint's blobs from GC while a restore or download reads them."""
         return ctx.curator.acquire_lease(checkpoint_id, body.holder, body.seconds)
 
-    @app.delete("/api/v1/leases/{lease_id}", tags=["checkpoints"])
-    def release_lease(lease_id: Annotated[int, Path(ge=1, le=2**62)]):
+    @app.delete("/api/v1/leases/{lease_id}", tags=["checkpoints"], responses=answers(404))
+    def release_lease(lease_id: Id):
         return ctx.curator.release_lease(lease_id)
 
-    @app.get("/api/v1/gc/plan", tags=["gc"])
+    @app.get("/api/v1/gc/plan", tags=["gc"], responses=answers(params=False))
     def gc_plan():
         """A dry run: what GC would delete now, and the bytes it would free."""
         return ctx.gc.plan().to_dict()
 
-    @app.post("/api/v1/gc", tags=["gc"])
+    @app.post("/api/v1/gc", tags=["gc"], responses=answers())
     def gc_run(dry_run: bool = False):
         plan = ctx.gc.plan()
         out = {"plan": plan.to_dict(), "dry_run": dry_run}
@@ -279,23 +343,24 @@ def create_app(ctx: AppContext) -> FastAPI:
             out["result"] = ctx.gc.execute(plan)
         return out
 
-    @app.get("/api/v1/checkpoints/{checkpoint_id}", tags=["checkpoints"])
+    @app.get("/api/v1/checkpoints/{checkpoint_id}", tags=["checkpoints"], responses=answers(404, 409))
     def get_checkpoint(checkpoint_id: CkptId):
         view = ctx.queries.get_checkpoint(checkpoint_id)
         view["manifest"] = _manifest_json(checkpoint_id) if view["status"] == "COMMITTED" else None
         return view
 
-    @app.get("/api/v1/checkpoints/{checkpoint_id}/manifest", tags=["checkpoints"])
+    @app.get("/api/v1/checkpoints/{checkpoint_id}/manifest", tags=["checkpoints"], responses=answers(404, 409))
     def get_manifest(checkpoint_id: CkptId):
         return Response(ctx.commits.manifest_bytes(checkpoint_id), media_type="application/json")
 
-    @app.post("/api/v1/checkpoints/{checkpoint_id}/verify", tags=["checkpoints"])
+    @app.post("/api/v1/checkpoints/{checkpoint_id}/verify", tags=["checkpoints"], responses=answers(404, 409))
     def verify(checkpoint_id: CkptId):
         """Re-hash every shard; a mismatch marks the checkpoint CORRUPT and moves last-good back."""
         return ctx.commits.verify(checkpoint_id)
 
-    @app.get("/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/files/{file_name}", tags=["checkpoints"])
-    def download(request: Request, checkpoint_id: CkptId, rank: Annotated[int, Path(ge=0, le=2**31)],
+    @app.get("/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/files/{file_name}", tags=["checkpoints"],
+             responses=answers(400, 404, 409, 416))
+    def download(request: Request, checkpoint_id: CkptId, rank: Annotated[int, Path(ge=0, le=names.MAX_RANK)],
                  file_name: str):
         try:
             names.check_file_name(file_name)
@@ -319,18 +384,18 @@ def create_app(ctx: AppContext) -> FastAPI:
                                           "Content-Range": f"bytes {start}-{end - 1}/{sh.size}"})
 
     # ---------------------------------------------------------------- the web page and its read-only views
-    @app.get("/api/v1/overview", tags=["runs"])
+    @app.get("/api/v1/overview", tags=["runs"], responses=answers(400))
     def overview(request: Request, limit: Limit = 100, offset: Offset = 0):
         """Runs with bytes stored, last activity, pending saves and recent failures (the page's runs list)."""
         principal = getattr(request.state, "principal", None)
         return ctx.queries.overview(limit, offset, getattr(principal, "run_prefix", None))
 
-    @app.get("/api/v1/gc/policy", tags=["gc"])
+    @app.get("/api/v1/gc/policy", tags=["gc"], responses=answers(params=False))
     def gc_policy():
         """The retention policy in force, the grace period and the GC interval."""
         return gc_policy_view(ctx.gc.retention, ctx.gc.grace.total_seconds(), ctx.commits.settings.gc_interval)
 
-    @app.get("/api/v1/checkpoints/{checkpoint_id}/shards", tags=["checkpoints"])
+    @app.get("/api/v1/checkpoints/{checkpoint_id}/shards", tags=["checkpoints"], responses=answers(404))
     def shards(checkpoint_id: CkptId):
         """Per rank, the files the catalog holds (size, xxh3-128, state), whatever the checkpoint's status."""
         return ctx.queries.shards(checkpoint_id)

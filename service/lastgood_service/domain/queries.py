@@ -10,7 +10,7 @@ from collections.abc import Callable
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from lastgood import names
+from lastgood import jsonvalues, names
 
 from ..catalog.models import STATUSES, Checkpoint, Event, ReadLease, Run
 from ..catalog.models import CORRUPT, DELETED, PENDING, Shard, Vote, utcnow
@@ -40,6 +40,15 @@ def checkpoint_view(ck: Checkpoint, run: Run, tags: list[dict] | None = None) ->
         "last_good": run.last_good_id == ck.id,
         "tags": tags if tags is not None else [],
     }
+
+
+def _event_data(text: str):
+    """An event's data as strict JSON can carry it, whatever an older service stored: NaN,
+    Infinity or a lone surrogate in one row once made every read of the run's events fail."""
+    try:
+        return jsonvalues.carried(json.loads(text))
+    except (ValueError, RecursionError):
+        return {"unreadable": jsonvalues.carried(text[:200])}
 
 
 def _page(limit: int, offset: int) -> None:
@@ -202,7 +211,7 @@ class Queries:
             total = s.scalar(select(func.count()).select_from(q.subquery()))
             rows = s.scalars(q.order_by(Event.at, Event.id).limit(limit).offset(offset))
             items = [{"id": e.id, "kind": e.kind, "at": _iso(e.at), "checkpoint_id": e.checkpoint_id,
-                      "data": json.loads(e.data_json)} for e in rows]
+                      "data": _event_data(e.data_json)} for e in rows]
         return {"items": items, "total": total, "limit": limit, "offset": offset}
 
     # ---------------------------------------------------------------- the web page's views
