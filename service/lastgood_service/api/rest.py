@@ -17,12 +17,11 @@ from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.responses import FileResponse
-from fastapi.routing import APIRoute
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lastgood import jsonvalues, names
+from lastgood import names
 
 from .. import __version__
 from ..domain.commit import CommitService
@@ -36,6 +35,7 @@ from ..domain.spool import Spool
 from ..domain.tokens import TokenStore
 from ..metrics import Metrics
 from .auth import make_authorizer
+from .contract import StrictJSONRoute, answers, problem
 from .errors import bounded, lookup
 
 log = logging.getLogger("lastgood.rest")
@@ -81,59 +81,6 @@ class TokenBody(BaseModel):
 class LeaseBody(BaseModel):
     holder: str = Field("client", max_length=128)
     seconds: float = Field(600.0, ge=1, le=MAX_LEASE_SECONDS, description="how long the lease lasts, 1 s to 24 h")
-
-
-class ErrorDetail(BaseModel):
-    code: str = Field(description="not_found, invalid_argument, invalid_request, conflict, ...")
-    message: str
-
-
-class ErrorBody(BaseModel):
-    """Every error answer's body."""
-    error: ErrorDetail
-
-
-_MEANING = {
-    400: "invalid argument (a name, a status, a Range header, ...)",
-    401: "no valid token (only when tokens are required)",
-    403: "the token's role or run scope does not allow this",
-    404: "no such run, checkpoint, lease, token, tag or file",
-    409: "the checkpoint is not in a state that allows this, or it conflicts with what is recorded",
-    413: "request body over the service's limit",
-    416: "the Range is outside the file",
-    422: "the request does not validate (types, bounds, strict JSON), or a stored hash does not match",
-}
-
-
-def answers(*codes: int, params: bool = True) -> dict:
-    """The error statuses a route declares in the OpenAPI document, with the shared body:
-    `codes`, plus 422 for a route with parameters or a body and 401/403 (every route that
-    does not declare its own `responses` is public)."""
-    codes = set(codes) | {401, 403} | ({422} if params else set())
-    return {c: {"model": ErrorBody, "description": _MEANING[c]} for c in sorted(codes)}
-
-
-class StrictJSONRequest(Request):
-    """A request whose JSON body is strict (lastgood.jsonvalues): non-finite numbers, text
-    that is not UTF-8 and deep nesting are refused with 422 before any handler sees them."""
-
-    async def json(self):
-        if not hasattr(self, "_json"):
-            try:
-                self._json = jsonvalues.loads(await self.body())
-            except jsonvalues.InvalidJSON as e:
-                raise json.JSONDecodeError(str(e), "", 0) from None  # FastAPI answers it with 422
-        return self._json
-
-
-class StrictJSONRoute(APIRoute):
-    def get_route_handler(self):
-        handler = super().get_route_handler()
-
-        async def strict(request: Request):
-            return await handler(StrictJSONRequest(request.scope, request.receive))
-
-        return strict
 
 
 def _error(status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
@@ -206,10 +153,7 @@ def create_app(ctx: AppContext) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req: Request, exc: RequestValidationError):
-        parts = [f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('ctx', {}).get('error') or err.get('msg')}"
-                 if err.get("type") == "json_invalid" else
-                 f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg')}" for err in exc.errors()]
-        return _error(422, "invalid_request", "; ".join(parts) or "invalid request")
+        return _error(422, "invalid_request", "; ".join(map(problem, exc.errors())) or "invalid request")
 
     @app.exception_handler(Exception)
     async def _unexpected(_req: Request, exc: Exception):  # a full disk by its name; never a plain-text 500

@@ -1,0 +1,72 @@
+"""What the REST API promises every caller: strict JSON request bodies, one error body,
+and the error statuses each route declares in the OpenAPI document (docs/security.md)."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import Request
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, Field
+
+from lastgood import jsonvalues
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="not_found, invalid_argument, invalid_request, conflict, ...")
+    message: str
+
+
+class ErrorBody(BaseModel):
+    """Every error answer's body."""
+    error: ErrorDetail
+
+
+_MEANING = {
+    400: "invalid argument (a name, a status, a Range header, ...)",
+    401: "no valid token (only when tokens are required)",
+    403: "the token's role or run scope does not allow this",
+    404: "no such run, checkpoint, lease, token, tag or file",
+    409: "the checkpoint is not in a state that allows this, or it conflicts with what is recorded",
+    413: "request body over the service's limit",
+    416: "the Range is outside the file",
+    422: "the request does not validate (types, bounds, strict JSON), or a stored hash does not match",
+}
+
+
+def answers(*codes: int, params: bool = True) -> dict:
+    """The error statuses a route declares in the OpenAPI document, with the shared body:
+    `codes`, plus 422 for a route with parameters or a body and 401/403 (every route that
+    does not declare its own `responses` is public)."""
+    codes = set(codes) | {401, 403} | ({422} if params else set())
+    return {c: {"model": ErrorBody, "description": _MEANING[c]} for c in sorted(codes)}
+
+
+class StrictJSONRequest(Request):
+    """A request whose JSON body is strict (lastgood.jsonvalues): non-finite numbers, text
+    that is not UTF-8 and deep nesting are refused with 422 before any handler sees them."""
+
+    async def json(self):
+        if not hasattr(self, "_json"):
+            try:
+                self._json = jsonvalues.loads(await self.body())
+            except jsonvalues.InvalidJSON as e:
+                raise json.JSONDecodeError(str(e), "", 0) from None  # FastAPI answers it with 422
+        return self._json
+
+
+class StrictJSONRoute(APIRoute):
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def strict(request: Request):
+            return await handler(StrictJSONRequest(request.scope, request.receive))
+
+        return strict
+
+
+def problem(err: dict) -> str:
+    """One validation error as `where: what`; a body that is not strict JSON says why."""
+    if err.get("type") == "json_invalid":
+        return f"body: {(err.get('ctx') or {}).get('error') or err.get('msg')}"
+    return f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg')}"
