@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 SERVICE_STAMP := $(VENV)/.installed-service
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: run test test-fast demo bench chaos screenshot proto clean
+.PHONY: run test test-fast demo bench chaos screenshot proto clean fuzz
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,13 @@ test-fast: $(DEV_STAMP)
 
 demo: $(DEV_STAMP)
 	$(BIN)/python examples/gpt/demo.py
+
+# the REST fuzz at full size: 10,000 generated cases per auth mode (tokens off, tokens on),
+# a fresh seed each time; `make test` runs the same test with 300 cases and a fixed seed
+FUZZ_CASES ?= 10000
+fuzz: $(DEV_STAMP)
+	LASTGOOD_FUZZ_CASES=$(FUZZ_CASES) LASTGOOD_FUZZ_SEED=$${LASTGOOD_FUZZ_SEED:-$$(date +%s)} \
+		$(BIN)/python -m pytest -m fuzz -q -s -o timeout=3600 tests/fuzz
 
 # the full benchmark against the peers and the limits (about 20 minutes; see bench/README.md)
 bench: $(DEV_STAMP)
