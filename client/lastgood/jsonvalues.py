@@ -58,9 +58,12 @@ def loads(data: bytes | str):
 
 
 def check(value, depth: int = 0) -> None:
-    """InvalidJSON unless `value` holds only finite numbers, UTF-8 text and MAX_DEPTH levels."""
-    if depth > MAX_DEPTH:
-        raise InvalidJSON(f"nested deeper than {MAX_DEPTH} levels")
+    """InvalidJSON unless `value` holds only finite numbers, UTF-8 text and at most
+    MAX_DEPTH levels of arrays and objects (`depth`: the levels around `value`)."""
+    if isinstance(value, dict | list | tuple):
+        depth += 1
+        if depth > MAX_DEPTH:
+            raise InvalidJSON(f"nested deeper than {MAX_DEPTH} levels")
     if isinstance(value, float) and not math.isfinite(value):
         raise InvalidJSON(f"{value} is not a JSON number")
     if isinstance(value, str):
@@ -68,10 +71,10 @@ def check(value, depth: int = 0) -> None:
     elif isinstance(value, dict):
         for k, v in value.items():
             _utf8(k)
-            check(v, depth + 1)
+            check(v, depth)
     elif isinstance(value, list | tuple):
         for v in value:
-            check(v, depth + 1)
+            check(v, depth)
 
 
 def _utf8(text) -> None:
@@ -89,16 +92,18 @@ def carry(x: float) -> float | str:
 def carried(value, depth: int = 0):
     """`value` with every non-finite float carried, every lone surrogate replaced by U+FFFD
     and anything deeper than MAX_DEPTH replaced by TOO_DEEP: always valid strict JSON."""
-    if depth > MAX_DEPTH:
-        return TOO_DEEP
+    if isinstance(value, dict | list | tuple):
+        depth += 1
+        if depth > MAX_DEPTH:
+            return TOO_DEEP
     if isinstance(value, float):
         return carry(value)
     if isinstance(value, str):
         return _repair(value)
     if isinstance(value, dict):
-        return {_repair(str(k)): carried(v, depth + 1) for k, v in value.items()}
+        return {_repair(str(k)): carried(v, depth) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [carried(v, depth + 1) for v in value]
+        return [carried(v, depth) for v in value]
     return value
 
 

@@ -66,4 +66,5 @@ def test_the_openapi_document_declares_each_routes_errors(svc):
                 ref = op["responses"][code]["content"]["application/json"]["schema"]["$ref"]
                 assert ref.endswith("/ErrorBody"), (method, path, code, ref)
     assert not undeclared, "\n".join(undeclared)
-    assert "416" in doc["paths"]["/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/files/{file_name}"]["get"]["responses"]
+    download = doc["paths"]["/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/files/{file_name}"]["get"]
+    assert "416" in download["responses"]
