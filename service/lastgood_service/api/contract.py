@@ -31,14 +31,18 @@ _MEANING = {
     413: "request body over the service's limit",
     416: "the Range is outside the file",
     422: "the request does not validate (types, bounds, strict JSON), or a stored hash does not match",
+    503: "the service cannot do this now: an I/O error on its storage, or a catalog behind the blob store "
+         "(run `lastgood-service rebuild`; docs/storage.md)",
+    507: "the store is full (the message says how much room is left)",
 }
 
 
 def answers(*codes: int, params: bool = True) -> dict:
     """The error statuses a route declares in the OpenAPI document, with the shared body:
-    `codes`, plus 422 for a route with parameters or a body and 401/403 (every route that
-    does not declare its own `responses` is public)."""
-    codes = set(codes) | {401, 403} | ({422} if params else set())
+    `codes`, plus 422 for a route with parameters or a body, 401/403 (every route that
+    does not declare its own `responses` is public), and the storage faults 503/507 that any
+    route may meet (domain/faults.py)."""
+    codes = set(codes) | {401, 403, 503, 507} | ({422} if params else set())
     return {c: {"model": ErrorBody, "description": _MEANING[c]} for c in sorted(codes)}
 
 
