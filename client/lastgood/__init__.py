@@ -23,9 +23,11 @@ _LAZY = {
     "SpikeGuard": ("lastgood.spike", "SpikeGuard"),
 }
 
-__all__ = [*_LAZY, "LastgoodError", "SaveFailed", "CorruptCheckpoint", "NoUsableCheckpoint", "ServiceError"]
+__all__ = [*_LAZY, "LastgoodError", "SaveFailed", "CorruptCheckpoint", "NoUsableCheckpoint", "ServiceError",
+           "Fenced"]
 
-from .errors import CorruptCheckpoint, LastgoodError, NoUsableCheckpoint, SaveFailed, ServiceError  # noqa: E402
+from .errors import (CorruptCheckpoint, Fenced, LastgoodError, NoUsableCheckpoint, SaveFailed,  # noqa: E402
+                     ServiceError)
 
 
 def __getattr__(name: str):

@@ -5,6 +5,8 @@ thread hashes it, begins the checkpoint, streams the shard, votes and waits for 
 commit. Saves are processed in order, one at a time, so a checkpoint's parent is always
 the previous commit (or the checkpoint restored from). A failed save aborts its
 checkpoint, leaves last-good where it was, and is raised by wait() or close().
+Each launch registers with the service for a generation; once a newer launch of the run
+has registered, this one is fenced and save(), wait() and close() raise Fenced.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from . import distributed, names
-from .errors import CorruptCheckpoint, FormatError, LastgoodError, NoUsableCheckpoint, SaveFailed, ServiceError
+from .errors import (CorruptCheckpoint, Fenced, FormatError, LastgoodError, NoUsableCheckpoint, SaveFailed,
+                     ServiceError)
+from .fencing import FENCED
 from .hashing import StreamHasher, hash_bytes
 from .manifest import Manifest
 from .staging import Snapshot, StagingPool, snapshot
@@ -61,6 +65,10 @@ class Checkpointer:
         self.commit_timeout = commit_timeout or 2 * float(self.transport.info.get("lease_seconds", 60)) + 60
         self.launch = names.check_attempt(attempt or distributed.launch_attempt(self.world_size))[:56]
         self._restores = 0  # every rank restores the same number of times, so they agree on the attempt
+        # fencing (docs/fencing.md): registered before anything is read, so that a commit of
+        # an older launch either shows up in this launch's restore or is refused
+        self.generation = self.transport.register_launch(self.run, self.launch, self.world_size)
+        self._fenced: Fenced | None = None
         self.file_name = shard_file_name(self.rank)
         self.parent_id: int | None = None
         self.last_saved: SaveResult | None = None
@@ -95,6 +103,8 @@ class Checkpointer:
         """Snapshot `state` into CPU memory and return; the upload continues in the background."""
         if self._closed:
             raise LastgoodError("Checkpointer is closed")
+        if self._fenced is not None:
+            raise self._fenced
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         cap = state.capture(step, self.rank, self.world_size)
@@ -107,11 +117,17 @@ class Checkpointer:
             try:
                 if snap is None:
                     return
-                self._upload(snap)
+                if self._fenced is None:  # a fenced launch uploads nothing more
+                    self._upload(snap)
             except BaseException as e:  # noqa: BLE001 - every failure is reported by wait()
-                log.error("lastgood: save of step %s failed: %s", snap.step, e)
-                with self._lock:
-                    self._failures.append((snap.step, e))
+                fenced = self._as_fenced(e)
+                if fenced is not None:
+                    log.error("lastgood: %s", fenced)
+                    self._fenced = self._fenced or fenced
+                else:
+                    log.error("lastgood: save of step %s failed: %s", snap.step, e)
+                    with self._lock:
+                        self._failures.append((snap.step, e))
             finally:
                 if snap is not None:
                     self._pool.release(snap.buffer)
@@ -162,6 +178,17 @@ class Checkpointer:
         self.parent_id = cid
         self.last_saved = SaveResult(snap.step, cid)
 
+    def _as_fenced(self, e: BaseException) -> Fenced | None:
+        """Fenced, if the service refused a write of this save because a newer launch registered."""
+        while e is not None:
+            if isinstance(e, Fenced):
+                return e
+            if isinstance(e, ServiceError) and e.reason == FENCED:
+                return Fenced(f"run {self.run!r}: this launch (attempt {self.launch}, generation {self.generation}) "
+                              f"is fenced by a newer launch of the job; stop training. {e}")
+            e = e.__cause__
+        return None
+
     def _committed_with(self, cid: int, digest: str) -> bool:
         """Does the committed checkpoint hold exactly the bytes this rank tried to save?"""
         try:
@@ -179,6 +206,8 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until every save so far is committed; raise SaveFailed if any failed."""
         self._jobs.join()
+        if self._fenced is not None:
+            raise self._fenced
         with self._lock:
             failures, self._failures = self._failures, []
         if failures:

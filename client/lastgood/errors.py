@@ -8,11 +8,13 @@ class LastgoodError(Exception):
 
 
 class ServiceError(LastgoodError):
-    """The service refused a request; `code` is the gRPC status name or HTTP status."""
+    """The service refused a request; `code` is the gRPC status name or HTTP status, `reason`
+    the service's error code name when it sent one (`fenced`, `not_found`, ...)."""
 
-    def __init__(self, message: str, code: str | int | None = None) -> None:
+    def __init__(self, message: str, code: str | int | None = None, reason: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.reason = reason
 
 
 class SaveFailed(LastgoodError):
@@ -31,3 +33,9 @@ class NoUsableCheckpoint(LastgoodError):
 
 class FormatError(LastgoodError):
     """A shard file is not a valid lastgood safetensors file."""
+
+
+class Fenced(LastgoodError):
+    """A newer launch of this run has registered, so the service refuses this launch's
+    writes and has abandoned its pending checkpoints. The process is a zombie of an
+    earlier launch (its torchrun agent died, say): stop training, do not retry."""

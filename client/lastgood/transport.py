@@ -33,6 +33,7 @@ import grpc  # noqa: E402
 
 from . import names, wire
 from .errors import CorruptCheckpoint, NoUsableCheckpoint, ServiceError
+from .fencing import ERROR_METADATA, GENERATION_HEADER
 from .hashing import StreamHasher
 from .manifest import Manifest
 from .v1 import lastgood_pb2 as pb
@@ -77,7 +78,9 @@ def _find_spool(spec: dict | None) -> dict | None:
 def _service_error(e: grpc.RpcError, what: str) -> ServiceError:
     code = e.code() if hasattr(e, "code") else None
     name = code.name if code is not None else "UNKNOWN"
-    return ServiceError(f"{what}: {name}: {e.details() if hasattr(e, 'details') else e}", name)
+    trailing = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
+    return ServiceError(f"{what}: {name}: {e.details() if hasattr(e, 'details') else e}", name,
+                        trailing.get(ERROR_METADATA))
 
 
 class HttpError(ServiceError):
@@ -86,9 +89,8 @@ class HttpError(ServiceError):
     `hash_mismatch`, ...) and `detail` its message, without the method and path."""
 
     def __init__(self, message: str, status: int, reason: str | None, detail: str) -> None:
-        super().__init__(message, status)
+        super().__init__(message, status, reason)
         self.status = status
-        self.reason = reason
         self.detail = detail
 
 
@@ -105,6 +107,9 @@ class RestClient:
         self.timeout = timeout
         # a service with auth required wants `Authorization: Bearer <token>` on every call
         self._auth = {"Authorization": f"Bearer {token}"} if token else {}
+        # this launch's generation once registered (register_launch): sent with every call,
+        # so that the service refuses a fenced launch's tags, pins and rollbacks
+        self.generation: int | None = None
 
     def open(self, method: str, path: str, query: dict | None = None, body: dict | None = None,
              headers: dict | None = None):
@@ -113,6 +118,8 @@ class RestClient:
         url = self.base_url + path + ("?" + urllib.parse.urlencode(query) if query else "")
         data = json.dumps(body).encode() if body is not None else (b"" if method in ("POST", "PUT") else None)
         hdrs = {"Content-Type": "application/json"} if body is not None else {}
+        if self.generation:
+            hdrs[GENERATION_HEADER] = str(self.generation)
         req = urllib.request.Request(url, method=method, data=data, headers={**hdrs, **self._auth, **(headers or {})})
         try:
             return urllib.request.urlopen(req, timeout=self.timeout)
@@ -161,6 +168,13 @@ class RestClient:
             if e.reason == "no_usable_checkpoint":
                 raise NoUsableCheckpoint(e.detail) from None
             raise
+
+    def register_launch(self, run: str, attempt: str, world_size: int) -> int:
+        """Register this launch of the job (idempotent: every rank may call) and send its
+        generation from now on; returns it. A newer launch's registration fences this one."""
+        self.generation = int(self.post_json(f"/api/v1/runs/{run}/launches",
+                                             {"attempt": attempt, "world_size": world_size})["generation"])
+        return self.generation
 
     def committed(self, run: str, limit: int = 100) -> list[dict]:
         try:
@@ -241,7 +255,8 @@ class Transport(RestClient):
     def begin(self, run: str, step: int, world_size: int, parent_id: int | None, attempt: str,
               rank: int) -> pb.BeginCheckpointResponse:
         return self._unary("BeginCheckpoint", self._stub.BeginCheckpoint, pb.BeginCheckpointRequest(
-            run=run, step=step, world_size=world_size, parent_id=parent_id or 0, attempt=attempt, rank=rank))
+            run=run, step=step, world_size=world_size, parent_id=parent_id or 0, attempt=attempt, rank=rank,
+            generation=self.generation or 0))
 
     def spool_write(self, data, hasher: StreamHasher | None = None) -> str | None:
         """Write a shard into the service's spool (same host, see the service's

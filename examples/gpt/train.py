@@ -14,6 +14,10 @@ Fault injection for tests: LASTGOOD_EXAMPLE_KILL="RANK:STEP:WHEN" makes RANK SIG
 itself at STEP, WHEN = after_save (right after save() returned, its upload in flight,
 every earlier save committed) or after_step (after the optimizer step of a step without
 a save, once the previous save has committed: a death between two saves).
+LASTGOOD_EXAMPLE_PAUSE="STEP:DIR" makes every rank of the first launch stop before its save
+of STEP (once the previous save has committed), write DIR/paused-rank{R} (its pid) and wait
+for DIR/go; then it saves STEP and waits for that save: the test of fencing kills the
+torchrun agent meanwhile and relaunches the job, and these ranks are its zombies.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import os
 import random
 import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +74,22 @@ def fault_at(rank: int, step: int, when: str) -> bool:
         return False  # under torchrun's elastic agent: only the first attempt dies
     r, s, w = spec.split(":")
     return int(r) == rank and int(s) == step and w == when
+
+
+def pause_at(rank: int, step: int, ckpt) -> bool:
+    """LASTGOOD_EXAMPLE_PAUSE (see the module docstring); True if this rank paused."""
+    spec = os.environ.get("LASTGOOD_EXAMPLE_PAUSE")
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return False
+    at, gate = spec.split(":", 1)
+    if int(at) != step:
+        return False
+    ckpt.wait()
+    (Path(gate) / f"paused-rank{rank}").write_text(str(os.getpid()))
+    print(f"[rank {rank}] paused before the save of step {step}", flush=True)
+    while not (Path(gate) / "go").exists():
+        time.sleep(0.05)
+    return True
 
 
 def die(rank: int, step: int, when: str) -> None:
@@ -155,7 +176,10 @@ def main(argv=None) -> None:
                     ckpt.wait()  # earlier saves committed; only this one will be in flight
                     ckpt.save(step, state)
                     die(rank, step, "after_save")
+                paused = pause_at(rank, step, ckpt)
                 ckpt.save(step, state)
+                if paused:
+                    ckpt.wait()  # a zombie hears that it is fenced here (lastgood.Fenced)
             elif fault_at(rank, step, "after_step"):
                 ckpt.wait()  # a death between two saves: the previous one has committed
                 die(rank, step, "after_step")

@@ -81,6 +81,7 @@ SPEC = {
     ("GET", "/api/v1/runs/{run}/checkpoints"): (R, "run"), ("GET", "/api/v1/runs/{run}/last-good"): (R, "run"),
     ("GET", "/api/v1/runs/{run}/events"): (R, "run"), ("GET", "/api/v1/runs/{run}/lineage"): (R, "run"),
     ("POST", "/api/v1/runs/{run}/rollback"): (W, "run"), ("POST", "/api/v1/runs/{run}/events"): (W, "run"),
+    ("POST", "/api/v1/runs/{run}/launches"): (W, "run"), ("GET", "/api/v1/runs/{run}/launches/current"): (R, "run"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}"): (R, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/manifest"): (R, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/ancestors"): (R, "checkpoint"),
@@ -139,6 +140,10 @@ def _concrete(world, method, path):
         body = {"name": "t-x"}
     elif path.endswith("/rollback"):
         body = {"target_id": cid, "spike_step": 5}
+    elif path.endswith("/launches"):
+        body = {"attempt": "matrix-launch"}
+    elif path.endswith("/launches/current"):
+        h.post(f"/api/v1/runs/{RUN}/launches", json={"attempt": "matrix-launch"}, headers=boot)
     elif path.endswith("/events") and method == "POST":
         body = {"kind": "note", "data": {}}
     elif path.endswith("/leases"):

@@ -37,8 +37,9 @@ def put(commits, cid: int, rank: int, data: bytes, name: str | None = None, xxh3
     return commits.put_shard(header, (data[i:i + piece] for i in range(0, len(data), piece)))
 
 
-def save(commits, run: str, step: int, world: int = 1, parent: int | None = None, attempt: str = ATTEMPT) -> int:
-    cid = commits.begin(run, step, world, parent, attempt).id
+def save(commits, run: str, step: int, world: int = 1, parent: int | None = None, attempt: str = ATTEMPT,
+         generation: int = 0) -> int:
+    cid = commits.begin(run, step, world, parent, attempt, generation=generation).id
     for r in range(world):
         put(commits, cid, r, make_shard(r, seed=step % 200))
     for r in range(world):

@@ -69,10 +69,10 @@ class Client:
         self.close()
 
     def begin(self, run: str, step: int = 1, world_size: int = 1, parent_id: int = 0,
-              attempt: str = ATTEMPT, rank: int = 0) -> pb.BeginCheckpointResponse:
+              attempt: str = ATTEMPT, rank: int = 0, generation: int = 0) -> pb.BeginCheckpointResponse:
         return self.stub.BeginCheckpoint(pb.BeginCheckpointRequest(
-            run=run, step=step, world_size=world_size, parent_id=parent_id, attempt=attempt, rank=rank),
-            timeout=RPC_TIMEOUT)
+            run=run, step=step, world_size=world_size, parent_id=parent_id, attempt=attempt, rank=rank,
+            generation=generation), timeout=RPC_TIMEOUT)
 
     def put(self, checkpoint_id: int, rank: int, file_name: str, data: bytes, *, xxh3: str | None = None,
             size: int | None = None, chunk: int = 64, extra_messages: list[pb.PutShardRequest] | None = None,
@@ -108,8 +108,8 @@ class Client:
 
     # one call that does a whole single-rank (or all-rank) save
     def save(self, run: str, step: int, world_size: int = 1, parent_id: int = 0, seed: int = 0,
-             attempt: str = ATTEMPT) -> tuple[int, dict[int, bytes]]:
-        cid = self.begin(run, step, world_size, parent_id, attempt).checkpoint_id
+             attempt: str = ATTEMPT, generation: int = 0) -> tuple[int, dict[int, bytes]]:
+        cid = self.begin(run, step, world_size, parent_id, attempt, generation=generation).checkpoint_id
         shards = {r: make_shard(r, seed=seed + step) for r in range(world_size)}
         for r, data in shards.items():
             self.put(cid, r, shard_name(r), data)

@@ -325,3 +325,22 @@ def test_a_2000_checkpoint_run_is_folded_and_unfolds_on_click(open_page, ui_serv
     after = wait_graph(page, world.big, newer_than=version)
     assert len(after["nodes"]) == len(snap["nodes"]) - 1 + smallest["count"]
     assert {f"c{i}" for i in smallest["members"]} <= set(by_key(after))
+
+
+def test_fencing_is_on_the_lineage_page(open_page, ui_service, grpc_client):
+    run = seed.unique("fenced")
+    first = seed.ok(httpx.post(f"{ui_service.url}/api/v1/runs/{run}/launches", json={"attempt": "first"}))
+    c1, _ = grpc_client.save(run, 10, attempt="first", generation=first["generation"], seed=0)
+    c2, _ = grpc_client.save(run, 20, parent_id=c1, attempt="first", generation=first["generation"], seed=0)
+    seed.ok(httpx.post(f"{ui_service.url}/api/v1/runs/{run}/launches", json={"attempt": "second"}))
+    try:  # the zombie's next save is refused
+        grpc_client.begin(run, 30, parent_id=c2, attempt="first", generation=first["generation"])
+        raise AssertionError("a fenced begin was accepted")
+    except Exception as e:  # noqa: BLE001 - grpc.RpcError
+        assert "fenced" in str(e)
+    page, _ = open_page(page_url(ui_service, run=run))
+    snap = wait_graph(page, run)
+    assert ("fenced", 20, f"c{c2}") in {(m["kind"], m["step"], m["target"]) for m in snap["markers"]}
+    wait_text(page, "#events", "generation 1 (launch first) fenced by generation 2 (launch second)")
+    wait_text(page, "#events", "refused a begin of generation 1")
+    assert page.locator("#events li.ev-fenced .badge").inner_text() == "fenced"

@@ -7,20 +7,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class BeginCheckpointRequest(_message.Message):
-    __slots__ = ("run", "step", "world_size", "parent_id", "attempt", "rank")
+    __slots__ = ("run", "step", "world_size", "parent_id", "attempt", "rank", "generation")
     RUN_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PARENT_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     run: str
     step: int
     world_size: int
     parent_id: int
     attempt: str
     rank: int
-    def __init__(self, run: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., parent_id: _Optional[int] = ..., attempt: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, run: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., parent_id: _Optional[int] = ..., attempt: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class BeginCheckpointResponse(_message.Message):
     __slots__ = ("checkpoint_id", "status", "lease_seconds")

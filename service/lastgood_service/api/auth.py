@@ -36,6 +36,8 @@ POLICY: dict[tuple[str, str], str | tuple[str, str]] = {
     ("GET", "/api/v1/runs/{run}/lineage"): (READER, "run"),
     ("POST", "/api/v1/runs/{run}/rollback"): (WRITER, "run"),
     ("POST", "/api/v1/runs/{run}/events"): (WRITER, "run"),
+    ("POST", "/api/v1/runs/{run}/launches"): (WRITER, "run"),
+    ("GET", "/api/v1/runs/{run}/launches/current"): (READER, "run"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}"): (READER, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/manifest"): (READER, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/ancestors"): (READER, "checkpoint"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import grpc
 
+from lastgood.fencing import FENCED
+
 from ..domain import errors as e
 
 TABLE: dict[type[e.DomainError], tuple[int, grpc.StatusCode, str]] = {
@@ -13,6 +15,7 @@ TABLE: dict[type[e.DomainError], tuple[int, grpc.StatusCode, str]] = {
     e.NotFound: (404, grpc.StatusCode.NOT_FOUND, "not_found"),
     e.InvalidArgument: (400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
     e.Conflict: (409, grpc.StatusCode.ALREADY_EXISTS, "conflict"),
+    e.Fenced: (409, grpc.StatusCode.FAILED_PRECONDITION, FENCED),
     e.FailedPrecondition: (409, grpc.StatusCode.FAILED_PRECONDITION, "failed_precondition"),
     e.HashMismatch: (422, grpc.StatusCode.DATA_LOSS, "hash_mismatch"),
     e.OutOfRange: (416, grpc.StatusCode.OUT_OF_RANGE, "out_of_range"),

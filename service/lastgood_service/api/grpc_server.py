@@ -12,6 +12,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from lastgood import wire
+from lastgood.fencing import ERROR_METADATA
 from lastgood.v1 import lastgood_pb2 as pb
 from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
 
@@ -28,7 +29,11 @@ log = logging.getLogger("lastgood.grpc")
 
 
 def _abort(context, exc: DomainError):
-    context.abort(lookup(exc)[1], bounded(str(exc)))
+    """The status code, and the error's code name (as REST's error.code) in the trailing
+    metadata, so that a client can tell a fenced launch from other refusals."""
+    _status, code, name = lookup(exc)
+    context.set_trailing_metadata(((ERROR_METADATA, name),))
+    context.abort(code, bounded(str(exc)))
 
 
 def _abort_unexpected(context, name: str, exc: Exception) -> None:
@@ -166,7 +171,7 @@ class Servicer(pb_grpc.CheckpointsServicer):
     def BeginCheckpoint(self, request, context):
         self._allow(context, WRITER, run=request.run)
         ck = self.commits.begin(request.run, request.step, request.world_size, request.parent_id or None,
-                                request.attempt, request.rank)
+                                request.attempt, request.rank, request.generation)
         return pb.BeginCheckpointResponse(checkpoint_id=ck.id, status=ck.status,
                                           lease_seconds=self.commits.settings.lease_seconds)
 

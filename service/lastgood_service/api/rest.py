@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Path, Query, Request
+from fastapi import Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.responses import FileResponse
@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lastgood import names
+from lastgood.fencing import GENERATION_HEADER
 
 from .. import __version__
 from ..domain.commit import CommitService
@@ -72,6 +73,11 @@ class EventBody(BaseModel):
     data: dict = Field(default_factory=dict, description="strict JSON, at most 32 levels deep")
 
 
+class LaunchBody(BaseModel):
+    attempt: str = Field(description="the launch's attempt id; every rank of one launch sends the same")
+    world_size: int = Field(1, ge=1, le=names.MAX_RANK)
+
+
 class TokenBody(BaseModel):
     name: str = Field(description="who or what holds it, e.g. 'trainer gpt-small'")
     role: str = Field(description="reader, writer or admin")
@@ -115,6 +121,8 @@ Limit = Annotated[int, Query(ge=1, le=MAX_PAGE)]
 Offset = Annotated[int, Query(ge=0, le=names.MAX_ID)]
 Id = Annotated[int, Path(ge=1, le=names.MAX_ID)]  # checkpoint, lease and token ids
 CkptId = Id
+# the caller's launch generation on the curation routes: an older one than the run's newest is refused
+Generation = Annotated[int | None, Header(alias=GENERATION_HEADER, ge=0, le=names.MAX_ID)]
 
 # The web page (static/: plain files, no build step, no CDN). Scripts and styles come from
 # our own files only, so user strings that slip into markup could never run.
@@ -240,26 +248,37 @@ def create_app(ctx: AppContext) -> FastAPI:
         return ctx.queries.ancestors(checkpoint_id)
 
     @app.post("/api/v1/checkpoints/{checkpoint_id}/tags", tags=["tags"], responses=answers(400, 404, 409, 413))
-    def set_tag(checkpoint_id: CkptId, body: TagBody):
-        return ctx.curator.set_tag(checkpoint_id, body.name, body.alias)
+    def set_tag(checkpoint_id: CkptId, body: TagBody, generation: Generation = None):
+        return ctx.curator.set_tag(checkpoint_id, body.name, body.alias, generation)
 
     @app.delete("/api/v1/checkpoints/{checkpoint_id}/tags/{name:path}", tags=["tags"],  # tags may hold '/'
-                responses=answers(400, 404))
-    def remove_tag(checkpoint_id: CkptId, name: str):
-        return ctx.curator.remove_tag(checkpoint_id, name)
+                responses=answers(400, 404, 409))
+    def remove_tag(checkpoint_id: CkptId, name: str, generation: Generation = None):
+        return ctx.curator.remove_tag(checkpoint_id, name, generation)
 
     @app.put("/api/v1/checkpoints/{checkpoint_id}/pin", tags=["tags"], responses=answers(404, 409))
-    def pin(checkpoint_id: CkptId):
-        return ctx.curator.pin(checkpoint_id, True)
+    def pin(checkpoint_id: CkptId, generation: Generation = None):
+        return ctx.curator.pin(checkpoint_id, True, generation)
 
     @app.delete("/api/v1/checkpoints/{checkpoint_id}/pin", tags=["tags"], responses=answers(404, 409))
-    def unpin(checkpoint_id: CkptId):
-        return ctx.curator.pin(checkpoint_id, False)
+    def unpin(checkpoint_id: CkptId, generation: Generation = None):
+        return ctx.curator.pin(checkpoint_id, False, generation)
 
     @app.post("/api/v1/runs/{run}/rollback", tags=["lineage"], responses=answers(400, 404, 409, 413))
-    def rollback(run: str, body: RollbackBody):
+    def rollback(run: str, body: RollbackBody, generation: Generation = None):
         """Mark what followed the target suspect, tag the target rollback-target, move last-good back."""
-        return ctx.curator.rollback(run, body.target_id, body.spike_step, body.data)
+        return ctx.curator.rollback(run, body.target_id, body.spike_step, body.data, generation)
+
+    @app.post("/api/v1/runs/{run}/launches", tags=["runs"], responses=answers(400, 409, 413))
+    def register_launch(run: str, body: LaunchBody):
+        """Register a launch of the job; its generation fences every older launch's writes
+        and abandons their pending checkpoints (docs/fencing.md). Idempotent on (run, attempt)."""
+        return ctx.commits.launches.register(run, body.attempt, body.world_size)
+
+    @app.get("/api/v1/runs/{run}/launches/current", tags=["runs"], responses=answers(400, 404))
+    def current_launch(run: str):
+        """The run's newest launch: the one whose writes the service accepts."""
+        return ctx.commits.launches.current(run)
 
     @app.post("/api/v1/runs/{run}/events", tags=["runs"], responses=answers(400, 404, 413))
     def record_event(run: str, body: EventBody):

@@ -58,6 +58,8 @@ class Run(Base):
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
     last_good_id: Mapped[int | None] = mapped_column(
         ForeignKey("checkpoints.id", use_alter=True), nullable=True)
+    # the newest launch's generation (domain/fencing.py); 0 until a launch registers
+    generation: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class Checkpoint(Base):
@@ -81,6 +83,25 @@ class Checkpoint(Base):
     manifest_key: Mapped[str | None] = mapped_column(String(256), nullable=True)
     manifest_hash: Mapped[str | None] = mapped_column(String(32), nullable=True)
     deleted_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # the generation of the launch that began it; 0: a client that did not register (never fenced)
+    generation: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+
+
+class Launch(Base):
+    """One launch of a job, registered once per (run, attempt): its generation is the run's
+    counter at that moment, so generations of a run are monotone (domain/fencing.py)."""
+
+    __tablename__ = "launches"
+    __table_args__ = (
+        UniqueConstraint("run_id", "attempt", name="uq_launches_run_attempt"),
+        UniqueConstraint("run_id", "generation", name="uq_launches_run_generation"),
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
+    attempt: Mapped[str] = mapped_column(String(64))
+    generation: Mapped[int] = mapped_column(BigInteger)
+    world_size: Mapped[int] = mapped_column(Integer)
+    registered_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
 
 
 class Shard(Base):

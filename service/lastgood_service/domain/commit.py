@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -40,11 +40,11 @@ from ..blobstore import BlobStore
 from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, PENDING, SUSPECT, SYSTEM, VERIFIED, Checkpoint, Event,
                               Run, Shard, Tag, Vote, utcnow)
 from ..settings import Settings
-from . import keys
+from . import fencing, keys
 from .gate import CatalogGate
 from .lineage import usable_ancestor
-from .errors import (Conflict, DamagedMismatch, DamagedMissing, FailedPrecondition, HashMismatch, InvalidArgument,
-                     NotFound, OutOfRange, StoreFull, TooLarge)
+from .errors import (Conflict, DamagedMismatch, DamagedMissing, FailedPrecondition, Fenced, HashMismatch,
+                     InvalidArgument, NotFound, OutOfRange, StoreFull, TooLarge)
 
 log = logging.getLogger("lastgood.commit")
 
@@ -93,6 +93,7 @@ class CommitService:
         self.clock = clock
         self.metrics = metrics  # lastgood_service.metrics.Metrics, or None
         self._changed = threading.Condition()
+        self.launches = fencing.Launches(sessions, clock, notify=self._notify, metrics=metrics)
 
     # ---------------------------------------------------------------- helpers
     def _lease(self) -> dt.datetime:
@@ -139,7 +140,8 @@ class CommitService:
 
     # ---------------------------------------------------------------- begin
     def begin(self, run: str, step: int, world_size: int, parent_id: int | None, attempt: str,
-              rank: int = 0) -> Checkpoint:
+              rank: int = 0, generation: int = 0) -> Checkpoint:
+        """`generation`: the caller's launch (domain/fencing.py); 0 for a client that did not register."""
         self.gate.check()
         try:
             names.check_run_name(run)
@@ -152,21 +154,30 @@ class CommitService:
             raise InvalidArgument(f"world size must be 1..{self.settings.max_world_size}, got {world_size}")
         if not 0 <= rank < world_size:
             raise InvalidArgument(f"rank {rank} is outside world size {world_size}")
+        if generation < 0:
+            raise InvalidArgument(f"generation must be >= 0, got {generation}")
         parent_id = parent_id or None
         for _ in range(3):
             try:
-                return self._begin_once(run, step, world_size, parent_id, attempt, rank)
+                return self._begin_once(run, step, world_size, parent_id, attempt, rank, generation)
+            except Fenced:
+                fencing.record_refusal(self.sessions, run, None, what="begin", step=step, rank=rank,
+                                       attempt=attempt, generation=generation)
+                raise
             except IntegrityError:  # a concurrent begin of the same (run, step, attempt) won
                 continue
         raise Conflict(f"concurrent begin of {run} step {step} attempt {attempt} did not settle")
 
-    def _begin_once(self, run_name, step, world_size, parent_id, attempt, rank) -> Checkpoint:
+    def _begin_once(self, run_name, step, world_size, parent_id, attempt, rank, generation) -> Checkpoint:
         with self.sessions() as s, s.begin():
-            run = s.scalar(select(Run).where(Run.name == run_name))
+            # FOR SHARE: a launch registering now (UPDATE runs) waits until this checkpoint
+            # is recorded, and then abandons it with the rest of the fenced generation
+            run = s.scalar(select(Run).where(Run.name == run_name).with_for_update(read=True))
             if run is None:
-                run = Run(name=run_name, created_at=self.clock())
+                run = Run(name=run_name, created_at=self.clock(), generation=0)
                 s.add(run)
                 s.flush()
+            fencing.check(s, run.id, generation, f"begin of step {step}")
             ck = s.scalar(select(Checkpoint).where(
                 Checkpoint.run_id == run.id, Checkpoint.step == step, Checkpoint.attempt == attempt))
             if ck is not None:
@@ -188,7 +199,7 @@ class CommitService:
             now = self.clock()
             ck = Checkpoint(run_id=run.id, step=step, attempt=attempt, world_size=world_size,
                             parent_id=parent_id, status=PENDING, bytes=0, lease_expires_at=self._lease(),
-                            created_at=now)
+                            created_at=now, generation=generation)
             s.add(ck)
             s.flush()
             add_event(s, "begin", run.id, ck.id, step=step, world_size=world_size, attempt=attempt, rank=rank)
@@ -215,6 +226,7 @@ class CommitService:
         with self.sessions() as s, s.begin():
             ck = self._get_checkpoint(s, header.checkpoint_id)
             self._check_rank(ck, header.rank)
+            fencing.check(s, ck.run_id, ck.generation, f"upload to checkpoint {ck.id}")
             existing = self._find_shard(s, header)
             if existing is not None:
                 return self._same_or_conflict(existing, header)
@@ -265,6 +277,7 @@ class CommitService:
             try:
                 with s.begin():
                     ck = self._get_checkpoint(s, header.checkpoint_id, lock=True)  # serialises with votes
+                    fencing.check(s, ck.run_id, ck.generation, f"upload to checkpoint {ck.id}")
                     self._require_pending(ck, "record the shard")
                     self._require_not_voted(s, header)
                     s.add(Shard(checkpoint_id=ck.id, rank=header.rank, file_name=header.file_name,
@@ -334,6 +347,7 @@ class CommitService:
         with self.sessions() as s, s.begin():
             ck = self._get_checkpoint(s, checkpoint_id, lock=True)  # serialises with shard records
             self._check_rank(ck, rank)
+            fencing.check(s, ck.run_id, ck.generation, f"vote on checkpoint {ck.id}")
             prior = s.get(Vote, (checkpoint_id, rank))
             if prior is not None:
                 if sorted(json.loads(prior.files_json)) != sorted(files):
@@ -367,6 +381,9 @@ class CommitService:
             left = deadline - time.monotonic()
             if result.status != PENDING or left <= 0:
                 if result.status in (ABANDONED, CORRUPT):
+                    with self.sessions() as s, s.begin():  # abandoned because a newer launch registered?
+                        ck = self._get_checkpoint(s, checkpoint_id)
+                        fencing.check(s, ck.run_id, ck.generation, f"vote on checkpoint {checkpoint_id}")
                     raise FailedPrecondition(f"checkpoint {checkpoint_id} is {result.status}")
                 return result
             with self._changed:
@@ -387,6 +404,7 @@ class CommitService:
             if ck.status != PENDING:
                 return False
             run = s.get(Run, ck.run_id)
+            run_id = run.id
             votes = {v.rank: set(json.loads(v.files_json)) for v in
                      s.scalars(select(Vote).where(Vote.checkpoint_id == checkpoint_id))}
             shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == checkpoint_id)))
@@ -412,9 +430,14 @@ class CommitService:
             self.blobs.put_bytes(key, body)
         self._failpoint("crash_after_manifest")
         with self.sessions() as s, s.begin():
+            # the run's row first: a launch registering now (domain/fencing.py) is ordered
+            # strictly before or after this commit, never interleaved with it
+            s.get(Run, run_id, with_for_update=True)
             now = self.clock()
+            newest = select(Run.generation).where(Run.id == Checkpoint.run_id).scalar_subquery()
             won = s.execute(update(Checkpoint)
-                            .where(Checkpoint.id == checkpoint_id, Checkpoint.status == PENDING)
+                            .where(Checkpoint.id == checkpoint_id, Checkpoint.status == PENDING,
+                                   or_(Checkpoint.generation == 0, Checkpoint.generation >= newest))
                             .values(status=COMMITTED, committed_at=now, bytes=manifest.total_bytes(),
                                     manifest_key=key, manifest_hash=hash_bytes(body))).rowcount == 1
             if won:

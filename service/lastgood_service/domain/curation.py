@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ..catalog.models import (ALIAS, COMMITTED, CORRUPT, LAST_GOOD, PIN, PINNED, ROLLBACK_TARGET, SUSPECT, SYSTEM,
                               TAG, Checkpoint, ReadLease, Run, Tag, utcnow)
+from . import fencing
 from .commit import add_event
 from .errors import FailedPrecondition, InvalidArgument, NotFound
 from .lineage import descendants
@@ -45,11 +46,13 @@ class Curator:
             raise FailedPrecondition(f"checkpoint {checkpoint_id} is {ck.status}; only committed checkpoints are tagged")
         return ck
 
-    def set_tag(self, checkpoint_id: int, name: str, alias: bool = False) -> dict:
-        """A plain tag may name many checkpoints; an alias names one per run and moves."""
+    def set_tag(self, checkpoint_id: int, name: str, alias: bool = False, generation: int | None = None) -> dict:
+        """A plain tag may name many checkpoints; an alias names one per run and moves.
+        `generation`: the caller's launch; a fenced one is refused (domain/fencing.py)."""
         check_tag_name(name)
         with self.sessions() as s, s.begin():
             ck = self._tagged_checkpoint(s, checkpoint_id)
+            fencing.check(s, ck.run_id, generation, f"tag {name!r}")
             kind, other = (ALIAS, TAG) if alias else (TAG, ALIAS)
             if s.scalar(select(Tag.id).where(Tag.run_id == ck.run_id, Tag.name == name, Tag.kind == other).limit(1)):
                 raise FailedPrecondition(f"{name!r} is already a {other} in this run; remove it first")
@@ -67,11 +70,12 @@ class Curator:
             add_event(s, "tag", ck.run_id, ck.id, name=name, kind=kind, moved_from=moved_from)
             return {"checkpoint_id": ck.id, "name": name, "kind": kind, "moved_from": moved_from}
 
-    def remove_tag(self, checkpoint_id: int, name: str) -> dict:
+    def remove_tag(self, checkpoint_id: int, name: str, generation: int | None = None) -> dict:
         with self.sessions() as s, s.begin():
             ck = s.get(Checkpoint, checkpoint_id)
             if ck is None:
                 raise NotFound(f"checkpoint {checkpoint_id} does not exist")
+            fencing.check(s, ck.run_id, generation, f"untag {name!r}")
             if name in RESERVED:
                 raise InvalidArgument(f"{name!r} is a system tag; lastgood removes it itself")
             n = s.execute(delete(Tag).where(Tag.checkpoint_id == ck.id, Tag.name == name,
@@ -81,11 +85,12 @@ class Curator:
             add_event(s, "untag", ck.run_id, ck.id, name=name)
             return {"checkpoint_id": ck.id, "removed": name}
 
-    def pin(self, checkpoint_id: int, pinned: bool) -> dict:
+    def pin(self, checkpoint_id: int, pinned: bool, generation: int | None = None) -> dict:
         with self.sessions() as s, s.begin():
             ck = self._tagged_checkpoint(s, checkpoint_id) if pinned else s.get(Checkpoint, checkpoint_id)
             if ck is None:
                 raise NotFound(f"checkpoint {checkpoint_id} does not exist")
+            fencing.check(s, ck.run_id, generation, "pin" if pinned else "unpin")
             have = s.scalar(select(Tag).where(Tag.checkpoint_id == ck.id, Tag.kind == PIN))
             if pinned and have is None:
                 s.add(Tag(run_id=ck.run_id, checkpoint_id=ck.id, name=PINNED, kind=PIN, created_at=self.clock()))
@@ -95,7 +100,8 @@ class Curator:
                 add_event(s, "unpin", ck.run_id, ck.id)
             return {"checkpoint_id": ck.id, "pinned": pinned}
 
-    def rollback(self, run_name: str, target_id: int, spike_step: int, data: dict) -> dict:
+    def rollback(self, run_name: str, target_id: int, spike_step: int, data: dict,
+                 generation: int | None = None) -> dict:
         """After a loss spike: every committed checkpoint after the target on its lineage
         becomes `suspect` (never last-good again), the target becomes `rollback-target`,
         last-good moves back to it if it was suspect, and the spike and rollback are events."""
@@ -103,6 +109,7 @@ class Curator:
             run = s.scalar(select(Run).where(Run.name == run_name).with_for_update())
             if run is None:
                 raise NotFound(f"run {run_name!r} does not exist")
+            fencing.check(s, run.id, generation, "rollback")
             target = s.get(Checkpoint, target_id)
             if target is None or target.run_id != run.id:
                 raise NotFound(f"checkpoint {target_id} is not in run {run_name!r}")

@@ -23,6 +23,10 @@ class FailedPrecondition(DomainError):
     """The request is valid but the checkpoint is not in a state that allows it."""
 
 
+class Fenced(FailedPrecondition):
+    """A write from a launch older than the run's newest registered one (domain/fencing.py)."""
+
+
 class HashMismatch(DomainError):
     pass
 

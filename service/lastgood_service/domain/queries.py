@@ -33,7 +33,8 @@ def _iso(t):
 
 def checkpoint_view(ck: Checkpoint, run: Run, tags: list[dict] | None = None) -> dict:
     return {
-        "id": ck.id, "run": run.name, "step": ck.step, "attempt": ck.attempt, "world_size": ck.world_size,
+        "id": ck.id, "run": run.name, "step": ck.step, "attempt": ck.attempt, "generation": ck.generation,
+        "world_size": ck.world_size,
         "parent_id": ck.parent_id, "status": ck.status, "bytes": ck.bytes,
         "created_at": _iso(ck.created_at), "committed_at": _iso(ck.committed_at),
         "lease_expires_at": _iso(ck.lease_expires_at) if ck.status == "PENDING" else None,
@@ -94,7 +95,7 @@ class Queries:
         counts = dict(s.execute(select(Checkpoint.status, func.count()).where(Checkpoint.run_id == run.id)
                                 .group_by(Checkpoint.status)).all())
         lg = s.get(Checkpoint, run.last_good_id) if run.last_good_id else None
-        return {"name": run.name, "created_at": _iso(run.created_at),
+        return {"name": run.name, "created_at": _iso(run.created_at), "generation": run.generation,
                 "last_good": checkpoint_view(lg, run) if lg else None,
                 "checkpoints": {st: counts.get(st, 0) for st in STATUSES}}
 

@@ -7,7 +7,7 @@ import { clip, fill, formatAgo, formatBytes, formatNumber, formatSeconds, h, sho
 import { buildModel, LineageGraph } from './graph.js';
 
 const POLL_MS = 2000;
-const EVENT_KINDS = 'spike,rollback,restart,corrupt,abort,expired,hash_mismatch,note';
+const EVENT_KINDS = 'spike,rollback,restart,corrupt,abort,expired,hash_mismatch,note,fenced,fenced_write';
 const MAX_EVENTS_SHOWN = 200;
 const MAX_CURL_FILES = 8;
 
@@ -237,6 +237,8 @@ const SUMMARISED = {
   spike: ['step', 'metric', 'value', 'loss', 'median', 'mad', 'z', 'threshold', 'reason', 'rank', 'grad_norm',
     'lr_factor', 'rollback'],
   rollback: ['target_step', 'spike_step', 'lr_factor', 'skipped', 'suspect', 'last_good_before', 'last_good'],
+  fenced: ['generation', 'attempt', 'by_generation', 'by_attempt', 'abandoned', 'last_good_id', 'last_good_step'],
+  fenced_write: ['what', 'generation', 'step', 'rank'],
 };
 
 /** Whatever the sentence leaves out, as short JSON (a client may add its own fields). */
@@ -245,7 +247,7 @@ function remainder(kind, d) {
   return Object.keys(rest).length ? [clip(JSON.stringify(rest), 200)] : [];
 }
 
-/** Spike and rollback events as a sentence; the full data is in the title (hover). */
+/** Spike, rollback and fencing events as a sentence; the full data is in the title (hover). */
 function eventText(e) {
   const d = e.data || {};
   const parts = [];
@@ -268,6 +270,18 @@ function eventText(e) {
     if (Array.isArray(d.suspect)) parts.push(`${formatNumber(d.suspect.length)} checkpoint${d.suspect.length === 1 ? '' : 's'} suspect`);
     return [...parts, ...remainder('rollback', d)].join(' · ');
   }
+  if (e.kind === 'fenced') {
+    parts.push(`generation ${d.generation} (launch ${d.attempt}) fenced by generation ${d.by_generation} (launch ${d.by_attempt})`);
+    if (Array.isArray(d.abandoned) && d.abandoned.length) parts.push(`${formatNumber(d.abandoned.length)} pending save${d.abandoned.length === 1 ? '' : 's'} abandoned`);
+    if (d.last_good_step != null) parts.push(`resumes from step ${d.last_good_step}`);
+    return [...parts, ...remainder('fenced', d)].join(' · ');
+  }
+  if (e.kind === 'fenced_write') {
+    parts.push(`refused a ${d.what} of generation ${d.generation} (a zombie of an earlier launch)`);
+    if (d.step !== undefined) parts.push(`step ${d.step}`);
+    if (d.rank !== undefined) parts.push(`rank ${d.rank}`);
+    return [...parts, ...remainder('fenced_write', d)].join(' · ');
+  }
   const json = JSON.stringify(d);
   return json && json !== '{}' ? clip(json, 300) : '';
 }
@@ -279,7 +293,7 @@ function renderEvents() {
     e.checkpoint_id ? h('button', { type: 'button', class: 'link', onclick: () => openCheckpoint(e.checkpoint_id) },
       `checkpoint ${e.checkpoint_id}`) : null,
     h('span', { class: 'event-data', title: clip(JSON.stringify(e.data || {}), 2000) }, eventText(e))));
-  fill($('events'), items.length ? items : h('li', { class: 'muted' }, 'No spikes, rollbacks, restarts or failures.'));
+  fill($('events'), items.length ? items : h('li', { class: 'muted' }, 'No spikes, rollbacks, restarts, fencing or failures.'));
 }
 
 // ---------------------------------------------------------------- checkpoint detail

@@ -15,7 +15,7 @@ export const COLLAPSIBLE = new Set(['committed', 'deleted', 'suspect']);
 /** Shortest chain worth folding. */
 export const MIN_FOLD = 3;
 /** Event kinds marked on the timeline above the graph. */
-export const MARKER_KINDS = new Set(['spike', 'rollback', 'restart', 'corrupt']);
+export const MARKER_KINDS = new Set(['spike', 'rollback', 'restart', 'corrupt', 'fenced']);
 
 export function displayStatus(node) {
   const status = String(node.status).toLowerCase();
@@ -130,18 +130,24 @@ export function buildModel(lineage, events, { collapse = true, expanded = new Se
     const d = e.data || {};
     let step = null;
     let label = e.kind;
+    let anchor = e.checkpoint_id; // the checkpoint the marker points at
     if (e.kind === 'spike') {
       step = Number.isFinite(d.step) ? d.step : null;
       label = `spike @ ${step === null ? '?' : formatNumber(step)}`;
     } else if (e.kind === 'rollback') {
       step = Number.isFinite(d.spike_step) ? d.spike_step : stepOfCheckpoint(e.checkpoint_id);
       label = `rollback → ${Number.isFinite(d.target_step) ? formatNumber(d.target_step) : '?'}`;
+    } else if (e.kind === 'fenced') {
+      // a relaunch fenced the launch before it; it resumes from the last-good it found
+      step = Number.isFinite(d.last_good_step) ? d.last_good_step : null;
+      label = `fenced gen ${Number.isFinite(d.generation) ? d.generation : '?'}`;
+      anchor = d.last_good_id;
     } else {
       step = stepOfCheckpoint(e.checkpoint_id);
     }
     if (step === null) continue;
-    markers.push({ key: `e${e.id}`, kind: e.kind, step, label, target: nodes.has(e.checkpoint_id) ? keyOf(e.checkpoint_id) : null,
-      checkpointId: e.checkpoint_id ?? null });
+    markers.push({ key: `e${e.id}`, kind: e.kind, step, label, target: nodes.has(anchor) ? keyOf(anchor) : null,
+      checkpointId: anchor ?? null });
   }
   const restartEvents = new Set(markers.filter((m) => m.kind === 'restart').map((m) => m.checkpointId));
   for (const id of restarted) {
@@ -246,6 +252,7 @@ const STYLE = [
   { selector: 'node.m-spike', style: { 'background-color': '#d93025', 'border-color': '#8c1d18' } },
   { selector: 'node.m-rollback', style: { 'background-color': '#9334e6', 'border-color': '#5b1f8f' } },
   { selector: 'node.m-restart', style: { 'background-color': '#1a73e8', 'border-color': '#0b4a9e', shape: 'round-triangle' } },
+  { selector: 'node.m-fenced', style: { 'background-color': '#e37400', 'border-color': '#9a4f00', shape: 'round-rectangle' } },
   { selector: 'node.m-corrupt', style: { 'background-color': '#8c1d18', 'border-color': '#5a0f0b', shape: 'octagon' } },
   { selector: 'edge.marker-link', style: {
     width: 1, 'line-style': 'dotted', 'line-color': '#bdc1c6', 'target-arrow-shape': 'none', 'curve-style': 'straight',

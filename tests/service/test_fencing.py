@@ -1,0 +1,78 @@
+"""Fencing over the wire, against a real service process: once a newer launch of a run has
+registered, the older launch's begin, put and vote are refused with FAILED_PRECONDITION
+(trailing metadata lastgood-error: fenced) and its tags with HTTP 409 `fenced`, each
+naming the newer launch; its pending checkpoint is abandoned; reads are not fenced."""
+
+from __future__ import annotations
+
+import grpc
+import httpx
+import pytest
+
+from lastgood.fencing import ERROR_METADATA, FENCED, GENERATION_HEADER
+
+from .helpers import Client, make_shard, shard_name
+
+
+def register(svc, run: str, attempt: str, world_size: int = 1) -> int:
+    r = svc.post(f"/api/v1/runs/{run}/launches", json={"attempt": attempt, "world_size": world_size})
+    assert r.status_code == 200, r.text
+    return r.json()["generation"]
+
+
+def refused_as_fenced(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    e = info.value
+    assert e.code() == grpc.StatusCode.FAILED_PRECONDITION, e
+    assert dict(e.trailing_metadata())[ERROR_METADATA] == FENCED
+    assert "launch 'relaunch'" in e.details() and "generation 2" in e.details()
+    return e
+
+
+def test_an_older_launch_is_fenced_and_may_still_read(service, client: Client, run_name):
+    old = register(service, run_name, "first")
+    assert register(service, run_name, "first") == old == 1  # every rank registers: one generation
+    cid = client.begin(run_name, 1, attempt="first", generation=old).checkpoint_id
+    data = make_shard(0, seed=1)
+    client.put(cid, 0, shard_name(0), data)
+    assert client.vote(cid, 0, [shard_name(0)], wait=2).status == "COMMITTED"
+    kept = cid
+    pending = client.begin(run_name, 2, parent_id=kept, attempt="first", generation=old).checkpoint_id
+
+    assert register(service, run_name, "relaunch") == 2
+    assert service.get(f"/api/v1/checkpoints/{pending}").json()["status"] == "ABANDONED"
+    assert service.get(f"/api/v1/runs/{run_name}").json()["generation"] == 2
+    current = service.get(f"/api/v1/runs/{run_name}/launches/current").json()
+    assert current["attempt"] == "relaunch" and current["generation"] == 2
+
+    refused_as_fenced(lambda: client.begin(run_name, 3, parent_id=kept, attempt="first", generation=old))
+    refused_as_fenced(lambda: client.put(pending, 0, "rank00000.more", make_shard(0, seed=2)))
+    refused_as_fenced(lambda: client.vote(pending, 0, [shard_name(0)]))
+    r = service.post(f"/api/v1/checkpoints/{kept}/tags", json={"name": "zombie"},
+                     headers={GENERATION_HEADER: str(old)})
+    assert r.status_code == 409 and r.json()["error"]["code"] == FENCED and "relaunch" in r.json()["error"]["message"]
+    r = httpx.put(f"{service.url}/api/v1/checkpoints/{kept}/pin", headers={GENERATION_HEADER: str(old)})
+    assert r.status_code == 409 and r.json()["error"]["code"] == FENCED
+
+    # reads are not fenced: the old launch (or anyone) still restores its checkpoint
+    assert client.manifest(kept).step == 1
+    assert client.read(kept, 0, shard_name(0)) == data
+    assert service.get(f"/api/v1/runs/{run_name}/last-good").json()["id"] == kept
+    # the new generation writes, and so does an operator's tag without a generation
+    assert service.post(f"/api/v1/checkpoints/{kept}/tags", json={"name": "best"},
+                        headers={GENERATION_HEADER: "2"}).status_code == 200
+    assert service.post(f"/api/v1/checkpoints/{kept}/tags", json={"name": "by-hand"}).status_code == 200
+
+    kinds = [e["kind"] for e in service.get(f"/api/v1/runs/{run_name}/events",
+                                            params={"kind": "launch,fenced,fenced_write"}).json()["items"]]
+    assert kinds == ["launch", "launch", "fenced", "fenced_write"]
+
+
+def test_bad_registrations_are_refused_and_change_nothing(service, run_name):
+    for body in ({"attempt": "no spaces allowed"}, {"attempt": "x" * 65}, {"attempt": "ok", "world_size": 0}, {}):
+        r = service.post(f"/api/v1/runs/{run_name}/launches", json=body)
+        assert r.status_code in (400, 422), (body, r.text)
+    assert service.get(f"/api/v1/runs/{run_name}").status_code == 404
+    r = service.post(f"/api/v1/checkpoints/1/tags", json={"name": "t"}, headers={GENERATION_HEADER: "-1"})
+    assert r.status_code == 422
