@@ -65,9 +65,7 @@ class Checkpointer:
         self.commit_timeout = commit_timeout or 2 * float(self.transport.info.get("lease_seconds", 60)) + 60
         self.launch = names.check_attempt(attempt or distributed.launch_attempt(self.world_size))[:56]
         self._restores = 0  # every rank restores the same number of times, so they agree on the attempt
-        # fencing (docs/fencing.md): registered before anything is read, so that a commit of
-        # an older launch either shows up in this launch's restore or is refused
-        self.generation = self.transport.register_launch(self.run, self.launch, self.world_size)
+        self.generation = self._register()
         self._fenced: Fenced | None = None
         self.file_name = shard_file_name(self.rank)
         self.parent_id: int | None = None
@@ -91,6 +89,19 @@ class Checkpointer:
                 "max_restarts": int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)}})
         except ServiceError as e:  # a run that has no checkpoint yet has nowhere to record it
             log.warning("lastgood: could not record restart %s: %s", restarts, e)
+
+    def _register(self) -> int | None:
+        """Fencing (docs/fencing.md): this launch's generation, registered before anything is
+        read, so that a commit of an older launch either shows up in this launch's restore or
+        is refused. A token that may not write (a reader restoring) neither registers nor
+        fences the job that writes; its saves are refused anyway."""
+        try:
+            return self.transport.register_launch(self.run, self.launch, self.world_size)
+        except ServiceError as e:
+            if e.code != 403:
+                raise
+            log.info("lastgood: not registered as a launch of %s (read-only token): %s", self.run, e)
+            return None
 
     @property
     def attempt(self) -> str:

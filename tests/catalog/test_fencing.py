@@ -57,7 +57,7 @@ def test_older_generation_is_refused_and_its_pending_abandoned(commits, sessions
     assert status(sessions, pending) == "ABANDONED"
     fenced = events(sessions, "run-f", "fenced")
     assert fenced == [{"generation": old, "attempt": "old", "by_generation": new, "by_attempt": "new",
-                       "abandoned": [pending]}]
+                       "abandoned": [pending], "last_good_id": kept, "last_good_step": 1}]
     with pytest.raises(Fenced, match="launch 'new'"):
         commits.begin("run-f", 3, 1, kept, "old", generation=old)
     assert events(sessions, "run-f", "fenced_write")[0]["what"] == "begin"
