@@ -93,15 +93,26 @@ class Checkpointer:
     def _register(self) -> int | None:
         """Fencing (docs/fencing.md): this launch's generation, registered before anything is
         read, so that a commit of an older launch either shows up in this launch's restore or
-        is refused. A token that may not write (a reader restoring) neither registers nor
-        fences the job that writes; its saves are refused anyway."""
-        try:
-            return self.transport.register_launch(self.run, self.launch, self.world_size)
-        except ServiceError as e:
-            if e.code != 403:
-                raise
-            log.info("lastgood: not registered as a launch of %s (read-only token): %s", self.run, e)
-            return None
+        is refused. Rank 0 registers and broadcasts (one registration per launch, however many
+        ranks); without a process group every rank registers, which the service answers with
+        the same generation. A token that may not write (a reader restoring) neither registers
+        nor fences the job that writes; its saves are refused anyway."""
+        generation, err = 0, None
+        if self.rank == 0 or not distributed.initialized():
+            try:
+                generation = self.transport.register_launch(self.run, self.launch, self.world_size)
+            except ServiceError as e:
+                if e.code == 403:
+                    log.info("lastgood: not registered as a launch of %s (read-only token): %s", self.run, e)
+                else:
+                    generation, err = -1, e
+            except Exception as e:  # noqa: BLE001 - re-raised after the broadcast
+                generation, err = -1, e
+        generation = distributed.broadcast_int(generation)
+        if generation < 0:
+            raise err or LastgoodError("rank 0 could not register this launch with the service; see its log")
+        self.transport.generation = generation or None
+        return generation or None
 
     @property
     def attempt(self) -> str:
