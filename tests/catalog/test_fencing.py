@@ -14,13 +14,13 @@ from sqlalchemy import select
 from lastgood_service.blobstore import MemoryBlobStore
 from lastgood_service.catalog.db import make_engine, make_sessionmaker
 from lastgood_service.catalog.models import Checkpoint, Event, Run
-from lastgood_service.domain.commit import CommitService, manifest_key
+from lastgood_service.domain.commit import CommitService
 from lastgood_service.domain.curation import Curator
 from lastgood_service.domain.errors import FailedPrecondition, Fenced, InvalidArgument
 from lastgood_service.settings import Settings
 from tests.service.helpers import make_shard, shard_name
 
-from .test_commit_backends import last_good, put, save, status
+from .test_commit_backends import last_good, manifest_key, put, save, status
 
 
 def events(sessions, run: str, kind: str) -> list[dict]:
@@ -116,7 +116,7 @@ def test_registration_during_an_in_flight_commit_wins(sessions, clock):
     with pytest.raises(Fenced):  # the vote is answered: fenced, not committed
         commits.vote(cid, 0, [shard_name(0)], wait_seconds=1)
     assert blobs.hook is None, "the relaunch did not register during the commit"
-    assert blobs.stat(manifest_key(cid)) is not None  # written, yet never made visible
+    assert blobs.stat(manifest_key(sessions, cid)) is not None  # written, yet never made visible
     assert status(sessions, cid) == "ABANDONED" and last_good(sessions, "run-r") == first
 
 
