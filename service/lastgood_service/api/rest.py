@@ -269,7 +269,7 @@ def create_app(ctx: AppContext) -> FastAPI:
         """Mark what followed the target suspect, tag the target rollback-target, move last-good back."""
         return ctx.curator.rollback(run, body.target_id, body.spike_step, body.data, generation)
 
-    @app.post("/api/v1/runs/{run}/launches", tags=["runs"], responses=answers(400, 409, 413))
+    @app.post("/api/v1/runs/{run}/launches", tags=["runs"], responses=answers(400, 404, 409, 413))
     def register_launch(run: str, body: LaunchBody):
         """Register a launch of the job; its generation fences every older launch's writes
         and abandons their pending checkpoints (docs/fencing.md). Idempotent on (run, attempt)."""
