@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import statistics
 import threading
 import urllib.request
@@ -126,12 +127,12 @@ class Service(ServiceProcess):
     def __init__(self, data_dir: Path, env: dict | None = None) -> None:
         super().__init__(data_dir, {"LASTGOOD_LOG_LEVEL": "WARNING", **(env or {})})
 
-    def start(self, timeout: float = 60.0) -> "Service":
-        super().start(timeout)
+    def start(self, timeout: float = 60.0, keep_ports: bool = False) -> "Service":
+        super().start(timeout, keep_ports)
         return self
 
-    def stop(self) -> None:
-        super().stop(grace=15.0)
+    def stop(self, sig: int = signal.SIGTERM, grace: float = 15.0) -> None:
+        super().stop(sig, grace)
 
     def gc(self) -> dict:
         return http_json(self.url + "/api/v1/gc?dry_run=false", method="POST", timeout=300)

@@ -4,7 +4,17 @@ save(step, state) snapshots the state into a pooled CPU buffer and returns; a ba
 thread hashes it, begins the checkpoint, streams the shard, votes and waits for the
 commit. Saves are processed in order, one at a time, so a checkpoint's parent is always
 the previous commit (or the checkpoint restored from). A failed save aborts its
-checkpoint, leaves last-good where it was, and is raised by wait() or close().
+checkpoint and leaves last-good where it was.
+
+The service may be away for a while (a restart, a network blip): every call retries
+transient failures (retry.py), and training never waits for the service. While it is
+away, save() gives up older snapshots instead of waiting for their uploads (uploads.py);
+each given-up save is logged, counted (`stats`) and posted as a `save_given_up` event once
+the service answers again. wait() and close() fail only when the newest save did not
+commit (`require_final=False` makes that a loud log line instead): an outage that later
+saves recovered from costs nothing. When a rank cannot tell whether a checkpoint
+committed, its next save first asks the service (retrying), so every rank continues from
+the same parent. docs/availability.md tells the whole story.
 Each launch registers with the service for a generation; once a newer launch of the run
 has registered, this one is fenced and save(), wait() and close() raise Fenced.
 """
@@ -13,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import random
 import threading
 import time
@@ -27,10 +36,12 @@ from .errors import (CorruptCheckpoint, Fenced, FormatError, LastgoodError, NoUs
 from .fencing import FENCED
 from .hashing import StreamHasher, hash_bytes
 from .manifest import Manifest
+from .retry import GaveUp, RetryPolicy
 from .staging import Snapshot, StagingPool, snapshot
 from .sharding import ShardIndex, StoredFile
 from .state import TrainState, array_from_buffer, fits, tensor_from_buffer
 from .transport import Transport
+from .uploads import SaveRecord, UploadQueue
 
 log = logging.getLogger("lastgood")
 # service answers that say a checkpoint cannot be read as committed (gRPC code names and
@@ -50,17 +61,21 @@ class SaveResult:
 
 class Checkpointer:
     def __init__(self, url: str | None = None, run: str | None = None, *, attempt: str | None = None,
-                 token: str | None = None, staging_buffers: int = 2, commit_timeout: float | None = None) -> None:
+                 token: str | None = None, staging_buffers: int = 2, commit_timeout: float | None = None,
+                 retry: RetryPolicy | None = None, require_final: bool = True, new_run: bool | None = None) -> None:
+        """`retry`: how transient failures are retried (default RetryPolicy.from_env(), i.e. the
+        LASTGOOD_RETRY_* settings); it also bounds how long a service that is starting is
+        waited for, here and in restore(). `require_final`: wait()/close() raise SaveFailed when
+        the newest save did not commit (else they log it as an error). `new_run`: accept a run
+        name drawn at random by `torchrun --standalone` (also LASTGOOD_NEW_RUN=1)."""
         url = url or os.environ.get("LASTGOOD_URL")
         if not url:
             raise LastgoodError("no service URL: pass Checkpointer(url, run=...) or set LASTGOOD_URL")
-        run = run or os.environ.get("LASTGOOD_RUN") or distributed.elastic_run_id()
-        if not run:
-            raise LastgoodError("name the run: Checkpointer(url, run='my-run'), LASTGOOD_RUN, or run under "
-                                "torchrun with --rdzv-id")
-        self.run = names.check_run_name(run)
+        self.run = names.check_run_name(distributed.run_name(run, new_run))
         self.rank, self.world_size = distributed.rank_world()
-        self.transport = Transport(url, token=token or os.environ.get("LASTGOOD_TOKEN") or None)
+        self.retry = retry or RetryPolicy.from_env()
+        self.require_final = require_final
+        self.transport = Transport(url, token=token or os.environ.get("LASTGOOD_TOKEN") or None, retry=self.retry)
         self._record_restart()
         self.commit_timeout = commit_timeout or 2 * float(self.transport.info.get("lease_seconds", 60)) + 60
         self.launch = names.check_attempt(attempt or distributed.launch_attempt(self.world_size))[:56]
@@ -71,9 +86,11 @@ class Checkpointer:
         self.parent_id: int | None = None
         self.last_saved: SaveResult | None = None
         self._pool = StagingPool(slots=staging_buffers)
-        self._jobs: queue.Queue[Snapshot | None] = queue.Queue()
-        self._failures: list[tuple[int, BaseException]] = []
-        self._lock = threading.Lock()
+        self._jobs = UploadQueue()
+        self._record = SaveRecord()
+        self._unsure: list[tuple[int, int, str]] = []  # (checkpoint, step, digest) whose outcome this rank missed
+        self._gave_up_since_commit = False  # then the ranks converge on a step before each begin (_converge)
+        self._last_error: BaseException | None = None
         self._closed = False
         self._worker = threading.Thread(target=self._run, name="lastgood-upload", daemon=True)
         self._worker.start()
@@ -130,32 +147,135 @@ class Checkpointer:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         cap = state.capture(step, self.rank, self.world_size)
-        snap = snapshot(step, cap.json_state, cap.tensors, self._pool)
+        if self._pool.full():
+            # every buffer is taken: while the service is away, give up the oldest waiting
+            # snapshot instead of waiting for an upload that cannot finish (uploads.py)
+            dropped = self._jobs.drop_oldest_if_troubled()
+            if dropped is not None:
+                self._pool.release(dropped.buffer)
+                self._given_up(dropped.step, f"superseded by step {step} while the service was unreachable")
+        # no buffer free: an upload stuck retrying gives up its buffer (see _run)
+        self._jobs.wanted = self._pool.full()
+        try:
+            snap = snapshot(step, cap.json_state, cap.tensors, self._pool)
+        finally:
+            self._jobs.wanted = False
+        self._record.requested = step
         self._jobs.put(snap)
+
+    @property
+    def stats(self) -> dict:
+        """Counters of this rank's saves: saves_committed, saves_given_up."""
+        return dict(self._record.counts)
+
+    def _given_up(self, step: int, why: str) -> None:
+        log.warning("lastgood: run %s: save of step %s given up, training goes on: %s", self.run, step, why)
+        self._gave_up_since_commit = True
+        self._record.give_up(step, why)
 
     def _run(self) -> None:
         while True:
             snap = self._jobs.get()
+            committed = False
             try:
                 if snap is None:
                     return
                 if self._fenced is None:  # a fenced launch uploads nothing more
-                    self._upload(snap)
+                    with self.transport.stoppable(self._jobs.stop_asked):
+                        self._upload(snap)
+                        committed = True
+                        self._gave_up_since_commit = False
+                        self._record.commit(snap.step)
+                        self._report_given_up()
             except BaseException as e:  # noqa: BLE001 - every failure is reported by wait()
                 fenced = self._as_fenced(e)
                 if fenced is not None:
                     log.error("lastgood: %s", fenced)
                     self._fenced = self._fenced or fenced
                 else:
-                    log.error("lastgood: save of step %s failed: %s", snap.step, e)
-                    with self._lock:
-                        self._failures.append((snap.step, e))
+                    self._last_error = e
+                    self._given_up(snap.step, str(e))
             finally:
                 if snap is not None:
                     self._pool.release(snap.buffer)
-                self._jobs.task_done()
+                self._jobs.task_done(committed)
+
+    def _report_given_up(self) -> None:
+        """The service answers again: tell it which saves were given up meanwhile."""
+        items = self._record.take_unreported()
+        if not items:
+            return
+        try:
+            self.transport.post_json(f"/api/v1/runs/{self.run}/events", {"kind": "save_given_up", "data": {
+                "rank": self.rank, "count": len(items), "steps": [s for s, _ in items], "reason": items[-1][1]}})
+        except ServiceError as e:
+            log.warning("lastgood: could not record the given-up saves: %s", e)
+            self._record.put_back(items)
+
+    def _settle(self) -> None:
+        """Before anything new begins, learn from the service what became of checkpoints whose
+        outcome this rank missed (a reply lost in a restart, an upload given up after it
+        began). Every rank asks the same service, so all continue from the same parent: a
+        pending one is aborted first, which makes its outcome final for everyone."""
+        while self._unsure:
+            cid, step, digest = self._unsure[0]
+            status = self._status(cid, quiet=False)
+            if status == "PENDING":
+                try:
+                    self.transport.abort(cid, f"rank {self.rank} gave up step {step}", self.rank)
+                except GaveUp:
+                    raise
+                except ServiceError:  # committed or expired meanwhile: asked again below
+                    pass
+                status = self._status(cid, quiet=False)
+            if status == "COMMITTED":
+                self.parent_id = cid
+                if self._committed_with(cid, digest):
+                    self.last_saved = SaveResult(step, cid)
+                    self._record.commit(step)
+                    log.warning("lastgood: step %s (checkpoint %s) did commit after all", step, cid)
+            self._unsure.pop(0)
+
+    def _converge(self, step: int, cid: int | None = None) -> None:
+        """After an outage the ranks may have given up different saves: one rank begins step
+        8 while another dropped 8 and began 20, and each would wait for the other until the
+        lease runs out. Saves are processed in order, so a PENDING checkpoint of this launch
+        at an older step is one this rank has given up: abort it, and a peer waiting on it
+        learns at once. One at a newer step means a peer has moved on: give this step up.
+        Every rank applies the same rule to the same catalog, so all converge on the newest
+        step. Asked only while saves are being given up or failing (one listing per save)."""
+        try:
+            items = self.transport.get_json(f"/api/v1/runs/{self.run}/checkpoints",
+                                            {"status": "PENDING", "limit": 100})["items"]
+        except ServiceError as e:
+            if e.code == 404:  # the run has no checkpoint yet
+                return
+            raise
+        mine = [c for c in items if c["attempt"] == self.attempt and c["id"] != cid]
+        for c in mine:
+            if c["step"] < step:
+                try:
+                    self.transport.abort(c["id"], f"rank {self.rank} gave up step {c['step']}", self.rank)
+                except GaveUp:
+                    raise
+                except ServiceError:  # committed or expired meanwhile
+                    pass
+        newer = sorted(c["step"] for c in mine if c["step"] > step)
+        if newer:
+            if cid is not None:
+                self.transport.abort(cid, f"rank {self.rank}: another rank moved on to step {newer[0]}", self.rank)
+            raise SaveFailed(f"another rank gave step {step} up and moved on to step {newer[0]}")
 
     def _upload(self, snap: Snapshot) -> None:
+        if self._jobs.troubled:
+            # the service was away at the last try: wait for it (retrying, until a newer save
+            # wants this buffer) before writing a whole shard to the spool for nothing
+            self.transport.get_json("/api/v1/info")
+        self._settle()
+        # while saves are given up or failing (an outage), the ranks converge on a step
+        converging = lambda: self._jobs.troubled or self._gave_up_since_commit  # noqa: E731
+        if converging():
+            self._converge(snap.step)
         data = snap.view()
         # on the service's host the shard is handed over as a file, hashed as it is written;
         # written before begin, so that a long write never runs into the checkpoint's lease
@@ -177,6 +297,8 @@ class Checkpointer:
                 res = self.transport.commit_rank(cid, self.rank, [self.file_name], wait=2.0)
                 if res.status == "COMMITTED":
                     break
+                if converging():  # a peer may have given this step up and moved on (or began it late)
+                    self._converge(snap.step, cid)
                 if time.monotonic() > deadline:
                     raise SaveFailed(f"checkpoint {cid} (step {snap.step}) not committed after "
                                      f"{self.commit_timeout:.0f}s; ranks not voted: {list(res.missing_ranks)}")
@@ -184,8 +306,16 @@ class Checkpointer:
                     time.sleep(pause * (0.5 + random.random()))
                     pause = min(pause * 2, 2.0)
         except BaseException as e:
-            # The reply may be what was lost: ask before declaring the save failed.
-            status = self._status(cid)
+            if isinstance(e, GaveUp):  # a newer save wants this buffer: settled before that one begins
+                self._unsure.append((cid, snap.step, digest))
+                raise
+            # The reply may be what was lost: ask (retrying) before declaring the save failed.
+            try:
+                status = self._status(cid, quiet=False)
+            except ServiceError:
+                self._unsure.append((cid, snap.step, digest))  # the next save asks again first
+                raise SaveFailed(f"save of step {snap.step} (checkpoint {cid}): outcome unknown, the service "
+                                 f"did not answer: {e}") from e
             if status == "COMMITTED" and self._committed_with(cid, digest):
                 log.warning("lastgood: step %s: %s, but checkpoint %s is committed", snap.step, e, cid)
             else:
@@ -195,7 +325,8 @@ class Checkpointer:
                     except Exception:  # expired or committed meanwhile: the lease settles it
                         pass
                 outcome = ("last-good did not move" if status in ("PENDING", "ABANDONED")
-                           else "its outcome is unknown (the service did not answer)")
+                           else "it committed with other bytes for this rank" if status == "COMMITTED"
+                           else f"it is {status}")
                 raise SaveFailed(f"save of step {snap.step} (checkpoint {cid}) failed, {outcome}: {e}") from e
         self.parent_id = cid
         self.last_saved = SaveResult(snap.step, cid)
@@ -219,22 +350,34 @@ class Checkpointer:
             return False
         return [(f.name, f.xxh3_128) for f in files] == [(self.file_name, digest)]
 
-    def _status(self, cid: int) -> str | None:
+    def _status(self, cid: int, quiet: bool = True) -> str | None:
+        """The checkpoint's status, asked with the retry policy's patience; None (or the
+        error, with quiet=False) when the service does not answer within it."""
         try:
             return self.transport.get_json(f"/api/v1/checkpoints/{cid}")["status"]
         except ServiceError:
+            if not quiet:
+                raise
             return None
 
     def wait(self) -> None:
-        """Block until every save so far is committed; raise SaveFailed if any failed."""
+        """Block until every save so far has committed or been given up (uploads retry up to
+        the retry policy's deadline). Saves given up along the way are forgiven when a later
+        one committed; if the newest did not, raise SaveFailed with a summary of what
+        committed and what did not (or log it, with require_final=False)."""
         self._jobs.join()
         if self._fenced is not None:
             raise self._fenced
-        with self._lock:
-            failures, self._failures = self._failures, []
-        if failures:
-            steps = ", ".join(str(s) for s, _ in failures)
-            raise SaveFailed(f"saves of step(s) {steps} failed: {failures[-1][1]}") from failures[-1][1]
+        if self._record.final_committed():
+            if self._record.counts["saves_given_up"] > self._record.told:
+                self._record.told = self._record.counts["saves_given_up"]
+                log.warning("lastgood: run %s: the newest save committed; %s", self.run, self._record.summary())
+            return
+        msg = f"run {self.run} rank {self.rank}: the newest state was NOT committed. {self._record.summary()}"
+        self._record.requested = None  # said once: close() after a failed wait() does not say it again
+        if self.require_final:
+            raise SaveFailed(msg) from self._last_error
+        log.error("lastgood: %s", msg)
 
     def close(self) -> None:
         if self._closed:
@@ -286,6 +429,7 @@ class Checkpointer:
                 finally:
                     self._give_back(state, held)
                 self.parent_id = cid
+                self._unsure.clear()  # the restored checkpoint is the parent now, on every rank
                 self._restores += 1
                 if tried:
                     log.warning("lastgood: restored %s step %s (checkpoint %s), the newest good ancestor of damaged "
@@ -306,6 +450,8 @@ class Checkpointer:
         if tried:
             raise NoUsableCheckpoint(f"run {self.run!r} has no usable checkpoint: {tried} and every ancestor of "
                                      f"theirs are damaged (CORRUPT); restore a checkpoint by id or start a new run")
+        log.warning("lastgood: run %r has no checkpoint at %s: starting from the beginning", self.run,
+                    self.transport.base_url)
         return None
 
     def _agree(self, pick) -> int:

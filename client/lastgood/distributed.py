@@ -7,10 +7,13 @@ collectives, which pickle.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 
 import torch
 import torch.distributed as dist
+
+from .errors import LastgoodError
 
 
 def initialized() -> bool:
@@ -73,13 +76,39 @@ def all_gather_ints(values: list[int]) -> list[int]:
 
 def elastic_run_id() -> str | None:
     """torchrun's run id (--rdzv-id) as a run name, when there is a meaningful one."""
-    import re
-
     rid = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if not rid or rid == "none":
         return None
     name = re.sub(r"[^A-Za-z0-9._-]", "-", rid).strip("-.")[:128].replace("..", "-")
     return name or None
+
+
+# `torchrun --standalone` names its rendezvous with a fresh uuid4 on every launch
+_RANDOM_RDZV_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
+
+
+def run_name(explicit: str | None, new_run: bool | None = None) -> str:
+    """The run a Checkpointer saves to and restores from: `run=`, else LASTGOOD_RUN, else
+    torchrun's --rdzv-id. A run name that changes on every launch would make every relaunch
+    a new run that silently starts from step 0, so a random standalone rendezvous id is
+    refused unless a new run is asked for (new_run=True or LASTGOOD_NEW_RUN=1)."""
+    name = explicit or os.environ.get("LASTGOOD_RUN") or None
+    if name:
+        return name
+    name = elastic_run_id()
+    if not name:
+        raise LastgoodError("name the run: Checkpointer(url, run='my-run'), LASTGOOD_RUN=my-run, or run under "
+                         "torchrun with --rdzv-id=my-run")
+    if new_run is None:
+        new_run = os.environ.get("LASTGOOD_NEW_RUN", "").strip().lower() in ("1", "true", "yes")
+    if _RANDOM_RDZV_ID.match(os.environ.get("TORCHELASTIC_RUN_ID", "")) and not new_run:
+        raise LastgoodError(
+            f"the run name would be torchrun's rendezvous id {name}, which `torchrun --standalone` draws at "
+            "random on every launch: a relaunch would find no checkpoint and start over from step 0. Name the run: "
+            "Checkpointer(url, run='my-run'), LASTGOOD_RUN=my-run, or torchrun --rdzv-id=my-run "
+            "(--rdzv-backend=c10d --rdzv-endpoint=localhost:0 instead of --standalone); or set "
+            "LASTGOOD_NEW_RUN=1 to start a new run on purpose")
+    return name
 
 
 def launch_attempt(world_size: int) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,10 +40,13 @@ class StagingPool:
         self._free: list[torch.Tensor] = []
         self._in_use = 0
         self._cv = threading.Condition()
+        self.last_wait = 0.0  # seconds the last acquire() waited for a free buffer (the benchmark reads it)
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         with self._cv:
+            t0 = time.perf_counter()
             self._cv.wait_for(lambda: self._in_use < self.slots)
+            self.last_wait = time.perf_counter() - t0
             self._in_use += 1
             fits = [i for i, b in enumerate(self._free) if b.numel() >= nbytes]
             if fits:
@@ -55,6 +59,11 @@ class StagingPool:
         except BaseException:
             self.release(None)
             raise
+
+    def full(self) -> bool:
+        """Would acquire() wait now?"""
+        with self._cv:
+            return self._in_use >= self.slots
 
     def clear(self) -> None:
         with self._cv:

@@ -4,19 +4,21 @@ RestClient is the REST half alone (urllib, no gRPC channel): the command line us
 Transport adds the gRPC data path on top.
 
 The only thing configured is the REST base URL; the gRPC endpoint is learned from
-GET /api/v1/info. Unary calls are retried on UNAVAILABLE (the service restarting), and
-PutShard also when the service has too many streams open;
-everything the service refuses surfaces as ServiceError with its message.
+GET /api/v1/info. Every call goes through one RetryPolicy (retry.py): transient failures
+(the service restarting, a dropped connection, a 5xx, a PutShard refused because the
+service has too many streams open) are retried with backoff until its deadline;
+everything the service refuses surfaces at once as ServiceError with its message.
+RestClient alone (the command line) tries once unless given a policy.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
-import random
-import time
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -36,12 +38,15 @@ from .errors import CorruptCheckpoint, NoUsableCheckpoint, ServiceError
 from .fencing import ERROR_METADATA, GENERATION_HEADER
 from .hashing import StreamHasher
 from .manifest import Manifest
+from .retry import NO_RETRY, GaveUp, RetryPolicy
 from .v1 import lastgood_pb2 as pb
 from .v1 import lastgood_pb2_grpc as pb_grpc
 
 CHUNK = 4 * 1024 * 1024
 log = logging.getLogger("lastgood")
-_RETRY = (grpc.StatusCode.UNAVAILABLE,)
+# reconnect soon after a restarted service listens again (gRPC's own default backs off to 120 s)
+_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+              ("grpc.max_reconnect_backoff_ms", 1000)]
 _SPOOL_WRITE = 8 * 1024 * 1024
 # the service's answers to GET /runs/{run}/last-good that mean "nothing to restore"
 NO_CHECKPOINT = ("not_found", "no_checkpoint")
@@ -102,9 +107,12 @@ class RestClient:
     """The REST half of the wire, on urllib alone: no gRPC channel is opened, so the
     command line (lastgood.cli) uses it directly and Transport builds on it."""
 
-    def __init__(self, base_url: str, timeout: float = 30.0, token: str | None = None) -> None:
+    def __init__(self, base_url: str, timeout: float = 30.0, token: str | None = None,
+                 retry: RetryPolicy | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.retry = retry or NO_RETRY
+        self._local = threading.local()  # this thread's stop() for retries, see stoppable()
         # a service with auth required wants `Authorization: Bearer <token>` on every call
         self._auth = {"Authorization": f"Bearer {token}"} if token else {}
         # this launch's generation once registered (register_launch): sent with every call,
@@ -137,13 +145,28 @@ class RestClient:
         except OSError as e:  # timeouts and resets before the answer's head
             raise ServiceUnreachable(f"{method} {path}: no answer from the lastgood service: {e}") from None
 
-    def _request(self, method: str, path: str, query: dict | None = None, body: dict | None = None) -> bytes:
-        resp = self.open(method, path, query, body)
+    @contextlib.contextmanager
+    def stoppable(self, stop):
+        """Calls made by this thread inside `with transport.stoppable(stop):` stop retrying
+        (GaveUp) as soon as stop() says so."""
+        self._local.stop = stop
         try:
-            with resp:
-                return resp.read()
-        except OSError as e:  # timeouts and resets while reading the answer
-            raise ServiceUnreachable(f"{method} {path}: no answer from the lastgood service: {e}") from None
+            yield
+        finally:
+            self._local.stop = None
+
+    def _retrying(self, fn, what: str):
+        return self.retry.call(fn, what, stop=getattr(self._local, "stop", None))
+
+    def _request(self, method: str, path: str, query: dict | None = None, body: dict | None = None) -> bytes:
+        def once() -> bytes:
+            resp = self.open(method, path, query, body)
+            try:
+                with resp:
+                    return resp.read()
+            except OSError as e:  # timeouts and resets while reading the answer
+                raise ServiceUnreachable(f"{method} {path}: no answer from the lastgood service: {e}") from None
+        return self._retrying(once, f"{method} {path}")
 
     def get_json(self, path: str, query: dict | None = None):
         return json.loads(self._request("GET", path, query))
@@ -205,9 +228,10 @@ class RestClient:
 
 
 class Transport(RestClient):
-    def __init__(self, base_url: str, timeout: float = 30.0, retries: int = 5, token: str | None = None) -> None:
-        super().__init__(base_url, timeout, token)
-        self.retries = retries
+    def __init__(self, base_url: str, timeout: float = 30.0, token: str | None = None,
+                 retry: RetryPolicy | None = None) -> None:
+        # a service that is starting (or restarting) is waited for, up to the policy's deadline
+        super().__init__(base_url, timeout, token, retry or RetryPolicy.from_env())
         # the same bearer token on every gRPC call, as call metadata
         self._md = (("authorization", f"Bearer {token}"),) if token else ()
         self.info = info = self.get_json("/api/v1/info")
@@ -216,7 +240,7 @@ class Transport(RestClient):
         limit = self.chunk + 64 * 1024
         self._channel = grpc.insecure_channel(self.grpc_target, options=[
             ("grpc.max_receive_message_length", max(limit, 256 * 1024 * 1024)),
-            ("grpc.max_send_message_length", limit)])
+            ("grpc.max_send_message_length", limit), *_RECONNECT])
         self._stub = pb_grpc.CheckpointsStub(self._channel)
         self.spool = _find_spool(info.get("spool"))
         _open.add(self)
@@ -234,23 +258,15 @@ class Transport(RestClient):
 
     # ---------------------------------------------------------------- gRPC
     def _unary(self, what: str, method, request, timeout: float | None = None):
-        """One call, tried again after UNAVAILABLE (`retries` times) and, for as long as the
-        call's own timeout, after a refusal for too many open streams: with a budget of
-        streams per token, the ranks of a large job take turns."""
-        timeout = timeout or self.timeout
-        delay, attempt = 0.2, 0
-        busy_until = time.monotonic() + timeout
-        while True:
+        def once():
             try:
-                return method(request, timeout=timeout, metadata=self._md)
+                return method(request, timeout=timeout or self.timeout, metadata=self._md)
             except grpc.RpcError as e:
-                busy = _busy(e) and time.monotonic() + delay < busy_until
-                if busy or (e.code() in _RETRY and attempt < self.retries):
-                    attempt += not busy
-                    time.sleep(delay * random.uniform(0.5, 1.0))  # ranks refused together retry apart
-                    delay = min(delay * 2, 5.0)
-                    continue
-                raise _service_error(e, what) from None
+                err = _service_error(e, what)
+                # a refusal for too many open streams read nothing: the ranks take turns
+                err.busy = _busy(e)
+                raise err from None
+        return self._retrying(once, what)
 
     def begin(self, run: str, step: int, world_size: int, parent_id: int | None, attempt: str,
               rank: int) -> pb.BeginCheckpointResponse:
@@ -314,6 +330,8 @@ class Transport(RestClient):
             spooled_header.spool_file, spooled_header.spool_id = spooled, spool["id"]
             try:
                 return self._put(lambda: iter((pb.PutShardRequest(header=spooled_header).SerializeToString(),)))
+            except GaveUp:
+                raise
             except ServiceError as e:
                 log.warning("lastgood: the spooled hand-over of %s failed (%s); streaming it", file_name, e)
                 if "spool: the header names another spool" in str(e) or "takes no spooled files" in str(e):
@@ -351,35 +369,39 @@ class Transport(RestClient):
         if view.nbytes < size:
             raise ValueError(f"read_file: a buffer of {view.nbytes} bytes cannot hold {size}")
         view = view[:size]
-        hasher = StreamHasher()
-        pos = 0
-        spool = self.spool
-        try:
-            for raw in self._get_shard(pb.GetShardRequest(checkpoint_id=checkpoint_id, rank=rank,
-                                                          file_name=file_name, spool_id=spool["id"] if spool else ""),
-                                       timeout=max(self.timeout, 3600.0), metadata=self._md):
-                chunk = wire.unframe(raw, wire.GET_CHUNK)
-                if chunk is None:
-                    msg = pb.GetShardResponse.FromString(raw)
-                    if msg.spool_file:
-                        if pos or spool is None:
-                            raise ServiceError(f"GetShard answered with a spool file mid-stream for {file_name}")
-                        pos = _read_lent(spool["dir"], msg.spool_file, view, hasher)
-                        continue
-                    chunk = msg.chunk
-                n = len(chunk)
-                if pos + n > size:
-                    raise CorruptCheckpoint(f"checkpoint {checkpoint_id} rank {rank} {file_name}: the stored file is "
-                                            f"longer than the committed {size} bytes")
-                view[pos:pos + n] = chunk
-                hasher.update(chunk)
-                pos += n
-        except grpc.RpcError as e:
-            raise _service_error(e, "GetShard") from None
-        if pos != size:  # the whole stored file came, without an error: it is shorter
-            raise CorruptCheckpoint(f"checkpoint {checkpoint_id} rank {rank} {file_name}: the stored file ends "
-                                    f"after {pos} of the committed {size} bytes")
-        return view, hasher.hexdigest()
+
+        def once() -> str:  # a retry after a broken stream starts over
+            hasher = StreamHasher()
+            pos = 0
+            spool = self.spool
+            try:
+                for raw in self._get_shard(pb.GetShardRequest(checkpoint_id=checkpoint_id, rank=rank,
+                                                              file_name=file_name, spool_id=spool["id"] if spool else ""),
+                                           timeout=max(self.timeout, 3600.0), metadata=self._md):
+                    chunk = wire.unframe(raw, wire.GET_CHUNK)
+                    if chunk is None:
+                        msg = pb.GetShardResponse.FromString(raw)
+                        if msg.spool_file:
+                            if pos or spool is None:
+                                raise ServiceError(f"GetShard answered with a spool file mid-stream for {file_name}")
+                            pos = _read_lent(spool["dir"], msg.spool_file, view, hasher)
+                            continue
+                        chunk = msg.chunk
+                    n = len(chunk)
+                    if pos + n > size:
+                        raise CorruptCheckpoint(f"checkpoint {checkpoint_id} rank {rank} {file_name}: the stored file is "
+                                                f"longer than the committed {size} bytes")
+                    view[pos:pos + n] = chunk
+                    hasher.update(chunk)
+                    pos += n
+            except grpc.RpcError as e:
+                raise _service_error(e, "GetShard") from None
+            if pos != size:  # the whole stored file came, without an error: it is shorter
+                raise CorruptCheckpoint(f"checkpoint {checkpoint_id} rank {rank} {file_name}: the stored file ends "
+                                        f"after {pos} of the committed {size} bytes")
+            return hasher.hexdigest()
+
+        return view, self._retrying(once, f"GetShard {checkpoint_id}/{rank}/{file_name}")
 
 
 def _busy(e: grpc.RpcError) -> bool:

@@ -41,6 +41,13 @@ def compare(ref: Path, other: Path, world: int) -> list[str]:
             for key in ("loss", "ids", "epoch"):
                 if a[s][key] != b[s][key]:
                     diffs.append(f"rank {rank} step {s}: {key} {a[s][key]} != {b[s][key]}")
+    return diffs + compare_final(ref, other, world)
+
+
+def compare_final(ref: Path, other: Path, world: int) -> list[str]:
+    """The differences between the final states alone (parameters, optimizer, RNGs)."""
+    diffs = []
+    for rank in range(world):
         ta, tb = _tensors(ref / f"final-rank{rank}.safetensors"), _tensors(other / f"final-rank{rank}.safetensors")
         if set(ta) != set(tb):
             diffs.append(f"rank {rank}: final tensors differ in names")

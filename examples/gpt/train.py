@@ -18,6 +18,9 @@ LASTGOOD_EXAMPLE_PAUSE="STEP:DIR" makes every rank of the first launch stop befo
 of STEP (once the previous save has committed), write DIR/paused-rank{R} (its pid) and wait
 for DIR/go; then it saves STEP and waits for that save: the test of fencing kills the
 torchrun agent meanwhile and relaunches the job, and these ranks are its zombies.
+LASTGOOD_EXAMPLE_GATE="STEP:PATH[,STEP:PATH...]" makes every rank, after STEP (and its
+save), wait until the file PATH exists: a test outside the job (a service outage, say)
+can line its events up with the job's steps.
 """
 
 from __future__ import annotations
@@ -90,6 +93,17 @@ def pause_at(rank: int, step: int, ckpt) -> bool:
     while not (Path(gate) / "go").exists():
         time.sleep(0.05)
     return True
+
+
+def wait_at_gate(step: int) -> None:
+    spec = os.environ.get("LASTGOOD_EXAMPLE_GATE")
+    if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return
+    for item in spec.split(","):
+        s, path = item.split(":", 1)
+        if int(s) == step:
+            while not os.path.exists(path):
+                time.sleep(0.05)
 
 
 def die(rank: int, step: int, when: str) -> None:
@@ -183,12 +197,15 @@ def main(argv=None) -> None:
             elif fault_at(rank, step, "after_step"):
                 ckpt.wait()  # a death between two saves: the previous one has committed
                 die(rank, step, "after_step")
+            wait_at_gate(step)
             step += 1
             if step >= args.steps:
                 break
         else:
             progress["epoch"] += 1
+    print(f"[rank {rank}] trained to step {step}; waiting for the saves", flush=True)
     ckpt.wait()
+    print(f"[rank {rank}] saves: {json.dumps(ckpt.stats, sort_keys=True)}", flush=True)
     ckpt.close()
     dump_final(out, rank, model, opt, step, progress["epoch"])
     dist.barrier()

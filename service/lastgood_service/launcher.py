@@ -3,7 +3,9 @@
 One piece for everything that needs a live service of its own: the test fixtures, the
 benchmark and `make demo`. The process is the real entry point (`python -m
 lastgood_service.main`) on a free REST port with gRPC on a free port too; its output goes
-to a log file per start in the data directory.
+to a log file per start in the data directory. `restart()` starts it again on the same data
+directory and the same REST and gRPC ports, as a supervisor restarting a crashed service
+would, so that clients that were talking to it can reconnect.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class ServiceProcess:
     data_dir: Path
     env: dict = field(default_factory=dict)  # LASTGOOD_* settings on top of the embedded defaults
     port: int = 0
+    grpc_port: int = 0  # 0: the service picks one; kept by restart()
     proc: subprocess.Popen | None = None
     log: Path | None = None
     info: dict = field(default_factory=dict)  # GET /api/v1/info once it is up
@@ -47,12 +50,13 @@ class ServiceProcess:
     def pid(self) -> int:
         return self.proc.pid
 
-    def start(self, timeout: float = 30.0) -> "ServiceProcess":
-        self.port = free_port()
+    def start(self, timeout: float = 30.0, keep_ports: bool = False) -> "ServiceProcess":
+        if not keep_ports:
+            self.port, self.grpc_port = free_port(), 0
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.log = self.data_dir / f"service-{self.port}.log"
         env = {**os.environ, "LASTGOOD_DATA_DIR": str(self.data_dir), "LASTGOOD_PORT": str(self.port),
-               "LASTGOOD_GRPC_PORT": "0", **self.env}
+               "LASTGOOD_GRPC_PORT": str(self.grpc_port), **self.env}
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "lastgood_service.main"], env=env,
                                          stdout=log, stderr=subprocess.STDOUT)
@@ -63,6 +67,7 @@ class ServiceProcess:
             try:
                 with urllib.request.urlopen(self.url + "/api/v1/info", timeout=1) as r:
                     self.info = json.loads(r.read())
+                self.grpc_port = int(self.info["grpc_target"].rsplit(":", 1)[1])
                 return self
             except OSError:
                 time.sleep(0.1)
@@ -78,6 +83,11 @@ class ServiceProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+
+    def restart(self, timeout: float = 30.0) -> "ServiceProcess":
+        """Stop it if it runs, and start it again on the same data and the same ports."""
+        self.stop()
+        return self.start(timeout, keep_ports=True)
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)

@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 import lastgood
-from tests.service.helpers import shard_blob
+from lastgood.retry import RetryPolicy
 from lastgood.staging import StagingPool
+from tests.service.helpers import shard_blob
 
 
 def big_model(seed=0):
@@ -95,7 +96,7 @@ def test_failed_save_when_the_service_is_gone(make_service, run_name):
     ckpt = lastgood.Checkpointer(svc.url, run=run_name)
     ckpt.save(1, lastgood.TrainState(model=model))
     ckpt.wait()
-    ckpt.transport.retries = 1
+    ckpt.transport.retry = RetryPolicy(deadline=1.0)  # the newest save cannot commit: wait() raises soon
     data_dir = svc.data_dir
     svc.stop()
     ckpt.save(2, lastgood.TrainState(model=model))

@@ -18,7 +18,7 @@ from .errors import FailedPrecondition, InvalidArgument, NotFound
 from .lineage import descendants
 
 RESERVED = {SUSPECT, ROLLBACK_TARGET, LAST_GOOD, PINNED}
-CLIENT_EVENTS = {"spike", "restart", "note"}
+CLIENT_EVENTS = {"spike", "restart", "note", "save_given_up"}
 MAX_LEASE_SECONDS = 24 * 3600
 
 
