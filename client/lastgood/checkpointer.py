@@ -283,7 +283,8 @@ class Checkpointer:
         spooled = self.transport.spool_write(data, hasher)
         digest = hasher.hexdigest() if spooled and hasher.size == data.nbytes else hash_bytes(data)
         try:
-            ck = self.transport.begin(self.run, snap.step, self.world_size, self.parent_id, self.attempt, self.rank)
+            ck = self.transport.begin(self.run, snap.step, self.world_size, self.parent_id, self.attempt, self.rank,
+                                      expected_bytes=0 if spooled else data.nbytes)  # a spooled shard is on disk
         except BaseException:
             self.transport.spool_discard(spooled)
             raise

@@ -269,10 +269,10 @@ class Transport(RestClient):
         return self._retrying(once, what)
 
     def begin(self, run: str, step: int, world_size: int, parent_id: int | None, attempt: str,
-              rank: int) -> pb.BeginCheckpointResponse:
+              rank: int, expected_bytes: int = 0) -> pb.BeginCheckpointResponse:
         return self._unary("BeginCheckpoint", self._stub.BeginCheckpoint, pb.BeginCheckpointRequest(
             run=run, step=step, world_size=world_size, parent_id=parent_id or 0, attempt=attempt, rank=rank,
-            generation=self.generation or 0))
+            generation=self.generation or 0, expected_bytes=expected_bytes))
 
     def spool_write(self, data, hasher: StreamHasher | None = None) -> str | None:
         """Write a shard into the service's spool (same host, see the service's

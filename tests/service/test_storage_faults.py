@@ -109,3 +109,23 @@ def test_an_io_error_reaches_the_trainer_as_unavailable(make_service, run_name):
         cid = c.begin(run_name, 1).checkpoint_id
         e = rpc_error(grpc.StatusCode.UNAVAILABLE, c.put, cid, 0, shard_name(0), big_shard(1), chunk=MiB)
         assert "I/O error on ckpt/" in e.details()
+
+
+def test_a_save_that_cannot_fit_is_refused_at_begin(make_service, small_volume, run_name):
+    """A rank declares at begin what it is about to upload: a store without room for it
+    refuses the begin, so no rank uploads a byte and no checkpoint is left pending.
+    Control: a size that fits begins as before."""
+    from lastgood.v1 import lastgood_pb2 as pb
+
+    svc = make_service(small_volume / "data", LASTGOOD_STORE_RESERVE_BYTES=str(4 * MiB))
+    free = os.statvfs(small_volume).f_bavail * os.statvfs(small_volume).f_frsize
+    with Client(svc.grpc_target) as c:
+        def begin(step: int, expected: int):
+            return c.stub.BeginCheckpoint(pb.BeginCheckpointRequest(
+                run=run_name, step=step, world_size=1, attempt="a1", expected_bytes=expected), timeout=20)
+
+        e = rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, begin, 1, free)
+        assert "store full" in e.details() and "bytes free" in e.details()
+        json_error(http(svc).get(f"/api/v1/runs/{run_name}/checkpoints"), 404)  # nothing was begun
+        assert begin(2, MiB).status == "PENDING"  # control
+        rpc_error(grpc.StatusCode.INVALID_ARGUMENT, begin, 3, -1)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class BeginCheckpointRequest(_message.Message):
-    __slots__ = ("run", "step", "world_size", "parent_id", "attempt", "rank", "generation")
+    __slots__ = ("run", "step", "world_size", "parent_id", "attempt", "rank", "generation", "expected_bytes")
     RUN_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class BeginCheckpointRequest(_message.Message):
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     run: str
     step: int
     world_size: int
@@ -22,7 +23,8 @@ class BeginCheckpointRequest(_message.Message):
     attempt: str
     rank: int
     generation: int
-    def __init__(self, run: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., parent_id: _Optional[int] = ..., attempt: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    expected_bytes: int
+    def __init__(self, run: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., parent_id: _Optional[int] = ..., attempt: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., expected_bytes: _Optional[int] = ...) -> None: ...
 
 class BeginCheckpointResponse(_message.Message):
     __slots__ = ("checkpoint_id", "status", "lease_seconds")

@@ -171,7 +171,7 @@ class Servicer(pb_grpc.CheckpointsServicer):
     def BeginCheckpoint(self, request, context):
         self._allow(context, WRITER, run=request.run)
         ck = self.commits.begin(request.run, request.step, request.world_size, request.parent_id or None,
-                                request.attempt, request.rank, request.generation)
+                                request.attempt, request.rank, request.generation, request.expected_bytes)
         return pb.BeginCheckpointResponse(checkpoint_id=ck.id, status=ck.status,
                                           lease_seconds=self.commits.settings.lease_seconds)
 

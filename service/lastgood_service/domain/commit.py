@@ -140,8 +140,10 @@ class CommitService:
 
     # ---------------------------------------------------------------- begin
     def begin(self, run: str, step: int, world_size: int, parent_id: int | None, attempt: str,
-              rank: int = 0, generation: int = 0) -> Checkpoint:
-        """`generation`: the caller's launch (domain/fencing.py); 0 for a client that did not register."""
+              rank: int = 0, generation: int = 0, expected_bytes: int = 0) -> Checkpoint:
+        """`generation`: the caller's launch (domain/fencing.py); 0 for a client that did not register.
+        `expected_bytes`: what this rank is about to upload (0: unknown); refused at once if
+        the store cannot hold it, before any rank uploads a byte."""
         self.gate.check()
         try:
             names.check_run_name(run)
@@ -156,6 +158,10 @@ class CommitService:
             raise InvalidArgument(f"rank {rank} is outside world size {world_size}")
         if generation < 0:
             raise InvalidArgument(f"generation must be >= 0, got {generation}")
+        if expected_bytes < 0:
+            raise InvalidArgument(f"expected_bytes must be >= 0, got {expected_bytes}")
+        if expected_bytes:
+            self._require_room(expected_bytes)
         parent_id = parent_id or None
         for _ in range(3):
             try:
