@@ -7,6 +7,11 @@ class LastgoodError(Exception):
     """Base class of every error lastgood raises on purpose."""
 
 
+# The service's error code for a catalog that lacks commits its blob store holds: only an
+# operator's `lastgood-service rebuild` ends it, so clients do not retry it (retry.py).
+CATALOG_BEHIND = "catalog_behind"
+
+
 class ServiceError(LastgoodError):
     """The service refused a request; `code` is the gRPC status name or HTTP status, `reason`
     the service's error code name when it sent one (`fenced`, `not_found`, ...)."""

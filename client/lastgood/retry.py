@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from .errors import ServiceError
+from .errors import CATALOG_BEHIND, ServiceError
 
 log = logging.getLogger("lastgood")
 T = TypeVar("T")
@@ -61,6 +61,8 @@ def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, ServiceUnreachable):
         return True
     if isinstance(exc, ServiceError):
+        if exc.reason == CATALOG_BEHIND:  # an operator must run `lastgood-service rebuild`
+            return False
         if getattr(exc, "busy", False):  # the service has too many streams open (transport._busy)
             return True
         code = exc.code

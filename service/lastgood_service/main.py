@@ -67,7 +67,7 @@ class Service:
         self.queries = Queries(sessions, self.gate)
         self.metrics = Metrics(pending=self.queries.pending_count)
         self.commits = CommitService(settings, sessions, blobs, metrics=self.metrics, gate=self.gate)
-        self.curator = Curator(sessions)
+        self.curator = Curator(sessions, gate=self.gate)
         self.ballast = Ballast(_sqlite_dir(url) / ".lastgood-ballast" if _sqlite_dir(url) else None,
                                settings.ballast_bytes)
         self.ballast.ensure()

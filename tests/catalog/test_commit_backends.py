@@ -283,3 +283,22 @@ def test_rebuild_restores_lost_commits_on_each_backend(commits, sessions, blobs)
     assert last_good(sessions, "run-rb") == lost[1]
     assert save(commits, "run-rb", 4, parent=lost[1]) > lost[1]
     assert repair.rebuild() == {"restored": [], "corrupt": [], "conflicts": []}  # idempotent
+
+
+def test_a_manifest_whose_commit_lost_the_race_is_not_a_lost_commit(commits, sessions, blobs):
+    """The manifest is written just before the commit transaction; a registration that
+    fenced the launch, an abort or lease expiry can abandon the checkpoint in between. Its
+    manifest stays in the store until GC, but it was never visible: start-up must not call
+    the catalog behind, and rebuild must not bring the abandoned checkpoint back."""
+    from lastgood_service.domain.repair import Repair
+
+    cid = save(commits, "run-race", 5)
+    with sessions() as s, s.begin():  # as if abandoned between the manifest and the commit
+        ck = s.get(Checkpoint, cid)
+        ck.status, ck.committed_at = "ABANDONED", None
+        s.get(Run, ck.run_id).last_good_id = None
+    assert blobs.stat(manifest_key(sessions, cid)) is not None
+    repair = Repair(sessions, blobs)
+    assert repair.lost_manifests() == []
+    assert repair.rebuild() == {"restored": [], "corrupt": [], "conflicts": []}
+    assert status(sessions, cid) == "ABANDONED" and last_good(sessions, "run-race") is None

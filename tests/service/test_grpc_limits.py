@@ -146,7 +146,7 @@ def test_streams_can_never_be_set_to_take_every_worker():
 def test_a_download_nobody_reads_is_cancelled_after_the_idle_timeout(make_service, run_name):
     """GetShard holds its worker while the reader does not take the chunks; after the idle
     timeout the service cancels it. A reader that keeps reading is not affected."""
-    svc = make_service(LASTGOOD_GRPC_IDLE_TIMEOUT="1", LASTGOOD_SPOOL="false")
+    svc = make_service(LASTGOOD_GRPC_IDLE_TIMEOUT="3", LASTGOOD_SPOOL="false")  # 3 s: a loaded reader still reads
     data = bytes(range(256)) * (32 * 4096)  # 32 MiB: more than gRPC buffers between the two ends
     channel = grpc.insecure_channel(svc.grpc_target, options=[("grpc.max_receive_message_length", -1)])
     stub = pb_grpc.CheckpointsStub(channel)
@@ -163,12 +163,12 @@ def test_a_download_nobody_reads_is_cancelled_after_the_idle_timeout(make_servic
         assert b"".join(m.chunk for m in stub.GetShard(request, timeout=60)) == data  # a reader that reads
         stalled = stub.GetShard(request, timeout=60)
         next(stalled)
-        time.sleep(3)  # reads nothing for longer than the idle timeout
+        time.sleep(7)  # reads nothing for longer than the idle timeout
         with pytest.raises(grpc.RpcError) as info:
             for _ in stalled:
                 pass
         assert info.value.code() == grpc.StatusCode.CANCELLED
-        assert "GetShard: no message for 1.0 s" in svc.log.read_text()
+        assert "GetShard: no message for 3.0 s" in svc.log.read_text()
     finally:
         channel.close()
 

@@ -11,6 +11,9 @@ import subprocess
 import sys
 
 import grpc
+import lastgood
+from lastgood.errors import ServiceError
+from lastgood.retry import is_transient
 import pytest
 
 from .helpers import Client, checkpoint, ckpt_dir, http, json_error, last_good_id, rpc_error, shard_name
@@ -22,7 +25,7 @@ def unavailable(resp) -> str:
     """A 503 with the JSON error body: the service's own state, not the caller's mistake."""
     assert resp.status_code == 503, resp.text[:300]
     err = resp.json()["error"]
-    assert err["code"] == "unavailable"
+    assert err["code"] == "catalog_behind"  # not "unavailable": clients do not retry it
     return err["message"]
 
 
@@ -57,6 +60,13 @@ def test_a_destroyed_wal_is_detected_and_rebuilt_from_the_store(make_service, ru
         e = rpc_error(grpc.StatusCode.UNAVAILABLE, c.begin, run_name, step=999)
         assert "lastgood-service rebuild" in e.details() and "12 committed" in e.details()
     unavailable(http(svc).post("/api/v1/gc"))  # GC would take the lost commits' blobs for garbage
+    # nor tags, rollbacks, events or a new launch's registration; and the client does not
+    # wait out its retry deadline for what only an operator can end
+    unavailable(http(svc).post(f"/api/v1/runs/{run_name}/events", json={"kind": "note", "data": {}}))
+    unavailable(http(svc).post(f"/api/v1/runs/{run_name}/launches", json={"attempt": "relaunch", "world_size": 1}))
+    with pytest.raises(ServiceError) as refused:
+        lastgood.Checkpointer(svc.url, run=run_name).restore(lastgood.TrainState(extra={}))
+    assert refused.value.reason == "catalog_behind" and not is_transient(refused.value)
     svc.stop()
 
     fsck = repair(tmp_path / "svc", "fsck", "--json")

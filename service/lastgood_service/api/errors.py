@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import grpc
 
+from lastgood.errors import CATALOG_BEHIND
 from lastgood.fencing import FENCED
 
 from ..domain import errors as e
@@ -22,6 +23,7 @@ TABLE: dict[type[e.DomainError], tuple[int, grpc.StatusCode, str]] = {
     e.TooLarge: (413, grpc.StatusCode.RESOURCE_EXHAUSTED, "too_large"),
     e.Unauthenticated: (401, grpc.StatusCode.UNAUTHENTICATED, "unauthenticated"),
     e.PermissionDenied: (403, grpc.StatusCode.PERMISSION_DENIED, "permission_denied"),
+    e.CatalogBehind: (503, grpc.StatusCode.UNAVAILABLE, CATALOG_BEHIND),
     e.Unavailable: (503, grpc.StatusCode.UNAVAILABLE, "unavailable"),
     e.StoreFull: (507, grpc.StatusCode.RESOURCE_EXHAUSTED, "store_full"),
 }

@@ -93,7 +93,7 @@ class CommitService:
         self.clock = clock
         self.metrics = metrics  # lastgood_service.metrics.Metrics, or None
         self._changed = threading.Condition()
-        self.launches = fencing.Launches(sessions, clock, notify=self._notify, metrics=metrics)
+        self.launches = fencing.Launches(sessions, clock, notify=self._notify, metrics=metrics, gate=self.gate)
 
     # ---------------------------------------------------------------- helpers
     def _lease(self) -> dt.datetime:
@@ -107,8 +107,8 @@ class CommitService:
 
     def _require_room(self, size: int) -> None:
         """Refuse a shard the store cannot hold before a byte of it is written, keeping
-        `store_reserve_bytes` free for the catalog and for GC's own writes."""
-        free = self.blobs.free_bytes()
+        `store_reserve_bytes` free for the catalog and for GC's own writes (0: unknown size)."""
+        free = self.blobs.free_bytes() if size else None
         if free is not None and size > free - self.settings.store_reserve_bytes:
             raise StoreFull(f"store full: {free} bytes free, a shard of {size} bytes does not fit beside the "
                             f"{self.settings.store_reserve_bytes}-byte reserve; free space (GC, retention) "
@@ -160,12 +160,10 @@ class CommitService:
             raise InvalidArgument(f"generation must be >= 0, got {generation}")
         if expected_bytes < 0:
             raise InvalidArgument(f"expected_bytes must be >= 0, got {expected_bytes}")
-        if expected_bytes:
-            self._require_room(expected_bytes)
         parent_id = parent_id or None
         for _ in range(3):
             try:
-                return self._begin_once(run, step, world_size, parent_id, attempt, rank, generation)
+                return self._begin_once(run, step, world_size, parent_id, attempt, rank, generation, expected_bytes)
             except Fenced:
                 fencing.record_refusal(self.sessions, run, None, what="begin", step=step, rank=rank,
                                        attempt=attempt, generation=generation)
@@ -174,7 +172,8 @@ class CommitService:
                 continue
         raise Conflict(f"concurrent begin of {run} step {step} attempt {attempt} did not settle")
 
-    def _begin_once(self, run_name, step, world_size, parent_id, attempt, rank, generation) -> Checkpoint:
+    def _begin_once(self, run_name, step, world_size, parent_id, attempt, rank, generation,
+                    expected_bytes) -> Checkpoint:
         with self.sessions() as s, s.begin():
             # FOR SHARE: a launch registering now (UPDATE runs) waits until this checkpoint
             # is recorded, and then abandons it with the rest of the fenced generation
@@ -202,6 +201,9 @@ class CommitService:
                 parent = s.get(Checkpoint, parent_id)
                 if parent is None or parent.run_id != run.id:
                     raise NotFound(f"parent checkpoint {parent_id} does not exist in run {run_name}")
+            # after the fencing check (a zombie hears Fenced, not "store full"), and only by the
+            # begin that would create the checkpoint: a refused one leaves nothing pending
+            self._require_room(expected_bytes)
             now = self.clock()
             ck = Checkpoint(run_id=run.id, step=step, attempt=attempt, world_size=world_size,
                             parent_id=parent_id, status=PENDING, bytes=0, lease_expires_at=self._lease(),
@@ -483,6 +485,7 @@ class CommitService:
 
     # ---------------------------------------------------------------- abort, expiry, recovery
     def abort(self, checkpoint_id: int, reason: str = "", rank: int | None = None) -> str:
+        self.gate.check()
         with self.sessions() as s, s.begin():
             ck = self._get_checkpoint(s, checkpoint_id)
             if ck.status == ABANDONED:
@@ -582,6 +585,7 @@ class CommitService:
                 "status": CORRUPT if bad else ck.status}
 
     def _mark_corrupt(self, checkpoint_id: int, bad: list[dict]) -> None:
+        self.gate.check()  # moving last-good back on a catalog behind the store would pick from what it lost
         log.error("checkpoint %s is CORRUPT: %s", checkpoint_id, bad, extra={"checkpoint_id": checkpoint_id})
         with self.sessions() as s, s.begin():
             ck = self._get_checkpoint(s, checkpoint_id)

@@ -14,6 +14,7 @@ from ..catalog.models import (ALIAS, COMMITTED, CORRUPT, LAST_GOOD, PIN, PINNED,
                               TAG, Checkpoint, ReadLease, Run, Tag, utcnow)
 from . import fencing
 from .commit import add_event
+from .gate import CatalogGate
 from .errors import FailedPrecondition, InvalidArgument, NotFound
 from .lineage import descendants
 
@@ -33,9 +34,11 @@ def check_tag_name(name: object) -> str:
 
 
 class Curator:
-    def __init__(self, sessions: sessionmaker[Session], clock: Callable[[], dt.datetime] = utcnow) -> None:
+    def __init__(self, sessions: sessionmaker[Session], clock: Callable[[], dt.datetime] = utcnow,
+                 gate: CatalogGate | None = None) -> None:
         self.sessions = sessions
         self.clock = clock
+        self.gate = gate or CatalogGate()  # closed: tags, pins, rollbacks and events wait for `rebuild`
 
     @staticmethod
     def _tagged_checkpoint(s: Session, checkpoint_id: int) -> Checkpoint:
@@ -49,6 +52,7 @@ class Curator:
     def set_tag(self, checkpoint_id: int, name: str, alias: bool = False, generation: int | None = None) -> dict:
         """A plain tag may name many checkpoints; an alias names one per run and moves.
         `generation`: the caller's launch; a fenced one is refused (domain/fencing.py)."""
+        self.gate.check()
         check_tag_name(name)
         with self.sessions() as s, s.begin():
             ck = self._tagged_checkpoint(s, checkpoint_id)
@@ -71,6 +75,7 @@ class Curator:
             return {"checkpoint_id": ck.id, "name": name, "kind": kind, "moved_from": moved_from}
 
     def remove_tag(self, checkpoint_id: int, name: str, generation: int | None = None) -> dict:
+        self.gate.check()
         with self.sessions() as s, s.begin():
             ck = s.get(Checkpoint, checkpoint_id)
             if ck is None:
@@ -86,6 +91,7 @@ class Curator:
             return {"checkpoint_id": ck.id, "removed": name}
 
     def pin(self, checkpoint_id: int, pinned: bool, generation: int | None = None) -> dict:
+        self.gate.check()
         with self.sessions() as s, s.begin():
             ck = self._tagged_checkpoint(s, checkpoint_id) if pinned else s.get(Checkpoint, checkpoint_id)
             if ck is None:
@@ -105,6 +111,7 @@ class Curator:
         """After a loss spike: every committed checkpoint after the target on its lineage
         becomes `suspect` (never last-good again), the target becomes `rollback-target`,
         last-good moves back to it if it was suspect, and the spike and rollback are events."""
+        self.gate.check()
         with self.sessions() as s, s.begin():
             run = s.scalar(select(Run).where(Run.name == run_name).with_for_update())
             if run is None:
@@ -138,6 +145,7 @@ class Curator:
                     "last_good_id": run.last_good_id}
 
     def record_event(self, run_name: str, kind: str, checkpoint_id: int | None, data: dict) -> dict:
+        self.gate.check()
         if kind not in CLIENT_EVENTS:
             raise InvalidArgument(f"event kind must be one of {sorted(CLIENT_EVENTS)}, got {kind!r}")
         with self.sessions() as s, s.begin():

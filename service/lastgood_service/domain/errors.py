@@ -55,6 +55,10 @@ class Unavailable(DomainError):
     """The service cannot do this now (a clear reason says until when); clients retry."""
 
 
+class CatalogBehind(Unavailable):
+    """The catalog lacks commits the store holds (domain/gate.py): writes wait for `rebuild`."""
+
+
 class NoCheckpoint(NotFound):
     """The run exists but never committed a checkpoint: a job starts from scratch."""
 

@@ -40,6 +40,7 @@ from lastgood import names
 
 from ..catalog.models import ABANDONED, PENDING, Checkpoint, Launch, Run, utcnow
 from .errors import Conflict, Fenced, InvalidArgument, NotFound
+from .gate import CatalogGate
 
 
 def launch_view(launch: Launch, run: Run, current: int) -> dict:
@@ -66,8 +67,9 @@ def check(s: Session, run_id: int, generation: int | None, what: str) -> None:
 
 class Launches:
     def __init__(self, sessions: sessionmaker[Session], clock: Callable[[], dt.datetime] = utcnow,
-                 notify: Callable[[], None] | None = None, metrics=None) -> None:
+                 notify: Callable[[], None] | None = None, metrics=None, gate: CatalogGate | None = None) -> None:
         self.sessions = sessions
+        self.gate = gate or CatalogGate()  # closed: a registration would hand out a lost generation again
         self.clock = clock
         self.notify = notify  # wakes votes waiting in this process: their checkpoint may be abandoned
         self.metrics = metrics
@@ -75,6 +77,7 @@ class Launches:
     def register(self, run_name: str, attempt: str, world_size: int) -> dict:
         """The launch's generation: a new one the first time (run, attempt) registers, the
         same one after that. Creates the run if it has none yet."""
+        self.gate.check()
         try:
             names.check_run_name(run_name)
             names.check_attempt(attempt)

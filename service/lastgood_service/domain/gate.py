@@ -4,13 +4,9 @@ catalog that lost acknowledged commits."""
 
 from __future__ import annotations
 
-from .errors import Unavailable
+from .errors import CatalogBehind
 
 REBUILD_COMMAND = "lastgood-service rebuild"
-
-
-class CatalogBehind(Unavailable):
-    """The catalog lacks commits the store holds: writes wait for `rebuild`."""
 
 
 class CatalogGate:

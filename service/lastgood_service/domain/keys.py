@@ -25,7 +25,6 @@ import xxhash
 ROOT = "ckpt/"
 MANIFEST = "manifest.json"
 _KEY = re.compile(r"^ckpt/(\d+)(?:-([0-9a-f]{16}))?/(.+)$")
-_SHARD = re.compile(r"^r(\d+)/([0-9a-f]{32})$")
 
 
 def nonce(run: str, step: int, attempt: str) -> str:
@@ -57,10 +56,6 @@ class ParsedKey:
     @property
     def is_manifest(self) -> bool:
         return self.rest == MANIFEST
-
-    def shard(self) -> tuple[int, str] | None:
-        m = _SHARD.match(self.rest)
-        return (int(m.group(1)), m.group(2)) if m else None
 
 
 def parse(key: str) -> ParsedKey | None:

@@ -29,7 +29,7 @@ from lastgood.hashing import hash_bytes
 from lastgood.manifest import Manifest
 
 from ..blobstore import BlobStore
-from ..catalog.models import (COMMITTED, CORRUPT, DELETED, PENDING, VERIFIED, Checkpoint, Run, Shard, Vote,
+from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, DELETED, PENDING, VERIFIED, Checkpoint, Run, Shard, Vote,
                               utcnow)
 from . import keys
 from .commit import CommitService, add_event
@@ -39,7 +39,8 @@ log = logging.getLogger("lastgood.repair")
 
 @dataclass
 class Finding:
-    kind: str                  # see Report.KINDS
+    kind: str  # lost_commit, missing_manifest, manifest_mismatch, missing_blob, orphan, unknown, id_conflict
+               # (docs/storage.md says what each means and what to do)
     detail: str
     checkpoint_id: int | None = None
     key: str | None = None
@@ -47,15 +48,6 @@ class Finding:
 
 @dataclass
 class Report:
-    KINDS = {
-        "lost_commit": "a committed manifest in the store that the catalog does not have (rebuild restores it)",
-        "missing_manifest": "a committed checkpoint whose manifest blob is gone",
-        "manifest_mismatch": "a committed checkpoint whose manifest blob does not hash as recorded",
-        "missing_blob": "a committed checkpoint's shard blob is gone or has another size",
-        "orphan": "a blob of a DELETED checkpoint (GC removes it)",
-        "unknown": "a blob no catalog row and no manifest accounts for (left alone)",
-        "id_conflict": "a lost manifest whose id the catalog has given to another checkpoint",
-    }
     findings: list[Finding] = field(default_factory=list)
     checkpoints: int = 0
     blobs: int = 0
@@ -100,15 +92,19 @@ class Repair:
             return [p for p in found if not self._known(p, rows)]
 
     def _known(self, p: keys.ParsedKey, rows) -> bool:
-        """A PENDING row with a live lease is a commit in flight on another replica (its
-        manifest is written just before its commit transaction), not a lost one."""
+        """Known: the catalog decided this checkpoint's fate. A PENDING row with a live lease
+        is a commit in flight on another replica (its manifest is written just before its
+        commit transaction); an ABANDONED one lost the race for its commit (a newer launch
+        fenced it, a rank aborted it, its lease ran out): its manifest was never visible, GC
+        takes it, and rebuild must not bring it back. A PENDING row whose lease ran out, or
+        no row at all, is a commit the catalog lost."""
         row = rows.get(p.checkpoint_id)
         if row is None:
             return False
         ck, run = row
         in_flight = ck.status == PENDING and ck.lease_expires_at > self.clock()
         return keys.belongs_to(p, ck.id, run, ck.step, ck.attempt) and (
-            in_flight or ck.status in (COMMITTED, CORRUPT, DELETED))
+            in_flight or ck.status in (COMMITTED, CORRUPT, DELETED, ABANDONED))
 
     def fsck(self, rehash: bool = False) -> Report:
         """Compare catalog and store; read nothing but manifests (and every shard with rehash)."""
