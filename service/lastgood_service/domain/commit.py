@@ -145,11 +145,7 @@ class CommitService:
         `expected_bytes`: what this rank is about to upload (0: unknown); refused at once if
         the store cannot hold it, before any rank uploads a byte."""
         self.gate.check()
-        try:
-            names.check_run_name(run)
-            names.check_attempt(attempt)
-        except names.InvalidName as e:
-            raise InvalidArgument(str(e)) from None
+        fencing.check_names(run, attempt)
         if step < 0:
             raise InvalidArgument(f"step must be >= 0, got {step}")
         if not 1 <= world_size <= self.settings.max_world_size:

@@ -49,6 +49,15 @@ def launch_view(launch: Launch, run: Run, current: int) -> dict:
             "current_generation": current, "fenced": launch.generation < current}
 
 
+def check_names(run_name: str, attempt: str) -> None:
+    """A run name and a launch's attempt id, as begin and registration both take them."""
+    try:
+        names.check_run_name(run_name)
+        names.check_attempt(attempt)
+    except names.InvalidName as e:
+        raise InvalidArgument(str(e)) from None
+
+
 def check(s: Session, run_id: int, generation: int | None, what: str) -> None:
     """Refuse `what` when `generation` (the caller's launch) is older than the run's newest.
     None or 0: a caller that did not register, never fenced."""
@@ -78,12 +87,8 @@ class Launches:
         """The launch's generation: a new one the first time (run, attempt) registers, the
         same one after that. Creates the run if it has none yet."""
         self.gate.check()
-        try:
-            names.check_run_name(run_name)
-            names.check_attempt(attempt)
-        except names.InvalidName as e:
-            raise InvalidArgument(str(e)) from None
-        if not 1 <= world_size <= 2**31 - 1:
+        check_names(run_name, attempt)
+        if not 1 <= world_size <= names.MAX_RANK:
             raise InvalidArgument(f"world size must be positive, got {world_size}")
         for _ in range(5):
             try:
