@@ -252,9 +252,12 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
     base_rss = proc_status(svc.pid, "VmRSS")
     run = f"bench-{target}-{uuid.uuid4().hex[:6]}"
     state = lastgood.TrainState(model=model, optimizer=opt)
-    ckpt = lastgood.Checkpointer(svc.url, run=run)
+    # one launch (one attempt): two Checkpointers of the same run in one process are one job,
+    # not a relaunch that would fence the first (docs/fencing.md)
+    attempt = uuid.uuid4().hex[:16]
+    ckpt = lastgood.Checkpointer(svc.url, run=run, attempt=attempt)
     with spool_off():  # the same saves, streamed over gRPC as from another host
-        streamer = lastgood.Checkpointer(svc.url, run=run)
+        streamer = lastgood.Checkpointer(svc.url, run=run, attempt=attempt)
     assert ckpt.transport.spool is not None and streamer.transport.spool is None
     files = work / "files"
     files.mkdir(exist_ok=True)
@@ -312,9 +315,9 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
         del ckpt, streamer
         gc.collect()
 
-        reader = lastgood.Checkpointer(svc.url, run=run)
+        reader = lastgood.Checkpointer(svc.url, run=run, attempt=attempt)
         with spool_off():
-            stream_reader = lastgood.Checkpointer(svc.url, run=run)
+            stream_reader = lastgood.Checkpointer(svc.url, run=run, attempt=attempt)
         got = []
 
         def restore(key: str, restorer):

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from tests.conftest import FAST, ServiceProc
 from tests.multiproc.launch import train, why
 
 POISON = ["--loader", "plain", "--poison", "1:29", "--spike-margin", "2"]
@@ -30,6 +31,16 @@ def records(out: Path, rank: int) -> list[dict]:
 def max_exp_avg_sq(out: Path) -> float:
     with safe_open(str(out / "final-rank0.safetensors"), "pt") as f:
         return max(f.get_tensor(k).max().item() for k in f.keys() if k.endswith("exp_avg_sq"))
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    """A service of this module's own with a 30 s lease: the session's 3 s lease ran out in a
+    clean CI run while both ranks restored after the rollback (the saves of steps 14 and 17
+    were abandoned and the job failed)."""
+    svc = ServiceProc(tmp_path_factory.mktemp("spike-service"), {**FAST, "LASTGOOD_LEASE_SECONDS": "30"}).start()
+    yield svc
+    svc.stop()
 
 
 @pytest.fixture(scope="module")
