@@ -188,7 +188,7 @@ def run_chaos(make_service, tmp_path, cycles: int, seed: int) -> Figures:
         for t in threads:
             t.start()
         time.sleep(rng.uniform(0.5, 2.5))
-        candidates = [cid for cid in fig.acked if cid not in fig.damaged and ckpt_dir(svc, cid).exists()]
+        candidates = [cid for cid in list(fig.acked) if cid not in fig.damaged and ckpt_dir(svc, cid).exists()]
         if candidates and svc.proc.poll() is None and rng.random() < 0.4:
             cid = rng.choice(candidates)
             try:
