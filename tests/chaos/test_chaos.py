@@ -172,7 +172,7 @@ def run_chaos(make_service, tmp_path, cycles: int, seed: int) -> Figures:
         svc = make_service(data, **ENV, **({"LASTGOOD_FAILPOINT": failpoint} if failpoint else {}))
         stop = threading.Event()
         threads = [threading.Thread(target=writer, args=(svc.grpc_target, run, steps[run], f"c{cycle}",
-                                                         parents[run], fig, random.Random(rng.random()), stop))
+                                                         parents[run], fig, random.Random(rng.random()), stop), daemon=True)
                    for run in steps]
 
         def collect():
@@ -184,7 +184,7 @@ def run_chaos(make_service, tmp_path, cycles: int, seed: int) -> Figures:
                     return
                 time.sleep(0.1)
 
-        threads.append(threading.Thread(target=collect))
+        threads.append(threading.Thread(target=collect, daemon=True))
         for t in threads:
             t.start()
         time.sleep(rng.uniform(0.5, 2.5))
