@@ -171,8 +171,9 @@ def run_chaos(make_service, tmp_path, cycles: int, seed: int) -> Figures:
         failpoint = FAILPOINTS[cycle % len(FAILPOINTS)]
         svc = make_service(data, **ENV, **({"LASTGOOD_FAILPOINT": failpoint} if failpoint else {}))
         stop = threading.Event()
-        threads = [threading.Thread(target=writer, args=(svc.grpc_target, run, steps[run], f"c{cycle}",
-                                                         parents[run], fig, random.Random(rng.random()), stop), daemon=True)
+        threads = [threading.Thread(target=writer, daemon=True,
+                                    args=(svc.grpc_target, run, steps[run], f"c{cycle}", parents[run], fig,
+                                          random.Random(rng.random()), stop))
                    for run in steps]
 
         def collect():
