@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import LastgoodError
+from .names import ATTEMPT_ENV, RUN_ENV
 
 
 def initialized() -> bool:
@@ -92,7 +93,7 @@ def run_name(explicit: str | None, new_run: bool | None = None) -> str:
     torchrun's --rdzv-id. A run name that changes on every launch would make every relaunch
     a new run that silently starts from step 0, so a random standalone rendezvous id is
     refused unless a new run is asked for (new_run=True or LASTGOOD_NEW_RUN=1)."""
-    name = explicit or os.environ.get("LASTGOOD_RUN") or None
+    name = explicit or os.environ.get(RUN_ENV) or None
     if name:
         return name
     name = elastic_run_id()
@@ -119,8 +120,8 @@ def launch_attempt(world_size: int) -> str:
     LASTGOOD_ATTEMPT; else drawn by rank 0 and broadcast when torch.distributed is up;
     else from torchrun's elastic run id and restart count.
     """
-    if os.environ.get("LASTGOOD_ATTEMPT"):
-        return os.environ["LASTGOOD_ATTEMPT"]
+    if os.environ.get(ATTEMPT_ENV):
+        return os.environ[ATTEMPT_ENV]
     if initialized():
         return f"{broadcast_int(secrets.randbits(62)):016x}"
     if world_size == 1:
