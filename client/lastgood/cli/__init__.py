@@ -1,4 +1,4 @@
-"""`lastgood`, the command line: runs, checkpoints, lineage, tags, GC, verify, download.
+"""`lastgood`, the command line: runs, checkpoints, lineage, tags, GC, verify, download, supervise.
 
     lastgood runs
     lastgood ls gpt-small --status COMMITTED
@@ -10,7 +10,7 @@ REST only and torch-free (see app.py for the output and exit-code contract).
 
 from __future__ import annotations
 
-from . import commands, download  # noqa: F401 - registers the commands on `cli`
+from . import commands, download, supervise  # noqa: F401 - registers the commands on `cli`
 from .app import EXIT_HELP, Exit, cli, main
 
 __all__ = ["EXIT_HELP", "Exit", "cli", "main"]

@@ -45,7 +45,8 @@ class Exit(IntEnum):
     REFUSED = 4        # HTTP 400/401/403/409/413/416/422: the service refused the request
     VERIFICATION = 5   # a hash mismatch or a truncated file: the bytes are not what was committed
     UNREACHABLE = 6    # no answer: refused, DNS, timeout, 502/503/504
-    INTERRUPTED = 130  # Ctrl-C
+    GAVE_UP = 7        # supervise: restarts exhausted (or no rank left), the job did not finish
+    INTERRUPTED = 130  # Ctrl-C; supervise: stopped by a signal, the job ended cleanly
 
 
 EXIT_HELP = """\b
@@ -57,7 +58,8 @@ Exit codes:
     4  conflict or refused (the service said no: 400, 401, 403, 409, 422)
     5  verification failed (hash mismatch, truncated or corrupt data)
     6  service unreachable (connection refused, timeout)
-  130  interrupted (Ctrl-C)
+    7  supervise: gave up (restarts exhausted), the job did not finish
+  130  interrupted (Ctrl-C); supervise: stopped by SIGINT, SIGTERM or SIGHUP
 """
 
 

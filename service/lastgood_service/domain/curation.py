@@ -19,7 +19,8 @@ from .errors import FailedPrecondition, InvalidArgument, NotFound
 from .lineage import descendants
 
 RESERVED = {SUSPECT, ROLLBACK_TARGET, LAST_GOOD, PINNED}
-CLIENT_EVENTS = {"spike", "restart", "note", "save_given_up"}
+CLIENT_EVENTS = {"spike", "restart", "note", "save_given_up",
+                 "supervisor_restart", "supervisor_gave_up", "supervisor_stopped"}  # lastgood supervise
 MAX_LEASE_SECONDS = 24 * 3600
 
 

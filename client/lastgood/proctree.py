@@ -1,0 +1,178 @@
+"""A launched job's processes, found and ended through /proc (Linux; torch-free).
+
+Killing a torchrun job by its process group is not enough: torchrun starts every worker
+in a session of its own (`start_new_session=True`), so `killpg(torchrun)` leaves the ranks
+running, and a rank's data-loader workers sit in the rank's group. Nor is the child's tree
+enough once its parent is gone: an orphan is re-parented to init and drops out of it.
+
+So the supervisor makes itself a *child subreaper* (prctl PR_SET_CHILD_SUBREAPER): every
+orphan of the job is re-parented to the supervisor instead of init and stays in its tree.
+A launch's members are then the supervisor's descendants, plus (belt and braces, for a
+process that escaped to another subreaper) every process whose environment carries the
+launch's marker (`LASTGOOD_ATTEMPT=<launch id>`, unique per launch). `terminate` signals
+each member and each member's process group, SIGTERM first and SIGKILL after a grace, reaps
+what it inherited, and returns only when /proc shows none of them left.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+log = logging.getLogger("lastgood")
+PROC = "/proc"
+PR_SET_CHILD_SUBREAPER = 36
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    ppid: int
+    pgid: int
+    sid: int
+    state: str        # R, S, D, Z (zombie: dead, not reaped yet), T, ...
+    start: int        # start time in clock ticks since boot: (pid, start) names one process
+    exit_code: int    # a zombie's wait status (0 for a live process)
+
+    @property
+    def dead(self) -> bool:
+        return self.state in ("Z", "X")
+
+
+def set_subreaper() -> bool:
+    """Make orphans of this process's descendants its own children (Linux 3.4+)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def read(pid: int) -> Proc | None:
+    """One process from /proc/PID/stat; None once it is gone (or on another OS)."""
+    try:
+        with open(f"{PROC}/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    # the command name (field 2) is in parentheses and may hold spaces and parentheses itself
+    rest = raw[raw.rfind(")") + 2:].split()
+    exit_code = int(rest[49]) if len(rest) > 49 else 0
+    return Proc(pid, int(rest[1]), int(rest[2]), int(rest[3]), rest[0], int(rest[19]), exit_code)
+
+
+def table() -> dict[int, Proc]:
+    procs = {}
+    for name in os.listdir(PROC):
+        if name.isdigit() and (p := read(int(name))) is not None:
+            procs[p.pid] = p
+    return procs
+
+
+def environ(pid: int) -> dict[str, str]:
+    """The environment a process was started with ({} if it is gone or not ours to read)."""
+    try:
+        with open(f"{PROC}/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    out = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            out[key.decode(errors="replace")] = value.decode(errors="replace")
+    return out
+
+
+def descendants(root: int, procs: dict[int, Proc]) -> list[Proc]:
+    children: dict[int, list[Proc]] = {}
+    for p in procs.values():
+        children.setdefault(p.ppid, []).append(p)
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            out.append(child)
+            todo.append(child.pid)
+    return out
+
+
+def marked(marker: tuple[str, str], procs: Iterable[Proc]) -> list[Proc]:
+    key, value = marker
+    return [p for p in procs if environ(p.pid).get(key) == value]
+
+
+def members(marker: tuple[str, str] | None, root: int | None) -> list[Proc]:
+    """The processes of a launch: the descendants of `root` (the supervisor itself; None:
+    none), and every process whose environment holds marker = (KEY, VALUE). The calling
+    process is never one."""
+    procs = table()
+    found = {p.pid: p for p in descendants(root, procs)} if root is not None else {}
+    if marker is not None:
+        found.update({p.pid: p for p in marked(marker, procs.values()) if p.pid not in found})
+    found.pop(os.getpid(), None)
+    return sorted(found.values(), key=lambda p: p.pid)
+
+
+def reap() -> dict[int, int]:
+    """Collect every child that has exited (this process is a subreaper: orphans of the job
+    become its children and would otherwise stay zombies). pid -> exit code as subprocess
+    reports it (negative: killed by that signal)."""
+    done = {}
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return done
+        if pid == 0:
+            return done
+        done[pid] = os.waitstatus_to_exitcode(status)
+
+
+def _signal(procs: list[Proc], sig: int) -> None:
+    own = os.getpgrp()
+    for pgid in {p.pgid for p in procs if p.pgid not in (own, 0)}:
+        try:
+            os.killpg(pgid, sig)  # the whole group at once: no fork slips between two kills
+        except (ProcessLookupError, PermissionError):
+            pass
+    for p in procs:
+        try:
+            os.kill(p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def terminate(marker: tuple[str, str] | None, grace: float, *, root: int | None,
+              on_reaped: Callable[[dict[int, int]], None] | None = None, kill_wait: float = 10.0) -> list[Proc]:
+    """End every member of a launch (see members()): SIGTERM, then SIGKILL to whatever is left after `grace`
+    seconds (and again to anything forked meanwhile), until /proc shows none alive. Returns
+    the processes still alive after `kill_wait` more seconds (a process stuck in the
+    kernel, state D, outlives SIGKILL for a while); normally []. When `root` is this process
+    (a subreaper), it reaps its children as they die; `on_reaped` hears their exit codes.
+    Another caller's children are left to it (waitpid(-1) would steal their statuses)."""
+    start = time.monotonic()
+    termed: set[tuple[int, int]] = set()
+    while True:
+        done = reap() if root == os.getpid() else {}
+        if done and on_reaped is not None:
+            on_reaped(done)
+        alive = [p for p in members(marker, root) if not p.dead]
+        now = time.monotonic() - start
+        if not alive:
+            return []
+        if now > grace + kill_wait:
+            log.error("lastgood supervise: %d process(es) outlived SIGKILL: %s", len(alive),
+                      ", ".join(f"{p.pid} ({p.state})" for p in alive))
+            return alive
+        if now < grace:
+            fresh = [p for p in alive if (p.pid, p.start) not in termed]
+            _signal(fresh, signal.SIGTERM)
+            termed.update((p.pid, p.start) for p in fresh)
+        else:
+            _signal(alive, signal.SIGKILL)
+        time.sleep(0.05)
