@@ -21,6 +21,9 @@ torchrun agent meanwhile and relaunches the job, and these ranks are its zombies
 LASTGOOD_EXAMPLE_GATE="STEP:PATH[,STEP:PATH...]" makes every rank, after STEP (and its
 save), wait until the file PATH exists: a test outside the job (a service outage, say)
 can line its events up with the job's steps.
+LASTGOOD_EXAMPLE_HANG="RANK:STEP:PATH" makes RANK stop making progress inside STEP (after
+the forward, before the backward's all-reduce, so the other ranks block in it) if the file
+PATH exists; the rank deletes PATH first, so only one launch hangs (the supervisor's test).
 """
 
 from __future__ import annotations
@@ -106,6 +109,23 @@ def wait_at_gate(step: int) -> None:
                 time.sleep(0.05)
 
 
+def hang_at(rank: int, step: int) -> None:
+    """LASTGOOD_EXAMPLE_HANG (see the module docstring): never returns when it fires."""
+    spec = os.environ.get("LASTGOOD_EXAMPLE_HANG")
+    if not spec:
+        return
+    r, s, path = spec.split(":", 2)
+    if int(r) != rank or int(s) != step:
+        return
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return  # an earlier launch hung already
+    print(f"[rank {rank}] fault injection: hanging in step {step}", flush=True)
+    while True:
+        time.sleep(1)
+
+
 def die(rank: int, step: int, when: str) -> None:
     print(f"[rank {rank}] fault injection: SIGKILL at step {step} ({when})", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -173,6 +193,7 @@ def main(argv=None) -> None:
             model.train()
             weights = torch.where((ids == poison_id) & (progress["epoch"] == poison_epoch), 1e4, 1.0)
             loss = model(x, y, weights)
+            hang_at(rank, step)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if guard is not None and guard.observe(step, loss.item(), batch=ids.tolist()):

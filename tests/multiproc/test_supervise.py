@@ -1,0 +1,163 @@
+"""`lastgood supervise`: a hung rank is found through the service and the whole job relaunched,
+bit-identically; a rank that keeps crashing is drained and the job finishes on fewer ranks
+with its data position kept; exit codes; no process of a killed launch survives."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from lastgood import proctree
+from tests.conftest import ROOT
+from tests.multiproc.launch import TRAIN, _command, _train_args, train, why
+
+sys.path.insert(0, str(ROOT / "examples/gpt"))
+from compare import compare  # noqa: E402
+
+JOB = Path(__file__).with_name("supervised_job.py")
+LASTGOOD = [sys.executable, "-m", "lastgood.cli"]
+
+
+def torchrun_cmd(script: Path, args: list[str], nproc: int, env: dict | None = None) -> tuple[list[str], dict]:
+    return _command(script, args, nproc, env, None)
+
+
+def supervise(url: str, run: str, options: list[str], script: Path, args: list[str], nproc: int,
+              env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+    """`lastgood supervise OPTIONS -- torchrun ... script ARGS` in the background, its output in `log`."""
+    cmd, full_env = torchrun_cmd(script, args, nproc, env)
+    argv = [*LASTGOOD, "--url", url, "supervise", "--run", run, *options, "--", *cmd]
+    out = open(log, "w") if log else subprocess.DEVNULL
+    return subprocess.Popen(argv, env=full_env, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+
+
+def finish(proc: subprocess.Popen, log: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, log.read_text(), "")
+
+
+def events(service, run: str, prefix: str = "supervisor_") -> list[dict]:
+    items = service.get(f"/api/v1/runs/{run}/events", params={"limit": 1000}).json()["items"]
+    return [e for e in items if e["kind"].startswith(prefix)]
+
+
+def marked(mark: str) -> list[proctree.Proc]:
+    """Every live process that inherited the test's marker, read from /proc by the test."""
+    return [p for p in proctree.table().values() if not p.dead and proctree.environ(p.pid).get("SUPERVISE_TEST") == mark]
+
+
+def wait_until(predicate, what: str, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+# ---------------------------------------------------------------- drain
+def _history(out: Path, world: int, final_world: int, last_before: int) -> list[dict]:
+    """The records of the training that counts: every rank's steps up to `last_before` (the
+    last-good the smaller launch restored), then the last launch's steps on its ranks."""
+    recs = []
+    for r in range(world):
+        rows = [json.loads(line) for line in (out / f"losses-rank{r}.jsonl").read_text().splitlines()]
+        recs += [x for x in rows if x["step"] <= last_before]
+        if r < final_world:
+            later = {x["step"]: x for x in rows if x["step"] > last_before}  # the last launch wrote last
+            recs += later.values()
+    return recs
+
+
+def test_a_rank_that_keeps_crashing_is_drained_and_the_job_finishes_on_fewer_ranks(service, run_name, tmp_path):
+    # rank 3 SIGKILLs itself after step 8 on every 4-rank launch (a bad GPU, say); last-good is 7
+    out, log = tmp_path / "out", tmp_path / "supervise.log"
+    args = _train_args(service.url, None, out, ("--loader", "plain", "--every", "2", "--steps", "12"))
+    sup = supervise(service.url, run_name, ["--max-restarts", "3", "--drain-after", "2", "--poll", "1", "--grace", "5"],
+                    TRAIN, args, nproc=4, env={"LASTGOOD_EXAMPLE_KILL": "3:8:after_step"}, log=log)
+    res = finish(sup, log)
+    assert res.returncode == 0, why(res)
+
+    restarts = events(service, run_name)
+    assert [e["kind"] for e in restarts] == ["supervisor_restart"] * 2, restarts
+    first, second = (e["data"] for e in restarts)
+    assert first["reason"] == "exited" and first["ranks"] == [3] and first["drained"] == [], first
+    assert second["ranks"] == [3] and second["drained"] == [3] and second["next_world_size"] == 3, second
+    final = service.get(f"/api/v1/runs/{run_name}/last-good").json()
+    assert final["step"] == 11 and final["world_size"] == 3
+    assert res.stdout.count("starting at step 8 (restored: 7)") == 4 + 3  # launches 2 and 3, every rank
+
+    # epoch 2 spans the change: steps 6 and 7 on four ranks, the rest on three
+    recs = _history(out, 4, 3, last_before=7)
+    before = [i for x in recs if x["epoch"] == 2 and x["step"] <= 7 for i in x["ids"]]
+    after = [i for x in recs if x["epoch"] == 2 and x["step"] > 7 for i in x["ids"]]
+    assert len(before) == 32 and sorted(set(before + after)) == list(range(48))  # nothing skipped
+    assert len(before + after) - 48 == 2  # repeats only from padding 16 left-over samples to 18 for 3 ranks
+    assert set(before).isdisjoint(after[:16 - 2])  # what was trained before is not trained again
+
+
+# ---------------------------------------------------------------- exit codes, orphans
+def test_gave_up_after_the_restarts_and_stopped_by_sigterm_leaves_no_process(service, run_name, tmp_path):
+    # gave up: every launch fails; one restart allowed
+    service.post(f"/api/v1/runs/{run_name}/launches", json={"attempt": "setup", "world_size": 2})
+    log = tmp_path / "fail.log"
+    res = finish(supervise(service.url, run_name, ["--max-restarts", "1", "--poll", "0.5"], JOB, ["fail"], 2,
+                           log=log), log)
+    assert res.returncode == 7, res.stdout
+    assert [e["kind"] for e in events(service, run_name)] == ["supervisor_restart", "supervisor_gave_up"]
+    assert "giving up: 1 restart(s) used of 1" in res.stdout
+
+    # stopped: SIGTERM to the supervisor while every rank has a child in a session of its own
+    # that ignores SIGTERM; the supervisor ends them all (SIGKILL after the grace) and exits 130
+    mark, pids = uuid.uuid4().hex, tmp_path / "pids"
+    pids.mkdir()
+    log = tmp_path / "linger.log"
+    sup = supervise(service.url, run_name, ["--poll", "0.5", "--grace", "2"], JOB, ["linger", str(pids)], 2,
+                    env={"SUPERVISE_TEST": mark}, log=log)
+    wait_until(lambda: len(list(pids.glob("rank?"))) == 2 or sup.poll() is not None, "both ranks to start")
+    job = [int(p) for f in sorted(pids.glob("rank?")) for p in f.read_text().split()]
+    assert len(marked(mark)) > len(job)  # supervisor, torchrun, 2 ranks, 2 stubborn children
+    sup.send_signal(signal.SIGTERM)
+    res = finish(sup, log, timeout=60)
+    assert res.returncode == 130, res.stdout
+    assert marked(mark) == [], f"processes left: {marked(mark)}"
+    assert all(proctree.read(pid) is None for pid in job)
+    assert events(service, run_name)[-1]["kind"] == "supervisor_stopped"
+
+
+def test_killing_torchruns_process_group_alone_leaves_its_ranks_running(tmp_path):
+    """The control of the test above: torchrun starts each rank in a session of its own, so
+    the obvious kill (the launcher's process group) leaves every rank running."""
+    mark, pids = uuid.uuid4().hex, tmp_path / "pids"
+    pids.mkdir()
+    cmd, env = torchrun_cmd(JOB, ["linger", str(pids)], 2, {"SUPERVISE_TEST": mark})
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: len(list(pids.glob("rank?"))) == 2, "both ranks to start")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        time.sleep(1)
+        left = marked(mark)
+        assert len(left) == 4, left  # two ranks and their two children
+    finally:
+        proctree.terminate(("SUPERVISE_TEST", mark), grace=1, root=None)  # by the marker only
+    assert marked(mark) == []
+
+
+def test_an_unreachable_service_does_not_stop_the_job(run_name, tmp_path):
+    from tests.conftest import free_port
+
+    log = tmp_path / "away.log"
+    res = finish(supervise(f"http://127.0.0.1:{free_port()}", run_name, ["--poll", "0.2"], JOB, ["finish", "4"], 2,
+                           log=log), log, timeout=120)
+    assert res.returncode == 0, res.stdout
+    assert "the service is unreachable; the job keeps running" in res.stdout
+    assert "launch 0 finished" in res.stdout

@@ -1,0 +1,76 @@
+"""The supervisor's reading of a torchrun command line, its usage errors, and /proc parsing
+(the multi-process behaviour is in tests/multiproc/test_supervise.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lastgood import proctree
+from lastgood.supervisor import Supervisor, UsageError, nproc, one_node, run_of, with_nproc
+
+TORCHRUN = ["torchrun", "--nnodes=1", "--rdzv-id", "job-7", "train.py", "--lr", "3"]
+
+
+@pytest.mark.parametrize("spelling", [["--nproc-per-node=4"], ["--nproc_per_node", "4"], ["--nproc-per-node", "4"]])
+def test_nproc_is_read_and_rewritten_in_every_spelling(spelling):
+    cmd = TORCHRUN[:1] + spelling + TORCHRUN[1:]
+    assert nproc(cmd) == 4
+    smaller = with_nproc(cmd, 3)
+    assert nproc(smaller) == 3 and len(smaller) == len(cmd)
+    assert [a for a in smaller if "4" in a] == [] and smaller[-3:] == ["train.py", "--lr", "3"]
+
+
+def test_torchruns_defaults_and_the_run_name():
+    assert nproc(TORCHRUN) == 1  # torchrun's own default
+    assert nproc(["python", "train.py"]) is None
+    assert nproc(["torchrun", "--nproc-per-node=gpu", "t.py"]) is None
+    assert one_node(TORCHRUN) and not one_node(["torchrun", "--nnodes", "2", "t.py"])
+    assert run_of(TORCHRUN) == "job-7"
+    with pytest.raises(UsageError, match="no --nproc-per-node"):
+        with_nproc(TORCHRUN, 2)
+
+
+@pytest.mark.parametrize("cmd, drain, message", [
+    (["torchrun", "--nproc-per-node=2", "t.py"], {2}, "local ranks 0..1"),
+    (["torchrun", "--nproc-per-node=2", "t.py"], {0, 1}, "no rank to run"),
+    (["torchrun", "--nnodes=2", "--nproc-per-node=2", "t.py"], {1}, "one node"),
+    (["python", "t.py"], {0}, "one node"),
+    ([], set(), "no command"),
+])
+def test_a_drain_that_cannot_be_done_is_refused_up_front(cmd, drain, message):
+    with pytest.raises(UsageError, match=message):
+        Supervisor(cmd, "run-1", rest=None, drain=drain)
+
+
+def test_usage_errors_exit_2_and_start_nothing(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("LASTGOOD_RUN", "LASTGOOD_URL")}
+    marker = tmp_path / "ran"
+    job = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    for argv in (["supervise"], ["supervise", "--", *job], ["supervise", "--run", "a/b", "--", *job],
+                 ["supervise", "--run", "r", "--drain", "x", "--", *job]):
+        res = subprocess.run([sys.executable, "-m", "lastgood.cli", *argv], capture_output=True, text=True, env=env,
+                             timeout=60)
+        assert res.returncode == 2, (argv, res.stderr)
+        assert "Error" in res.stderr or "error" in res.stderr
+    assert not marker.exists()
+
+
+def test_proc_stat_is_read_even_when_the_name_holds_parentheses_and_spaces(tmp_path):
+    exe = tmp_path / "a) b ("
+    os.symlink(sys.executable, exe)
+    child = subprocess.Popen([str(exe), "-c", "import time; print('up', flush=True); time.sleep(30)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "up\n"  # past its exec
+        p = proctree.read(child.pid)
+        assert p is not None and p.ppid == os.getpid() and p.state in "RS" and not p.dead
+        assert proctree.environ(child.pid).get("PATH") == os.environ.get("PATH")
+        assert [q.pid for q in proctree.descendants(os.getpid(), proctree.table())].count(child.pid) == 1
+    finally:
+        child.kill()
+        child.wait()
+    assert proctree.read(child.pid) is None
