@@ -57,6 +57,7 @@ def mtbf(exposure_s: float, failures: int, prior_s: float) -> tuple[float, str]:
 
 # ---------------------------------------------------------------------------- the decision
 PROBE_STEPS = 10  # steps timed before a time-based interval turns into a step count
+REVISIT_S = 300.0  # a time-based decision is taken again at least this often
 
 
 @dataclass
@@ -112,19 +113,24 @@ class Interval:
 
 
 class Decider:
-    """One Checkpointer's save decisions under an Interval. `seconds()` gives the current
-    time-based target (every_minutes, or the service's auto interval; None: unknown yet),
-    `step_time()` rank 0's recent seconds per step, `agree(value)` the broadcast."""
+    """One Checkpointer's save decisions under an Interval. `seconds()` gives the service's
+    auto interval (None: not known yet) and `agree(value)` broadcasts rank 0's value to
+    every rank (the identity without a process group). Seconds per step are measured
+    between decision steps, saves included: the rate at which the job really advances."""
 
-    def __init__(self, interval: Interval, seconds, step_time, agree, clock=time.monotonic) -> None:
+    def __init__(self, interval: Interval, seconds, agree, clock=time.monotonic) -> None:
         self.interval = interval
         self._seconds = seconds
-        self._step_time = step_time
         self._agree = agree
         self._clock = clock
         self.next_decision: int | None = None
         self._probed = False  # auto: the one save made to measure the cost has been asked for
+        self._mark: tuple[int, float] | None = None  # (step, time) of the previous decision
         self.last_save = clock()  # this Checkpointer's start, then its last save (any reason)
+
+    def restart(self) -> None:
+        """After a restore the steps jump (back, on a rollback): decide afresh."""
+        self.next_decision = self._mark = None
 
     def saved(self) -> None:
         self.last_save = self._clock()
@@ -147,6 +153,7 @@ class Decider:
             return fire
         if self.next_decision is None:
             self.next_decision = step + PROBE_STEPS
+            self._mark = (step, self._clock())
         if step < self.next_decision:
             return fire
         # a decision step: every rank is here at the same step; rank 0 decides for all
@@ -157,12 +164,19 @@ class Decider:
     def _decide(self, step: int) -> int:
         """(steps to the next decision) << 1 | save now."""
         target = self.target()
-        per_step = self._step_time() or 0.0
-        elapsed = self._clock() - self.last_save
+        now = self._clock()
+        per_step = 0.0
+        if self._mark is not None and step > self._mark[0]:
+            per_step = (now - self._mark[1]) / (step - self._mark[0])
+        self._mark = (step, now)
+        elapsed = now - self.last_save
         if target is None:  # auto, and the service knows no cost yet: save once to measure it
             probe, self._probed = not self._probed, True
             return PROBE_STEPS << 1 | int(probe)
         save = elapsed >= target - per_step / 2
         left = target if save else target - elapsed
-        steps = max(1, round(left / per_step)) if per_step > 0 else PROBE_STEPS
+        if per_step <= 0:
+            return PROBE_STEPS << 1 | int(save)
+        # decide again at least every REVISIT_S: the auto interval moves as failures are seen
+        steps = max(1, min(round(left / per_step), round(REVISIT_S / per_step)))
         return min(steps, 2**40) << 1 | int(save)
