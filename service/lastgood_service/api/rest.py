@@ -28,6 +28,7 @@ from .. import __version__
 from ..domain.commit import CommitService
 from ..domain.curation import MAX_LEASE_SECONDS, Curator
 from ..domain.gc import GarbageCollector
+from ..domain.health import Health
 from ..domain.errors import DomainError, InvalidArgument, OutOfRange
 from ..domain.faults import as_domain_error
 from ..domain.queries import MAX_PAGE, Queries
@@ -38,6 +39,7 @@ from ..metrics import Metrics
 from .auth import make_authorizer
 from .contract import StrictJSONRoute, answers, problem
 from .errors import bounded, lookup
+from .health import router as health_router
 
 log = logging.getLogger("lastgood.rest")
 
@@ -52,6 +54,7 @@ class AppContext:
     tokens: TokenStore
     metrics: Metrics | None = None
     spool: Spool | None = None
+    health: Health | None = None
 
 
 class TagBody(BaseModel):
@@ -362,6 +365,9 @@ def create_app(ctx: AppContext) -> FastAPI:
     def shards(checkpoint_id: CkptId):
         """Per rank, the files the catalog holds (size, xxh3-128, state), whatever the checkpoint's status."""
         return ctx.queries.shards(checkpoint_id)
+
+    if ctx.health is not None:
+        app.include_router(health_router(ctx.health))  # api/health.py
 
     @app.get("/", include_in_schema=False)
     def web_page():
