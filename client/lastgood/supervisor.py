@@ -43,7 +43,7 @@ NPROC = ("--nproc-per-node", "--nproc_per_node")
 NNODES = ("--nnodes",)
 RDZV_ID = ("--rdzv-id", "--rdzv_id")
 # health states that end a launch (docs/supervise.md)
-ACT_ON = frozenset({"hung"})
+ACT_ON = frozenset({"hung", "lost"})
 
 
 class Outcome(Enum):
@@ -293,11 +293,15 @@ class Supervisor:
         bad = [r for r in ours if r.get("state") in ACT_ON]
         if not bad:
             return None
-        detail = "; ".join(f"rank {r['rank']} {r['state']} at step {r.get('step')} (last beat {r.get('age_s', 0):.0f}s "
-                           f"ago)" for r in bad) + f"; timeout {doc.get('timeout_s')}s"
-        hung = sorted(r["rank"] for r in bad)
-        # blame only ranks singled out: when every rank is stuck, any of them may be the cause
-        return Ending("hung", detail, hung if len(hung) < launch.world else [])
+        detail = "; ".join(f"rank {r['rank']} {r['state']} at step {r.get('step')} (no progress for "
+                           f"{r.get('progress_age_s', 0):.1f}s, last beat {r.get('age_s', 0):.1f}s ago)"
+                           for r in bad) + f"; timeout {doc.get('timeout_s')}s"
+        # A hang is blamed on no rank: the rank stuck in its step and the ranks waiting for it
+        # in a collective look alike (none makes progress; which is flagged first depends on
+        # each rank's allowance). A rank that stopped beating while the others beat is one
+        # process frozen or gone: that one is singled out.
+        lost = sorted(r["rank"] for r in bad if r.get("state") == "lost")
+        return Ending("hung", detail, lost if len(lost) < len(ours) else [])
 
     def _watch(self, launch: Launch) -> Ending:
         next_health = launch.started + self.policy.poll

@@ -203,6 +203,7 @@ def main(argv=None) -> None:
                 break                   # re-enter the data loop: it continues after the spike
             opt.step()
             sched.step()
+            ckpt.step(step)  # progress for the service's hang and straggler verdicts
             losses.write(json.dumps({"step": step, "loss": loss.item().hex(), "ids": ids.tolist(),
                                      "epoch": progress["epoch"]}) + "\n")
             losses.flush()

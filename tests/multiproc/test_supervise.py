@@ -15,7 +15,7 @@ from pathlib import Path
 
 from lastgood import proctree
 from tests.conftest import ROOT
-from tests.multiproc.launch import TRAIN, _command, _train_args, train, why
+from tests.multiproc.launch import TRAIN, Background, _command, _train_args, why
 
 sys.path.insert(0, str(ROOT / "examples/gpt"))
 from compare import compare  # noqa: E402
@@ -61,6 +61,48 @@ def wait_until(predicate, what: str, timeout: float = 120) -> None:
     while not predicate():
         assert time.monotonic() < end, f"timed out waiting for {what}"
         time.sleep(0.1)
+
+
+# ---------------------------------------------------------------- hang
+def test_a_hung_rank_is_found_and_the_relaunched_job_ends_bit_identical_to_one_that_never_hung(
+        service, run_name, tmp_path):
+    """Rank 1 stops making progress inside step 10 (rank 0 then waits in the all-reduce) on
+    the first launch only; last-good is step 8. Control: the same job without the supervisor, started at the same
+    time, is still hanging when the supervised one has finished."""
+    steps, hang_step = ("--steps", "12", "--every", "3"), 10
+    # beats often enough to time these short steps: until a rank has a step time it has the
+    # (long) first-step allowance, not the hang timeout
+    beats = {"LASTGOOD_HEARTBEAT_SECONDS": "0.1"}
+    ref = Background(service.url, f"{run_name}-ref", tmp_path / "reference", *steps, env=beats)
+    mark, control_trigger = uuid.uuid4().hex, tmp_path / "hang-control"
+    control_trigger.touch()
+    control = Background(service.url, f"{run_name}-ctl", tmp_path / "control", *steps,
+                         env={**beats, "SUPERVISE_TEST": mark, "LASTGOOD_EXAMPLE_HANG": f"1:{hang_step}:{control_trigger}"})
+    try:
+        trigger, out, log = tmp_path / "hang", tmp_path / "supervised", tmp_path / "supervise.log"
+        trigger.touch()
+        sup = supervise(service.url, run_name, ["--hang-timeout", "10", "--poll", "0.5", "--grace", "5"], TRAIN,
+                        _train_args(service.url, None, out, steps), 2,
+                        env={**beats, "LASTGOOD_EXAMPLE_HANG": f"1:{hang_step}:{trigger}"}, log=log)
+        res = finish(sup, log)
+        assert res.returncode == 0, why(res)
+        assert "fault injection: hanging in step 10" in res.stdout and not trigger.exists()
+
+        restarts = events(service, run_name)
+        assert [e["kind"] for e in restarts] == ["supervisor_restart"], restarts
+        assert restarts[0]["data"]["reason"] == "hung" and "timeout 10" in restarts[0]["data"]["detail"], restarts
+        assert res.stdout.count("starting at step 9 (restored: 8)") == 2  # both ranks of the relaunch
+        assert ref.finish().returncode == 0
+        diffs = compare(tmp_path / "reference", out, world=2)
+        assert diffs == [], "\n".join(diffs[:20])
+
+        # the control: hung in step 10 all this time; nothing beyond step 8 was saved
+        assert not control_trigger.exists() and control.proc.poll() is None, control.output()[-3000:]
+        assert service.get(f"/api/v1/runs/{run_name}-ctl/last-good").json()["step"] == 8
+    finally:
+        proctree.terminate(("SUPERVISE_TEST", mark), grace=1, root=None)  # the control, by its marker
+        control.finish(timeout=30)
+    assert marked(mark) == []
 
 
 # ---------------------------------------------------------------- drain

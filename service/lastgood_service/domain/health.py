@@ -17,7 +17,7 @@ Interval: the Young/Daly optimum (lastgood/interval.py) from C, the largest smoo
 save stall any current rank reports, and M, the run's mean time between failures: the
 time since its first launch over the failures seen, or the configured prior before the
 first. Failures are relaunches (each launch after the first), torchrun restarts, hangs,
-lost ranks and whatever a supervisor records as `crash` or `relaunch`; signals closer
+lost ranks and the relaunches `lastgood supervise` records (`supervisor_restart`); signals closer
 together than `failure_merge_seconds` are one failure (a hang, the supervisor's kill and
 its relaunch are one incident).
 """
@@ -47,7 +47,7 @@ log = logging.getLogger("lastgood.health")
 SMOOTH = 0.3          # weight of a new step time in the smoothed one
 SLOWEST_DECAY = 0.95  # per beat: a slow step is forgotten over ~14 beats (halved)
 STALL_SMOOTH = 0.5
-FAILURE_KINDS = ("restart", "hung", "lost", "crash", "relaunch")
+FAILURE_KINDS = ("restart", "hung", "lost", "supervisor_restart")
 SWEEP_HORIZON_S = 3600.0  # the sweep looks at runs that beat within this long
 MAX_LISTED = 1000    # ranks of a run listed as missing (not beaten yet), at most
 MAX_SECONDS = 1e7     # bound on any duration a beat reports (~116 days)
