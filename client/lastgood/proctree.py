@@ -9,7 +9,7 @@ So the supervisor makes itself a *child subreaper* (prctl PR_SET_CHILD_SUBREAPER
 orphan of the job is re-parented to the supervisor instead of init and stays in its tree.
 A launch's members are then the supervisor's descendants, plus (belt and braces, for a
 process that escaped to another subreaper) every process whose environment carries the
-launch's marker (`LASTGOOD_ATTEMPT=<launch id>`, unique per launch). `terminate` signals
+launch's marker (`LASTGOOD_SUPERVISOR_LAUNCH=<launch id>`, unique per launch). `terminate` signals
 each member and each member's process group, SIGTERM first and SIGKILL after a grace, reaps
 what it inherited, and returns only when /proc shows none of them left.
 """

@@ -8,8 +8,8 @@ ends every process of the launch (proctree.terminate), posts a `supervisor_resta
 saying why, and starts the command again. The job resumes from last-good on its own.
 
 Each launch gets the run name (LASTGOOD_RUN) and a fresh launch identity
-(LASTGOOD_ATTEMPT), so the relaunch registers a new generation and anything left of the
-old one is fenced (docs/fencing.md). A local rank whose failures keep coming back (it
+(LASTGOOD_ATTEMPT; on several nodes rank 0 draws it), so the relaunch registers a new
+generation and anything left of the old one is fenced (docs/fencing.md). A local rank whose failures keep coming back (it
 crashed first, or it alone was hung, `drain_after` times), or one named by `--drain`, is
 left out: the next launch runs with one process fewer per node (torchrun's
 --nproc-per-node rewritten, CUDA_VISIBLE_DEVICES without the drained rank's device) and
@@ -39,6 +39,8 @@ from .errors import ServiceError
 
 # the variables every process of a launch inherits (the client reads them in distributed.py)
 RUN_ENV, ATTEMPT_ENV = names.RUN_ENV, names.ATTEMPT_ENV
+# the launch's marker, which the supervisor finds every process of the launch by (proctree)
+LAUNCH_ENV = "LASTGOOD_SUPERVISOR_LAUNCH"
 NPROC = ("--nproc-per-node", "--nproc_per_node")
 NNODES = ("--nnodes",)
 RDZV_ID = ("--rdzv-id", "--rdzv_id")
@@ -224,7 +226,8 @@ class Supervisor:
         self.policy = policy or Policy()
         self.say = say or (lambda msg: print(f"lastgood supervise: {msg}", file=sys.stderr, flush=True))
         self.size = nproc(self.command)
-        self.resizable = self.size is not None and option(self.command, NPROC) is not None and one_node(self.command)
+        self.single_node = one_node(self.command)
+        self.resizable = self.size is not None and option(self.command, NPROC) is not None and self.single_node
         self.drained: set[int] = set(drain or ())
         if self.drained:
             if not self.resizable:
@@ -245,7 +248,13 @@ class Supervisor:
         return [s for s in range(self.size or 1) if s not in self.drained]
 
     def _env(self, attempt: str, slots: list[int]) -> dict[str, str]:
-        env = {**os.environ, RUN_ENV: self.run, ATTEMPT_ENV: attempt}
+        env = {**os.environ, RUN_ENV: self.run, LAUNCH_ENV: attempt}
+        # The launch identity. On several nodes each node has its own supervisor, and the
+        # ranks of one launch must share it: there rank 0 draws it and broadcasts it.
+        if self.single_node:
+            env[ATTEMPT_ENV] = attempt
+        else:
+            env.pop(ATTEMPT_ENV, None)
         if self.drained:
             visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
             devices = visible if len(visible) >= (self.size or 0) else [str(i) for i in range(self.size or 0)]
@@ -334,10 +343,10 @@ class Supervisor:
             if launch.proc.pid in done and launch.rc is None:
                 launch.rc = launch.proc.returncode = done[launch.proc.pid]
 
-        survivors = proctree.terminate((ATTEMPT_ENV, launch.attempt), self.policy.grace, root=os.getpid(),
+        survivors = proctree.terminate((LAUNCH_ENV, launch.attempt), self.policy.grace, root=os.getpid(),
                                        on_reaped=reaped)
         launch.watch.stop()
-        if launch.proc.returncode is None:  # reaped by the watch of another part: never ask again
+        if launch.proc.returncode is None:  # reaped here (proctree.reap), so Popen must never wait for it
             launch.proc.returncode = launch.rc if launch.rc is not None else -signal.SIGKILL
         if survivors:
             self.say(f"{len(survivors)} process(es) of launch {launch.number} survived SIGKILL: "
@@ -385,7 +394,8 @@ class Supervisor:
             if ending.reason != "finished":
                 self.say(f"launch {number}: {ending.reason}: {ending.detail}; ending every process of it")
             self._end(launch)
-            base = {"reason": ending.reason, "detail": ending.detail, "launch": number, "attempt": launch.attempt,
+            base = {"reason": ending.reason, "detail": ending.detail, "launch": number,
+                    "attempt": launch.attempt if self.single_node else None,
                     "world_size": launch.world, "exit_code": launch.rc}
             if ending.reason == "finished":
                 self.say(f"launch {number} finished")
