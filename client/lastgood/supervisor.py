@@ -159,13 +159,16 @@ class RankWatch(threading.Thread):
         """(local rank, wait status) of the one rank that failed before any other, or None.
         Once one rank has failed torchrun ends the others with SIGTERM, so when several are
         first seen dead at the same moment, a death by SIGTERM, or one reaped before a look
-        (status unknown), is not the first failure."""
+        (status unknown), is not the first failure; nor is an error exit beside a death by
+        a signal (the peers of a rank that crashed fail on their closed connections)."""
         failed = [d for d in self.deaths if d[2] != 0]
         if not failed:
             return None
         first = [d for d in failed if d[0] == failed[0][0]]
         if len(first) > 1:
             first = [d for d in first if d[2] is not None and (d[2] & 0x7F) != signal.SIGTERM]
+        if len(first) > 1:  # a death by a signal (SIGKILL, SIGSEGV, SIGABRT) causes, an error exit follows
+            first = [d for d in first if d[2] & 0x7F] or first
         return (first[0][1], first[0][2]) if len(first) == 1 else None
 
     def summary(self) -> str:

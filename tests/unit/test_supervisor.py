@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from lastgood import proctree
-from lastgood.supervisor import Supervisor, UsageError, nproc, one_node, run_of, with_nproc
+from lastgood.supervisor import RankWatch, Supervisor, UsageError, nproc, one_node, run_of, with_nproc
 
 TORCHRUN = ["torchrun", "--nnodes=1", "--rdzv-id", "job-7", "train.py", "--lr", "3"]
 
@@ -74,3 +74,22 @@ def test_proc_stat_is_read_even_when_the_name_holds_parentheses_and_spaces(tmp_p
         child.kill()
         child.wait()
     assert proctree.read(child.pid) is None
+
+
+KILL, TERM, EXIT1 = 9, 15, 1 << 8  # wait statuses: killed by SIGKILL / SIGTERM, exited with 1
+
+
+@pytest.mark.parametrize("deaths, blamed", [
+    ([(5, 3, KILL), (9, 0, TERM), (9, 1, TERM)], 3),         # torchrun ended the others later
+    ([(5, 3, None), (5, 0, TERM), (5, 1, TERM)], None),      # 3 reaped unseen, the rest in the same look
+    ([(5, 3, KILL), (5, 0, TERM), (5, 1, None)], 3),         # the same look, but 3 died otherwise
+    ([(5, 3, KILL), (5, 0, EXIT1), (5, 1, EXIT1)], 3),       # its peers' error exits follow a crash
+    ([(5, 2, EXIT1), (5, 1, EXIT1)], None),                  # two errors at once: nobody to blame
+    ([(4, 0, 0), (5, 1, EXIT1)], 1),                         # a rank that finished is no failure
+    ([], None),
+])
+def test_the_first_rank_to_fail_is_blamed_only_when_it_is_clear(deaths, blamed):
+    watch = RankWatch()
+    watch.deaths = deaths
+    first = watch.first_failure()
+    assert (first[0] if first else None) == blamed

@@ -8,7 +8,8 @@ import { buildModel, LineageGraph } from './graph.js';
 import { healthPanel } from './health.js';
 
 const POLL_MS = 2000;
-const EVENT_KINDS = 'spike,rollback,restart,corrupt,abort,expired,hash_mismatch,note,fenced,fenced_write,hung,straggler,lost';
+const EVENT_KINDS = 'spike,rollback,restart,corrupt,abort,expired,hash_mismatch,note,fenced,fenced_write,hung,straggler,lost,'
+  + 'supervisor_restart,supervisor_gave_up,supervisor_stopped';
 const MAX_EVENTS_SHOWN = 200;
 const MAX_CURL_FILES = 8;
 
@@ -299,6 +300,17 @@ function eventText(e) {
     if (e.kind === 'hung') parts.push(`no progress for ${num(d.progress_age_s)} s (timeout ${num(d.timeout_s)} s)`);
     if (e.kind === 'lost') parts.push(`silent for ${num(d.age_s)} s`);
     return [...parts, ...remainder('verdict', d)].join(' · ');
+  }
+  if (e.kind.startsWith('supervisor_')) {  // lastgood supervise (docs/supervise.md)
+    parts.push(`launch ${d.launch} ${d.reason}`);
+    if (Array.isArray(d.ranks) && d.ranks.length) parts.push(`local rank ${d.ranks.join(', ')} to blame`);
+    if (d.next_world_size != null && d.next_world_size !== d.world_size) {
+      parts.push(`relaunched on ${d.next_world_size} ranks (drained ${(d.drained || []).join(', ')})`);
+    }
+    if (d.restart != null) parts.push(`restart ${d.restart} of ${d.max_restarts}`);
+    if (d.why) parts.push(String(d.why));
+    if (d.detail) parts.push(clip(String(d.detail), 200));
+    return parts.join(' · ');
   }
   const json = JSON.stringify(d);
   return json && json !== '{}' ? clip(json, 300) : '';
