@@ -268,7 +268,8 @@ class Supervisor:
         slots = self._slots()
         cmd = with_nproc(self.command, len(slots)) if self.drained else self.command
         attempt = names.check_attempt(f"{self.prefix}-{number}")
-        self.say(f"launch {number} of run {self.run} ({attempt}, {len(slots)} local ranks): {' '.join(cmd)}")
+        ranks = f", {len(slots)} local rank(s)" if self.size is not None else ""
+        self.say(f"launch {number} of run {self.run} ({attempt}{ranks}): {' '.join(cmd)}")
         watch = RankWatch()
         try:
             proc = subprocess.Popen(cmd, env=self._env(attempt, slots), start_new_session=True)

@@ -51,7 +51,8 @@ def test_usage_errors_exit_2_and_start_nothing(tmp_path):
     marker = tmp_path / "ran"
     job = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
     for argv in (["supervise"], ["supervise", "--", *job], ["supervise", "--run", "a/b", "--", *job],
-                 ["supervise", "--run", "r", "--drain", "x", "--", *job]):
+                 ["supervise", "--run", "r", "--drain", "x", "--", *job],
+                 ["supervise", "--run", "r", "--", str(tmp_path / "no-such-command")]):
         res = subprocess.run([sys.executable, "-m", "lastgood.cli", *argv], capture_output=True, text=True, env=env,
                              timeout=60)
         assert res.returncode == 2, (argv, res.stderr)
