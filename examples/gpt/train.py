@@ -203,10 +203,10 @@ def main(argv=None) -> None:
                 break                   # re-enter the data loop: it continues after the spike
             opt.step()
             sched.step()
-            ckpt.step(step)  # progress for the service's hang and straggler verdicts
             losses.write(json.dumps({"step": step, "loss": loss.item().hex(), "ids": ids.tolist(),
                                      "epoch": progress["epoch"]}) + "\n")
             losses.flush()
+            ckpt.step(step)  # progress for the heartbeats: a rank stuck in a step is seen hung (docs/health.md)
             if (step + 1) % args.every == 0:
                 if fault_at(rank, step, "after_save"):
                     ckpt.wait()  # earlier saves committed; only this one will be in flight

@@ -69,7 +69,10 @@ class Service:
         self.metrics = Metrics(pending=self.queries.pending_count)
         self.commits = CommitService(settings, sessions, blobs, metrics=self.metrics, gate=self.gate)
         self.curator = Curator(sessions, gate=self.gate)
-        self.health = Health.from_settings(sessions, settings, metrics=self.metrics, gate=self.gate)
+        # heartbeats commit without an fsync each (catalog/db.py): their own small pool
+        self.health_engine = make_engine(url, durable=False)
+        self.health = Health.from_settings(make_sessionmaker(self.health_engine), settings, metrics=self.metrics,
+                                           gate=self.gate)
         self.ballast = Ballast(_sqlite_dir(url) / ".lastgood-ballast" if _sqlite_dir(url) else None,
                                settings.ballast_bytes)
         self.ballast.ensure()
@@ -148,6 +151,7 @@ class Service:
         if self.grpc_server is not None:
             self.grpc_server.stop(grace=2).wait()
         self.engine.dispose()
+        self.health_engine.dispose()
 
 
 class JsonFormatter(logging.Formatter):

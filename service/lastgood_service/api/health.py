@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Response
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from lastgood import names
@@ -44,6 +45,7 @@ def router(health: Health) -> APIRouter:
         """Per rank its latest beat and verdict (ok, hung, straggler, lost), the hung and
         straggling ranks, the hang timeout in force (`hang_timeout` fixes it for this
         answer), and the checkpoint interval (Young/Daly from cost and failures)."""
-        return health.view(run, hang_timeout)
+        # the answer is plain JSON already: skip FastAPI's encoder, slow on thousands of ranks
+        return JSONResponse(health.view(run, hang_timeout))
 
     return r

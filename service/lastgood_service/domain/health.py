@@ -28,6 +28,7 @@ import datetime as dt
 import logging
 import statistics
 from collections.abc import Callable
+from types import SimpleNamespace
 
 from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
@@ -137,7 +138,7 @@ class Health:
             run = s.scalar(select(Run).where(Run.name == run_name))
             if run is None:
                 raise NotFound(f"run {run_name!r} does not exist")
-            rows = _current(s.scalars(select(Heartbeat).where(Heartbeat.run_id == run.id)).all())
+            rows = _current(_rows(s, run.id))
             iv = self._interval(s, run, rows, now)
         ranks = [_rank(r, now) for r in rows]
         steady, states = verdicts.judge(ranks, limits)
@@ -180,7 +181,7 @@ class Health:
         from .commit import add_event  # commit.py imports much of the domain
 
         with self.sessions() as s, s.begin():
-            rows = _current(s.scalars(select(Heartbeat).where(Heartbeat.run_id == run_id)).all())
+            rows = _current(_rows(s, run_id))
             slow = verdicts.outliers([_rank(r, now) for r in rows], self.limits)
             for r in rows:  # when each outlier became one; cleared when it is not
                 since = (r.outlier_since or now) if r.rank in slow else None
@@ -210,7 +211,7 @@ class Health:
             return states
 
     # ---------------------------------------------------------------- interval
-    def _interval(self, s: Session, run: Run, rows: list[Heartbeat], now: dt.datetime) -> dict:
+    def _interval(self, s: Session, run: Run, rows: list[SimpleNamespace], now: dt.datetime) -> dict:
         first = s.scalar(select(Launch.registered_at).where(Launch.run_id == run.id)
                          .order_by(Launch.generation).limit(1)) or run.created_at
         exposure = _age(now, first) or 0.0
@@ -262,7 +263,14 @@ def _reset(row: Heartbeat, now: dt.datetime) -> None:
     row.beats = 0
 
 
-def _current(rows: list[Heartbeat]) -> list[Heartbeat]:
+def _rows(s: Session, run_id: int) -> list[SimpleNamespace]:
+    """The run's heartbeat rows as plain records: a Core select, not ORM objects, since a big
+    job's health reads thousands of them every sweep and every page poll."""
+    t = Heartbeat.__table__
+    return [SimpleNamespace(**r._mapping) for r in s.execute(select(t).where(t.c.run_id == run_id))]
+
+
+def _current(rows: list[SimpleNamespace]) -> list[SimpleNamespace]:
     """The rows of the run's newest launch, within its world size, by rank: a relaunch at a
     smaller world size leaves the old ranks' rows behind, and they are no one's health."""
     if not rows:
@@ -273,7 +281,7 @@ def _current(rows: list[Heartbeat]) -> list[Heartbeat]:
     return sorted((r for r in mine if r.rank < world), key=lambda r: r.rank)
 
 
-def _rank(r: Heartbeat, now: dt.datetime) -> verdicts.Rank:
+def _rank(r: SimpleNamespace, now: dt.datetime) -> verdicts.Rank:
     return verdicts.Rank(rank=r.rank, phase=r.phase, step_seconds=r.step_seconds, typical_step_s=r.typical_step_s,
                          slowest_step_s=r.slowest_step_s, period_s=r.period_s, beat_age=_age(now, r.beat_at),
                          progress_age=_age(now, r.progress_at), outlier_age=_age(now, r.outlier_since))
