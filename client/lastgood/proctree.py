@@ -17,14 +17,12 @@ what it inherited, and returns only when /proc shows none of them left.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import signal
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-log = logging.getLogger("lastgood")
 PROC = "/proc"
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -149,8 +147,9 @@ def _signal(procs: list[Proc], sig: int) -> None:
 
 def terminate(marker: tuple[str, str] | None, grace: float, *, root: int | None,
               on_reaped: Callable[[dict[int, int]], None] | None = None, kill_wait: float = 10.0) -> list[Proc]:
-    """End every member of a launch (see members()): SIGTERM, then SIGKILL to whatever is left after `grace`
-    seconds (and again to anything forked meanwhile), until /proc shows none alive. Returns
+    """End every member of a launch (see members()): SIGTERM, then SIGKILL to whatever is
+    left after `grace` seconds (and again to anything forked meanwhile), until /proc shows
+    none alive. Returns
     the processes still alive after `kill_wait` more seconds (a process stuck in the
     kernel, state D, outlives SIGKILL for a while); normally []. When `root` is this process
     (a subreaper), it reaps its children as they die; `on_reaped` hears their exit codes.
@@ -166,8 +165,6 @@ def terminate(marker: tuple[str, str] | None, grace: float, *, root: int | None,
         if not alive:
             return []
         if now > grace + kill_wait:
-            log.error("lastgood supervise: %d process(es) outlived SIGKILL: %s", len(alive),
-                      ", ".join(f"{p.pid} ({p.state})" for p in alive))
             return alive
         if now < grace:
             fresh = [p for p in alive if (p.pid, p.start) not in termed]

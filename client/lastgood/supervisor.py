@@ -9,12 +9,12 @@ saying why, and starts the command again. The job resumes from last-good on its 
 
 Each launch gets the run name (LASTGOOD_RUN) and a fresh launch identity
 (LASTGOOD_ATTEMPT; on several nodes rank 0 draws it), so the relaunch registers a new
-generation and anything left of the old one is fenced (docs/fencing.md). A local rank whose failures keep coming back (it
-crashed first, or it alone was hung, `drain_after` times), or one named by `--drain`, is
-left out: the next launch runs with one process fewer per node (torchrun's
---nproc-per-node rewritten, CUDA_VISIBLE_DEVICES without the drained rank's device) and
-the job restores resharded. That is a one-machine rule: with --nnodes above 1 the
-supervisor restarts but does not drain.
+generation and anything left of the old one is fenced (docs/fencing.md). A local rank
+whose failures keep coming back (it died first, or it alone stopped beating, `drain_after`
+times), or one named by `--drain`, is left out: the next launch runs with fewer processes
+per node (torchrun's --nproc-per-node rewritten, CUDA_VISIBLE_DEVICES without the drained
+rank's device) and the job restores resharded. That is a one-machine rule: with --nnodes
+above 1 the supervisor restarts but does not drain. docs/supervise.md tells the whole story.
 
 The checkpoint service never costs the job: while the service is unreachable the
 supervisor says so once and keeps the job running; it only acts on what it can see.
@@ -302,7 +302,8 @@ class Supervisor:
             self._unreachable = False
         elapsed = time.monotonic() - launch.started
         # a rank counts once it has beaten during this launch; older beats are the previous launch's
-        ours = [r for r in doc.get("ranks", []) if r.get("age_s", elapsed) < elapsed and r.get("rank", -1) < launch.world]
+        ours = [r for r in doc.get("ranks", [])
+                if r.get("age_s", elapsed) < elapsed and r.get("rank", -1) < launch.world]
         bad = [r for r in ours if r.get("state") in ACT_ON]
         if not bad:
             return None
@@ -354,7 +355,7 @@ class Supervisor:
             launch.proc.returncode = launch.rc if launch.rc is not None else -signal.SIGKILL
         if survivors:
             self.say(f"{len(survivors)} process(es) of launch {launch.number} survived SIGKILL: "
-                     + ", ".join(str(p.pid) for p in survivors))
+                     + ", ".join(f"{p.pid} (state {p.state})" for p in survivors))
 
     def _event(self, kind: str, data: dict) -> None:
         try:

@@ -53,7 +53,8 @@ def events(service, run: str, prefix: str = "supervisor_") -> list[dict]:
 
 def marked(mark: str) -> list[proctree.Proc]:
     """Every live process that inherited the test's marker, read from /proc by the test."""
-    return [p for p in proctree.table().values() if not p.dead and proctree.environ(p.pid).get("SUPERVISE_TEST") == mark]
+    return [p for p in proctree.table().values()
+            if not p.dead and proctree.environ(p.pid).get("SUPERVISE_TEST") == mark]
 
 
 def wait_until(predicate, what: str, timeout: float = 120) -> None:
@@ -77,7 +78,8 @@ def test_a_hung_rank_is_found_and_the_relaunched_job_ends_bit_identical_to_one_t
     mark, control_trigger = uuid.uuid4().hex, tmp_path / "hang-control"
     control_trigger.touch()
     control = Background(service.url, f"{run_name}-ctl", tmp_path / "control", *steps,
-                         env={**beats, "SUPERVISE_TEST": mark, "LASTGOOD_EXAMPLE_HANG": f"1:{hang_step}:{control_trigger}"})
+                         env={**beats, "SUPERVISE_TEST": mark,
+                              "LASTGOOD_EXAMPLE_HANG": f"1:{hang_step}:{control_trigger}"})
     try:
         trigger, out, log = tmp_path / "hang", tmp_path / "supervised", tmp_path / "supervise.log"
         trigger.touch()
