@@ -83,11 +83,13 @@ def test_a_hung_rank_is_found_and_the_relaunched_job_ends_bit_identical_to_one_t
     try:
         trigger, out, log = tmp_path / "hang", tmp_path / "supervised", tmp_path / "supervise.log"
         trigger.touch()
+        sup_mark = uuid.uuid4().hex
         sup = supervise(service.url, run_name, ["--hang-timeout", "10", "--poll", "0.5", "--grace", "5"], TRAIN,
-                        _train_args(service.url, None, out, steps), 2,
-                        env={**beats, "LASTGOOD_EXAMPLE_HANG": f"1:{hang_step}:{trigger}"}, log=log)
+                        _train_args(service.url, None, out, steps), 2, log=log,
+                        env={**beats, "SUPERVISE_TEST": sup_mark, "LASTGOOD_EXAMPLE_HANG": f"1:{hang_step}:{trigger}"})
         res = finish(sup, log)
         assert res.returncode == 0, why(res)
+        assert marked(sup_mark) == []  # nothing left of the hung launch (ranks, data-loader workers)
         assert "fault injection: hanging in step 10" in res.stdout and not trigger.exists()
 
         restarts = events(service, run_name)
@@ -125,10 +127,13 @@ def test_a_rank_that_keeps_crashing_is_drained_and_the_job_finishes_on_fewer_ran
     # rank 3 SIGKILLs itself after step 8 on every 4-rank launch (a bad GPU, say); last-good is 7
     out, log = tmp_path / "out", tmp_path / "supervise.log"
     args = _train_args(service.url, None, out, ("--loader", "plain", "--every", "2", "--steps", "12"))
+    mark = uuid.uuid4().hex
     sup = supervise(service.url, run_name, ["--max-restarts", "3", "--drain-after", "2", "--poll", "1", "--grace", "5"],
-                    TRAIN, args, nproc=4, env={"LASTGOOD_EXAMPLE_KILL": "3:8:after_step"}, log=log)
+                    TRAIN, args, nproc=4, env={"LASTGOOD_EXAMPLE_KILL": "3:8:after_step", "SUPERVISE_TEST": mark},
+                    log=log)
     res = finish(sup, log)
     assert res.returncode == 0, why(res)
+    assert marked(mark) == []
 
     restarts = events(service, run_name)
     assert [e["kind"] for e in restarts] == ["supervisor_restart"] * 2, restarts
