@@ -13,7 +13,9 @@ from lastgood.cli import cli
 
 from .conftest import ENV, error_line, lastgood, lastgood_many
 
-COMMANDS = ["runs", "ls", "show", "lineage", "events", "tag", "untag", "pin", "unpin", "gc", "verify", "download"]
+COMMANDS = ["runs", "ls", "show", "lineage", "events", "tag", "untag", "pin", "unpin", "gc", "verify", "download",
+            "supervise"]
+NO_JSON = {"supervise"}  # it runs a job, whose output is on stdout
 
 
 def rest(service, path: str, **params):
@@ -27,13 +29,14 @@ def test_help_on_every_command_and_exit_codes_documented():
     assert sorted(cli.commands) == sorted(COMMANDS)
     top, *each = lastgood_many([(["--help"], 0)] + [([c, "--help"], 0) for c in COMMANDS])
     for code, words in [(0, "ok"), (1, "unexpected"), (2, "usage"), (3, "not found"), (4, "conflict"),
-                        (5, "verification failed"), (6, "service unreachable")]:
-        assert f"  {code}  {words}" in top.out, top.out
+                        (5, "verification failed"), (6, "service unreachable"), (7, "supervise: gave up"),
+                        (130, "interrupted")]:
+        assert f"{code:>3}  {words}" in top.out, top.out
     for c in COMMANDS:
         assert f"  {c} " in top.out
     for c, res in zip(COMMANDS, each):
         assert res.out.startswith(f"Usage: lastgood {c} "), res.out
-        assert "--json" in res.out and "--help" in res.out
+        assert ("--json" in res.out or c in NO_JSON) and "--help" in res.out
     # python -m lastgood.cli is the same program
     proc = subprocess.run([sys.executable, "-m", "lastgood.cli", "--version"], capture_output=True, text=True,
                           env=ENV, timeout=60)
