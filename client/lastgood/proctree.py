@@ -9,9 +9,10 @@ So the supervisor makes itself a *child subreaper* (prctl PR_SET_CHILD_SUBREAPER
 orphan of the job is re-parented to the supervisor instead of init and stays in its tree.
 A launch's members are then the supervisor's descendants, plus (belt and braces, for a
 process that escaped to another subreaper) every process whose environment carries the
-launch's marker (`LASTGOOD_SUPERVISOR_LAUNCH=<launch id>`, unique per launch). `terminate` signals
-each member and each member's process group, SIGTERM first and SIGKILL after a grace, reaps
-what it inherited, and returns only when /proc shows none of them left.
+launch's marker (`LASTGOOD_SUPERVISOR_LAUNCH=<launch id>`, unique per launch).
+`terminate` signals each member and each member's process group, SIGTERM first and
+SIGKILL after a grace, reaps what it inherited, and returns only when /proc shows none of
+them left. `RankWatch` tells which rank process of a launch died first.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -173,3 +175,93 @@ def terminate(marker: tuple[str, str] | None, grace: float, *, root: int | None,
         else:
             _signal(alive, signal.SIGKILL)
         time.sleep(0.05)
+
+
+# ---------------------------------------------------------------- which rank died first
+class RankWatch(threading.Thread):
+    """Notes, every `interval` seconds, when each rank process of the supervisor's launch
+    dies, so that a rank that keeps failing can be drained. torchrun's own "first observed
+    failure" has a resolution of one second: ranks failing within the same second (a
+    crashed rank's peers fail on their closed connections) all tie, and it names the lowest.
+    A rank process is a descendant with LOCAL_RANK in its environment whose parent has none
+    (its data-loader workers inherit LOCAL_RANK from it)."""
+
+    def __init__(self, interval: float = 0.02) -> None:
+        super().__init__(name="lastgood-rank-watch", daemon=True)
+        self.interval = interval
+        self.deaths: list[tuple[int, int, int | None]] = []  # (tick, local rank, wait status or None)
+        self._ranks: dict[tuple[int, int], int] = {}          # (pid, start) -> local rank
+        self._envs: dict[tuple[int, int], str | None] = {}
+        self._halt = threading.Event()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(5)
+
+    def _scan(self) -> None:
+        procs = table()
+        for p in descendants(os.getpid(), procs):
+            key = (p.pid, p.start)
+            if key in self._ranks or p.dead:
+                continue
+            if key not in self._envs:
+                self._envs[key] = environ(p.pid).get("LOCAL_RANK")
+            parent = procs.get(p.ppid)
+            parent_rank = None
+            if parent is not None:
+                pkey = (parent.pid, parent.start)
+                if pkey not in self._envs:
+                    self._envs[pkey] = environ(parent.pid).get("LOCAL_RANK")
+                parent_rank = self._envs[pkey]
+            local = self._envs[key]
+            if local is not None and local.isdigit() and parent_rank is None:
+                self._ranks[key] = int(local)
+
+    def run(self) -> None:
+        tick, last_scan = 0, 0.0
+        while not self._halt.is_set():
+            if time.monotonic() - last_scan > 1.0 or not self._ranks:
+                self._scan()
+                last_scan = time.monotonic()
+            for key, local in list(self._ranks.items()):
+                p = read(key[0])
+                if p is None or p.start != key[1] or p.dead:
+                    self.deaths.append((tick, local, p.exit_code if p is not None and p.start == key[1] else None))
+                    del self._ranks[key]
+            tick += 1
+            self._halt.wait(self.interval)
+
+    def first_failure(self) -> tuple[int, int | None] | None:
+        """(local rank, wait status) of the one rank that failed before any other, or None.
+        Deaths first seen in the same look (the watch may be starved on a loaded machine)
+        are told apart by how they died: once one rank has failed torchrun ends the others
+        with SIGTERM, so a death by SIGTERM is not the first; a death seen as a zombie with
+        its status beats one reaped before a look; and a death by a signal (SIGKILL,
+        SIGSEGV, SIGABRT) beats an error exit (a crashed rank's peers fail on their closed
+        connections)."""
+        failed = [d for d in self.deaths if d[2] != 0]
+        if not failed:
+            return None
+        first = [d for d in failed if d[0] == failed[0][0]]
+        if len(first) > 1:
+            first = [d for d in first if d[2] is None or (d[2] & 0x7F) != signal.SIGTERM]
+        if len(first) > 1:
+            first = [d for d in first if d[2] is not None] or first
+        if len(first) > 1:
+            first = [d for d in first if d[2] is not None and d[2] & 0x7F] or first
+        return (first[0][1], first[0][2]) if len(first) == 1 else None
+
+    def summary(self) -> str:
+        return ", ".join(f"rank {r} {describe_status(s)} (tick {t})" for t, r, s in self.deaths) or "none seen"
+
+
+def describe_status(status: int | None) -> str:
+    if status is None:
+        return "exited"
+    if status & 0x7F:
+        sig = status & 0x7F
+        try:
+            return f"killed by {signal.Signals(sig).name}"
+        except ValueError:
+            return f"killed by signal {sig}"
+    return f"exited with {status >> 8}"

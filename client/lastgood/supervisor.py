@@ -27,7 +27,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -102,91 +101,6 @@ def run_of(cmd: list[str]) -> str | None:
     return found[1] if found else None
 
 
-# ---------------------------------------------------------------- who died first
-class RankWatch(threading.Thread):
-    """Notes, every `interval` seconds, when each rank process of the launch dies. torchrun's
-    own "first observed failure" has a one-second resolution and, with gloo, the other ranks
-    fail within milliseconds of the first (their connections close), so it often blames
-    rank 0. A rank process is a descendant with LOCAL_RANK in its environment whose parent
-    has none (its data-loader workers inherit LOCAL_RANK from it)."""
-
-    def __init__(self, interval: float = 0.02) -> None:
-        super().__init__(name="lastgood-rank-watch", daemon=True)
-        self.interval = interval
-        self.deaths: list[tuple[int, int, int | None]] = []  # (tick, local rank, wait status or None)
-        self._ranks: dict[tuple[int, int], int] = {}          # (pid, start) -> local rank
-        self._envs: dict[tuple[int, int], str | None] = {}
-        self._halt = threading.Event()
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(5)
-
-    def _scan(self) -> None:
-        procs = proctree.table()
-        for p in proctree.descendants(os.getpid(), procs):
-            key = (p.pid, p.start)
-            if key in self._ranks or p.dead:
-                continue
-            if key not in self._envs:
-                self._envs[key] = proctree.environ(p.pid).get("LOCAL_RANK")
-            parent = procs.get(p.ppid)
-            parent_rank = None
-            if parent is not None:
-                pkey = (parent.pid, parent.start)
-                if pkey not in self._envs:
-                    self._envs[pkey] = proctree.environ(parent.pid).get("LOCAL_RANK")
-                parent_rank = self._envs[pkey]
-            local = self._envs[key]
-            if local is not None and local.isdigit() and parent_rank is None:
-                self._ranks[key] = int(local)
-
-    def run(self) -> None:
-        tick, last_scan = 0, 0.0
-        while not self._halt.is_set():
-            if time.monotonic() - last_scan > 1.0 or not self._ranks:
-                self._scan()
-                last_scan = time.monotonic()
-            for key, local in list(self._ranks.items()):
-                p = proctree.read(key[0])
-                if p is None or p.start != key[1] or p.dead:
-                    self.deaths.append((tick, local, p.exit_code if p is not None and p.start == key[1] else None))
-                    del self._ranks[key]
-            tick += 1
-            self._halt.wait(self.interval)
-
-    def first_failure(self) -> tuple[int, int | None] | None:
-        """(local rank, wait status) of the one rank that failed before any other, or None.
-        Once one rank has failed torchrun ends the others with SIGTERM, so when several are
-        first seen dead at the same moment, a death by SIGTERM, or one reaped before a look
-        (status unknown), is not the first failure; nor is an error exit beside a death by
-        a signal (the peers of a rank that crashed fail on their closed connections)."""
-        failed = [d for d in self.deaths if d[2] != 0]
-        if not failed:
-            return None
-        first = [d for d in failed if d[0] == failed[0][0]]
-        if len(first) > 1:
-            first = [d for d in first if d[2] is not None and (d[2] & 0x7F) != signal.SIGTERM]
-        if len(first) > 1:  # a death by a signal (SIGKILL, SIGSEGV, SIGABRT) causes, an error exit follows
-            first = [d for d in first if d[2] & 0x7F] or first
-        return (first[0][1], first[0][2]) if len(first) == 1 else None
-
-    def summary(self) -> str:
-        return ", ".join(f"rank {r} {describe_status(s)} (tick {t})" for t, r, s in self.deaths) or "none seen"
-
-
-def describe_status(status: int | None) -> str:
-    if status is None:
-        return "exited"
-    if status & 0x7F:
-        sig = status & 0x7F
-        try:
-            return f"killed by {signal.Signals(sig).name}"
-        except ValueError:
-            return f"killed by signal {sig}"
-    return f"exited with {status >> 8}"
-
-
 # ---------------------------------------------------------------- the supervisor
 @dataclass
 class Policy:
@@ -204,7 +118,7 @@ class Launch:
     slots: list[int]                    # the original local rank behind each local rank of this launch
     proc: subprocess.Popen
     started: float
-    watch: RankWatch
+    watch: proctree.RankWatch
     rc: int | None = None
 
     @property
@@ -270,7 +184,7 @@ class Supervisor:
         attempt = names.check_attempt(f"{self.prefix}-{number}")
         ranks = f", {len(slots)} local rank(s)" if self.size is not None else ""
         self.say(f"launch {number} of run {self.run} ({attempt}{ranks}): {' '.join(cmd)}")
-        watch = RankWatch()
+        watch = proctree.RankWatch()
         try:
             proc = subprocess.Popen(cmd, env=self._env(attempt, slots), start_new_session=True)
         except OSError as e:
@@ -331,8 +245,8 @@ class Supervisor:
                 detail = f"the command exited with {launch.rc}"
                 if first is None:
                     return Ending("exited", f"{detail}; no one rank failed first (deaths: {launch.watch.summary()})")
-                return Ending("exited", f"{detail}; local rank {first[0]} failed first ({describe_status(first[1])})",
-                              [first[0]])
+                how = proctree.describe_status(first[1])
+                return Ending("exited", f"{detail}; local rank {first[0]} failed first ({how})", [first[0]])
             if self._stop is not None:
                 return Ending("stopped", f"stopped by {signal.Signals(self._stop).name}")
             if time.monotonic() >= next_health:

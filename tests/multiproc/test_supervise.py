@@ -128,21 +128,24 @@ def test_a_rank_that_keeps_crashing_is_drained_and_the_job_finishes_on_fewer_ran
     out, log = tmp_path / "out", tmp_path / "supervise.log"
     args = _train_args(service.url, None, out, ("--loader", "plain", "--every", "2", "--steps", "12"))
     mark = uuid.uuid4().hex
-    sup = supervise(service.url, run_name, ["--max-restarts", "3", "--drain-after", "2", "--poll", "1", "--grace", "5"],
+    sup = supervise(service.url, run_name, ["--max-restarts", "4", "--drain-after", "2", "--poll", "1", "--grace", "5"],
                     TRAIN, args, nproc=4, env={"LASTGOOD_EXAMPLE_KILL": "3:8:after_step", "SUPERVISE_TEST": mark},
                     log=log)
     res = finish(sup, log)
     assert res.returncode == 0, why(res)
     assert marked(mark) == []
 
-    restarts = events(service, run_name)
-    assert [e["kind"] for e in restarts] == ["supervisor_restart"] * 2, restarts
-    first, second = (e["data"] for e in restarts)
-    assert first["reason"] == "exited" and first["ranks"] == [3] and first["drained"] == [], first
-    assert second["ranks"] == [3] and second["drained"] == [3] and second["next_world_size"] == 3, second
+    # two failures blamed on rank 3 drain it (a failure whose first death cannot be told on
+    # a starved machine is blamed on no one and costs one more 4-rank launch)
+    restarts = [e["data"] for e in events(service, run_name)]
+    assert restarts and all(e["reason"] == "exited" and e["ranks"] in ([3], []) for e in restarts), restarts
+    assert [e["ranks"] for e in restarts].count([3]) == 2 and restarts[-1]["ranks"] == [3], restarts
+    assert restarts[-1]["drained"] == [3] and restarts[-1]["next_world_size"] == 3, restarts
+    assert all(e["drained"] == [] for e in restarts[:-1]), restarts
     final = service.get(f"/api/v1/runs/{run_name}/last-good").json()
     assert final["step"] == 11 and final["world_size"] == 3
-    assert res.stdout.count("starting at step 8 (restored: 7)") == 4 + 3  # launches 2 and 3, every rank
+    relaunched_on_4 = len(restarts) - 1
+    assert res.stdout.count("starting at step 8 (restored: 7)") == 4 * relaunched_on_4 + 3
 
     # epoch 2 spans the change: steps 6 and 7 on four ranks, the rest on three
     recs = _history(out, 4, 3, last_before=7)

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from lastgood import proctree
-from lastgood.supervisor import RankWatch, Supervisor, UsageError, nproc, one_node, run_of, with_nproc
+from lastgood.proctree import RankWatch
+from lastgood.supervisor import Supervisor, UsageError, nproc, one_node, run_of, with_nproc
 
 TORCHRUN = ["torchrun", "--nnodes=1", "--rdzv-id", "job-7", "train.py", "--lr", "3"]
 
@@ -82,8 +83,9 @@ KILL, TERM, EXIT1 = 9, 15, 1 << 8  # wait statuses: killed by SIGKILL / SIGTERM,
 
 @pytest.mark.parametrize("deaths, blamed", [
     ([(5, 3, KILL), (9, 0, TERM), (9, 1, TERM)], 3),         # torchrun ended the others later
-    ([(5, 3, None), (5, 0, TERM), (5, 1, TERM)], None),      # 3 reaped unseen, the rest in the same look
-    ([(5, 3, KILL), (5, 0, TERM), (5, 1, None)], 3),         # the same look, but 3 died otherwise
+    ([(5, 3, None), (5, 0, TERM), (5, 1, TERM)], 3),         # one look (a starved watch): 3 was not SIGTERMed
+    ([(5, 3, None), (5, 0, TERM), (5, 1, None)], None),      # two reaped unseen: either may be first
+    ([(5, 3, KILL), (5, 0, TERM), (5, 1, None)], 3),         # the same look, but 3 is seen dying otherwise
     ([(5, 3, KILL), (5, 0, EXIT1), (5, 1, EXIT1)], 3),       # its peers' error exits follow a crash
     ([(5, 2, EXIT1), (5, 1, EXIT1)], None),                  # two errors at once: nobody to blame
     ([(4, 0, 0), (5, 1, EXIT1)], 1),                         # a rank that finished is no failure
