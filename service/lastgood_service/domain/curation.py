@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from ..catalog.models import (ALIAS, COMMITTED, CORRUPT, LAST_GOOD, PIN, PINNED, ROLLBACK_TARGET, SUSPECT, SYSTEM,
                               TAG, Checkpoint, ReadLease, Run, Tag, utcnow)
 from . import fencing
-from .commit import add_event
+from .events import add_event
 from .gate import CatalogGate
 from .errors import FailedPrecondition, InvalidArgument, NotFound
 from .lineage import descendants

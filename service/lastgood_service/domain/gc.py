@@ -23,7 +23,7 @@ from ..blobstore import BlobStore
 from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, DELETED, PENDING, Checkpoint, ReadLease, Run, Tag,
                               utcnow)
 from . import keys
-from .commit import add_event
+from .events import add_event
 from .faults import Ballast, is_disk_full
 from .gate import CatalogGate
 from .lineage import assign_branches
