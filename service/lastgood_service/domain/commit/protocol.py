@@ -7,7 +7,8 @@ Invariants (docs/architecture.md), and where this module keeps them:
   I2 nothing is visible unless complete: a checkpoint becomes COMMITTED only when every
      rank voted with exactly its verified files (reads.py serves COMMITTED checkpoints
      only; verification.py re-hashes and marks CORRUPT).
-  I3 last-good moves forward only in the commit transaction; a failed save never touches it.
+  I3 last-good moves forward only in the commit transaction (domain/last_good.py, advance);
+     a failed save never touches it.
 Commit is exactly-once under races: the status change is a conditional UPDATE
 (`WHERE status = 'PENDING'`), so of two committers, or a committer and the lease reaper
 (lifecycle.py), exactly one wins. No database work happens per chunk.
@@ -33,9 +34,8 @@ from lastgood.format import header_length, parse_header, tensor_index
 from lastgood.hashing import StreamHasher, hash_bytes, is_valid_hex
 from lastgood.manifest import FileEntry, Manifest
 
-from ...catalog.models import (ABANDONED, COMMITTED, CORRUPT, PENDING, SUSPECT, SYSTEM, VERIFIED, Checkpoint, Run,
-                               Shard, Tag, Vote, utcnow)
-from .. import fencing, keys
+from ...catalog.models import ABANDONED, COMMITTED, CORRUPT, PENDING, VERIFIED, Checkpoint, Run, Shard, Vote
+from .. import fencing, keys, last_good
 from ..errors import (Conflict, FailedPrecondition, Fenced, HashMismatch, InvalidArgument, NotFound, StoreFull,
                       TooLarge)
 from ..events import add_event
@@ -402,7 +402,7 @@ class CommitProtocol(CommitCore):
             if won:
                 ck = s.get(Checkpoint, checkpoint_id)
                 s.refresh(ck)
-                moved = self._maybe_move_last_good(s, ck)
+                moved = last_good.advance(s, ck)
                 add_event(s, "commit", ck.run_id, ck.id, step=ck.step, bytes=ck.bytes, last_good=moved,
                           recovered=recovering)
                 last_vote = s.scalar(select(func.max(Vote.created_at)).where(Vote.checkpoint_id == ck.id))
@@ -416,20 +416,3 @@ class CommitProtocol(CommitCore):
                 self.metrics.commit_seconds.observe(commit_s)
             self._notify()
         return won
-
-    @staticmethod
-    def _maybe_move_last_good(s: Session, ck: Checkpoint) -> bool:
-        """I3: a commit becomes last-good if it is a newer step than the current one, or if
-        it was begun after the current one committed (the trainer restored an older
-        checkpoint on purpose and branched from it). A commit that continues a suspect
-        checkpoint (saved inside a loss-spike window) is suspect too, never last-good."""
-        run = s.get(Run, ck.run_id, with_for_update=True)  # two commits of one run: no lost update
-        if ck.parent_id is not None and s.scalar(
-                select(Tag.id).where(Tag.checkpoint_id == ck.parent_id, Tag.name == SUSPECT).limit(1)):
-            s.add(Tag(run_id=run.id, checkpoint_id=ck.id, name=SUSPECT, kind=SYSTEM, created_at=utcnow()))
-            return False
-        cur = s.get(Checkpoint, run.last_good_id) if run.last_good_id else None
-        if cur is None or ck.step > cur.step or (cur.committed_at is not None and ck.created_at > cur.committed_at):
-            run.last_good_id = ck.id
-            return True
-        return False

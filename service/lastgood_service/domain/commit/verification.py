@@ -11,10 +11,10 @@ from lastgood.errors import FormatError
 from lastgood.format import META_STATE, header_length, parse_header, parse_state
 from lastgood.hashing import StreamHasher, hash_bytes
 
-from ...catalog.models import COMMITTED, CORRUPT, Run, Shard
+from ...catalog.models import COMMITTED, CORRUPT, Shard
+from .. import last_good
 from ..errors import FailedPrecondition
 from ..events import add_event
-from ..lineage import usable_ancestor
 from .core import CommitCore
 
 log = logging.getLogger("lastgood.commit")
@@ -66,11 +66,9 @@ class CommitVerification(CommitCore):
             ck = self._get_checkpoint(s, checkpoint_id)
             first = ck.status != CORRUPT
             ck.status = CORRUPT
-            run = s.get(Run, ck.run_id, with_for_update=True)
-            if run.last_good_id == ck.id:
-                run.last_good_id = usable_ancestor(s, ck)
+            now_last_good = last_good.retreat(s, ck)
             if first:
-                add_event(s, "corrupt", ck.run_id, ck.id, bad=bad, last_good=run.last_good_id)
+                add_event(s, "corrupt", ck.run_id, ck.id, bad=bad, last_good=now_last_good)
         self._notify()
 
 
