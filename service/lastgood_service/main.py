@@ -18,7 +18,8 @@ from pathlib import Path
 import uvicorn
 
 from .api.grpc_server import Servicer, start_grpc_server
-from .api.rest import AppContext, create_app
+from .api.deps import AppContext
+from .api.rest import create_app
 from .blobstore import open_blobstore
 from .catalog.db import make_engine, make_sessionmaker, upgrade_head
 from .domain.commit import CommitService
