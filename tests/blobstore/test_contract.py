@@ -1,4 +1,5 @@
-"""One contract for every BlobStore: local, memory and S3 (moto's S3 server over HTTP).
+"""One contract for every BlobStore: local, memory and S3 (moto's S3 server over HTTP), and the
+metering wrapper (over local) that the service puts in front of them.
 
 Each backend also says what temporary state it can leave behind (`leftovers`): local's
 tmp/ files, S3's incomplete multipart uploads, nothing for memory. Tests that check "abort
@@ -17,6 +18,8 @@ import pytest
 from lastgood.hashing import hash_bytes
 from lastgood_service.blobstore import BlobStore, LocalBlobStore, MemoryBlobStore
 from lastgood_service.blobstore.base import READ_CHUNK
+from lastgood_service.blobstore.metered import MeteredBlobStore
+from lastgood_service.metrics import Metrics
 
 MiB = 1024 * 1024
 
@@ -29,11 +32,15 @@ class Backend:
     has_temp_state: bool  # whether an open writer shows up in leftovers() (memory keeps it in the writer)
 
 
-@pytest.fixture(params=["local", "memory", "s3"])
+@pytest.fixture(params=["local", "memory", "s3", "metered"])
 def backend(request, tmp_path) -> Backend:
     if request.param == "local":
         store = LocalBlobStore(tmp_path / "store")
         return Backend("local", store, lambda: sorted(p.name for p in store.tmp_dir.iterdir()), True)
+    if request.param == "metered":
+        inner = LocalBlobStore(tmp_path / "store")
+        return Backend("metered", MeteredBlobStore(inner, Metrics()),
+                       lambda: sorted(p.name for p in inner.tmp_dir.iterdir()), True)
     if request.param == "memory":
         return Backend("memory", MemoryBlobStore(), lambda: [], False)
     s3 = request.getfixturevalue("s3_server")
@@ -222,3 +229,4 @@ def test_large_streamed_write_in_uneven_pieces(backend):
     for off, n in [(5 * MiB - 3, 10), (10 * MiB - 1, 2), (12 * MiB, 12345), (1, 11 * MiB)]:  # across part boundaries
         assert read(s, "ckpt/8/r0/big", off, n) == data[off:off + n]
     assert backend.leftovers() == []
+

@@ -39,6 +39,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from lastgood import names
 
 from ..catalog.models import ABANDONED, PENDING, Checkpoint, Launch, Run, utcnow
+from ..metrics import Metrics
 from .errors import Conflict, Fenced, InvalidArgument, NotFound
 from .events import add_event
 from .gate import CatalogGate
@@ -77,12 +78,13 @@ def check(s: Session, run_id: int, generation: int | None, what: str) -> None:
 
 class Launches:
     def __init__(self, sessions: sessionmaker[Session], clock: Callable[[], dt.datetime] = utcnow,
-                 notify: Callable[[], None] | None = None, metrics=None, gate: CatalogGate | None = None) -> None:
+                 notify: Callable[[], None] | None = None, metrics: Metrics | None = None,
+                 gate: CatalogGate | None = None) -> None:
         self.sessions = sessions
         self.gate = gate or CatalogGate()  # closed: a registration would hand out a lost generation again
         self.clock = clock
         self.notify = notify  # wakes votes waiting in this process: their checkpoint may be abandoned
-        self.metrics = metrics
+        self.metrics = metrics or Metrics()  # a private registry when the caller keeps none
 
     def register(self, run_name: str, attempt: str, world_size: int) -> dict:
         """The launch's generation: a new one the first time (run, attempt) registers, the
@@ -97,8 +99,7 @@ class Launches:
             except IntegrityError:  # another rank of the launch, or the run's creation, won: read it
                 continue
             if abandoned:
-                if self.metrics:
-                    self.metrics.abandoned.labels("fenced").inc(len(abandoned))
+                self.metrics.abandoned.labels("fenced").inc(len(abandoned))
                 if self.notify:
                     self.notify()
             return view

@@ -34,8 +34,7 @@ class CommitLifecycle(CommitProtocol):
             add_event(s, "abort", ck.run_id, ck.id, reason=reason[:1000], rank=rank)
         log.warning("checkpoint %s aborted by rank %s: %s", checkpoint_id, rank, reason[:200],
                     extra={"checkpoint_id": checkpoint_id, "rank": rank})
-        if self.metrics:
-            self.metrics.abandoned.labels("abort").inc()
+        self.metrics.abandoned.labels("abort").inc()
         self._notify()
         return ABANDONED
 
@@ -58,8 +57,7 @@ class CommitLifecycle(CommitProtocol):
             for cid in expired:
                 log.warning("lease expired: checkpoint %s abandoned (a rank stopped)", cid,
                             extra={"checkpoint_id": cid})
-            if self.metrics:
-                self.metrics.abandoned.labels("lease_expired").inc(len(expired))
+            self.metrics.abandoned.labels("lease_expired").inc(len(expired))
             self._notify()
         return expired
 

@@ -246,8 +246,6 @@ class CommitProtocol(CommitCore):
             except IntegrityError:  # the same file arrived twice at once
                 with s.begin():
                     return self._same_or_conflict(self._find_shard(s, header), header)
-        if self.metrics:
-            self.metrics.bytes_ingested.inc(header.size)
         return PutResult(False, header.size, digest)
 
     @staticmethod
@@ -289,8 +287,7 @@ class CommitProtocol(CommitCore):
     def _record_mismatch(self, h: ShardHeader, digest: str) -> None:
         log.warning("hash mismatch on checkpoint %s rank %s file %s", h.checkpoint_id, h.rank, h.file_name,
                     extra={"checkpoint_id": h.checkpoint_id, "rank": h.rank})
-        if self.metrics:
-            self.metrics.hash_mismatches.inc()
+        self.metrics.hash_mismatches.inc()
         with self.sessions() as s, s.begin():
             ck = s.get(Checkpoint, h.checkpoint_id)
             add_event(s, "hash_mismatch", ck.run_id if ck else None, h.checkpoint_id, rank=h.rank,
@@ -410,9 +407,8 @@ class CommitProtocol(CommitCore):
         if won:
             log.info("committed checkpoint %s (%s step %s)", checkpoint_id, manifest.run, manifest.step,
                      extra={"run": manifest.run, "checkpoint_id": checkpoint_id, "step": manifest.step})
-            if self.metrics:
-                self.metrics.commits.inc()
-                self.metrics.save_seconds.observe(save_s)
-                self.metrics.commit_seconds.observe(commit_s)
+            self.metrics.commits.inc()
+            self.metrics.save_seconds.observe(save_s)
+            self.metrics.commit_seconds.observe(commit_s)
             self._notify()
         return won

@@ -34,7 +34,7 @@ class CommitVerification(CommitCore):
                                     .order_by(Shard.rank, Shard.file_name)))
         bad = []
         try:
-            got = hash_bytes(self.blobs.read_all(ck.manifest_key))
+            got = hash_bytes(self.store.read_all(ck.manifest_key))
         except FileNotFoundError:
             got = "missing"
         if got != ck.manifest_hash:
@@ -43,7 +43,7 @@ class CommitVerification(CommitCore):
             h = StreamHasher()
             head = _HeadReader(sh)
             try:
-                for chunk in self.blobs.get(sh.blob_key):
+                for chunk in self.store.get(sh.blob_key):
                     h.update(chunk)
                     head.feed(chunk)
                 got = h.hexdigest() if h.size == sh.size else f"size {h.size}"
