@@ -16,7 +16,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+from . import capabilities
 from .base import BlobInfo, BlobStore, BlobWriter
+from .capabilities import AdoptsFiles, LendsLocalPaths, ReportsFreeSpace
 
 
 class _MeteredWriter(BlobWriter):
@@ -35,8 +37,9 @@ class _MeteredWriter(BlobWriter):
         self.inner.abort()
 
 
-class MeteredBlobStore(BlobStore):
-    """`metrics`: lastgood_service.metrics.Metrics."""
+class MeteredBlobStore(BlobStore, AdoptsFiles, LendsLocalPaths, ReportsFreeSpace):
+    """`metrics`: lastgood_service.metrics.Metrics. It forwards each optional capability
+    (capabilities.py), answering None where the store it wraps lacks it."""
 
     def __init__(self, inner: BlobStore, metrics) -> None:
         self.inner, self.metrics = inner, metrics
@@ -45,7 +48,7 @@ class MeteredBlobStore(BlobStore):
         return _MeteredWriter(self.inner.open_writer(key), self.metrics)
 
     def adopt_writer(self, key: str, taken) -> BlobWriter | None:
-        writer = self.inner.adopt_writer(key, taken)
+        writer = capabilities.adopt_writer(self.inner, key, taken)
         return _MeteredWriter(writer, self.metrics) if writer is not None else None
 
     def get(self, key: str, offset: int = 0, length: int | None = None) -> Iterator[bytes]:
@@ -65,10 +68,10 @@ class MeteredBlobStore(BlobStore):
         return self.inner.read_all(key)
 
     def free_bytes(self) -> int | None:
-        return self.inner.free_bytes()
+        return capabilities.free_bytes(self.inner)
 
     def local_path(self, key: str):
-        return self.inner.local_path(key)
+        return capabilities.local_path(self.inner, key)
 
     def stat(self, key: str) -> BlobInfo | None:
         return self.inner.stat(key)

@@ -35,6 +35,7 @@ from lastgood.hashing import StreamHasher, hash_bytes, is_valid_hex
 from lastgood.manifest import FileEntry, Manifest
 
 from ...catalog.models import ABANDONED, COMMITTED, CORRUPT, PENDING, VERIFIED, Checkpoint, Run, Shard, Vote
+from ...blobstore import capabilities
 from .. import fencing, keys, last_good
 from ..errors import (Conflict, FailedPrecondition, Fenced, HashMismatch, InvalidArgument, NotFound, StoreFull,
                       TooLarge)
@@ -71,7 +72,7 @@ class CommitProtocol(CommitCore):
     def _require_room(self, size: int) -> None:
         """Refuse a shard the store cannot hold before a byte of it is written, keeping
         `store_reserve_bytes` free for the catalog and for GC's own writes (0: unknown size)."""
-        free = self.blobs.free_bytes() if size else None
+        free = capabilities.free_bytes(self.blobs) if size else None
         if free is not None and size > free - self.settings.store_reserve_bytes:
             raise StoreFull(f"store full: {free} bytes free, a shard of {size} bytes does not fit beside the "
                             f"{self.settings.store_reserve_bytes}-byte reserve; free space (GC, retention) "
@@ -204,7 +205,7 @@ class CommitProtocol(CommitCore):
         last_renew = time.monotonic()
         if adopt is None:
             self._require_room(header.size)
-        writer = self.blobs.adopt_writer(key, adopt) if adopt is not None else None
+        writer = capabilities.adopt_writer(self.blobs, key, adopt) if adopt is not None else None
         with writer or self.blobs.open_writer(key) as w:
             for chunk in chunks:
                 if len(chunk) > self.settings.max_chunk_bytes:

@@ -7,6 +7,7 @@ from sqlalchemy import select
 
 from lastgood.hashing import hash_bytes
 
+from ...blobstore import capabilities
 from ...catalog.models import COMMITTED, Shard
 from ..errors import DamagedMismatch, DamagedMissing, FailedPrecondition, NotFound, OutOfRange
 from .verification import CommitVerification
@@ -40,7 +41,7 @@ class CommitReads(CommitVerification):
 
     def lend_shard(self, sh: Shard, spool) -> str | None:
         """The whole shard as a link in the spool for a reader on this host, or None."""
-        path = self.blobs.local_path(sh.blob_key)
+        path = capabilities.local_path(self.blobs, sh.blob_key)
         name = spool.lend(path) if path is not None else None
         if name is not None:  # served without a chunk through the meter
             self.metrics.bytes_served.inc(sh.size)
