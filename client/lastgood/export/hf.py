@@ -32,7 +32,7 @@ from .source import Collector, Tensor
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
-BLOCK = 8 * 1024 * 1024
+BLOCK = 4 * 1024 * 1024
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 

@@ -1,0 +1,153 @@
+"""`lastgood export` on checkpoints saved in this process (one rank): a shard corrupted in
+the store fails verification and leaves no DIR (control: the same export of the intact
+checkpoint succeeds); an interrupted export leaves no DIR either; bad input changes
+nothing; --map renames and drops. The FSDP2 / DDP / transformers round trips are in
+tests/multiproc/test_export.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from safetensors import safe_open
+
+from tests.service.helpers import shard_blob
+
+from .conftest import COMMAND, ENV, error_line, lastgood, lastgood_many, unique_run
+
+torch = pytest.importorskip("torch")
+
+
+def save(service, run: str, model, step: int = 1) -> int:
+    import lastgood as lg
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with lg.Checkpointer(service.url, run=run) as ckpt:
+        ckpt.save(step, lg.TrainState(model=model, optimizer=opt, extra={"hf_config": {"model_type": "none",
+                                                                                        "id2label": {0: "a"}}}))
+        ckpt.wait()
+        return ckpt.last_saved.checkpoint_id
+
+
+def small() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+
+
+def tensors(path) -> dict:
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def leftovers(parent, name: str) -> list[str]:
+    """DIR itself, or its temporary sibling."""
+    return sorted(p.name for p in parent.iterdir() if p.name == name or p.name.startswith(f".{name}.export-"))
+
+
+@pytest.mark.parametrize("where", ["header", "data"])
+def test_corrupted_shard_fails_verification_and_leaves_no_dir(service, tmp_path, where):
+    model = small()
+    cid = save(service, unique_run("export-corrupt"), model)
+    control = lastgood("--json", "export", str(cid), str(tmp_path / "control"), url=service.url).json()
+    assert control["verified"] is True and control["tensors"] == 4
+    got = tensors(tmp_path / "control" / "model.safetensors")
+    assert all(torch.equal(got[k], v) for k, v in model.state_dict().items()) and len(got) == 4
+    assert json.loads((tmp_path / "control" / "config.json").read_text())["id2label"] == {"0": "a"}
+
+    blob = shard_blob(service, cid, 0)
+    data = bytearray(blob.read_bytes())
+    # a bit of the JSON header (the state document), or of the last tensor's bytes
+    data[40 if where == "header" else len(data) - 3] ^= 0x01
+    blob.write_bytes(bytes(data))
+
+    res = lastgood("export", str(cid), str(tmp_path / "hf"), url=service.url, code=5)
+    line = error_line(res)
+    assert f"checkpoint {cid} rank 0 file rank00000.safetensors" in line and "xxh3-128" in line, line
+    assert f"nothing was written to {tmp_path / 'hf'}" in line
+    assert leftovers(tmp_path, "hf") == []
+
+    import lastgood as lg
+    from lastgood.export import export_hf
+    with pytest.raises(lg.CorruptCheckpoint, match="xxh3-128"):
+        export_hf(cid, tmp_path / "api", url=service.url)
+    assert leftovers(tmp_path, "api") == []
+
+
+def test_interrupted_export_leaves_no_dir(service, tmp_path):
+    """SIGTERM while the export is under way (stopped as soon as its temporary directory
+    appears, so the signal always lands mid-export): no DIR, no temporary directory."""
+    torch.manual_seed(0)
+    cid = save(service, unique_run("export-interrupt"),
+               torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 4096)))  # 9 MiB
+    out = tmp_path / "hf"
+    proc = subprocess.Popen([*COMMAND, "--url", service.url, "export", str(cid), str(out)], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob(".hf.export-*")):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the export never made its temporary directory"
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGSTOP)
+        assert not out.exists()
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGCONT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "interrupted" in err, err
+    assert leftovers(tmp_path, "hf") == []
+
+
+def test_bad_input_changes_nothing(service, tmp_path):
+    cid = save(service, unique_run("export-bad"), small())
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "keep.txt").write_text("mine")
+    bad_map = tmp_path / "map.json"
+    bad_map.write_text(json.dumps({"9.weight": "x"}))
+    not_json = tmp_path / "config.json"
+    not_json.write_text("{nope")
+    url = ["--url", service.url]
+    results = lastgood_many([
+        ([*url, "export", str(cid), str(occupied)], 2),
+        ([*url, "export", str(cid), str(tmp_path / "a"), "--max-shard-size", "5 parsecs"], 2),
+        ([*url, "export", str(cid), str(tmp_path / "b"), "--max-shard-size", "0"], 2),
+        ([*url, "export", str(cid), str(tmp_path / "c"), "--dtype", "int4"], 2),
+        ([*url, "export", str(cid), str(tmp_path / "d"), "--map", str(bad_map)], 2),
+        ([*url, "export", str(cid), str(tmp_path / "e"), "--prefix", "optimizer."], 2),
+        ([*url, "export", str(cid), str(tmp_path / "f"), "--config", str(not_json)], 2),
+        ([*url, "export", str(cid), str(tmp_path / "g"), "--format", "gguf"], 2),
+        ([*url, "export", "nobody@last-good", str(tmp_path / "h")], 3),
+    ])
+    errors = [r.err for r in results]
+    assert "exists and is not an empty directory" in errors[0]
+    assert "is not a size" in errors[1] and "at least 1 byte" in errors[2]
+    assert "--map names 1 tensor(s) the checkpoint does not have under prefix 'model.': 9.weight" in errors[4]
+    assert "no module tensors under prefix 'optimizer.'" in errors[5] and "optimizer (optimizer)" in errors[5]
+    assert "--config" in errors[6]
+    assert (occupied / "keep.txt").read_text() == "mine" and sorted(os.listdir(occupied)) == ["keep.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "map.json", "occupied"]
+
+
+def test_map_renames_drops_and_converts(service, tmp_path):
+    model = small()
+    cid = save(service, unique_run("export-map"), model)
+    from lastgood.export import export_hf
+
+    doc = export_hf(cid, tmp_path / "hf", url=service.url, dtype="fp16",
+                    name_map={"0.weight": "encoder.weight", "2.bias": None}, config={"model_type": "mine"})
+    got = tensors(tmp_path / "hf" / "model.safetensors")
+    sd = model.state_dict()
+    assert sorted(got) == ["0.bias", "2.weight", "encoder.weight"] and doc["tensors"] == 3
+    assert torch.equal(got["encoder.weight"], sd["0.weight"].half()) and got["0.bias"].dtype == torch.float16
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == {"model_type": "mine", "dtype": "float16",
+                                                                          "torch_dtype": "float16"}
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {k: "model.safetensors" for k in got}
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in got.values())
