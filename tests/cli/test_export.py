@@ -1,7 +1,7 @@
 """`lastgood export` on checkpoints saved in this process (one rank): a shard corrupted in
 the store fails verification and leaves no DIR (control: the same export of the intact
 checkpoint succeeds); an interrupted export leaves no DIR either; bad input changes
-nothing; --map renames and drops. The FSDP2 / DDP / transformers round trips are in
+nothing; --map renames and drops; the command runs without torch. The FSDP2 / DDP / transformers round trips are in
 tests/multiproc/test_export.py."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -18,6 +19,7 @@ from safetensors import safe_open
 from tests.service.helpers import shard_blob
 
 from .conftest import COMMAND, ENV, error_line, lastgood, lastgood_many, unique_run
+from .test_download import BLOCK_TORCH
 
 torch = pytest.importorskip("torch")
 
@@ -151,3 +153,23 @@ def test_map_renames_drops_and_converts(service, tmp_path):
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     assert index["weight_map"] == {k: "model.safetensors" for k in got}
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in got.values())
+
+
+def test_command_line_export_runs_without_torch(service, tmp_path):
+    """NumPy does the conversions: `lastgood export` needs no torch, like every command."""
+    model = small()
+    cid = save(service, unique_run("export-notorch"), model)
+    renames = tmp_path / "map.json"
+    renames.write_text(json.dumps({"2.weight": "head.weight"}))
+    proc = subprocess.run([sys.executable, "-c", BLOCK_TORCH, "--url", service.url, "--json", "export", str(cid),
+                           str(tmp_path / "hf"), "--dtype", "bf16", "--map", str(renames), "--max-shard-size", "40B"],
+                          capture_output=True, text=True, env=ENV, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["dtype"] == "bf16" and len(doc["files"]) == 4  # 96, 12, 36 and 6 bytes: no two fit in 40
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    sd = model.state_dict()
+    for name, src in (("0.weight", "0.weight"), ("0.bias", "0.bias"), ("head.weight", "2.weight"),
+                      ("2.bias", "2.bias")):
+        got = tensors(tmp_path / "hf" / index["weight_map"][name])[name]
+        assert got.dtype == torch.bfloat16 and torch.equal(got, sd[src].to(torch.bfloat16)), name

@@ -321,7 +321,7 @@ class LastgoodGroup(click.Group):
 @click.version_option(__version__, "--version", prog_name="lastgood")
 @click.pass_context
 def cli(ctx: click.Context, url: str, token: str | None, json_: bool, timeout: float) -> None:
-    """Inspect, curate and fetch the checkpoints of a lastgood service.
+    """Inspect, curate, fetch and export the checkpoints of a lastgood service.
 
     CKPT is a checkpoint id (42) or RUN@TAG: RUN@last-good, or a tag or alias of the run
     (gpt-small@best). Set LASTGOOD_DEBUG=1 for a traceback on an unexpected error.
