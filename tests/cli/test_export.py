@@ -173,3 +173,19 @@ def test_command_line_export_runs_without_torch(service, tmp_path):
                       ("2.bias", "2.bias")):
         got = tensors(tmp_path / "hf" / index["weight_map"][name])[name]
         assert got.dtype == torch.bfloat16 and torch.equal(got, sd[src].to(torch.bfloat16)), name
+
+
+@pytest.mark.slow  # a Python process with torch and transformers
+def test_the_docs_example_runs_as_shown(service, tmp_path):
+    pytest.importorskip("transformers")
+    from tests.client.test_doc_examples import marked_blocks
+
+    (block,) = marked_blocks("docs/export.md")
+    script = tmp_path / "example.py"
+    script.write_text(block + "\n")
+    env = {**ENV, "LASTGOOD_URL": service.url, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path,
+                         timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "torch.bfloat16 torch.Size([1, 3, 64])" in res.stdout, res.stdout
+    assert (tmp_path / "tiny-llama-hf" / "config.json").exists()

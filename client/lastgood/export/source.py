@@ -167,7 +167,8 @@ class Collector:
         state = parse_state(meta, tensors)
         components = state.get("components")
         if not isinstance(components, dict):
-            raise FormatError("the state document has no components")
+            raise FormatError("saved through lastgood.dcp, not as a TrainState" if "dcp_values" in state
+                              else "the state document has no components")
         if self.extra is None:
             self.extra = state.get("extra")
         start = len(head)
