@@ -54,8 +54,9 @@ def leftovers(parent, name: str) -> list[str]:
 def test_corrupted_shard_fails_verification_and_leaves_no_dir(service, tmp_path, where):
     model = small()
     cid = save(service, unique_run("export-corrupt"), model)
-    control = lastgood("--json", "export", str(cid), str(tmp_path / "control"), url=service.url).json()
-    assert control["verified"] is True and control["tensors"] == 4
+    control = lastgood("export", str(cid), str(tmp_path / "control"), url=service.url).out
+    assert f"exported #{cid} (run " in control and "4 tensors" in control and "every xxh3-128 verified" in control
+    assert "config.json: extra['hf_config']" in control and str(tmp_path / "control" / "model.safetensors") in control
     got = tensors(tmp_path / "control" / "model.safetensors")
     assert all(torch.equal(got[k], v) for k, v in model.state_dict().items()) and len(got) == 4
     assert json.loads((tmp_path / "control" / "config.json").read_text())["id2label"] == {"0": "a"}
