@@ -6,7 +6,6 @@ gaps, overlaps)."""
 from __future__ import annotations
 
 import math
-import os
 
 import numpy as np
 import pytest
@@ -99,7 +98,7 @@ def test_assembly_of_dim0_blocks_and_of_2d_blocks(tmp_path, dst):
                 data = block.view(torch.uint8).numpy().tobytes()
                 t.pieces.append(Piece(offset, local, src._end))
                 src._end += len(data)
-                os.pwrite(src._fd, data, t.pieces[-1].pos)
+                src._pwrite(memoryview(data), t.pieces[-1].pos)
                 t.covered += block.numel()
             check_coverage(t)
             out = b"".join(bytes(memoryview(b).cast("B")) for b in blocks(Item(name, t, dst), src))

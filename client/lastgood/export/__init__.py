@@ -163,9 +163,10 @@ def _name(collector: Collector, opts: Options) -> list[Item]:
 
 def run_export(st, ref, dest: Path, opts: Options, progress=None) -> dict:
     """The export, with the command line's State (`st.rest`, `st.resolve`). `progress(n,
-    what)`, if given, hears of every n bytes read ("read") and written ("write")."""
+    what)`, if given, hears of every n bytes read ("read"), skipped ("skip") and written
+    ("write")."""
     from ..cli.app import make_console
-    from ..cli.download import Lease, read_manifest, read_verified
+    from ..cli.download import Lease, read_manifest
 
     dest = Path(dest)
     _check_dest(dest)
@@ -181,54 +182,11 @@ def run_export(st, ref, dest: Path, opts: Options, progress=None) -> dict:
         tmp.mkdir()
         src = Collector(opts.prefix, str(tmp / ".scratch"))
         try:
-            tail = f"; nothing was written to {dest}"
-            skipped = []
-            for r in sorted(manifest.ranks):
-                for entry in sorted(manifest.files(r), key=lambda e: e.name):
-                    if entry.tensors is None:  # not a safetensors file (DCP's metadata)
-                        continue
-                    if not src.wants(entry):
-                        skipped.append((r, entry.name, entry.size))
-                        if progress is not None:
-                            progress(entry.size, "skip")
-                        continue
-                    stream = read_verified(st.rest, cid, r, entry, lease, tail)
-                    if progress is not None:
-                        stream = _counting(stream, progress)
-                    try:
-                        src.read(stream, r, entry)
-                    except FormatError as e:
-                        raise FormatError(f"checkpoint {cid}: {e} (export reads checkpoints that "
-                                          f"lastgood.Checkpointer saved)") from None
-            if not src.tensors:
-                comps = ", ".join(f"{n} ({k})" for n, k in src.components.items()) or "none"
-                raise ExportError(f"checkpoint {cid} has no module tensors under prefix {opts.prefix!r}; its "
-                                  f"components: {comps}")
-            for t in src.tensors.values():
-                check_coverage(t)
-            items = _name(src, opts)
-            groups = split(items, opts.max_bytes)
-            names = file_names(len(groups))
-            meta = {"lastgood.checkpoint_id": str(cid), "lastgood.run": manifest.run,
-                    "lastgood.step": str(manifest.step)}
-            files = []
-            for name, group in zip(names, groups):
-                part = tmp / f".{name}.part"
-                size = write_file(str(part), group, src, meta,
-                                  None if progress is None else (lambda n: progress(n, "write")))
-                os.replace(part, tmp / name)
-                files.append({"name": name, "size": size, "tensors": len(group)})
+            skipped = _read(st, cid, manifest, src, lease, f"; nothing was written to {dest}", progress)
+            doc = _write(tmp, src, opts, manifest, progress)
         finally:
             src.close()
             (tmp / ".scratch").unlink(missing_ok=True)
-        total = sum(it.nbytes for it in items)
-        write_json(str(tmp / INDEX), {"metadata": {"total_size": total},
-                                      "weight_map": {it.name: n for n, g in zip(names, groups) for it in g}})
-        config, config_from = opts.config, "--config"
-        if config is None:
-            config, config_from = _hf_config(src.extra), f"extra[{HF_CONFIG_KEY!r}]"
-        if config is not None:
-            write_json(str(tmp / CONFIG), _with_dtype(config, items))
         _fsync_dir(tmp)
         os.rename(tmp, dest)  # replaces an empty DEST; anything else there now fails here
         tmp = None
@@ -243,12 +201,67 @@ def run_export(st, ref, dest: Path, opts: Options, progress=None) -> dict:
                     break
         lease.release(make_console(stderr=True))
     return {"checkpoint_id": cid, "run": manifest.run, "step": manifest.step, "world_size": manifest.world_size,
-            "dir": str(dest), "format": "hf", "dtype": opts.dtype_name, "prefix": opts.prefix,
-            "files": files, "index": INDEX, "tensors": len(items), "total_size": total,
-            "config": config_from if config is not None else None,
+            "dir": str(dest), "format": "hf", "dtype": opts.dtype_name, "prefix": opts.prefix, **doc,
             "read": [{"rank": r, "name": n, "size": s} for r, n, s in src.files_read],
             "skipped": [{"rank": r, "name": n, "size": s} for r, n, s in skipped],
             "bytes_read": src.bytes_read, "verified": True, "seconds": round(time.monotonic() - t0, 3)}
+
+
+def _read(st, cid: int, manifest, src: Collector, lease, tail: str, progress) -> list[tuple[int, str, int]]:
+    """Every rank file that holds a model tensor still missing, streamed once and verified
+    (source.py); returns the files not needed."""
+    from ..cli.download import read_verified
+
+    skipped = []
+    for r in sorted(manifest.ranks):
+        for entry in sorted(manifest.files(r), key=lambda e: e.name):
+            if entry.tensors is None:  # not a safetensors file (DCP's metadata)
+                continue
+            if not src.wants(entry):
+                skipped.append((r, entry.name, entry.size))
+                if progress is not None:
+                    progress(entry.size, "skip")
+                continue
+            stream = read_verified(st.rest, cid, r, entry, lease, tail)
+            if progress is not None:
+                stream = _counting(stream, progress)
+            try:
+                src.read(stream, r, entry)
+            except FormatError as e:
+                raise FormatError(f"checkpoint {cid}: {e} (export reads checkpoints that "
+                                  f"lastgood.Checkpointer saved)") from None
+    if not src.tensors:
+        comps = ", ".join(f"{n} ({k})" for n, k in src.components.items()) or "none"
+        raise ExportError(f"checkpoint {cid} has no module tensors under prefix {src.prefix!r}; its "
+                          f"components: {comps}")
+    for t in src.tensors.values():
+        check_coverage(t)
+    return skipped
+
+
+def _write(tmp: Path, src: Collector, opts: Options, manifest, progress) -> dict:
+    """The safetensors files (each as .NAME.part, fsynced, renamed), the index and config.json."""
+    items = _name(src, opts)
+    groups = split(items, opts.max_bytes)
+    names = file_names(len(groups))
+    meta = {"lastgood.checkpoint_id": str(manifest.checkpoint_id), "lastgood.run": manifest.run,
+            "lastgood.step": str(manifest.step)}
+    files = []
+    for name, group in zip(names, groups):
+        part = tmp / f".{name}.part"
+        size = write_file(str(part), group, src, meta, None if progress is None else (lambda n: progress(n, "write")))
+        os.replace(part, tmp / name)
+        files.append({"name": name, "size": size, "tensors": len(group)})
+    total = sum(it.nbytes for it in items)
+    write_json(str(tmp / INDEX), {"metadata": {"total_size": total},
+                                  "weight_map": {it.name: n for n, g in zip(names, groups) for it in g}})
+    config, config_from = opts.config, "--config"
+    if config is None:
+        config, config_from = _hf_config(src.extra), f"extra[{HF_CONFIG_KEY!r}]"
+    if config is not None:
+        write_json(str(tmp / CONFIG), _with_dtype(config, items))
+    return {"files": files, "index": INDEX, "tensors": len(items), "total_size": total,
+            "config": config_from if config is not None else None}
 
 
 def _counting(stream, progress):

@@ -112,6 +112,11 @@ class Collector:
             raise OSError(f"the export's scratch file is {pos + len(data)} bytes, expected at least {pos + n}")
         return data
 
+    def _pwrite(self, view: memoryview, pos: int) -> None:
+        while view:  # a regular file may take less than asked (a full disk raises on the next call)
+            n = os.pwrite(self._fd, view, pos)
+            view, pos = view[n:], pos + n
+
     def wants(self, entry: FileEntry) -> bool:
         """Does this file hold a tensor still missing, or one no state read so far named?"""
         for name in entry.tensors or ():
@@ -153,7 +158,7 @@ class Collector:
             while j < len(plan) and plan[j][0] < end:
                 a, b, pos = plan[j]
                 lo, hi = max(a, at_data), min(b, end)
-                os.pwrite(self._fd, memoryview(data)[lo - at_data:hi - at_data], pos + lo - a)
+                self._pwrite(memoryview(data)[lo - at_data:hi - at_data], pos + lo - a)
                 j += 1
         if error is not None:
             raise FormatError(f"rank {rank} file {entry.name}: {error}")
