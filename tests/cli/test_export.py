@@ -85,7 +85,7 @@ def test_interrupted_export_leaves_no_dir(service, tmp_path):
     appears, so the signal always lands mid-export): no DIR, no temporary directory."""
     torch.manual_seed(0)
     cid = save(service, unique_run("export-interrupt"),
-               torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 4096)))  # 9 MiB
+               torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.Linear(4096, 1024)))  # 32 MiB
     out = tmp_path / "hf"
     proc = subprocess.Popen([*COMMAND, "--url", service.url, "export", str(cid), str(out)], env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
