@@ -9,17 +9,26 @@ accepts a trailing newline, and a committed file named `x\\n` could never be dow
 Integers a client sends (ids, steps, ranks, sizes, offsets) are bounded here too, once, so
 that the REST models, the path parameters and the gRPC handlers refuse the same values
 before any of them reaches the catalog (SQLite and PostgreSQL integers are 64-bit signed).
+
+The spool's contract (the same-host hand-over, docs/architecture.md) is spelled here too,
+once for both sides: the id file that tells a client it sees the service's spool, the
+names of the files a client hands over, and the `.out/` directory of the links the service
+lends back.
 """
 
 from __future__ import annotations
 
 import re
+import secrets
 
 _RUN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 _ATTEMPT = re.compile(r"[A-Za-z0-9._:-]{1,64}")
-_SPOOL = re.compile(r"[0-9a-f]{32}\.part")  # a file a client hands over in the spool
-_LENT = re.compile(r"\.out/[0-9a-f]{32}\.part")  # a link the service lends, relative to the spool
+SPOOL_ID_FILE = ".lastgood-spool"  # in the spool directory: the service's random id for it
+SPOOL_OUT_DIR = ".out"  # in the spool directory: links to blobs the service lends to same-host readers
+_SPOOL_PATTERN = r"[0-9a-f]{32}\.part"
+_SPOOL = re.compile(_SPOOL_PATTERN)  # a file a client hands over in the spool
+_LENT = re.compile(re.escape(SPOOL_OUT_DIR) + "/" + _SPOOL_PATTERN)  # a link the service lends, relative to the spool
 
 # the environment that names a job's run and its launch (read in distributed.py, set by
 # `lastgood supervise` for every launch it starts)
@@ -60,6 +69,11 @@ def check_file_name(value: object) -> str:
 
 def check_attempt(value: object) -> str:
     return _check("attempt", value, _ATTEMPT, "1-64 characters from A-Z a-z 0-9 . _ : -")
+
+
+def new_spool_name() -> str:
+    """A fresh name of the spool's pattern: a file to hand over, or a link to lend."""
+    return f"{secrets.token_hex(16)}.part"
 
 
 def is_spool_name(value: object) -> bool:

@@ -22,7 +22,6 @@ import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-import uuid
 import weakref
 from collections.abc import Iterator
 
@@ -73,7 +72,7 @@ def _find_spool(spec: dict | None) -> dict | None:
     if not spec or os.environ.get("LASTGOOD_SPOOL", "1") == "0":
         return None
     try:
-        with open(os.path.join(spec["dir"], ".lastgood-spool")) as f:
+        with open(os.path.join(spec["dir"], names.SPOOL_ID_FILE)) as f:
             same = f.read().strip() == spec["id"]
     except (OSError, KeyError, TypeError):
         return None
@@ -283,7 +282,7 @@ class Transport(RestClient):
         if self.spool is None:
             return None
         view = memoryview(data).cast("B")
-        name = f"{uuid.uuid4().hex}.part"
+        name = names.new_spool_name()
         path = os.path.join(self.spool["dir"], name)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)

@@ -18,8 +18,9 @@ from pathlib import Path
 import uvicorn
 
 from .api.grpc_server import Servicer, start_grpc_server
-from .api.rest import AppContext, create_app
-from .blobstore import open_blobstore
+from .api.deps import AppContext
+from .api.rest import create_app
+from .blobstore import capabilities, open_blobstore
 from .catalog.db import make_engine, make_sessionmaker, upgrade_head
 from .domain.commit import CommitService
 from .domain.curation import Curator
@@ -78,7 +79,7 @@ class Service:
         self.ballast.ensure()
         self.gc = GarbageCollector(sessions, blobs, Retention.parse(settings.retention), settings.gc_grace_seconds,
                                    metrics=self.metrics, gate=self.gate, ballast=self.ballast)
-        self.metrics.watch_free_bytes(blobs.free_bytes)
+        self.metrics.watch_free_bytes(lambda: capabilities.free_bytes(blobs))
         admin = settings.admin_token.get_secret_value() if settings.admin_token else None
         self.tokens = TokenStore(sessions, required=settings.auth_required, bootstrap_admin=admin)
         self.spool = None

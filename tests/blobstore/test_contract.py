@@ -1,4 +1,5 @@
-"""One contract for every BlobStore: local, memory and S3 (moto's S3 server over HTTP).
+"""One contract for every BlobStore: local, memory and S3 (moto's S3 server over HTTP), and the
+metering wrapper (over local) that the service puts in front of them.
 
 Each backend also says what temporary state it can leave behind (`leftovers`): local's
 tmp/ files, S3's incomplete multipart uploads, nothing for memory. Tests that check "abort
@@ -8,6 +9,7 @@ see a leftover), then see it gone.
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +18,12 @@ import pytest
 
 from lastgood.hashing import hash_bytes
 from lastgood_service.blobstore import BlobStore, LocalBlobStore, MemoryBlobStore
+from lastgood_service.blobstore import capabilities
 from lastgood_service.blobstore.base import READ_CHUNK
+from lastgood_service.blobstore.capabilities import AdoptsFiles, LendsLocalPaths, ReportsFreeSpace
+from lastgood_service.blobstore.metered import MeteredBlobStore
+from lastgood_service.domain.spool import Taken
+from lastgood_service.metrics import Metrics
 
 MiB = 1024 * 1024
 
@@ -29,11 +36,15 @@ class Backend:
     has_temp_state: bool  # whether an open writer shows up in leftovers() (memory keeps it in the writer)
 
 
-@pytest.fixture(params=["local", "memory", "s3"])
+@pytest.fixture(params=["local", "memory", "s3", "metered"])
 def backend(request, tmp_path) -> Backend:
     if request.param == "local":
         store = LocalBlobStore(tmp_path / "store")
         return Backend("local", store, lambda: sorted(p.name for p in store.tmp_dir.iterdir()), True)
+    if request.param == "metered":
+        inner = LocalBlobStore(tmp_path / "store")
+        return Backend("metered", MeteredBlobStore(inner, Metrics()),
+                       lambda: sorted(p.name for p in inner.tmp_dir.iterdir()), True)
     if request.param == "memory":
         return Backend("memory", MemoryBlobStore(), lambda: [], False)
     s3 = request.getfixturevalue("s3_server")
@@ -222,3 +233,80 @@ def test_large_streamed_write_in_uneven_pieces(backend):
     for off, n in [(5 * MiB - 3, 10), (10 * MiB - 1, 2), (12 * MiB, 12345), (1, 11 * MiB)]:  # across part boundaries
         assert read(s, "ckpt/8/r0/big", off, n) == data[off:off + n]
     assert backend.leftovers() == []
+
+
+# ---------------------------------------------------------------- optional capabilities
+# (blobstore/capabilities.py): each store that has one passes its part; the others are
+# asked nothing, and the helpers answer for them.
+
+def needs(backend: Backend, capability: type) -> None:
+    if not isinstance(backend.store, capability):
+        pytest.skip(f"{backend.name} has no {capability.__name__}")
+
+
+def test_free_bytes_is_a_count(backend):
+    needs(backend, ReportsFreeSpace)
+    free = backend.store.free_bytes()
+    assert isinstance(free, int) and free > 0
+
+
+def test_local_path_is_the_published_blob_only(backend):
+    needs(backend, LendsLocalPaths)
+    s = backend.store
+    data = payload(10_000, seed=3)
+    s.put_bytes("ckpt/9/r0/aa", data)
+    assert s.local_path("ckpt/9/r0/aa").read_bytes() == data
+    assert s.local_path("ckpt/9/r0/missing") is None
+    with s.open_writer("ckpt/9/r0/bb") as w:
+        w.write(data)
+        assert s.local_path("ckpt/9/r0/bb") is None  # nothing visible before publish
+        w.abort()
+
+
+def _taken(directory, data: bytes) -> Taken:
+    directory.mkdir(exist_ok=True)
+    path = directory / f"{os.urandom(16).hex()}.part"
+    path.write_bytes(data)
+    return Taken(path, os.open(path, os.O_RDONLY), len(data))
+
+
+def test_an_adopted_file_becomes_the_blob(backend, tmp_path):
+    needs(backend, AdoptsFiles)
+    s = backend.store
+    data = payload(3 * MiB + 5, seed=4)
+    taken = _taken(tmp_path / "spool", data)
+    w = s.adopt_writer("ckpt/10/r0/aa", taken)
+    assert w is not None, "a file on the store's own file system can be adopted"
+    try:
+        with w:
+            for piece in taken.chunks(MiB):  # the caller hashes through the descriptor and passes it on
+                w.write(piece)
+            assert s.stat("ckpt/10/r0/aa") is None
+            w.publish()
+    finally:
+        taken.close()
+    assert read(s, "ckpt/10/r0/aa") == data
+    assert not taken.path.exists()  # the file is the blob now, not a copy
+
+
+def test_an_aborted_adoption_leaves_the_file_to_its_owner(backend, tmp_path):
+    needs(backend, AdoptsFiles)
+    s = backend.store
+    taken = _taken(tmp_path / "spool", b"x" * 100)
+    try:
+        with pytest.raises(RuntimeError), s.adopt_writer("ckpt/11/r0/aa", taken) as w:
+            w.write(b"x" * 100)
+            raise RuntimeError("the hash did not match")
+        assert taken.path.read_bytes() == b"x" * 100 and s.stat("ckpt/11/r0/aa") is None
+    finally:
+        taken.close()
+    assert backend.leftovers() == []
+
+
+def test_a_store_without_a_capability_is_asked_nothing():
+    store = MemoryBlobStore()
+    assert not isinstance(store, (AdoptsFiles, LendsLocalPaths, ReportsFreeSpace))
+    store.put_bytes("ckpt/12/r0/aa", b"abc")
+    assert capabilities.local_path(store, "ckpt/12/r0/aa") is None
+    assert capabilities.free_bytes(store) is None
+    assert capabilities.adopt_writer(store, "ckpt/12/r0/bb", object()) is None

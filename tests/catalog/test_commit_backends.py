@@ -15,7 +15,8 @@ from sqlalchemy import func, select, text
 from lastgood.hashing import hash_bytes
 from lastgood_service.catalog.models import Checkpoint, Event, Run, Shard, Vote
 from lastgood_service.domain import keys
-from lastgood_service.domain.commit import ShardHeader, key_prefix
+from lastgood_service.domain.commit.core import key_prefix
+from lastgood_service.domain.commit.protocol import ShardHeader
 from lastgood_service.domain.errors import Conflict, FailedPrecondition, HashMismatch, InvalidArgument, NotFound
 from tests.service.helpers import make_shard, shard_name
 

@@ -1,16 +1,18 @@
-"""`lastgood`, the command line: runs, checkpoints, lineage, tags, GC, verify, download, supervise.
+"""`lastgood`, the command line: runs, checkpoints, lineage, tags, GC, verify, download, export,
+supervise.
 
     lastgood runs
     lastgood ls gpt-small --status COMMITTED
     lastgood lineage gpt-small
     lastgood download gpt-small@last-good ./ckpt
+    lastgood export gpt-small@last-good ./gpt-small-hf --dtype bf16
 
 REST only and torch-free (see app.py for the output and exit-code contract).
 """
 
 from __future__ import annotations
 
-from . import commands, download, supervise  # noqa: F401 - registers the commands on `cli`
+from . import commands, download, export, supervise  # noqa: F401 - registers the commands on `cli`
 from .app import EXIT_HELP, Exit, cli, main
 
 __all__ = ["EXIT_HELP", "Exit", "cli", "main"]

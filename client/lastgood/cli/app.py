@@ -26,7 +26,7 @@ import click
 from rich.console import Console
 
 from .. import __version__, names
-from ..errors import ServiceError
+from ..errors import CorruptCheckpoint, ServiceError
 
 # lastgood.transport (and with it grpc and protobuf, a third of the start-up time) is
 # imported when a command first talks to the service, not for --help or a usage error.
@@ -71,7 +71,9 @@ class CliError(Exception):
         self.exit_code = exit_code
 
 
-class VerificationFailed(CliError):
+class VerificationFailed(CliError, CorruptCheckpoint):
+    """Bytes that are not what was committed; to Python callers a CorruptCheckpoint."""
+
     def __init__(self, message: str) -> None:
         super().__init__(message, Exit.VERIFICATION)
 
@@ -208,32 +210,37 @@ class CkptRef:
         return str(self.id) if self.id is not None else f"{self.run}@{self.tag}"
 
 
-class CkptType(click.ParamType):
+def parse_ckpt(text: str) -> CkptRef:
     """A checkpoint: its id, or RUN@TAG (RUN@last-good, RUN@best, ...). Run names cannot
-    hold '@', so the first '@' splits; the tag may hold anything after it."""
+    hold '@', so the first '@' splits; the tag may hold anything after it. ValueError says
+    what is wrong with anything else."""
+    if "@" in text:
+        run, tag = text.split("@", 1)
+        names.check_run_name(run)  # InvalidName is a ValueError
+        if not tag:
+            raise ValueError(f"{text!r} names no tag after '@' (e.g. {run}@last-good)")
+        return CkptRef(run=run, tag=tag)
+    try:
+        cid = int(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a checkpoint id or RUN@TAG") from None
+    if cid < 1:
+        raise ValueError(f"checkpoint ids start at 1, got {cid}")
+    return CkptRef(id=cid)
+
+
+class CkptType(click.ParamType):
+    """A checkpoint on the command line (parse_ckpt)."""
 
     name = "CKPT"
 
     def convert(self, value, param, ctx):
         if isinstance(value, CkptRef):
             return value
-        text = str(value)
-        if "@" in text:
-            run, tag = text.split("@", 1)
-            try:
-                names.check_run_name(run)
-            except names.InvalidName as e:
-                self.fail(str(e), param, ctx)
-            if not tag:
-                self.fail(f"{text!r} names no tag after '@' (e.g. {run}@last-good)", param, ctx)
-            return CkptRef(run=run, tag=tag)
         try:
-            cid = int(text)
-        except ValueError:
-            self.fail(f"{text!r} is not a checkpoint id or RUN@TAG", param, ctx)
-        if cid < 1:
-            self.fail(f"checkpoint ids start at 1, got {cid}", param, ctx)
-        return CkptRef(id=cid)
+            return parse_ckpt(str(value))
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
 
 
 class CkptOrRunType(CkptType):
@@ -332,7 +339,7 @@ class LastgoodGroup(click.Group):
 @click.version_option(__version__, "--version", prog_name="lastgood")
 @click.pass_context
 def cli(ctx: click.Context, url: str, token: str | None, json_: bool, timeout: float) -> None:
-    """Inspect, curate and fetch the checkpoints of a lastgood service.
+    """Inspect, curate, fetch and export the checkpoints of a lastgood service.
 
     CKPT is a checkpoint id (42) or RUN@TAG: RUN@last-good, or a tag or alias of the run
     (gpt-small@best). Set LASTGOOD_DEBUG=1 for a traceback on an unexpected error.

@@ -19,6 +19,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,9 +43,10 @@ LEASE_SECONDS = 600.0
 class Lease:
     """A read lease on one checkpoint, renewed by replacement while the download runs."""
 
-    def __init__(self, rest: RestClient, checkpoint_id: int, seconds: float = LEASE_SECONDS) -> None:
+    def __init__(self, rest: RestClient, checkpoint_id: int, seconds: float = LEASE_SECONDS,
+                 what: str = "download") -> None:
         self.rest, self.checkpoint_id, self.seconds = rest, checkpoint_id, seconds
-        self.holder = f"lastgood-cli download on {socket.gethostname()} pid {os.getpid()}"[:128]
+        self.holder = f"lastgood-cli {what} on {socket.gethostname()} pid {os.getpid()}"[:128]
         self.lease_id = rest.acquire_lease(checkpoint_id, self.holder, seconds)
         self.taken = time.monotonic()
 
@@ -76,44 +78,67 @@ def _hash_file(path: Path) -> tuple[int, str]:
     return h.size, h.hexdigest()
 
 
+def read_manifest(rest: RestClient, cid: int) -> tuple[bytes, Manifest]:
+    """The checkpoint's manifest: the exact bytes the service committed, and parsed."""
+    raw = rest.manifest_bytes(cid)
+    try:
+        manifest = Manifest.from_bytes(raw)
+    except (ValueError, KeyError, TypeError) as e:
+        raise VerificationFailed(f"checkpoint {cid}: the manifest does not parse: {e}") from None
+    if manifest.checkpoint_id != cid:
+        raise VerificationFailed(f"checkpoint {cid}: the service sent the manifest of checkpoint "
+                                 f"{manifest.checkpoint_id}")
+    return raw, manifest
+
+
+def read_verified(rest: RestClient, cid: int, rank: int, entry: FileEntry, lease: Lease,
+                  tail: str = "") -> Iterator[bytes]:
+    """Yield one file's bytes as they arrive, hashing them; once the last byte is in, raise
+    VerificationFailed unless size and xxh3-128 match the manifest's. Nothing yielded is
+    verified until the generator is exhausted without an error. `tail` ends each error
+    message (what the caller did with the bytes)."""
+    where = f"checkpoint {cid} rank {rank} file {entry.name}"
+    hasher = StreamHasher()
+    resp = rest.open("GET", f"/api/v1/checkpoints/{cid}/ranks/{rank}/files/{entry.name}")
+    with resp:
+        while True:
+            try:
+                chunk = resp.read(CHUNK)
+            except http.client.IncompleteRead as e:
+                got = hasher.size + len(e.partial)
+                raise VerificationFailed(f"{where}: the service sent {got} of {entry.size} bytes (a truncated "
+                                         f"blob, or the connection dropped){tail}") from None
+            except OSError as e:
+                raise CliError(f"{where}: the download broke off after {hasher.size} bytes: {e}",
+                               Exit.UNREACHABLE) from None
+            if not chunk:
+                break
+            if hasher.size + len(chunk) > entry.size:
+                raise VerificationFailed(f"{where}: the service sent more than the manifest's {entry.size} "
+                                         f"bytes{tail}")
+            hasher.update(chunk)
+            yield chunk
+            lease.keep_alive()
+    if hasher.size != entry.size:
+        raise VerificationFailed(f"{where}: received {hasher.size} of {entry.size} bytes{tail}")
+    got = hasher.hexdigest()
+    if got != entry.xxh3_128:
+        raise VerificationFailed(f"{where}: the bytes received hash to xxh3-128 {got} but the manifest says "
+                                 f"{entry.xxh3_128}{tail}. `lastgood verify {cid}` re-hashes the checkpoint "
+                                 f"on the service (and marks it CORRUPT if it is)")
+
+
 def _fetch(rest: RestClient, cid: int, rank: int, entry: FileEntry, path: Path, progress, task, lease: Lease) -> None:
     """Stream one file into a temp file beside path; rename it into place only if verified."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.part")
-    where = f"checkpoint {cid} rank {rank} file {entry.name}"
-    hasher = StreamHasher()
     ok = False
     try:
-        resp = rest.open("GET", f"/api/v1/checkpoints/{cid}/ranks/{rank}/files/{entry.name}")
-        with resp, open(tmp, "wb") as f:
-            while True:
-                try:
-                    chunk = resp.read(CHUNK)
-                except http.client.IncompleteRead as e:
-                    got = hasher.size + len(e.partial)
-                    raise VerificationFailed(f"{where}: the service sent {got} of {entry.size} bytes (a truncated "
-                                             f"blob, or the connection dropped); the partial file was deleted") from None
-                except OSError as e:
-                    raise CliError(f"{where}: the download broke off after {hasher.size} bytes: {e}",
-                                   Exit.UNREACHABLE) from None
-                if not chunk:
-                    break
-                if hasher.size + len(chunk) > entry.size:
-                    raise VerificationFailed(f"{where}: the service sent more than the manifest's {entry.size} "
-                                             f"bytes; the partial file was deleted")
-                hasher.update(chunk)
+        with open(tmp, "wb") as f:
+            for chunk in read_verified(rest, cid, rank, entry, lease, "; the partial file was deleted"):
                 f.write(chunk)
                 progress.advance(task, len(chunk))
-                lease.keep_alive()
             f.flush()
             os.fsync(f.fileno())
-        if hasher.size != entry.size:
-            raise VerificationFailed(f"{where}: received {hasher.size} of {entry.size} bytes; "
-                                     f"the partial file was deleted")
-        got = hasher.hexdigest()
-        if got != entry.xxh3_128:
-            raise VerificationFailed(f"{where}: the bytes received hash to xxh3-128 {got} but the manifest says "
-                                     f"{entry.xxh3_128}; the partial file was deleted. `lastgood verify {cid}` "
-                                     f"re-hashes the checkpoint on the service (and marks it CORRUPT if it is)")
         os.replace(tmp, path)
         ok = True
     finally:
@@ -157,14 +182,7 @@ def download(st: State, ckpt: CkptRef, dest: Path, ranks: tuple[int, ...], progr
     cid = st.resolve(ckpt)
     lease = Lease(rest, cid)
     try:
-        raw = rest.manifest_bytes(cid)
-        try:
-            manifest = Manifest.from_bytes(raw)
-        except (ValueError, KeyError, TypeError) as e:
-            raise VerificationFailed(f"checkpoint {cid}: the manifest does not parse: {e}") from None
-        if manifest.checkpoint_id != cid:
-            raise VerificationFailed(f"checkpoint {cid}: the service sent the manifest of checkpoint "
-                                     f"{manifest.checkpoint_id}")
+        raw, manifest = read_manifest(rest, cid)
         for r in ranks:
             if not 0 <= r < manifest.world_size:
                 raise CliError(f"rank {r} is outside world size {manifest.world_size} of checkpoint {cid}",

@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 
 from fastapi import Request
+from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 
 from lastgood import jsonvalues
+
+from .errors import bounded
 
 
 class ErrorDetail(BaseModel):
@@ -35,6 +38,12 @@ _MEANING = {
          "(run `lastgood-service rebuild`; docs/storage.md)",
     507: "the store is full (the message says how much room is left)",
 }
+
+
+def error_response(status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
+    """The one error body, with its message bounded (api/errors.py)."""
+    return JSONResponse({"error": {"code": code, "message": bounded(message)}}, status_code=status,
+                        headers=headers)
 
 
 def answers(*codes: int, params: bool = True) -> dict:

@@ -16,7 +16,8 @@ from lastgood.fencing import ERROR_METADATA
 from lastgood.v1 import lastgood_pb2 as pb
 from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
 
-from ..domain.commit import CommitService, ShardHeader
+from ..domain.commit import CommitService
+from ..domain.commit.protocol import ShardHeader
 from ..domain.errors import DomainError, FailedPrecondition, InvalidArgument
 from ..domain.faults import as_domain_error
 from ..domain.spool import Spool

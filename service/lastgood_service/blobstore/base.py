@@ -13,12 +13,6 @@ Protocol (the service relies on each step):
      after a failed write or publish, and after publish it does nothing. Use the writer
      as a context manager: leaving the block by an exception aborts. (S3 also aborts by
      itself when a write or publish fails.)
-Adoption: `adopt_writer(key, taken)` may return a writer whose bytes are already in a
-spooled shard the service took over (domain/spool.Taken: a path and an open descriptor):
-`write` ignores what it is given (the caller hashes the file through the descriptor and
-passes the pieces on), `publish` makes that file the blob, `abort` leaves it to its owner.
-None (the default) means the store cannot adopt it; the caller then copies it through
-`open_writer`.
 Readers: `get(key, offset, length)` yields the bytes of [offset, offset+length) clipped to
 the blob, in chunks of at most READ_CHUNK bytes (empty past the end); a missing key raises
 FileNotFoundError from the call itself, before any chunk is asked for. `stat` returns
@@ -26,6 +20,9 @@ size or None; `list(prefix)` walks keys (in no promised order); `delete` is idem
 
 Keys are produced by the service from ids and hashes, never from user strings; stores
 still refuse keys that could escape their namespace.
+
+What only some stores can do (adopt a spooled file, lend a blob as a local file, tell
+their free space) is not part of this interface: blobstore/capabilities.py.
 """
 
 from __future__ import annotations
@@ -72,17 +69,6 @@ class BlobWriter(abc.ABC):
 class BlobStore(abc.ABC):
     @abc.abstractmethod
     def open_writer(self, key: str) -> BlobWriter: ...
-
-    def adopt_writer(self, key: str, taken) -> BlobWriter | None:
-        return None
-
-    def free_bytes(self) -> int | None:
-        """Room left for new blobs, when the store can tell (a local file system); None: unknown."""
-        return None
-
-    def local_path(self, key: str):
-        """The blob as a file on this host, for a same-host reader; None (the default): none."""
-        return None
 
     @abc.abstractmethod
     def get(self, key: str, offset: int = 0, length: int | None = None) -> Iterator[bytes]: ...

@@ -7,7 +7,9 @@ from __future__ import annotations
 import errno
 import os
 
+from . import capabilities
 from .base import BlobStore, BlobWriter
+from .capabilities import AdoptsFiles, ReportsFreeSpace
 
 
 class _FailingWriter(BlobWriter):
@@ -24,7 +26,7 @@ class _FailingWriter(BlobWriter):
         self.inner.abort()
 
 
-class WriteEIO(BlobStore):
+class WriteEIO(BlobStore, AdoptsFiles, ReportsFreeSpace):
     def __init__(self, inner: BlobStore) -> None:
         self.inner = inner
 
@@ -35,7 +37,7 @@ class WriteEIO(BlobStore):
         return None  # every hand-over goes through the failing writer
 
     def free_bytes(self):
-        return self.inner.free_bytes()
+        return capabilities.free_bytes(self.inner)
 
     def get(self, key, offset=0, length=None):
         return self.inner.get(key, offset, length)

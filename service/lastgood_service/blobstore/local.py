@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .base import READ_CHUNK, BlobInfo, BlobStore, BlobWriter, check_key
+from .capabilities import AdoptsFiles, LendsLocalPaths, ReportsFreeSpace
 
 
 def _fsync_dir(path: Path) -> None:
@@ -91,7 +92,7 @@ class _AdoptedWriter(BlobWriter):
         pass  # the file stays the caller's (Taken.close() removes it unless published)
 
 
-class LocalBlobStore(BlobStore):
+class LocalBlobStore(BlobStore, AdoptsFiles, LendsLocalPaths, ReportsFreeSpace):
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root).resolve()
         self.blob_dir = self.root / "blobs"

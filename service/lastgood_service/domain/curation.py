@@ -12,8 +12,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ..catalog.models import (ALIAS, COMMITTED, CORRUPT, LAST_GOOD, PIN, PINNED, ROLLBACK_TARGET, SUSPECT, SYSTEM,
                               TAG, Checkpoint, ReadLease, Run, Tag, utcnow)
-from . import fencing
-from .commit import add_event
+from . import fencing, last_good
+from .events import add_event
 from .gate import CatalogGate
 from .errors import FailedPrecondition, InvalidArgument, NotFound
 from .lineage import descendants
@@ -136,8 +136,7 @@ class Curator:
             s.execute(delete(Tag).where(Tag.run_id == run.id, Tag.name == ROLLBACK_TARGET))
             s.add(Tag(run_id=run.id, checkpoint_id=target.id, name=ROLLBACK_TARGET, kind=SYSTEM, created_at=now))
             previous = run.last_good_id
-            if run.last_good_id is None or run.last_good_id in suspects:
-                run.last_good_id = target.id
+            last_good.roll_back_to(run, target, suspects)
             add_event(s, "spike", run.id, None, step=spike_step, **{k: v for k, v in data.items() if k != "skipped"})
             add_event(s, "rollback", run.id, target.id, target_step=target.step, spike_step=spike_step,
                       suspect=suspects, last_good_before=previous, last_good=run.last_good_id,

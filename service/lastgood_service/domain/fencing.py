@@ -16,7 +16,7 @@ transaction anyway (BEGIN IMMEDIATE).
 
 The race with an in-flight commit: the commit transaction locks the same run row first
 and then changes its checkpoint with a conditional UPDATE that also requires the
-checkpoint's generation to be the run's newest (domain/commit.py, try_commit). So the two
+checkpoint's generation to be the run's newest (domain/commit/protocol.py, try_commit). So the two
 transactions are ordered by that lock: either the commit lands first -- the checkpoint is
 COMMITTED, last-good moved, and the relaunch, which reads last-good only after it has
 registered, restores it -- or the registration lands first, and then the checkpoint is
@@ -39,7 +39,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from lastgood import names
 
 from ..catalog.models import ABANDONED, PENDING, Checkpoint, Launch, Run, utcnow
+from ..metrics import Metrics
 from .errors import Conflict, Fenced, InvalidArgument, NotFound
+from .events import add_event
 from .gate import CatalogGate
 
 
@@ -76,12 +78,13 @@ def check(s: Session, run_id: int, generation: int | None, what: str) -> None:
 
 class Launches:
     def __init__(self, sessions: sessionmaker[Session], clock: Callable[[], dt.datetime] = utcnow,
-                 notify: Callable[[], None] | None = None, metrics=None, gate: CatalogGate | None = None) -> None:
+                 notify: Callable[[], None] | None = None, metrics: Metrics | None = None,
+                 gate: CatalogGate | None = None) -> None:
         self.sessions = sessions
         self.gate = gate or CatalogGate()  # closed: a registration would hand out a lost generation again
         self.clock = clock
         self.notify = notify  # wakes votes waiting in this process: their checkpoint may be abandoned
-        self.metrics = metrics
+        self.metrics = metrics or Metrics()  # a private registry when the caller keeps none
 
     def register(self, run_name: str, attempt: str, world_size: int) -> dict:
         """The launch's generation: a new one the first time (run, attempt) registers, the
@@ -96,16 +99,13 @@ class Launches:
             except IntegrityError:  # another rank of the launch, or the run's creation, won: read it
                 continue
             if abandoned:
-                if self.metrics:
-                    self.metrics.abandoned.labels("fenced").inc(len(abandoned))
+                self.metrics.abandoned.labels("fenced").inc(len(abandoned))
                 if self.notify:
                     self.notify()
             return view
         raise Conflict(f"concurrent registrations of run {run_name} attempt {attempt} did not settle")
 
     def _register_once(self, run_name: str, attempt: str, world_size: int) -> tuple[dict, list[int]]:
-        from .commit import add_event  # commit.py imports this module
-
         with self.sessions() as s, s.begin():
             run = s.scalar(select(Run).where(Run.name == run_name))
             if run is None:
@@ -154,8 +154,6 @@ class Launches:
 
 def record_refusal(sessions: sessionmaker[Session], run_name: str, checkpoint_id: int | None, **data) -> None:
     """A write of a fenced generation was refused: a zombie of an earlier launch is alive."""
-    from .commit import add_event
-
     with sessions() as s, s.begin():
         run_id = s.scalar(select(Run.id).where(Run.name == run_name))
         add_event(s, "fenced_write", run_id, checkpoint_id, **data)

@@ -22,8 +22,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from ..blobstore import BlobStore
 from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, DELETED, PENDING, Checkpoint, ReadLease, Run, Tag,
                               utcnow)
+from ..metrics import Metrics
 from . import keys
-from .commit import add_event
+from .events import add_event
 from .faults import Ballast, is_disk_full
 from .gate import CatalogGate
 from .lineage import assign_branches
@@ -61,7 +62,7 @@ class Plan:
 
 class GarbageCollector:
     def __init__(self, sessions: sessionmaker[Session], blobs: BlobStore, retention: Retention,
-                 grace_seconds: float, clock: Callable[[], dt.datetime] = utcnow, metrics=None,
+                 grace_seconds: float, clock: Callable[[], dt.datetime] = utcnow, metrics: Metrics | None = None,
                  gate: CatalogGate | None = None, ballast: Ballast | None = None) -> None:
         self.sessions = sessions
         self.ballast = ballast or Ballast(None, 0)
@@ -70,7 +71,7 @@ class GarbageCollector:
         self.retention = retention
         self.grace = dt.timedelta(seconds=grace_seconds)
         self.clock = clock
-        self.metrics = metrics
+        self.metrics = metrics or Metrics()  # a private registry when the caller keeps none
 
     # ---------------------------------------------------------------- decisions
     def _run_view(self, s: Session, run: Run) -> RunView:
@@ -194,6 +195,5 @@ class GarbageCollector:
             self.ballast.ensure()
         if deleted or orphans_done:
             log.info("gc deleted checkpoints %s and %d orphan blobs", deleted, len(orphans_done))
-        if self.metrics and freed:
-            self.metrics.gc_bytes_freed.inc(freed)
+        self.metrics.gc_bytes_freed.inc(freed)
         return {"deleted": deleted, "skipped": skipped, "orphans_deleted": len(orphans_done), "bytes_freed": freed}

@@ -17,7 +17,7 @@ from collections import defaultdict
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ..catalog.models import COMMITTED, CORRUPT, DELETED, LAST_GOOD, SUSPECT, SYSTEM, Checkpoint, Run, Tag, Vote
+from ..catalog.models import LAST_GOOD, SYSTEM, Checkpoint, Run, Tag, Vote
 
 
 def assign_branches(rows: list[tuple[int, int | None, bool]]) -> dict[int, int]:
@@ -93,19 +93,6 @@ def ancestors(s: Session, ck: Checkpoint) -> list[int]:
         seen.add(cur)
         cur = parent.get(cur)
     return out
-
-
-def usable_ancestor(s: Session, ck: Checkpoint) -> int | None:
-    """The newest committed, non-suspect checkpoint up ck's parent chain (never one of an
-    abandoned branch), or None. The one rule for "fall back from a damaged checkpoint":
-    last-good moves there when ck is marked CORRUPT (I3), and a restore that cannot use ck
-    asks for it (GET /checkpoints/{id}/ancestors, `fallback_id`)."""
-    suspect = set(s.scalars(select(Tag.checkpoint_id).where(Tag.run_id == ck.run_id, Tag.name == SUSPECT)))
-    status = dict(s.execute(select(Checkpoint.id, Checkpoint.status).where(Checkpoint.run_id == ck.run_id)).all())
-    for cid in ancestors(s, ck):
-        if status.get(cid) == COMMITTED and cid not in suspect:
-            return cid
-    return None
 
 
 def descendants(s: Session, root_id: int, run_id: int) -> set[int]:

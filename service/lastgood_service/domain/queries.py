@@ -14,7 +14,7 @@ from lastgood import jsonvalues, names
 
 from ..catalog.models import STATUSES, Checkpoint, Event, ReadLease, Run
 from ..catalog.models import CORRUPT, DELETED, PENDING, Shard, Vote, utcnow
-from . import lineage
+from . import last_good, lineage
 from .gate import CatalogGate
 from .errors import Damaged, FailedPrecondition, InvalidArgument, NoCheckpoint, NotFound, NoUsableCheckpoint
 from .lineage import tags_by_checkpoint
@@ -196,7 +196,7 @@ class Queries:
             rows = {c.id: c for c in s.scalars(select(Checkpoint).where(Checkpoint.id.in_(ids)))}
             tags = tags_by_checkpoint(s, run, ids)
             # where a restore goes when this checkpoint is unusable (the service's one rule)
-            return {"checkpoint_id": ck.id, "fallback_id": lineage.usable_ancestor(s, ck),
+            return {"checkpoint_id": ck.id, "fallback_id": last_good.usable_ancestor(s, ck),
                     "items": [checkpoint_view(rows[i], run, tags.get(i, [])) for i in ids]}
 
     def events(self, run_name: str, limit: int = 100, offset: int = 0, kinds: list[str] | None = None) -> dict:

@@ -31,8 +31,8 @@ from lastgood.manifest import Manifest
 from ..blobstore import BlobStore
 from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, DELETED, PENDING, VERIFIED, Checkpoint, Run, Shard, Vote,
                               utcnow)
-from . import keys
-from .commit import CommitService, add_event
+from . import keys, last_good
+from .events import add_event
 
 log = logging.getLogger("lastgood.repair")
 
@@ -222,7 +222,7 @@ class Repair:
                                     created_at=now))
                     s.add(Vote(checkpoint_id=ck.id, rank=r, files_json=json.dumps(sorted(f.name for f in files)),
                                created_at=now))
-                moved = complete and CommitService._maybe_move_last_good(s, ck)
+                moved = complete and last_good.advance(s, ck)
                 add_event(s, "rebuilt", run.id, ck.id, step=ck.step, status=ck.status, last_good=moved,
                           parent_missing=bool(m.parent_id) and parent is None)
             (restored if complete else corrupt).append(m.checkpoint_id)

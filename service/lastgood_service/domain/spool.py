@@ -36,8 +36,6 @@ from lastgood import names
 
 from .errors import FailedPrecondition, InvalidArgument
 
-ID_FILE = ".lastgood-spool"
-
 
 class Taken:
     """A spool file the service took over: its path in `.taken/` and an open descriptor."""
@@ -67,7 +65,7 @@ class Spool:
     def __init__(self, directory: Path) -> None:
         self.dir = Path(directory).resolve()
         self.taken_dir = self.dir / ".taken"
-        self.out_dir = self.dir / ".out"
+        self.out_dir = self.dir / names.SPOOL_OUT_DIR
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.taken_dir.mkdir(mode=0o700, exist_ok=True)
         self.out_dir.mkdir(mode=0o700, exist_ok=True)
@@ -77,9 +75,9 @@ class Spool:
                 raise PermissionError(f"spool directory {d} belongs to uid {st.st_uid}, not to this service")
             if st.st_mode & 0o077:
                 os.chmod(d, 0o700)  # ours: only this user may hand files over
-        id_file = self.dir / ID_FILE
+        id_file = self.dir / names.SPOOL_ID_FILE
         if not id_file.exists():
-            tmp = self.dir / f"{ID_FILE}.{secrets.token_hex(4)}.tmp"
+            tmp = self.dir / f"{names.SPOOL_ID_FILE}.{secrets.token_hex(4)}.tmp"
             tmp.write_text(secrets.token_hex(16))
             os.replace(tmp, id_file)
         self.id = id_file.read_text().strip()
@@ -98,7 +96,7 @@ class Spool:
                                      "stream the shard instead")
         if not names.is_spool_name(name):
             raise InvalidArgument(f"spool_file must be 32 hex digits + '.part', got {name[:80]!r}")
-        taken = self.taken_dir / f"{secrets.token_hex(16)}.part"
+        taken = self.taken_dir / names.new_spool_name()
         try:
             os.rename(self.dir / name, taken)  # atomic; a symlink moves as a link and is refused below
         except FileNotFoundError:
@@ -135,7 +133,7 @@ class Spool:
         A hard link is the blob's own inode, so its mode is the blob's: the local store
         publishes blobs read-only (0444), and a blob published before it did so is made
         read-only here - the blob itself, which nothing writes after publishing anyway."""
-        name = f"{secrets.token_hex(16)}.part"
+        name = names.new_spool_name()
         link = self.out_dir / name
         try:
             os.link(blob, link)
@@ -145,7 +143,7 @@ class Spool:
         except OSError:
             link.unlink(missing_ok=True)
             return None
-        return f"{self.out_dir.name}/{name}"
+        return f"{names.SPOOL_OUT_DIR}/{name}"
 
     def sweep_lent(self, max_age_seconds: float) -> int:
         """Remove links whose reader did not remove them (it died) older than max_age."""

@@ -1,57 +1,48 @@
-"""The two-phase commit: begin, put, vote, commit, abort, expiry, recovery, verification.
+"""The two-phase commit protocol: begin, put, vote, commit.
 
 Invariants (docs/architecture.md), and where this module keeps them:
   I1 no acknowledged commit is lost: a rank hears COMMITTED only after the one transaction
      that marks the checkpoint COMMITTED and moves last-good has committed; blobs were
      published durably (fsync + rename + fsync dir) before they were recorded VERIFIED.
   I2 nothing is visible unless complete: a checkpoint becomes COMMITTED only when every
-     rank voted with exactly its verified files; reads serve COMMITTED checkpoints only;
-     `verify` re-hashes and marks CORRUPT.
-  I3 last-good moves only in the commit transaction (or away from a CORRUPT checkpoint);
+     rank voted with exactly its verified files (reads.py serves COMMITTED checkpoints
+     only; verification.py re-hashes and marks CORRUPT).
+  I3 last-good moves forward only in the commit transaction (domain/last_good.py, advance);
      a failed save never touches it.
 Commit is exactly-once under races: the status change is a conditional UPDATE
-(`WHERE status = 'PENDING'`), so of two committers, or a committer and the lease reaper,
-exactly one wins. No database work happens per chunk.
+(`WHERE status = 'PENDING'`), so of two committers, or a committer and the lease reaper
+(lifecycle.py), exactly one wins. No database work happens per chunk.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import logging
 import math
 import os
-import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sqlalchemy import func, or_, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from lastgood import names
 from lastgood.errors import FormatError
-from lastgood.format import META_STATE, header_length, parse_header, parse_state, tensor_index
+from lastgood.format import header_length, parse_header, tensor_index
 from lastgood.hashing import StreamHasher, hash_bytes, is_valid_hex
 from lastgood.manifest import FileEntry, Manifest
 
-from ..blobstore import BlobStore
-from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, PENDING, SUSPECT, SYSTEM, VERIFIED, Checkpoint, Event,
-                              Run, Shard, Tag, Vote, utcnow)
-from ..settings import Settings
-from . import fencing, keys
-from .gate import CatalogGate
-from .lineage import usable_ancestor
-from .errors import (Conflict, DamagedMismatch, DamagedMissing, FailedPrecondition, Fenced, HashMismatch,
-                     InvalidArgument, NotFound, OutOfRange, StoreFull, TooLarge)
+from ...catalog.models import ABANDONED, COMMITTED, CORRUPT, PENDING, VERIFIED, Checkpoint, Run, Shard, Vote
+from ...blobstore import capabilities
+from .. import fencing, keys, last_good
+from ..errors import (Conflict, FailedPrecondition, Fenced, HashMismatch, InvalidArgument, NotFound, StoreFull,
+                      TooLarge)
+from ..events import add_event
+from .core import CommitCore, key_prefix
 
 log = logging.getLogger("lastgood.commit")
-
-
-def key_prefix(s: Session, ck: Checkpoint) -> str:
-    """The folder of ck's blobs (domain/keys.py says why it is not the id alone)."""
-    return keys.prefix(ck.id, s.get(Run, ck.run_id).name, ck.step, ck.attempt)
 
 
 @dataclass(frozen=True)
@@ -77,38 +68,11 @@ class VoteResult:
     missing_ranks: list[int]
 
 
-def add_event(s: Session, kind: str, run_id: int | None, checkpoint_id: int | None, /, **data) -> None:
-    """Positional-only, so that event data may use any key, `kind` included."""
-    s.add(Event(run_id=run_id, checkpoint_id=checkpoint_id, kind=kind, at=utcnow(),
-                data_json=json.dumps(data, sort_keys=True, default=str)))
-
-
-class CommitService:
-    def __init__(self, settings: Settings, sessions: sessionmaker[Session], blobs: BlobStore,
-                 clock: Callable[[], dt.datetime] = utcnow, metrics=None, gate: CatalogGate | None = None) -> None:
-        self.settings = settings
-        self.gate = gate or CatalogGate()
-        self.sessions = sessions
-        self.blobs = blobs
-        self.clock = clock
-        self.metrics = metrics  # lastgood_service.metrics.Metrics, or None
-        self._changed = threading.Condition()
-        self.launches = fencing.Launches(sessions, clock, notify=self._notify, metrics=metrics, gate=self.gate)
-
-    # ---------------------------------------------------------------- helpers
-    def _lease(self) -> dt.datetime:
-        return self.clock() + dt.timedelta(seconds=self.settings.lease_seconds)
-
-    def _get_checkpoint(self, s: Session, checkpoint_id: int, lock: bool = False) -> Checkpoint:
-        ck = s.get(Checkpoint, checkpoint_id, with_for_update=lock) if checkpoint_id > 0 else None
-        if ck is None:
-            raise NotFound(f"checkpoint {checkpoint_id} does not exist")
-        return ck
-
+class CommitProtocol(CommitCore):
     def _require_room(self, size: int) -> None:
         """Refuse a shard the store cannot hold before a byte of it is written, keeping
         `store_reserve_bytes` free for the catalog and for GC's own writes (0: unknown size)."""
-        free = self.blobs.free_bytes() if size else None
+        free = capabilities.free_bytes(self.blobs) if size else None
         if free is not None and size > free - self.settings.store_reserve_bytes:
             raise StoreFull(f"store full: {free} bytes free, a shard of {size} bytes does not fit beside the "
                             f"{self.settings.store_reserve_bytes}-byte reserve; free space (GC, retention) "
@@ -117,10 +81,6 @@ class CommitService:
     def _require_pending(self, ck: Checkpoint, what: str) -> None:
         if ck.status != PENDING:
             raise FailedPrecondition(f"cannot {what}: checkpoint {ck.id} is {ck.status}, not PENDING")
-
-    def _check_rank(self, ck: Checkpoint, rank: int) -> None:
-        if not 0 <= rank < ck.world_size:
-            raise InvalidArgument(f"rank {rank} is outside world size {ck.world_size} of checkpoint {ck.id}")
 
     def _renew(self, checkpoint_id: int) -> None:
         with self.sessions() as s, s.begin():
@@ -133,10 +93,6 @@ class CommitService:
         if self.settings.failpoint == name:
             log.critical("failpoint %s: exiting abruptly", name)
             os._exit(77)
-
-    def _notify(self) -> None:
-        with self._changed:
-            self._changed.notify_all()
 
     # ---------------------------------------------------------------- begin
     def begin(self, run: str, step: int, world_size: int, parent_id: int | None, attempt: str,
@@ -249,7 +205,7 @@ class CommitService:
         last_renew = time.monotonic()
         if adopt is None:
             self._require_room(header.size)
-        writer = self.blobs.adopt_writer(key, adopt) if adopt is not None else None
+        writer = capabilities.adopt_writer(self.blobs, key, adopt) if adopt is not None else None
         with writer or self.blobs.open_writer(key) as w:
             for chunk in chunks:
                 if len(chunk) > self.settings.max_chunk_bytes:
@@ -291,8 +247,6 @@ class CommitService:
             except IntegrityError:  # the same file arrived twice at once
                 with s.begin():
                     return self._same_or_conflict(self._find_shard(s, header), header)
-        if self.metrics:
-            self.metrics.bytes_ingested.inc(header.size)
         return PutResult(False, header.size, digest)
 
     @staticmethod
@@ -334,8 +288,7 @@ class CommitService:
     def _record_mismatch(self, h: ShardHeader, digest: str) -> None:
         log.warning("hash mismatch on checkpoint %s rank %s file %s", h.checkpoint_id, h.rank, h.file_name,
                     extra={"checkpoint_id": h.checkpoint_id, "rank": h.rank})
-        if self.metrics:
-            self.metrics.hash_mismatches.inc()
+        self.metrics.hash_mismatches.inc()
         with self.sessions() as s, s.begin():
             ck = s.get(Checkpoint, h.checkpoint_id)
             add_event(s, "hash_mismatch", ck.run_id if ck else None, h.checkpoint_id, rank=h.rank,
@@ -447,7 +400,7 @@ class CommitService:
             if won:
                 ck = s.get(Checkpoint, checkpoint_id)
                 s.refresh(ck)
-                moved = self._maybe_move_last_good(s, ck)
+                moved = last_good.advance(s, ck)
                 add_event(s, "commit", ck.run_id, ck.id, step=ck.step, bytes=ck.bytes, last_good=moved,
                           recovered=recovering)
                 last_vote = s.scalar(select(func.max(Vote.created_at)).where(Vote.checkpoint_id == ck.id))
@@ -455,233 +408,8 @@ class CommitService:
         if won:
             log.info("committed checkpoint %s (%s step %s)", checkpoint_id, manifest.run, manifest.step,
                      extra={"run": manifest.run, "checkpoint_id": checkpoint_id, "step": manifest.step})
-            if self.metrics:
-                self.metrics.commits.inc()
-                self.metrics.save_seconds.observe(save_s)
-                self.metrics.commit_seconds.observe(commit_s)
+            self.metrics.commits.inc()
+            self.metrics.save_seconds.observe(save_s)
+            self.metrics.commit_seconds.observe(commit_s)
             self._notify()
         return won
-
-    @staticmethod
-    def _maybe_move_last_good(s: Session, ck: Checkpoint) -> bool:
-        """I3: a commit becomes last-good if it is a newer step than the current one, or if
-        it was begun after the current one committed (the trainer restored an older
-        checkpoint on purpose and branched from it). A commit that continues a suspect
-        checkpoint (saved inside a loss-spike window) is suspect too, never last-good."""
-        run = s.get(Run, ck.run_id, with_for_update=True)  # two commits of one run: no lost update
-        if ck.parent_id is not None and s.scalar(
-                select(Tag.id).where(Tag.checkpoint_id == ck.parent_id, Tag.name == SUSPECT).limit(1)):
-            s.add(Tag(run_id=run.id, checkpoint_id=ck.id, name=SUSPECT, kind=SYSTEM, created_at=utcnow()))
-            return False
-        cur = s.get(Checkpoint, run.last_good_id) if run.last_good_id else None
-        if cur is None or ck.step > cur.step or (cur.committed_at is not None and ck.created_at > cur.committed_at):
-            run.last_good_id = ck.id
-            return True
-        return False
-
-    # ---------------------------------------------------------------- abort, expiry, recovery
-    def abort(self, checkpoint_id: int, reason: str = "", rank: int | None = None) -> str:
-        self.gate.check()
-        with self.sessions() as s, s.begin():
-            ck = self._get_checkpoint(s, checkpoint_id)
-            if ck.status == ABANDONED:
-                return ABANDONED
-            if ck.status != PENDING:
-                raise FailedPrecondition(f"cannot abort checkpoint {checkpoint_id}: it is {ck.status}")
-            s.execute(update(Checkpoint).where(Checkpoint.id == checkpoint_id, Checkpoint.status == PENDING)
-                      .values(status=ABANDONED, lease_expires_at=self.clock()))  # the lease ends here
-            add_event(s, "abort", ck.run_id, ck.id, reason=reason[:1000], rank=rank)
-        log.warning("checkpoint %s aborted by rank %s: %s", checkpoint_id, rank, reason[:200],
-                    extra={"checkpoint_id": checkpoint_id, "rank": rank})
-        if self.metrics:
-            self.metrics.abandoned.labels("abort").inc()
-        self._notify()
-        return ABANDONED
-
-    def expire_leases(self) -> list[int]:
-        """Mark PENDING checkpoints whose lease ran out ABANDONED (a rank died)."""
-        now = self.clock()
-        with self.sessions() as s, s.begin():
-            due = list(s.scalars(select(Checkpoint).where(Checkpoint.status == PENDING,
-                                                          Checkpoint.lease_expires_at < now)))
-            expired = []
-            for ck in due:
-                if s.execute(update(Checkpoint)
-                             .where(Checkpoint.id == ck.id, Checkpoint.status == PENDING,
-                                    Checkpoint.lease_expires_at < now)
-                             .values(status=ABANDONED)).rowcount == 1:
-                    voted = sorted(s.scalars(select(Vote.rank).where(Vote.checkpoint_id == ck.id)))
-                    add_event(s, "expired", ck.run_id, ck.id, step=ck.step, voted_ranks=voted)
-                    expired.append(ck.id)
-        if expired:
-            for cid in expired:
-                log.warning("lease expired: checkpoint %s abandoned (a rank stopped)", cid,
-                            extra={"checkpoint_id": cid})
-            if self.metrics:
-                self.metrics.abandoned.labels("lease_expired").inc(len(expired))
-            self._notify()
-        return expired
-
-    def recover(self) -> list[int]:
-        """At start-up: roll a PENDING checkpoint forward when every rank voted, its manifest
-        blob is written and every verified shard is present; leave the rest to expiry."""
-        with self.sessions() as s, s.begin():
-            pending = [(ck.id, keys.manifest_key(key_prefix(s, ck)))
-                       for ck in s.scalars(select(Checkpoint).where(Checkpoint.status == PENDING))]
-        rolled = []
-        for cid, key in pending:
-            if self.blobs.stat(key) is None:
-                continue
-            with self.sessions() as s, s.begin():
-                shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == cid)))
-            if all((info := self.blobs.stat(sh.blob_key)) is not None and info.size == sh.size for sh in shards):
-                if self.try_commit(cid, recovering=True):
-                    rolled.append(cid)
-        if rolled:
-            log.warning("recovery rolled forward checkpoints %s", rolled)
-        return rolled
-
-    # ---------------------------------------------------------------- verification
-    def verify(self, checkpoint_id: int) -> dict:
-        """Re-hash every shard of a committed checkpoint, and read the state of every
-        lastgood shard as a restore would (format.parse_state). A mismatch, a missing blob
-        or a state that cannot be read marks it CORRUPT, records an event and moves
-        last-good back to the newest good commit."""
-        with self.sessions() as s, s.begin():
-            ck = self._get_checkpoint(s, checkpoint_id)
-            if ck.status not in (COMMITTED, CORRUPT):
-                raise FailedPrecondition(f"checkpoint {checkpoint_id} is {ck.status}; only committed ones are verified")
-            shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == checkpoint_id)
-                                    .order_by(Shard.rank, Shard.file_name)))
-        bad = []
-        try:
-            got = hash_bytes(self.blobs.read_all(ck.manifest_key))
-        except FileNotFoundError:
-            got = "missing"
-        if got != ck.manifest_hash:
-            bad.append({"file": "manifest", "expected": ck.manifest_hash, "found": got})
-        for sh in shards:
-            h = StreamHasher()
-            head = _HeadReader(sh)
-            try:
-                for chunk in self.blobs.get(sh.blob_key):
-                    h.update(chunk)
-                    head.feed(chunk)
-                got = h.hexdigest() if h.size == sh.size else f"size {h.size}"
-            except FileNotFoundError:
-                got = "missing"
-            if got != sh.xxh3_128:
-                bad.append({"rank": sh.rank, "file": sh.file_name, "expected": sh.xxh3_128, "found": got})
-            elif (problem := head.state_problem()) is not None:
-                bad.append({"rank": sh.rank, "file": sh.file_name, "expected": "a readable lastgood.state",
-                            "found": problem})
-        if bad:
-            self._mark_corrupt(checkpoint_id, bad)
-        return {"checkpoint_id": checkpoint_id, "ok": not bad, "files": len(shards), "bad": bad,
-                "status": CORRUPT if bad else ck.status}
-
-    def _mark_corrupt(self, checkpoint_id: int, bad: list[dict]) -> None:
-        self.gate.check()  # moving last-good back on a catalog behind the store would pick from what it lost
-        log.error("checkpoint %s is CORRUPT: %s", checkpoint_id, bad, extra={"checkpoint_id": checkpoint_id})
-        with self.sessions() as s, s.begin():
-            ck = self._get_checkpoint(s, checkpoint_id)
-            first = ck.status != CORRUPT
-            ck.status = CORRUPT
-            run = s.get(Run, ck.run_id, with_for_update=True)
-            if run.last_good_id == ck.id:
-                run.last_good_id = usable_ancestor(s, ck)
-            if first:
-                add_event(s, "corrupt", ck.run_id, ck.id, bad=bad, last_good=run.last_good_id)
-        self._notify()
-
-    # ---------------------------------------------------------------- reads
-    def shard_for_read(self, checkpoint_id: int, rank: int, file_name: str) -> Shard:
-        with self.sessions() as s, s.begin():
-            ck = self._get_checkpoint(s, checkpoint_id)
-            if ck.status != COMMITTED:
-                raise FailedPrecondition(f"checkpoint {checkpoint_id} is {ck.status}; only committed checkpoints are readable")
-            self._check_rank(ck, rank)
-            sh = s.scalar(select(Shard).where(Shard.checkpoint_id == checkpoint_id, Shard.rank == rank,
-                                              Shard.file_name == file_name))
-            if sh is None:
-                raise NotFound(f"checkpoint {checkpoint_id} rank {rank} has no file {file_name!r}")
-            return sh
-
-    def read_range(self, sh: Shard, offset: int, length: int | None):
-        if offset < 0 or offset > sh.size or (length is not None and (length < 0 or offset + length > sh.size)):
-            raise OutOfRange(f"range offset={offset} length={length} is outside the file's {sh.size} bytes")
-        try:
-            chunks = self.blobs.get(sh.blob_key, offset, length)
-        except FileNotFoundError:
-            raise NotFound(f"the blob of checkpoint {sh.checkpoint_id} rank {sh.rank} file {sh.file_name!r} is "
-                           f"missing from the store; POST /api/v1/checkpoints/{sh.checkpoint_id}/verify "
-                           f"marks the checkpoint CORRUPT") from None
-        return self._metered(chunks) if self.metrics else chunks
-
-    def lend_shard(self, sh: Shard, spool) -> str | None:
-        """The whole shard as a link in the spool for a reader on this host, or None."""
-        path = self.blobs.local_path(sh.blob_key)
-        name = spool.lend(path) if path is not None else None
-        if name is not None and self.metrics:
-            self.metrics.bytes_served.inc(sh.size)
-        return name
-
-    def _metered(self, chunks):
-        start = time.monotonic()
-        for chunk in chunks:
-            self.metrics.bytes_served.inc(len(chunk))
-            yield chunk
-        self.metrics.restore_seconds.observe(time.monotonic() - start)
-
-    def manifest_bytes(self, checkpoint_id: int) -> bytes:
-        with self.sessions() as s, s.begin():
-            ck = self._get_checkpoint(s, checkpoint_id)
-            if ck.status != COMMITTED:
-                raise FailedPrecondition(f"checkpoint {checkpoint_id} is {ck.status}; it has no visible manifest")
-            key, want = ck.manifest_key, ck.manifest_hash
-        try:
-            body = self.blobs.read_all(key)
-        except FileNotFoundError:
-            self._mark_corrupt(checkpoint_id, [{"file": "manifest", "expected": want, "found": "missing"}])
-            raise DamagedMissing(f"the manifest of checkpoint {checkpoint_id} is missing from the store; "
-                                 f"the checkpoint is now CORRUPT") from None
-        if hash_bytes(body) != want:
-            self._mark_corrupt(checkpoint_id, [{"file": "manifest", "expected": want, "found": hash_bytes(body)}])
-            raise DamagedMismatch(f"the manifest of checkpoint {checkpoint_id} does not match its hash; "
-                                  f"the checkpoint is now CORRUPT")
-        return body
-
-
-class _HeadReader:
-    """Keeps the first bytes of a .safetensors shard while verify hashes it, up to the end
-    of its header, to read the lastgood state there: the bytes may hash right and still
-    not be a state a restore can apply (they were uploaded that way)."""
-
-    def __init__(self, sh: Shard) -> None:
-        self.size = sh.size
-        self.want = sh.file_name.endswith(".safetensors")
-        self.buf = bytearray()
-        self.need = 8
-
-    def feed(self, chunk: bytes) -> None:
-        view = memoryview(chunk)
-        while self.want and view.nbytes and len(self.buf) < self.need:
-            take = self.need - len(self.buf)
-            self.buf += view[:take]
-            view = view[take:]
-            if self.need == 8 and len(self.buf) == 8:
-                try:
-                    self.need = header_length(self.buf)
-                except FormatError:  # state_problem() says so
-                    return
-
-    def state_problem(self) -> str | None:
-        if not self.want:
-            return None
-        try:
-            tensors, meta = parse_header(bytes(self.buf), file_size=self.size)
-            if META_STATE in meta:  # a shard with lastgood's state: a restore must be able to read it
-                parse_state(meta, tensors)
-        except FormatError as e:
-            return str(e)[:300]
-        return None

@@ -1,0 +1,98 @@
+"""`lastgood export CKPT DIR`: a checkpoint as a Hugging Face model directory (lastgood.export)."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import click
+from rich.text import Text
+
+from ..errors import FormatError
+from . import render
+from .app import CKPT, CkptRef, CliError, Exit, State, cli, json_option, pass_state
+
+
+@cli.command("export")
+@click.argument("ckpt", type=CKPT)
+@click.argument("dest", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--format", "fmt", type=click.Choice(["hf"]), default="hf", show_default=True,
+              help="hf: model.safetensors (or model-0000k-of-0000N.safetensors) + model.safetensors.index.json "
+                   "+ config.json.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="Convert the float tensors to this dtype. Default: as stored.")
+@click.option("--max-shard-size", default="5GB", show_default=True, metavar="SIZE",
+              help="Largest output file: 5GB (10^9 bytes), 500MiB (2^20), or bytes. A larger tensor gets "
+                   "a file of its own.")
+@click.option("--prefix", default="model.", show_default=True,
+              help="Export the module tensors whose state name starts with this, without it "
+                   "(TrainState(model=...) names them model.<state_dict key>).")
+@click.option("--map", "name_map", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="JSON object renaming tensors: {\"name after the prefix\": \"name in the export\"}; "
+                   "null drops a tensor.")
+@click.option("--config", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="config.json to write into DIR. Default: the training state's extra[\"hf_config\"], "
+                   "if it has one.")
+@click.option("--progress/--no-progress", default=None,
+              help="Show progress on stderr. Default: when stderr is a terminal and not --json.")
+@json_option
+@pass_state
+def export(st: State, ckpt: CkptRef, dest: Path, fmt: str, dtype: str | None, max_shard_size: str, prefix: str,
+           name_map: Path | None, config: Path | None, progress: bool | None) -> None:
+    """Write a checkpoint's model weights as a Hugging Face model directory DIR.
+
+    Reads, from the store, the rank files that hold model tensors (each streamed once and
+    verified against the manifest's xxh3-128), assembles every tensor from its shards
+    (FSDP2 at any world size, DDP replicas from one rank), and writes safetensors files,
+    the index and config.json into a temporary directory that becomes DIR only when all
+    is written: a failed or interrupted export leaves no DIR. Optimizer state and RNGs
+    are not exported. Exit 5 if a byte does not verify.
+    """
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    from ..export import ExportError, Options, run_export
+
+    try:
+        opts = Options(dtype, max_shard_size, prefix, name_map, config)
+    except ExportError as e:
+        raise click.UsageError(str(e)) from None
+    show = progress if progress is not None else (st.err.is_terminal and not st.json)
+    bar = Progress(TextColumn("{task.description}", markup=False), BarColumn(), DownloadColumn(),
+                   TransferSpeedColumn(), console=st.err, disable=not show, transient=False)
+    tasks: dict[str, int] = {}
+
+    def advance(n: int, what: str) -> None:
+        if what not in tasks:
+            tasks[what] = bar.add_task({"read": "read + verify", "skip": "not needed", "write": "write"}[what],
+                                       total=None)
+        bar.advance(tasks[what], n)
+
+    # SIGTERM (a scheduler's stop) unwinds like Ctrl-C, so the temporary directory goes too
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with bar:
+            doc = run_export(st, ckpt, dest, opts, advance)
+    except ExportError as e:
+        raise CliError(str(e), Exit.USAGE) from None
+    except FormatError as e:
+        raise CliError(f"the checkpoint cannot be exported: {e}") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+    def human(out):
+        table = render.make_table("FILE", "SIZE", "TENSORS")
+        table.columns[1].justify = table.columns[2].justify = "right"
+        for f in doc["files"]:
+            table.add_row(Text(str(dest / f["name"])), Text(render.fmt_bytes(f["size"])), Text(str(f["tensors"])))
+        out.print(table)
+        render.line(out, Text("exported ", style="bold"), render.ckpt_id(doc["checkpoint_id"]), " (run ",
+                    Text(doc["run"]), f", step {doc['step']}, world size {doc['world_size']}): {doc['tensors']} "
+                    f"tensors, {render.fmt_bytes(doc['total_size'])}"
+                    f"{' as ' + doc['dtype'] if doc['dtype'] else ''}; read {len(doc['read'])} rank file(s), "
+                    f"{render.fmt_bytes(doc['bytes_read'])}, every xxh3-128 verified; config.json: "
+                    f"{doc['config'] or 'none'}")
+    st.emit(doc, human)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt

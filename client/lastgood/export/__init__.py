@@ -1,0 +1,312 @@
+"""Export a committed checkpoint as a Hugging Face model directory, verified, in bounded memory.
+
+    from lastgood.export import export_hf
+    export_hf("gpt-small@last-good", "out/gpt-small", url="http://127.0.0.1:8000", dtype="bf16")
+    # then: transformers.AutoModelForCausalLM.from_pretrained("out/gpt-small")
+
+`lastgood export RUN@TAG|ID DIR` is the same on the command line (cli/export.py). From the
+store, at whatever world size the checkpoint was saved with, without torch, GPUs or a
+process group. The order of work:
+
+1. check every option (nothing is read or written for bad input), resolve the checkpoint,
+   take a read lease (GC keeps the checkpoint meanwhile), read the manifest;
+2. in a new temporary sibling of DIR (`.DIR.export-<random>.tmp`), read the rank files
+   that hold model tensors, each streamed once through xxh3-128 with the tensors' bytes
+   copied into a scratch file (source.py); a file that does not verify ends the export;
+3. check that the pieces of every tensor cover it exactly, name the tensors (strip
+   `prefix`, then the optional map), write the safetensors files, the index and
+   config.json under temporary names, fsync, rename each (hf.py); remove the scratch file;
+4. rename the temporary directory to DIR. Until then DIR does not exist: an export that
+   fails or is interrupted removes its temporary directory (a SIGKILL leaves it, hidden,
+   beside DIR) and never leaves a DIR.
+
+Only the model's weights are exported (not optimizer state, RNGs or the data position);
+the reverse direction, a Hugging Face model into a training checkpoint, is not a thing
+this module does. docs/export.md has the details and the measured memory bound.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+from ..errors import FormatError, LastgoodError
+from .convert import DTYPES, target
+from .hf import CONFIG, INDEX, Item, check_coverage, file_names, parse_size, split, write_file, write_json
+from .source import Collector
+
+__all__ = ["export_hf", "ExportError", "HF_CONFIG_KEY", "DEFAULT_PREFIX", "DEFAULT_MAX_SHARD_SIZE"]
+
+# where a training state may carry its model's Hugging Face config: TrainState(extra={"hf_config": {...}})
+HF_CONFIG_KEY = "hf_config"
+TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+DEFAULT_PREFIX = "model."
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+
+class ExportError(LastgoodError, ValueError):
+    """The export was asked for something it cannot do (a bad option, a map that names no
+    tensor, an occupied DIR); nothing was written."""
+
+
+def _json_object(value, what: str) -> dict:
+    """A dict, or the path of a JSON file holding an object."""
+    if isinstance(value, dict):
+        return value
+    try:
+        doc = json.loads(Path(value).read_text())
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{what} {str(value)[:200]}: {e}") from None
+    if not isinstance(doc, dict):
+        raise ExportError(f"{what} {str(value)[:200]} is not a JSON object")
+    return doc
+
+
+def _check_map(name_map) -> dict[str, str | None]:
+    doc = _json_object(name_map, "--map") if name_map is not None else {}
+    bad = [k for k, v in doc.items() if not (v is None or (isinstance(v, str) and v))]
+    if bad:
+        raise ExportError(f"--map: each value must be a tensor name or null (drop it); {bad[0]!r} maps to "
+                          f"{doc[bad[0]]!r}")
+    return doc
+
+
+def _check_dest(dest: Path) -> None:
+    if dest.exists() and not (dest.is_dir() and not any(dest.iterdir())):
+        raise ExportError(f"{dest} exists and is not an empty directory; export into a new one")
+
+
+class Options:
+    def __init__(self, dtype, max_shard_size, prefix, name_map, config) -> None:
+        if dtype is not None and dtype not in DTYPES:
+            raise ExportError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+        try:
+            self.max_bytes = parse_size(max_shard_size)
+        except ValueError as e:
+            raise ExportError(f"--max-shard-size: {e}") from None
+        if not isinstance(prefix, str):
+            raise ExportError("--prefix must be a string")
+        self.dtype = DTYPES.get(dtype) if dtype else None
+        self.dtype_name = dtype
+        self.prefix = prefix
+        self.name_map = _check_map(name_map)
+        self.config = _json_object(config, "--config") if config is not None else None
+
+
+def _hf_config(extra) -> dict | None:
+    """extra["hf_config"] of the stored state as plain JSON, if it is an object."""
+    if not isinstance(extra, dict) or HF_CONFIG_KEY not in extra:
+        return None
+    config = _plain(extra[HF_CONFIG_KEY], f"extra[{HF_CONFIG_KEY!r}]")
+    return config if isinstance(config, dict) else None
+
+
+def _plain(value, path: str):
+    """The codec's typed JSON (codec.py's table) as the plain JSON a config.json holds:
+    `config.to_dict()` has int-keyed dicts (id2label) and may have tuples; a tensor in a
+    config is refused. Torch-free, unlike codec.decode."""
+    if isinstance(value, list):
+        return [_plain(v, path) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__tuple__" in value:
+        return [_plain(v, path) for v in value["__tuple__"]]
+    if "__dict__" in value:
+        return {str(_plain(k, path)): _plain(v, path) for k, v in value["__dict__"]}
+    if "__float__" in value:
+        return float(value["__float__"])
+    if "__np__" in value:
+        return _plain(value["v"], path)
+    if "__dtype__" in value or "__device__" in value:
+        return value.get("__dtype__", value.get("__device__"))
+    tags = [k for k in value if k.startswith("__") and k.endswith("__")]
+    if tags:
+        raise ExportError(f"{path} holds a {tags[0]} value, which config.json cannot; pass --config FILE")
+    return {k: _plain(v, f"{path}.{k}") for k, v in value.items()}
+
+
+def _with_dtype(config: dict, items: list[Item]) -> dict:
+    """The config, saying the weights' float dtype (when they share one), as save_pretrained
+    does: from_pretrained loads them in it instead of its float32 default. Both keys:
+    transformers 5 reads `dtype`, earlier releases `torch_dtype`."""
+    floats = {it.dtype for it in items if it.dtype in TORCH_NAMES}
+    if len(floats) != 1:
+        return config
+    name = TORCH_NAMES[floats.pop()]
+    return {**config, "dtype": name, "torch_dtype": name}
+
+
+def _name(collector: Collector, opts: Options) -> list[Item]:
+    """Output names: the state's key minus the prefix, then the map."""
+    items, taken = [], {}
+    unused = set(opts.name_map)
+    for key, t in collector.tensors.items():
+        name = key[len(opts.prefix):]
+        if name in opts.name_map:
+            unused.discard(name)
+            name = opts.name_map[name]
+            if name is None:
+                continue
+        if name in taken:
+            raise ExportError(f"two tensors would be named {name!r} in the export: {taken[name]} and {key}")
+        taken[name] = key
+        items.append(Item(name, t, target(t.dtype, opts.dtype)))
+    if unused:
+        raise ExportError(f"--map names {len(unused)} tensor(s) the checkpoint does not have under prefix "
+                          f"{opts.prefix!r}: {', '.join(sorted(unused)[:5])}")
+    return items
+
+
+def run_export(st, ref, dest: Path, opts: Options, progress=None) -> dict:
+    """The export, with the command line's State (`st.rest`, `st.resolve`). `progress(n,
+    what)`, if given, hears of every n bytes read ("read"), skipped ("skip") and written
+    ("write")."""
+    from ..cli.app import make_console
+    from ..cli.download import Lease, read_manifest
+
+    dest = Path(dest)
+    _check_dest(dest)
+    t0 = time.monotonic()
+    cid = st.resolve(ref)
+    lease = Lease(st.rest, cid, what="export")
+    made = [p for p in reversed(dest.absolute().parents) if not p.exists()]
+    tmp = None
+    try:
+        _, manifest = read_manifest(st.rest, cid)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.parent / f".{dest.name}.export-{uuid.uuid4().hex[:8]}.tmp"
+        tmp.mkdir()
+        src = Collector(opts.prefix, str(tmp / ".scratch"))
+        try:
+            skipped = _read(st, cid, manifest, src, lease, f"; nothing was written to {dest}", progress)
+            doc = _write(tmp, src, opts, manifest, progress)
+        finally:
+            src.close()
+            (tmp / ".scratch").unlink(missing_ok=True)
+        _fsync_dir(tmp)
+        os.rename(tmp, dest)  # replaces an empty DEST; anything else there now fails here
+        tmp = None
+        _fsync_dir(dest.parent)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            for p in reversed(made):
+                try:
+                    p.rmdir()
+                except OSError:
+                    break
+        lease.release(make_console(stderr=True))
+    return {"checkpoint_id": cid, "run": manifest.run, "step": manifest.step, "world_size": manifest.world_size,
+            "dir": str(dest), "format": "hf", "dtype": opts.dtype_name, "prefix": opts.prefix, **doc,
+            "read": [{"rank": r, "name": n, "size": s} for r, n, s in src.files_read],
+            "skipped": [{"rank": r, "name": n, "size": s} for r, n, s in skipped],
+            "bytes_read": src.bytes_read, "verified": True, "seconds": round(time.monotonic() - t0, 3)}
+
+
+def _read(st, cid: int, manifest, src: Collector, lease, tail: str, progress) -> list[tuple[int, str, int]]:
+    """Every rank file that holds a model tensor still missing, streamed once and verified
+    (source.py); returns the files not needed."""
+    from ..cli.download import read_verified
+
+    skipped = []
+    for r in sorted(manifest.ranks):
+        for entry in sorted(manifest.files(r), key=lambda e: e.name):
+            if entry.tensors is None:  # not a safetensors file (DCP's metadata)
+                continue
+            if not src.wants(entry):
+                skipped.append((r, entry.name, entry.size))
+                if progress is not None:
+                    progress(entry.size, "skip")
+                continue
+            stream = read_verified(st.rest, cid, r, entry, lease, tail)
+            if progress is not None:
+                stream = _counting(stream, progress)
+            try:
+                src.read(stream, r, entry)
+            except FormatError as e:
+                raise FormatError(f"checkpoint {cid}: {e} (export reads checkpoints that "
+                                  f"lastgood.Checkpointer saved)") from None
+    if not src.tensors:
+        comps = ", ".join(f"{n} ({k})" for n, k in src.components.items()) or "none"
+        raise ExportError(f"checkpoint {cid} has no module tensors under prefix {src.prefix!r}; its "
+                          f"components: {comps}")
+    for t in src.tensors.values():
+        check_coverage(t)
+    return skipped
+
+
+def _write(tmp: Path, src: Collector, opts: Options, manifest, progress) -> dict:
+    """The safetensors files (each as .NAME.part, fsynced, renamed), the index and config.json."""
+    items = _name(src, opts)
+    groups = split(items, opts.max_bytes)
+    names = file_names(len(groups))
+    meta = {"lastgood.checkpoint_id": str(manifest.checkpoint_id), "lastgood.run": manifest.run,
+            "lastgood.step": str(manifest.step)}
+    files = []
+    for name, group in zip(names, groups):
+        part = tmp / f".{name}.part"
+        size = write_file(str(part), group, src, meta, None if progress is None else (lambda n: progress(n, "write")))
+        os.replace(part, tmp / name)
+        files.append({"name": name, "size": size, "tensors": len(group)})
+    total = sum(it.nbytes for it in items)
+    write_json(str(tmp / INDEX), {"metadata": {"total_size": total},
+                                  "weight_map": {it.name: n for n, g in zip(names, groups) for it in g}})
+    config, config_from = opts.config, "--config"
+    if config is None:
+        config, config_from = _hf_config(src.extra), f"extra[{HF_CONFIG_KEY!r}]"
+    if config is not None:
+        write_json(str(tmp / CONFIG), _with_dtype(config, items))
+    return {"files": files, "index": INDEX, "tensors": len(items), "total_size": total,
+            "config": config_from if config is not None else None}
+
+
+def _counting(stream, progress):
+    for chunk in stream:
+        progress(len(chunk), "read")
+        yield chunk
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def export_hf(checkpoint, dest, *, url: str | None = None, token: str | None = None, timeout: float = 30.0,
+              dtype: str | None = None, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+              prefix: str = DEFAULT_PREFIX, name_map=None, config=None) -> dict:
+    """Write checkpoint `checkpoint` (an id, or "RUN@TAG" such as "gpt@last-good") as a
+    Hugging Face model directory `dest`, which must not exist (or be empty).
+
+    `dtype`: "bf16", "fp16" or "fp32" for the float tensors (default: as stored).
+    `max_shard_size`: "5GB", "500MiB" or bytes. `prefix`: the part of the training
+    state's names to strip; tensors without it are not exported ("model." for
+    `TrainState(model=...)`). `name_map`: a dict (or a JSON file's path) from names after
+    the prefix to the export's names, or None to drop a tensor. `config`: a dict (or a
+    JSON file's path) written as config.json; default: the state's extra["hf_config"].
+    `url` and `token` default to LASTGOOD_URL and LASTGOOD_TOKEN.
+
+    Returns a summary (files, tensors, bytes read, ...). Raises CorruptCheckpoint when a
+    byte read does not match the manifest, ExportError for what cannot be exported, and
+    leaves no `dest` behind when it raises."""
+    from ..cli.app import DEFAULT_URL, CliError, State, parse_ckpt
+
+    opts = Options(dtype, max_shard_size, prefix, name_map, config)
+    try:
+        ref = parse_ckpt(str(checkpoint))
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+    st = State(url=url or os.environ.get("LASTGOOD_URL") or DEFAULT_URL, timeout=timeout,
+               token=token or os.environ.get("LASTGOOD_TOKEN") or None)
+    try:
+        return run_export(st, ref, Path(dest), opts)
+    except CliError as e:
+        if isinstance(e, LastgoodError):  # VerificationFailed is a CorruptCheckpoint
+            raise
+        raise LastgoodError(str(e)) from None

@@ -1,0 +1,91 @@
+"""What a REST handler is given: the service's parts as typed FastAPI dependencies, and the
+path, query and header parameters several routes share.
+
+`create_app` puts the `AppContext` on `app.state`; a handler names the part it needs
+(`commits: CommitsDep`), so a router is a plain module with nothing captured in a closure,
+and a test can build an app on any context. None of these parameters reaches the OpenAPI
+document: they are read from the request, not from the caller's input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Header, Path, Query, Request
+
+from lastgood import names
+from lastgood.fencing import GENERATION_HEADER
+
+from ..domain.commit import CommitService
+from ..domain.curation import Curator
+from ..domain.gc import GarbageCollector
+from ..domain.queries import MAX_PAGE, Queries
+from ..domain.spool import Spool
+from ..domain.tokens import TokenStore
+from ..metrics import Metrics
+from ..settings import Settings
+
+
+@dataclass
+class AppContext:
+    commits: CommitService
+    queries: Queries
+    grpc_target: str
+    curator: Curator
+    gc: GarbageCollector
+    tokens: TokenStore
+    metrics: Metrics | None = None
+    spool: Spool | None = None
+
+
+def context(request: Request) -> AppContext:
+    return request.app.state.ctx
+
+
+Ctx = Annotated[AppContext, Depends(context)]
+
+
+def _commits(ctx: Ctx) -> CommitService:
+    return ctx.commits
+
+
+def _queries(ctx: Ctx) -> Queries:
+    return ctx.queries
+
+
+def _curator(ctx: Ctx) -> Curator:
+    return ctx.curator
+
+
+def _gc(ctx: Ctx) -> GarbageCollector:
+    return ctx.gc
+
+
+def _tokens(ctx: Ctx) -> TokenStore:
+    return ctx.tokens
+
+
+def _settings(ctx: Ctx) -> Settings:
+    return ctx.commits.settings
+
+
+CommitsDep = Annotated[CommitService, Depends(_commits)]
+QueriesDep = Annotated[Queries, Depends(_queries)]
+CuratorDep = Annotated[Curator, Depends(_curator)]
+GCDep = Annotated[GarbageCollector, Depends(_gc)]
+TokensDep = Annotated[TokenStore, Depends(_tokens)]
+SettingsDep = Annotated[Settings, Depends(_settings)]
+
+Limit = Annotated[int, Query(ge=1, le=MAX_PAGE)]
+Offset = Annotated[int, Query(ge=0, le=names.MAX_ID)]
+Id = Annotated[int, Path(ge=1, le=names.MAX_ID)]  # checkpoint, lease and token ids
+CkptId = Id
+# the caller's launch generation on the curation routes: an older one than the run's newest is refused
+Generation = Annotated[int | None, Header(alias=GENERATION_HEADER, ge=0, le=names.MAX_ID)]
+
+
+def run_prefix(request: Request) -> str | None:
+    """The caller's token scope on a listing route (api/auth.py put the principal there)."""
+    principal = getattr(request.state, "principal", None)
+    return getattr(principal, "run_prefix", None)

@@ -1,0 +1,41 @@
+"""Lineage: a run's checkpoint tree, a checkpoint's ancestors, and rollbacks after a loss spike."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, Field
+
+from lastgood import names
+
+from ..contract import StrictJSONRoute, answers
+from ..deps import CkptId, CuratorDep, Generation, Offset, QueriesDep
+
+router = APIRouter(route_class=StrictJSONRoute, tags=["lineage"])
+
+
+class RollbackBody(BaseModel):
+    target_id: int = Field(ge=1, le=names.MAX_ID, description="the checkpoint training returns to")
+    spike_step: int = Field(ge=0, le=names.MAX_ID, description="the step at which the spike was seen")
+    data: dict = Field(default_factory=dict, description="the guard's numbers: loss, median, mad, threshold, ... "
+                                                         "(strict JSON: a non-finite number is sent as \"nan\", "
+                                                         "\"inf\" or \"-inf\")")
+
+
+@router.get("/api/v1/runs/{run}/lineage", responses=answers(400, 404))
+def run_lineage(run: str, queries: QueriesDep, limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
+                offset: Offset = 0):
+    """The run's checkpoint tree: nodes (step, status, branch, tags, bytes, durations) and parent edges."""
+    return queries.lineage(run, limit, offset)
+
+
+@router.get("/api/v1/checkpoints/{checkpoint_id}/ancestors", responses=answers(404))
+def ancestors(checkpoint_id: CkptId, queries: QueriesDep):
+    return queries.ancestors(checkpoint_id)
+
+
+@router.post("/api/v1/runs/{run}/rollback", responses=answers(400, 404, 409, 413))
+def rollback(run: str, body: RollbackBody, curator: CuratorDep, generation: Generation = None):
+    """Mark what followed the target suspect, tag the target rollback-target, move last-good back."""
+    return curator.rollback(run, body.target_id, body.spike_step, body.data, generation)

@@ -1,0 +1,33 @@
+"""Operations: liveness, where the gRPC endpoint and the spool are, and Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+
+from ... import __version__
+from ..contract import StrictJSONRoute
+from ..deps import Ctx, QueriesDep
+
+router = APIRouter(route_class=StrictJSONRoute, tags=["ops"])
+
+
+@router.get("/healthz")
+def healthz(queries: QueriesDep):
+    queries.list_runs(limit=1)  # proves the catalog answers
+    return {"status": "ok"}
+
+
+@router.get("/api/v1/info")
+def info(ctx: Ctx):
+    s = ctx.commits.settings
+    return {"service": "lastgood", "version": __version__, "grpc_target": ctx.grpc_target,
+            "max_chunk_bytes": s.max_chunk_bytes, "max_shard_bytes": s.max_shard_bytes,
+            "lease_seconds": s.lease_seconds, "spool": ctx.spool.info() if ctx.spool else None}
+
+
+@router.get("/metrics", include_in_schema=False)
+def metrics(ctx: Ctx):
+    if ctx.metrics is None:
+        return Response("", media_type="text/plain")
+    body, content_type = ctx.metrics.render()
+    return Response(body, media_type=content_type)

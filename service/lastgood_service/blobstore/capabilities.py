@@ -1,0 +1,53 @@
+"""What some blob stores can do beyond the minimal BlobStore interface (base.py), each a
+small protocol of its own, checked by the caller at the point of use.
+
+  AdoptsFiles      a spooled shard file the service took over becomes the blob itself
+                   (the local store, by rename, when the spool can rename into it)
+  LendsLocalPaths  a blob is a file on this host, which a same-host reader may link to
+  ReportsFreeSpace the store can tell how many bytes it has left (a local file system)
+
+A store without a capability is asked nothing: the helpers below answer what the caller
+does then (None: copy the file through a writer; stream the chunks; the room is unknown).
+Every store that has a capability passes its part of the contract suite
+(tests/blobstore/test_contract.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from .base import BlobStore, BlobWriter
+
+
+@runtime_checkable
+class AdoptsFiles(Protocol):
+    def adopt_writer(self, key: str, taken) -> BlobWriter | None:
+        """A writer whose bytes are already in `taken` (domain/spool.Taken: a path and an
+        open descriptor): `write` ignores what it is given (the caller hashes the file
+        through the descriptor and passes the pieces on), `publish` makes that file the
+        blob, `abort` leaves it to its owner. None when this file cannot be adopted."""
+
+
+@runtime_checkable
+class LendsLocalPaths(Protocol):
+    def local_path(self, key: str) -> Path | None:
+        """The published blob as a file on this host; None if there is none."""
+
+
+@runtime_checkable
+class ReportsFreeSpace(Protocol):
+    def free_bytes(self) -> int | None:
+        """Room left for new blobs; None when it cannot tell."""
+
+
+def adopt_writer(store: BlobStore, key: str, taken) -> BlobWriter | None:
+    return store.adopt_writer(key, taken) if isinstance(store, AdoptsFiles) else None
+
+
+def local_path(store: BlobStore, key: str) -> Path | None:
+    return store.local_path(key) if isinstance(store, LendsLocalPaths) else None
+
+
+def free_bytes(store: BlobStore) -> int | None:
+    return store.free_bytes() if isinstance(store, ReportsFreeSpace) else None

@@ -1,0 +1,60 @@
+"""What every part of the commit shares: the catalog, the store, the clock, the lease, and
+the condition a waiting vote sleeps on (domain/commit/__init__.py assembles the parts)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import threading
+from collections.abc import Callable
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from ...blobstore import BlobStore
+from ...blobstore.metered import MeteredBlobStore
+from ...catalog.models import Checkpoint, Run, utcnow
+from ...metrics import Metrics
+from ...settings import Settings
+from .. import fencing, keys
+from ..errors import InvalidArgument, NotFound
+from ..gate import CatalogGate
+
+
+def key_prefix(s: Session, ck: Checkpoint) -> str:
+    """The folder of ck's blobs (domain/keys.py says why it is not the id alone)."""
+    return keys.prefix(ck.id, s.get(Run, ck.run_id).name, ck.step, ck.attempt)
+
+
+class CommitCore:
+    """The state the parts share; each part is a subclass, CommitService is all of them."""
+
+    def __init__(self, settings: Settings, sessions: sessionmaker[Session], blobs: BlobStore,
+                 clock: Callable[[], dt.datetime] = utcnow, metrics: Metrics | None = None,
+                 gate: CatalogGate | None = None) -> None:
+        self.settings = settings
+        self.gate = gate or CatalogGate()
+        self.sessions = sessions
+        self.clock = clock
+        self.metrics = metrics or Metrics()  # a private registry when the caller keeps none
+        # The data path (uploads, downloads) goes through the meter, which counts the shard
+        # bytes; verification reads `store` itself: re-hashing is not serving anyone.
+        self.store = blobs
+        self.blobs = MeteredBlobStore(blobs, self.metrics)
+        self._changed = threading.Condition()
+        self.launches = fencing.Launches(sessions, clock, notify=self._notify, metrics=self.metrics, gate=self.gate)
+
+    def _lease(self) -> dt.datetime:
+        return self.clock() + dt.timedelta(seconds=self.settings.lease_seconds)
+
+    def _get_checkpoint(self, s: Session, checkpoint_id: int, lock: bool = False) -> Checkpoint:
+        ck = s.get(Checkpoint, checkpoint_id, with_for_update=lock) if checkpoint_id > 0 else None
+        if ck is None:
+            raise NotFound(f"checkpoint {checkpoint_id} does not exist")
+        return ck
+
+    def _check_rank(self, ck: Checkpoint, rank: int) -> None:
+        if not 0 <= rank < ck.world_size:
+            raise InvalidArgument(f"rank {rank} is outside world size {ck.world_size} of checkpoint {ck.id}")
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()

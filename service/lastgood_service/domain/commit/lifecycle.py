@@ -1,0 +1,81 @@
+"""How a checkpoint that will not commit ends, and how one that did survives a crash:
+abort (a rank gave up), lease expiry (a rank died), start-up recovery (the service died
+between the manifest and the commit transaction)."""
+
+from __future__ import annotations
+
+import logging
+
+from sqlalchemy import select, update
+
+from ...catalog.models import ABANDONED, PENDING, Checkpoint, Shard, Vote
+from .. import keys
+from ..errors import FailedPrecondition
+from ..events import add_event
+from .core import key_prefix
+from .protocol import CommitProtocol
+
+log = logging.getLogger("lastgood.commit")
+
+
+class CommitLifecycle(CommitProtocol):
+    """Recovery rolls forward through the protocol's own commit, hence the base class."""
+
+    def abort(self, checkpoint_id: int, reason: str = "", rank: int | None = None) -> str:
+        self.gate.check()
+        with self.sessions() as s, s.begin():
+            ck = self._get_checkpoint(s, checkpoint_id)
+            if ck.status == ABANDONED:
+                return ABANDONED
+            if ck.status != PENDING:
+                raise FailedPrecondition(f"cannot abort checkpoint {checkpoint_id}: it is {ck.status}")
+            s.execute(update(Checkpoint).where(Checkpoint.id == checkpoint_id, Checkpoint.status == PENDING)
+                      .values(status=ABANDONED, lease_expires_at=self.clock()))  # the lease ends here
+            add_event(s, "abort", ck.run_id, ck.id, reason=reason[:1000], rank=rank)
+        log.warning("checkpoint %s aborted by rank %s: %s", checkpoint_id, rank, reason[:200],
+                    extra={"checkpoint_id": checkpoint_id, "rank": rank})
+        self.metrics.abandoned.labels("abort").inc()
+        self._notify()
+        return ABANDONED
+
+    def expire_leases(self) -> list[int]:
+        """Mark PENDING checkpoints whose lease ran out ABANDONED (a rank died)."""
+        now = self.clock()
+        with self.sessions() as s, s.begin():
+            due = list(s.scalars(select(Checkpoint).where(Checkpoint.status == PENDING,
+                                                          Checkpoint.lease_expires_at < now)))
+            expired = []
+            for ck in due:
+                if s.execute(update(Checkpoint)
+                             .where(Checkpoint.id == ck.id, Checkpoint.status == PENDING,
+                                    Checkpoint.lease_expires_at < now)
+                             .values(status=ABANDONED)).rowcount == 1:
+                    voted = sorted(s.scalars(select(Vote.rank).where(Vote.checkpoint_id == ck.id)))
+                    add_event(s, "expired", ck.run_id, ck.id, step=ck.step, voted_ranks=voted)
+                    expired.append(ck.id)
+        if expired:
+            for cid in expired:
+                log.warning("lease expired: checkpoint %s abandoned (a rank stopped)", cid,
+                            extra={"checkpoint_id": cid})
+            self.metrics.abandoned.labels("lease_expired").inc(len(expired))
+            self._notify()
+        return expired
+
+    def recover(self) -> list[int]:
+        """At start-up: roll a PENDING checkpoint forward when every rank voted, its manifest
+        blob is written and every verified shard is present; leave the rest to expiry."""
+        with self.sessions() as s, s.begin():
+            pending = [(ck.id, keys.manifest_key(key_prefix(s, ck)))
+                       for ck in s.scalars(select(Checkpoint).where(Checkpoint.status == PENDING))]
+        rolled = []
+        for cid, key in pending:
+            if self.blobs.stat(key) is None:
+                continue
+            with self.sessions() as s, s.begin():
+                shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == cid)))
+            if all((info := self.blobs.stat(sh.blob_key)) is not None and info.size == sh.size for sh in shards):
+                if self.try_commit(cid, recovering=True):
+                    rolled.append(cid)
+        if rolled:
+            log.warning("recovery rolled forward checkpoints %s", rolled)
+        return rolled
