@@ -1,5 +1,5 @@
 """REST routes of run health: heartbeats in, verdicts and the checkpoint interval out
-(domain/health.py; docs/health.md). Included by api/rest.py."""
+(domain/health.py; docs/health.md)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from pydantic import BaseModel, Field
 
 from lastgood import names
 
-from ..domain.health import MAX_SECONDS, Health
-from .contract import answers
+from ...domain.health import MAX_SECONDS
+from ..contract import StrictJSONRoute, answers
+from ..deps import HealthDep
 
 Seconds = Annotated[float | None, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False, strict=True)]
 
@@ -30,22 +31,21 @@ class HeartbeatBody(BaseModel):
     save_stall_s: Seconds = Field(None, description="the training thread's stall in the rank's last save")
 
 
-def router(health: Health) -> APIRouter:
-    r = APIRouter(tags=["health"])
+router = APIRouter(route_class=StrictJSONRoute, tags=["health"])
 
-    @r.post("/api/v1/runs/{run}/heartbeats", status_code=204, responses=answers(400, 404, 409, 413))
-    def heartbeat(run: str, body: HeartbeatBody):
-        """One rank's latest liveness and progress; the service keeps the newest per rank."""
-        health.beat(run, body.model_dump())
-        return Response(status_code=204)
 
-    @r.get("/api/v1/runs/{run}/health", responses=answers(400, 404))
-    def run_health(run: str, hang_timeout: Annotated[float | None, Query(gt=0, le=MAX_SECONDS,
-                                                                         allow_inf_nan=False)] = None):
-        """Per rank its latest beat and verdict (ok, hung, straggler, lost), the hung and
-        straggling ranks, the hang timeout in force (`hang_timeout` fixes it for this
-        answer), and the checkpoint interval (Young/Daly from cost and failures)."""
-        # the answer is plain JSON already: skip FastAPI's encoder, slow on thousands of ranks
-        return JSONResponse(health.view(run, hang_timeout))
+@router.post("/api/v1/runs/{run}/heartbeats", status_code=204, responses=answers(400, 404, 409, 413))
+def heartbeat(run: str, body: HeartbeatBody, health: HealthDep):
+    """One rank's latest liveness and progress; the service keeps the newest per rank."""
+    health.beat(run, body.model_dump())
+    return Response(status_code=204)
 
-    return r
+
+@router.get("/api/v1/runs/{run}/health", responses=answers(400, 404))
+def run_health(run: str, health: HealthDep,
+               hang_timeout: Annotated[float | None, Query(gt=0, le=MAX_SECONDS, allow_inf_nan=False)] = None):
+    """Per rank its latest beat and verdict (ok, hung, straggler, lost), the hung and
+    straggling ranks, the hang timeout in force (`hang_timeout` fixes it for this
+    answer), and the checkpoint interval (Young/Daly from cost and failures)."""
+    # the answer is plain JSON already: skip FastAPI's encoder, slow on thousands of ranks
+    return JSONResponse(health.view(run, hang_timeout))
