@@ -23,11 +23,12 @@ _LAZY = {
     "SpikeGuard": ("lastgood.spike", "SpikeGuard"),
 }
 
-__all__ = [*_LAZY, "LastgoodError", "SaveFailed", "CorruptCheckpoint", "NoUsableCheckpoint", "ServiceError",
+__all__ = [*_LAZY, "Interval", "LastgoodError", "SaveFailed", "CorruptCheckpoint", "NoUsableCheckpoint", "ServiceError",
            "Fenced"]
 
 from .errors import (CorruptCheckpoint, Fenced, LastgoodError, NoUsableCheckpoint, SaveFailed,  # noqa: E402
                      ServiceError)
+from .interval import Interval  # noqa: E402 - torch-free
 
 
 def __getattr__(name: str):

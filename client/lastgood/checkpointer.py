@@ -31,10 +31,12 @@ from dataclasses import dataclass
 import torch
 
 from . import distributed, names
+from . import health as _health
 from .errors import (CorruptCheckpoint, Fenced, FormatError, LastgoodError, NoUsableCheckpoint, SaveFailed,
                      ServiceError)
 from .fencing import FENCED
 from .hashing import StreamHasher, hash_bytes
+from .interval import Decider, Interval
 from .manifest import Manifest
 from .retry import GaveUp, RetryPolicy
 from .staging import Snapshot, StagingPool, snapshot
@@ -62,12 +64,16 @@ class SaveResult:
 class Checkpointer:
     def __init__(self, url: str | None = None, run: str | None = None, *, attempt: str | None = None,
                  token: str | None = None, staging_buffers: int = 2, commit_timeout: float | None = None,
-                 retry: RetryPolicy | None = None, require_final: bool = True, new_run: bool | None = None) -> None:
+                 retry: RetryPolicy | None = None, require_final: bool = True, new_run: bool | None = None,
+                 interval: Interval | str | None = None, heartbeat_seconds: float | None = None) -> None:
         """`retry`: how transient failures are retried (default RetryPolicy.from_env(), i.e. the
         LASTGOOD_RETRY_* settings); it also bounds how long a service that is starting is
         waited for, here and in restore(). `require_final`: wait()/close() raise SaveFailed when
         the newest save did not commit (else they log it as an error). `new_run`: accept a run
-        name drawn at random by `torchrun --standalone` (also LASTGOOD_NEW_RUN=1)."""
+        name drawn at random by `torchrun --standalone` (also LASTGOOD_NEW_RUN=1).
+        `interval`: when `due(step)` says to save (an Interval or its text: "auto", "500",
+        "30m", "epoch"). `heartbeat_seconds`: the beat period (default LASTGOOD_HEARTBEAT_SECONDS,
+        10 s; 0: no beats). docs/health.md."""
         url = url or os.environ.get("LASTGOOD_URL")
         if not url:
             raise LastgoodError("no service URL: pass Checkpointer(url, run=...) or set LASTGOOD_URL")
@@ -94,6 +100,37 @@ class Checkpointer:
         self._closed = False
         self._worker = threading.Thread(target=self._run, name="lastgood-upload", daemon=True)
         self._worker.start()
+        self._start_health(url, token, interval, heartbeat_seconds)
+
+    # ------------------------------------------------------------------ health (docs/health.md)
+    def _start_health(self, url: str, token: str | None, interval, period: float | None) -> None:
+        """Heartbeats from a daemon thread; the save decisions of `due()`."""
+        self.interval = Interval.parse(interval) if isinstance(interval, str) else interval
+        auto = bool(self.interval and self.interval.auto)
+        self.heartbeat = _health.Heartbeat(url, self.run, self.rank, self.world_size,
+                                           token=token or os.environ.get("LASTGOOD_TOKEN") or None,
+                                           attempt=self.launch, generation=self.generation, period=period,
+                                           want_interval=auto).start()
+        if auto and self.heartbeat.period == 0:
+            log.warning("lastgood: interval 'auto' needs heartbeats (LASTGOOD_HEARTBEAT_SECONDS=0): "
+                        "it saves once, then only on its other triggers")
+        self._decider = Decider(self.interval, lambda: self.heartbeat.interval_s, distributed.broadcast_int) \
+            if self.interval else None
+
+    def step(self, step: int) -> None:
+        """Record that training reached `step` (a timestamp, no I/O): the heartbeat thread
+        reports it, and the service judges hangs and stragglers from it. Once per step."""
+        self.heartbeat.step(step)
+
+    def due(self, step: int, epoch_end: bool = False) -> bool:
+        """Should this step be saved, under the Checkpointer's `interval`? Call it once per
+        step on every rank (it records the step, as `step()` does); every rank gets the same
+        answer. `epoch_end=True` at the last step of an epoch."""
+        if self._decider is None:
+            raise LastgoodError("due() needs Checkpointer(..., interval=...): e.g. Interval(every_steps=500), "
+                                "'30m' or 'auto'")
+        self.heartbeat.step(step)
+        return self._decider.due(step, epoch_end)
 
     def _record_restart(self) -> None:
         """Under torchrun's elastic agent, every restart of the group is an event of the run."""
@@ -146,6 +183,17 @@ class Checkpointer:
             raise self._fenced
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        began = time.monotonic()
+        self.heartbeat.phase(_health.SAVING)
+        try:
+            self._snapshot(step, state)
+        finally:  # the stall the trainer paid: C of the auto interval
+            self.heartbeat.saved(time.monotonic() - began)
+            self.heartbeat.phase(_health.TRAIN)
+            if self._decider is not None:
+                self._decider.saved()
+
+    def _snapshot(self, step: int, state: TrainState) -> None:
         cap = state.capture(step, self.rank, self.world_size)
         if self._pool.full():
             # every buffer is taken: while the service is away, give up the oldest waiting
@@ -387,6 +435,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            self.heartbeat.stop(_health.IDLE)  # done: idle, never hung
             self._jobs.put(None)
             self._worker.join(timeout=10)
             self.transport.close()
@@ -415,6 +464,15 @@ class Checkpointer:
         ancestor is tried next. A run whose every candidate is damaged raises
         NoUsableCheckpoint on every rank. docs/recovery.md has the whole story.
         """
+        self.heartbeat.phase(_health.RESTORING)
+        try:
+            return self._restore(state, checkpoint_id)
+        finally:
+            self.heartbeat.phase(_health.TRAIN)
+            if self._decider is not None:
+                self._decider.restart()
+
+    def _restore(self, state: TrainState, checkpoint_id: int | None) -> int | None:
         self._jobs.join()  # in-flight saves finish first; their failures stay for wait()
         tried: list[int] = []
         cid = self._agree(lambda: checkpoint_id if checkpoint_id is not None else self._last_good_id())

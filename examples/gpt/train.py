@@ -185,6 +185,7 @@ def main(argv=None) -> None:
             losses.write(json.dumps({"step": step, "loss": loss.item().hex(), "ids": ids.tolist(),
                                      "epoch": progress["epoch"]}) + "\n")
             losses.flush()
+            ckpt.step(step)  # progress for the heartbeats: a rank stuck in a step is seen hung (docs/health.md)
             if (step + 1) % args.every == 0:
                 if fault_at(rank, step, "after_save"):
                     ckpt.wait()  # earlier saves committed; only this one will be in flight

@@ -27,6 +27,7 @@ from .domain.curation import Curator
 from .domain.faults import Ballast
 from .domain.gate import CatalogGate
 from .domain.gc import GarbageCollector
+from .domain.health import Health
 from .domain.repair import Repair
 from .domain.errors import DomainError
 from .domain.retention import Retention
@@ -69,6 +70,10 @@ class Service:
         self.metrics = Metrics(pending=self.queries.pending_count)
         self.commits = CommitService(settings, sessions, blobs, metrics=self.metrics, gate=self.gate)
         self.curator = Curator(sessions, gate=self.gate)
+        # heartbeats commit without an fsync each (catalog/db.py): their own small pool
+        self.health_engine = make_engine(url, durable=False)
+        self.health = Health.from_settings(make_sessionmaker(self.health_engine), settings, metrics=self.metrics,
+                                           gate=self.gate)
         self.ballast = Ballast(_sqlite_dir(url) / ".lastgood-ballast" if _sqlite_dir(url) else None,
                                settings.ballast_bytes)
         self.ballast.ensure()
@@ -101,6 +106,8 @@ class Service:
         threading.Thread(target=self._reaper, name="lease-reaper", daemon=True).start()
         if s.gc_interval > 0:
             threading.Thread(target=self._gc_loop, name="gc", daemon=True).start()
+        if s.health_interval > 0:
+            threading.Thread(target=self._health_loop, name="health", daemon=True).start()
 
     @property
     def grpc_target(self) -> str:
@@ -128,15 +135,24 @@ class Service:
             except Exception:
                 log.exception("scheduled GC pass failed; will retry")
 
+    def _health_loop(self) -> None:
+        while not self._stop.wait(self.settings.health_interval):
+            try:
+                self.health.sweep()
+            except Exception:
+                log.exception("health sweep failed; will retry")
+
     def app(self):
         return create_app(AppContext(self.commits, self.queries, self.grpc_target, self.curator, self.gc,
-                                     self.tokens, self.metrics, self.spool))
+                                     self.tokens, self.metrics, self.spool,
+                                     self.health))
 
     def stop(self) -> None:
         self._stop.set()
         if self.grpc_server is not None:
             self.grpc_server.stop(grace=2).wait()
         self.engine.dispose()
+        self.health_engine.dispose()
 
 
 class JsonFormatter(logging.Formatter):

@@ -29,6 +29,11 @@ class Metrics:
                                         buckets=_SECONDS, registry=r)
         self.restore_seconds = Histogram("lastgood_restore_seconds", "Time to stream one shard file to a reader",
                                          buckets=_SECONDS, registry=r)
+        self.heartbeats = Counter("lastgood_heartbeats", "Heartbeats received", registry=r)
+        self.verdicts = Counter("lastgood_health_verdicts", "Ranks found hung, straggler or lost (events recorded)",
+                                ["verdict"], registry=r)
+        self.ranks_by_verdict = Gauge("lastgood_ranks", "Ranks of recently beating runs by verdict, at the last "
+                                      "health sweep", ["verdict"], registry=r)
         if pending is not None:
             Gauge("lastgood_pending_checkpoints", "Checkpoints begun and not yet committed or abandoned",
                   registry=r).set_function(pending)

@@ -73,6 +73,23 @@ class Settings(BaseSettings):
     gc_interval: float = Field(3600.0, ge=0, description="seconds between scheduled GC passes; 0 turns them off")
     gc_grace_seconds: float = Field(3600.0, ge=0,
                                     description="ABANDONED and CORRUPT checkpoints are kept at least this long")
+    # run health (domain/health.py, docs/health.md)
+    health_interval: float = Field(5.0, ge=0, description="seconds between health sweeps, which record hung, "
+                                   "straggler and lost ranks as events; 0 turns them off (GET .../health still judges)")
+    hang_timeout: float | None = Field(None, gt=0, description="a fixed hang timeout in seconds instead of the "
+                                       "computed one (a request's ?hang_timeout= wins)")
+    hang_factor: float = Field(5.0, gt=1, description="computed hang timeout: this times the slowest recent step")
+    hang_floor_seconds: float = Field(60.0, gt=0, description="the computed hang timeout is never shorter")
+    hang_first_step_seconds: float = Field(600.0, gt=0, description="hang timeout of a rank with no step time yet "
+                                           "(start-up, compilation, the first step after a restore)")
+    hang_save_seconds: float = Field(600.0, gt=0, description="hang timeout of a rank that is saving or restoring")
+    straggler_z: float = Field(3.5, gt=0, description="a straggler's robust z-score (median/MAD) exceeds this ...")
+    straggler_ratio: float = Field(1.5, ge=1, description="... its step time is at least this times the median ...")
+    straggler_window_seconds: float = Field(60.0, ge=0, description="... for at least this long")
+    mtbf_prior_hours: float = Field(24.0, gt=0, description="a run's mean time between failures until it has failed "
+                                    "(the auto checkpoint interval)")
+    failure_merge_seconds: float = Field(300.0, ge=0, description="failure signals of a run this close together "
+                                         "(a hang, its kill, the relaunch) count as one failure")
     failpoint: str | None = Field(
         None, description="testing only: crash_before_manifest / crash_after_manifest make the process "
                           "exit abruptly at that point of a commit; lose_commit_reply fails every "

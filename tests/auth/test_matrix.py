@@ -82,6 +82,7 @@ SPEC = {
     ("GET", "/api/v1/runs/{run}/events"): (R, "run"), ("GET", "/api/v1/runs/{run}/lineage"): (R, "run"),
     ("POST", "/api/v1/runs/{run}/rollback"): (W, "run"), ("POST", "/api/v1/runs/{run}/events"): (W, "run"),
     ("POST", "/api/v1/runs/{run}/launches"): (W, "run"), ("GET", "/api/v1/runs/{run}/launches/current"): (R, "run"),
+    ("POST", "/api/v1/runs/{run}/heartbeats"): (W, "run"), ("GET", "/api/v1/runs/{run}/health"): (R, "run"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}"): (R, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/manifest"): (R, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/ancestors"): (R, "checkpoint"),
@@ -146,6 +147,8 @@ def _concrete(world, method, path):
         h.post(f"/api/v1/runs/{RUN}/launches", json={"attempt": "matrix-launch"}, headers=boot)
     elif path.endswith("/events") and method == "POST":
         body = {"kind": "note", "data": {}}
+    elif path.endswith("/heartbeats"):
+        body = {"rank": 0, "world_size": 1, "step": 1, "phase": "train"}
     elif path.endswith("/leases"):
         body = {}
     elif path == "/api/v1/tokens" and method == "POST":

@@ -162,7 +162,7 @@ def test_events(service, tree):
 
 
 def test_usage_errors_exit_2(service):
-    calls = [["show", "abc"], ["show", "0"], ["show", "@tag"], ["show", "run@"], ["ls", "a/b"],
+    calls = [["show", "a/b"], ["show", "0"], ["show", "@tag"], ["show", "run@"], ["ls", "a/b"],
              ["ls", "run", "--limit", "0"], ["nosuchcommand"], ["download", "1"], ["--timeout", "0", "runs"]]
     urls = [(["--url", "127.0.0.1:8000", "runs"], 2), (["runs"], 2, {"LASTGOOD_URL": "localhost:8000"}),
             (["--url", "ftp://127.0.0.1", "runs"], 2), (["--url", "http://", "runs"], 2)]

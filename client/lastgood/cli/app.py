@@ -241,6 +241,21 @@ class CkptType(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+class CkptOrRunType(CkptType):
+    """A checkpoint (an id, RUN@TAG) or a whole run (a bare run name): `lastgood show`."""
+
+    name = "CKPT|RUN"
+
+    def convert(self, value, param, ctx):
+        text = str(value)
+        if isinstance(value, CkptRef) or "@" in text or text.isdigit():
+            return super().convert(value, param, ctx)
+        try:
+            return CkptRef(run=names.check_run_name(text))
+        except names.InvalidName as e:
+            self.fail(f"{text!r} is not a checkpoint id, RUN@TAG or a run name: {e}", param, ctx)
+
+
 class RunType(click.ParamType):
     name = "RUN"
 
@@ -268,6 +283,7 @@ class UrlType(click.ParamType):
 
 
 CKPT = CkptType()
+CKPT_OR_RUN = CkptOrRunType()
 RUN = RunType()
 URL = UrlType()
 

@@ -6,7 +6,7 @@ import click
 from rich.text import Text
 
 from . import render
-from .app import CKPT, RUN, CkptRef, CliError, Exit, State, cli, json_option, lineage_all, pass_state, q
+from .app import CKPT, CKPT_OR_RUN, RUN, CkptRef, CliError, Exit, State, cli, json_option, lineage_all, pass_state, q
 
 LIMIT = click.IntRange(1, 1000)
 OFFSET = click.IntRange(0)
@@ -47,11 +47,20 @@ def ls(st: State, run: str, status: str | None, limit: int, offset: int) -> None
 
 
 @cli.command()
-@click.argument("ckpt", type=CKPT)
+@click.argument("ckpt", type=CKPT_OR_RUN)
 @json_option
 @pass_state
 def show(st: State, ckpt: CkptRef) -> None:
-    """Show a checkpoint: status, tags, files, sizes, hashes."""
+    """Show a checkpoint (status, tags, files, sizes, hashes), or with a bare RUN name the
+    run: last-good, each rank's health, and the checkpoint interval (docs/health.md).
+
+    With --json for a run: {"run": ..., "health": ...}.
+    """
+    if ckpt.run is not None and ckpt.tag is None:
+        doc = {"run": st.rest.get_json(f"/api/v1/runs/{q(ckpt.run)}"),
+               "health": st.rest.get_json(f"/api/v1/runs/{q(ckpt.run)}/health")}
+        st.emit(doc, lambda out: render.run(out, doc["run"], doc["health"]))
+        return
     doc = st.rest.get_json(f"/api/v1/checkpoints/{st.resolve(ckpt)}")
     st.emit(doc, lambda out: render.checkpoint(out, doc))
 

@@ -152,6 +152,78 @@ def checkpoint(console: Console, c: dict) -> None:
     console.print(table)
 
 
+# ---------------------------------------------------------------- a run and its health
+STATE_STYLE = {"ok": "green", "hung": "bold red", "lost": "red", "straggler": "yellow"}
+MAX_RANK_ROWS = 64  # a big job lists its unhealthy ranks and this many others
+
+
+def fmt_seconds(s: float | None) -> str:
+    """3.2 s, 14 min, 2.5 h, 3.1 d."""
+    if s is None:
+        return "-"
+    for limit, unit, div in ((120, "s", 1), (7200, "min", 60), (3 * 86400, "h", 3600)):
+        if s < limit:
+            return f"{s / div:.1f} {unit}" if s / div < 10 else f"{s / div:.0f} {unit}"
+    return f"{s / 86400:.1f} d"
+
+
+def interval_lines(iv: dict) -> list[tuple[str, Text]]:
+    """The auto interval and the numbers it comes from, as label/value rows."""
+    m = Text(fmt_seconds(iv["mtbf_s"]))
+    note = ("the prior: no failure yet" if iv["mtbf_source"] == "prior"
+            else f"{iv['failures']} failure(s) in {fmt_seconds(iv['exposure_s'])}")
+    m.append(f"  ({note})", style="dim")
+    rows = [("checkpoint cost C", Text(fmt_seconds(iv["cost_s"]) if iv["cost_s"] else "not measured yet (no save)")),
+            ("time between failures M", m)]
+    if iv["seconds"] is not None:
+        tau = Text(fmt_seconds(iv["seconds"]), style="bold")
+        if iv.get("steps"):
+            tau.append(f"  (about {iv['steps']:,} steps)", style="dim")
+        tau.append(f"  Young √(2·C·M) = {fmt_seconds(iv['young_s'])}", style="dim")
+        rows += [("auto interval τ (Daly)", tau),
+                 ("work lost per failure", Text(f"{fmt_seconds(iv['expected_loss_s'])}  ((τ + C) / 2)"))]
+    return rows
+
+
+def run(console: Console, r: dict, h: dict) -> None:
+    lg = r.get("last_good")
+    head = Text.assemble("run ", Text(r["name"], style="bold"))
+    if lg:
+        head.append(f"  last-good #{lg['id']} step {lg['step']}", style="bold green")
+    console.print(head)
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="dim")
+    grid.add_column(overflow="fold")
+    bad = {"hung": h["hung"], "stragglers": h["stragglers"], "lost": h.get("lost", [])}
+    verdict = Text()
+    for k, ranks in bad.items():
+        if ranks:
+            verdict.append(f"{k} {', '.join(map(str, ranks[:20]))}{' ...' if len(ranks) > 20 else ''}  ",
+                           style=STATE_STYLE.get(k.rstrip("s"), "yellow"))
+    if not h["ranks"]:
+        verdict = Text("no heartbeats yet", style="dim")
+    elif not verdict:
+        verdict = Text("every rank ok", style="green")
+    rows = [("health", verdict), ("world size", Text(str(h["world_size"] or "-"))),
+            ("hang timeout", Text(fmt_seconds(h["timeout_s"])))]
+    for k, v in rows + interval_lines(h["interval"]):
+        grid.add_row(k, v)
+    console.print(grid)
+    if not h["ranks"]:
+        return
+    shown = [x for x in h["ranks"] if x["state"] != "ok"]
+    shown += [x for x in h["ranks"] if x["state"] == "ok"][:max(0, MAX_RANK_ROWS - len(shown))]
+    table = make_table("RANK", "STEP", "PHASE", "STEP TIME", "LAST BEAT", "NO PROGRESS", "STATE")
+    for x in sorted(shown, key=lambda x: x["rank"]):
+        table.add_row(Text(str(x["rank"])), Text("-" if x["step"] is None else str(x["step"])), Text(x["phase"]),
+                      Text(fmt_seconds(x.get("typical_step_s") or x["step_seconds"])),
+                      Text(fmt_seconds(x["age_s"]) + " ago"), Text(fmt_seconds(x.get("progress_age_s"))),
+                      Text(x["state"], style=STATE_STYLE.get(x["state"], "")))
+    console.print(table)
+    if len(shown) < len(h["ranks"]):
+        console.print(Text(f"{len(h['ranks']) - len(shown)} more ranks ok (--json lists every rank)", style="dim"))
+
+
 # ---------------------------------------------------------------- lineage
 def _node_label(n: dict, parent_note: int | None) -> Text:
     lg = n.get("last_good")

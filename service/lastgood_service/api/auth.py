@@ -38,6 +38,8 @@ POLICY: dict[tuple[str, str], str | tuple[str, str]] = {
     ("POST", "/api/v1/runs/{run}/events"): (WRITER, "run"),
     ("POST", "/api/v1/runs/{run}/launches"): (WRITER, "run"),
     ("GET", "/api/v1/runs/{run}/launches/current"): (READER, "run"),
+    ("POST", "/api/v1/runs/{run}/heartbeats"): (WRITER, "run"),
+    ("GET", "/api/v1/runs/{run}/health"): (READER, "run"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}"): (READER, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/manifest"): (READER, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/ancestors"): (READER, "checkpoint"),

@@ -19,7 +19,9 @@ from lastgood.fencing import GENERATION_HEADER
 
 from ..domain.commit import CommitService
 from ..domain.curation import Curator
+from ..domain.errors import Unavailable
 from ..domain.gc import GarbageCollector
+from ..domain.health import Health
 from ..domain.queries import MAX_PAGE, Queries
 from ..domain.spool import Spool
 from ..domain.tokens import TokenStore
@@ -37,6 +39,7 @@ class AppContext:
     tokens: TokenStore
     metrics: Metrics | None = None
     spool: Spool | None = None
+    health: Health | None = None
 
 
 def context(request: Request) -> AppContext:
@@ -66,6 +69,12 @@ def _tokens(ctx: Ctx) -> TokenStore:
     return ctx.tokens
 
 
+def _health(ctx: Ctx) -> Health:
+    if ctx.health is None:  # an app built without it (a test's context): the routes exist, the part does not
+        raise Unavailable("run health is not served by this app")
+    return ctx.health
+
+
 def _settings(ctx: Ctx) -> Settings:
     return ctx.commits.settings
 
@@ -76,6 +85,7 @@ CuratorDep = Annotated[Curator, Depends(_curator)]
 GCDep = Annotated[GarbageCollector, Depends(_gc)]
 TokensDep = Annotated[TokenStore, Depends(_tokens)]
 SettingsDep = Annotated[Settings, Depends(_settings)]
+HealthDep = Annotated[Health, Depends(_health)]
 
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE)]
 Offset = Annotated[int, Query(ge=0, le=names.MAX_ID)]

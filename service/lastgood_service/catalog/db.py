@@ -34,20 +34,25 @@ def _ensure_sqlite_dir(url: str) -> None:
         Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, durable: bool = True) -> Engine:
+    """`durable=False`: commits return before they reach the disk (SQLite synchronous=NORMAL
+    in WAL mode, PostgreSQL synchronous_commit=off). Still atomic and consistent; a power
+    loss may forget the last commits. For heartbeats only (domain/health.py): the next beat
+    rewrites the row anyway, and an fsync per beat was most of a beat's latency."""
     if url.startswith("sqlite"):
         _ensure_sqlite_dir(url)
         engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
-        _sqlite_pragmas(engine)
+        _sqlite_pragmas(engine, "FULL" if durable else "NORMAL")
         return engine
     if is_postgres(url):
         return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, connect_args={
             "options": f"-c lock_timeout={LOCK_TIMEOUT_MS} "
-                       f"-c idle_in_transaction_session_timeout={IDLE_IN_TXN_TIMEOUT_MS}"})
+                       f"-c idle_in_transaction_session_timeout={IDLE_IN_TXN_TIMEOUT_MS}"
+                       + ("" if durable else " -c synchronous_commit=off")})
     return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
 
 
-def _sqlite_pragmas(engine: Engine) -> None:
+def _sqlite_pragmas(engine: Engine, synchronous: str = "FULL") -> None:
     """WAL for concurrent readers; BEGIN IMMEDIATE so that a transaction that reads and
     then writes takes the write lock up front instead of failing with SQLITE_BUSY when a
     concurrent writer got there first (the busy timeout cannot retry that case)."""
@@ -57,7 +62,7 @@ def _sqlite_pragmas(engine: Engine) -> None:
         dbapi_conn.isolation_level = None  # let us emit BEGIN ourselves
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute("PRAGMA synchronous=FULL")
+        cur.execute(f"PRAGMA synchronous={synchronous}")
         cur.execute("PRAGMA foreign_keys=ON")
         cur.execute("PRAGMA busy_timeout=30000")
         cur.close()

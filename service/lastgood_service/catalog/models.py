@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from sqlalchemy import (BigInteger, DateTime, ForeignKey, Index, Integer, MetaData, String, Text,
+from sqlalchemy import (BigInteger, DateTime, Float, ForeignKey, Index, Integer, MetaData, String, Text,
                         TypeDecorator, UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -175,3 +175,31 @@ class Event(Base):
     kind: Mapped[str] = mapped_column(String(32))
     at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
     data_json: Mapped[str] = mapped_column(Text, default="{}")
+
+
+class Heartbeat(Base):
+    """The latest beat of one rank of a run: one row per (run, rank), updated in place, so a
+    job of N ranks costs N rows however long it runs (domain/health.py). Times are the
+    service's clock, never the client's. The smoothed step times, the progress time and
+    the outlier start are what the verdicts need from the past beats."""
+
+    __tablename__ = "heartbeats"
+    __table_args__ = (Index("ix_heartbeats_beat_at", "beat_at"),)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    world_size: Mapped[int] = mapped_column(Integer)
+    generation: Mapped[int] = mapped_column(BigInteger, default=0)
+    attempt: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    step_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)     # as the rank last said
+    typical_step_s: Mapped[float | None] = mapped_column(Float, nullable=True)   # smoothed over beats
+    slowest_step_s: Mapped[float | None] = mapped_column(Float, nullable=True)   # a slowly decaying maximum
+    save_stall_s: Mapped[float | None] = mapped_column(Float, nullable=True)     # smoothed over saves
+    period_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    phase: Mapped[str] = mapped_column(String(16))
+    beats: Mapped[int] = mapped_column(BigInteger, default=0)
+    started_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())   # first beat of this generation
+    beat_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+    progress_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())  # the step or the phase last changed
+    outlier_since: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    verdict: Mapped[str] = mapped_column(String(16), default="ok")   # as last recorded (events on change)

@@ -5,9 +5,10 @@
 import { api, ApiError, AuthRequired, get, seg, setToken, token } from './api.js';
 import { clip, fill, formatAgo, formatBytes, formatNumber, formatSeconds, h, show } from './dom.js';
 import { buildModel, LineageGraph } from './graph.js';
+import { healthPanel } from './health.js';
 
 const POLL_MS = 2000;
-const EVENT_KINDS = 'spike,rollback,restart,corrupt,abort,expired,hash_mismatch,note,fenced,fenced_write';
+const EVENT_KINDS = 'spike,rollback,restart,corrupt,abort,expired,hash_mismatch,note,fenced,fenced_write,hung,straggler,lost';
 const MAX_EVENTS_SHOWN = 200;
 const MAX_CURL_FILES = 8;
 
@@ -115,6 +116,7 @@ async function tick() {
       } else if (sig !== state.renderedSig || state.force) {
         await loadRun(sig);
       }
+      if (item) await loadHealth(state.run);
     }
     state.force = false;
     if (!state.run || state.runs.some((r) => r.name === state.run)) {
@@ -145,6 +147,12 @@ async function loadRun(sig) {
   renderEvents();
   renderDetail();
   if (state.tab === 'gc') await loadGc();
+}
+
+/** Health changes without events (ages grow, steps advance): read every poll. */
+async function loadHealth(run) {
+  const doc = await get(`/api/v1/runs/${seg(run)}/health`);
+  if (run === state.run) fill($('run-health'), healthPanel(doc));
 }
 
 // ---------------------------------------------------------------- runs list
@@ -190,6 +198,7 @@ function selectRun(name, user) {
   state.lineage = null;
   state.expanded = new Set();
   state.gcPlan = null;
+  fill($('run-health'));
   if (user) state.selected = null;
   show($('run-pane'), Boolean(state.run));
   $('run-title').textContent = state.run || '';
@@ -239,6 +248,7 @@ const SUMMARISED = {
   rollback: ['target_step', 'spike_step', 'lr_factor', 'skipped', 'suspect', 'last_good_before', 'last_good'],
   fenced: ['generation', 'attempt', 'by_generation', 'by_attempt', 'abandoned', 'last_good_id', 'last_good_step'],
   fenced_write: ['what', 'generation', 'step', 'rank'],
+  verdict: ['rank', 'step', 'phase', 'age_s', 'progress_age_s', 'timeout_s', 'typical_step_s', 'generation'],
 };
 
 /** Whatever the sentence leaves out, as short JSON (a client may add its own fields). */
@@ -281,6 +291,14 @@ function eventText(e) {
     if (d.step !== undefined) parts.push(`step ${d.step}`);
     if (d.rank !== undefined) parts.push(`rank ${d.rank}`);
     return [...parts, ...remainder('fenced_write', d)].join(' · ');
+  }
+  if (['hung', 'straggler', 'lost'].includes(e.kind)) {
+    parts.push(`rank ${d.rank}`);
+    if (d.step != null) parts.push(`at step ${d.step}`);
+    if (e.kind === 'straggler' && d.typical_step_s != null) parts.push(`${num(d.typical_step_s)} s a step`);
+    if (e.kind === 'hung') parts.push(`no progress for ${num(d.progress_age_s)} s (timeout ${num(d.timeout_s)} s)`);
+    if (e.kind === 'lost') parts.push(`silent for ${num(d.age_s)} s`);
+    return [...parts, ...remainder('verdict', d)].join(' · ');
   }
   const json = JSON.stringify(d);
   return json && json !== '{}' ? clip(json, 300) : '';

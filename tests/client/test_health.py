@@ -1,0 +1,205 @@
+"""Hang and straggler verdicts with ranks beating through the real client (lastgood.health:
+one Heartbeat thread per simulated rank, each rank a thread stepping at its own pace)
+against a real service, and a real Checkpointer's beats, cost and `due()` decisions."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from torch import nn
+
+import lastgood
+from lastgood.health import Heartbeat, SAVING, TRAIN
+from lastgood.interval import PROBE_STEPS
+
+# fast verdicts: a 1 s floor, a 0.3 s sweep; the save allowance is long, so that a test can
+# see a saving rank stay ok well past the steady timeout
+FAST_HEALTH = {"LASTGOOD_HEALTH_INTERVAL": "0.3", "LASTGOOD_HANG_FLOOR_SECONDS": "1",
+               "LASTGOOD_HANG_FIRST_STEP_SECONDS": "60", "LASTGOOD_HANG_SAVE_SECONDS": "60",
+               "LASTGOOD_STRAGGLER_WINDOW_SECONDS": "3"}
+PERIOD = 0.3
+
+
+class SimRank(threading.Thread):
+    """A training loop that only steps: `step_s` a step, beating through a real Heartbeat."""
+
+    def __init__(self, url: str, run: str, rank: int, world: int, step_s: float, gen: int) -> None:
+        super().__init__(daemon=True)
+        self.hb = Heartbeat(url, run, rank, world, attempt="sim", generation=gen, period=PERIOD).start()
+        self.step_s = step_s
+        self.step = 0
+        self.frozen = threading.Event()  # the training thread stops making progress
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            if not self.frozen.is_set():
+                self.hb.step(self.step)
+                self.step += 1
+            time.sleep(self.step_s)
+
+    def stop(self, final=None) -> None:
+        self.done.set()
+        self.hb.stop(final)
+
+
+def start_ranks(svc, run: str, paces: list[float]) -> list[SimRank]:
+    r = httpx.post(f"{svc.url}/api/v1/runs/{run}/launches", json={"attempt": "sim", "world_size": len(paces)})
+    gen = r.json()["generation"]
+    ranks = [SimRank(svc.url, run, i, len(paces), pace, gen) for i, pace in enumerate(paces)]
+    for s in ranks:
+        s.start()
+    return ranks
+
+
+def health(svc, run: str) -> dict:
+    return httpx.get(f"{svc.url}/api/v1/runs/{run}/health", timeout=30).json()
+
+
+def wait_for(svc, run: str, pred, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        h = health(svc, run)
+        if pred(h):
+            return h
+        assert time.monotonic() < deadline, f"health never became what the test waits for: {h}"
+        time.sleep(0.2)
+
+
+def timed(h: dict) -> bool:
+    """Every rank has a step time (past its first-step allowance)."""
+    return bool(h["ranks"]) and all(r["step_seconds"] for r in h["ranks"])
+
+
+def events(svc, run: str, kinds: str) -> list[dict]:
+    return httpx.get(f"{svc.url}/api/v1/runs/{run}/events", params={"kind": kinds}).json()["items"]
+
+
+@pytest.fixture
+def hsvc(make_service):
+    return make_service(**FAST_HEALTH)
+
+
+def test_a_rank_that_stops_progressing_is_hung_within_its_timeout(hsvc, run_name):
+    ranks = start_ranks(hsvc, run_name, [0.05, 0.05])
+    try:
+        h = wait_for(hsvc, run_name, timed)
+        assert h["hung"] == [] and h["timeout_s"] >= 1.0
+        ranks[1].frozen.set()  # stuck inside its step: its heartbeat thread goes on beating
+        h = wait_for(hsvc, run_name, lambda h: h["hung"])
+        assert h["hung"] == [1] and h["lost"] == []
+        stuck = h["ranks"][1]
+        assert stuck["state"] == "hung" and stuck["progress_age_s"] > stuck["timeout_s"]
+        assert stuck["age_s"] < stuck["timeout_s"]  # it beats, it just makes no progress
+        assert h["ranks"][0]["state"] == "ok"
+        hung = wait_for_events(hsvc, run_name, "hung")
+        assert [e["data"]["rank"] for e in hung] == [1]  # recorded once, however many sweeps saw it
+        ranks[1].frozen.clear()  # progress again: ok again
+        wait_for(hsvc, run_name, lambda h: h["hung"] == [])
+    finally:
+        for s in ranks:
+            s.stop()
+
+
+def wait_for_events(svc, run: str, kind: str, timeout: float = 30.0) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while not (found := events(svc, run, kind)):
+        assert time.monotonic() < deadline, f"no {kind} event"
+        time.sleep(0.2)
+    time.sleep(1.0)  # a few more sweeps: still one event
+    return events(svc, run, kind)
+
+
+def test_a_saving_rank_is_not_hung_and_a_silent_one_is(hsvc, run_name):
+    ranks = start_ranks(hsvc, run_name, [0.05, 0.05, 0.05])
+    try:
+        wait_for(hsvc, run_name, timed)
+        ranks[1].hb.phase(SAVING)  # a long save: no step for longer than the steady timeout
+        ranks[1].frozen.set()
+        ranks[2].stop(final=None)  # the process is gone: no beat at all, and no goodbye
+        h = wait_for(hsvc, run_name, lambda h: h["ranks"][1]["progress_age_s"] > 2 * h["timeout_s"]
+                     and h["ranks"][2]["age_s"] > 2 * h["ranks"][2]["timeout_s"])
+        assert h["ranks"][1]["phase"] == "saving" and h["ranks"][1]["state"] == "ok"
+        assert h["ranks"][1]["timeout_s"] == 60.0  # the save allowance
+        assert h["hung"] == [] and h["lost"] == [2]
+        # the control: the same stall in phase train is a hang
+        ranks[1].hb.phase(TRAIN)
+        h = wait_for(hsvc, run_name, lambda h: h["hung"])
+        assert h["hung"] == [1]
+        kinds = [e["kind"] for e in events(hsvc, run_name, "hung,lost")]
+        assert "lost" in kinds and kinds.count("hung") >= 1
+    finally:
+        for s in ranks:
+            s.stop()
+
+
+def test_a_rank_three_times_slower_is_a_straggler(hsvc, run_name):
+    ranks = start_ranks(hsvc, run_name, [0.1, 0.1, 0.1, 0.3])
+    try:
+        h = wait_for(hsvc, run_name, lambda h: h["stragglers"])
+        assert h["stragglers"] == [3] and h["hung"] == []
+        assert h["ranks"][3]["state"] == "straggler"
+        ev = wait_for_events(hsvc, run_name, "straggler")
+        assert [e["data"]["rank"] for e in ev] == [3]
+        metrics = httpx.get(f"{hsvc.url}/metrics").text
+        assert 'lastgood_health_verdicts_total{verdict="straggler"} 1.0' in metrics
+    finally:
+        for s in ranks:
+            s.stop()
+
+
+def test_an_even_job_has_no_straggler(hsvc, run_name):
+    ranks = start_ranks(hsvc, run_name, [0.1, 0.1, 0.1, 0.1])
+    try:
+        wait_for(hsvc, run_name, timed)
+        seen = []
+        end = time.monotonic() + 4 * 3  # four straggler windows
+        while time.monotonic() < end:
+            h = health(hsvc, run_name)
+            seen += h["stragglers"] + h["hung"]
+            time.sleep(0.3)
+        assert seen == [] and events(hsvc, run_name, "straggler,hung,lost") == []
+    finally:
+        for s in ranks:
+            s.stop()
+
+
+def test_a_checkpointer_beats_measures_its_cost_and_saves_when_due(hsvc, run_name):
+    torch.manual_seed(0)
+    state = lastgood.TrainState(model=nn.Linear(8, 8))
+    ckpt = lastgood.Checkpointer(hsvc.url, run=run_name, interval="auto", heartbeat_seconds=0.2)
+    saved = []
+    for step in range(3 * PROBE_STEPS):
+        if ckpt.due(step):
+            ckpt.save(step, state)
+            saved.append(step)
+        time.sleep(0.02)
+    ckpt.wait()
+    # auto with no cost known yet saves once, after the probe steps, to measure it
+    assert saved == [PROBE_STEPS]
+    h = wait_for(hsvc, run_name, lambda h: h["interval"]["cost_s"])
+    assert h["ranks"][0]["step"] is not None and h["ranks"][0]["phase"] == "train"
+    iv = h["interval"]
+    assert iv["cost_s"] > 0 and iv["mtbf_source"] == "prior" and iv["seconds"] > iv["cost_s"]
+    ckpt.close()
+    h = wait_for(hsvc, run_name, lambda h: h["ranks"][0]["phase"] == "idle")
+    assert h["ranks"][0]["state"] == "ok"
+
+
+def test_due_every_n_steps_and_at_epoch_ends(service, run_name):
+    ckpt = lastgood.Checkpointer(service.url, run=run_name, interval=lastgood.Interval(every_steps=4, epoch_end=True),
+                                 heartbeat_seconds=0)
+    try:
+        assert [s for s in range(13) if ckpt.due(s, epoch_end=(s == 6))] == [4, 6, 8, 12]
+    finally:
+        ckpt.close()
+    plain = lastgood.Checkpointer(service.url, run=run_name, heartbeat_seconds=0)
+    try:
+        with pytest.raises(lastgood.LastgoodError, match="interval"):
+            plain.due(1)
+    finally:
+        plain.close()
