@@ -33,7 +33,7 @@ from . import render
 from .app import CKPT, CkptRef, CliError, Exit, State, VerificationFailed, cli, json_option, pass_state
 
 if TYPE_CHECKING:
-    from ..transport import RestClient
+    from ..rest import RestClient
 
 CHUNK = 1024 * 1024
 LEASE_SECONDS = 600.0
@@ -83,7 +83,7 @@ def _fetch(rest: RestClient, cid: int, rank: int, entry: FileEntry, path: Path, 
     hasher = StreamHasher()
     ok = False
     try:
-        resp = rest.open("GET", f"/api/v1/checkpoints/{cid}/ranks/{rank}/files/{entry.name}")
+        resp = rest.open_file(cid, rank, entry.name)
         with resp, open(tmp, "wb") as f:
             while True:
                 try:
