@@ -18,7 +18,7 @@ from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
 
 from ..domain.commit import CommitService
 from ..domain.commit.protocol import ShardHeader
-from ..domain.errors import DomainError, FailedPrecondition, InvalidArgument
+from ..domain.errors import DomainError, InvalidArgument, SpoolNotShared
 from ..domain.faults import as_domain_error
 from ..domain.spool import Spool
 from ..domain.tokens import READER, WRITER, Principal, TokenStore
@@ -200,7 +200,7 @@ class Servicer(pb_grpc.CheckpointsServicer):
     def _put_spooled(self, h, header: ShardHeader, request_iterator):
         """The same-host hand-over (domain/spool.py): the bytes are in a file, not in chunks."""
         if self.spool is None:
-            raise FailedPrecondition("spool: this service takes no spooled files; stream the shard")
+            raise SpoolNotShared("spool: this service takes no spooled files; stream the shard")
         if next(request_iterator, None) is not None:
             raise InvalidArgument("a spooled PutShard carries its header only, no chunks")
         taken = self.spool.take(h.spool_file, h.spool_id, h.size)
