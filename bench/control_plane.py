@@ -48,7 +48,7 @@ from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
 MODES = ("vote-wait", "outcome")
 RANKS_PER_CHANNEL = 64
 PUTS_AT_ONCE = 16
-RPC_TIMEOUT = 120.0
+RPC_TIMEOUT = 600.0  # at 4,096 ranks a vote queues for minutes behind the others (docs/control-plane.md)
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -145,23 +145,29 @@ async def storm(url: str, run: str, step: int, ranks: int, mode: str, pid: int |
     out: dict = {"ranks": ranks, "mode": mode}
     try:
         # 1. begin storm
-        lat, errors, ids = [], [], set()
+        lat, errors, ids, failed = [], [], set(), []
 
-        async def begin(r: int) -> None:
+        async def begin(r: int, measured: bool = True) -> None:
             t = time.perf_counter()
             try:
                 res = await stub(r).BeginCheckpoint(pb.BeginCheckpointRequest(
                     run=run, step=step, world_size=ranks, attempt=attempt, rank=r), timeout=RPC_TIMEOUT)
                 ids.add(res.checkpoint_id)
             except grpc.aio.AioRpcError as e:
+                if not measured:
+                    raise
                 errors.append(e.code().name)
-            lat.append(time.perf_counter() - t)
+                failed.append(r)
+            if measured:
+                lat.append(time.perf_counter() - t)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(begin(r) for r in range(ranks)))
         out["begin"] = {"latency_s": summary(lat), "errors": len(errors), "error_codes": sorted(set(errors)),
                         "checkpoint_ids": len(ids), "wall_s": round(time.perf_counter() - t0, 3)}
-        if errors or len(ids) != 1:
+        for r in failed:  # the client's retry policy would ask again: so do we, one at a time, unmeasured
+            await begin(r, measured=False)
+        if len(ids) != 1:
             raise RuntimeError(f"begin storm: {out['begin']}")
         cid = ids.pop()
         out["checkpoint_id"] = cid
@@ -317,7 +323,7 @@ def one_checkpoint(svc: Service, catalog: Catalog, run: str, step: int, ranks: i
     return res
 
 
-def run_catalog(kind: str, rank_counts: list[int], repeats: int, work: Path, modes=MODES) -> dict:
+def run_catalog(kind: str, rank_counts: list[int], repeats: int, work: Path, modes=MODES, on_result=None) -> dict:
     pg = None
     env = {"LASTGOOD_REAPER_INTERVAL": "30", "LASTGOOD_LEASE_SECONDS": "600", "LASTGOOD_GC_INTERVAL": "0"}
     if kind == "postgres":
@@ -343,13 +349,20 @@ def run_catalog(kind: str, rank_counts: list[int], repeats: int, work: Path, mod
                 for mode in (modes if rep % 2 == 0 else modes[::-1]):
                     step += 1
                     load = os.getloadavg()[0]
-                    r = one_checkpoint(svc, catalog, f"cp-{kind}", step, ranks, mode)
+                    try:
+                        r = one_checkpoint(svc, catalog, f"cp-{kind}", step, ranks, mode)
+                    except Exception as e:  # noqa: BLE001 - a failed checkpoint is a result too
+                        r = {"ranks": ranks, "mode": mode, "failed": f"{type(e).__name__}: {e}"[:2000]}
                     r["loadavg_1m_before"] = round(load, 2)
                     print(json.dumps({k: v for k, v in r.items() if k != "catalog"}), flush=True)
                     results.append(r)
+                    if on_result:
+                        on_result({"catalog": kind, "checkpoints": results})
     finally:
         catalog.close()
         svc.stop()
+        log = Path(tempfile.gettempdir()) / f"control-plane-service-{kind}.log"
+        log.write_bytes(svc.log.read_bytes())  # the service's own account of any failure
         if pg is not None:
             _as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(pg.data_dir), "-m", "fast", "-w", "stop")
     return {"catalog": kind, "checkpoints": results}
@@ -381,8 +394,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="lastgood-cp-") as work:
         os.chmod(work, 0o755)
         for kind in a.catalogs.split(","):
+            def partial(run: dict) -> None:  # written after every checkpoint: a long run that fails keeps its figures
+                Path(a.out).write_text(json.dumps({**report, "runs": report["runs"] + [run], "partial": True},
+                                                  indent=1) + "\n")
             report["runs"].append(run_catalog(kind, [int(x) for x in a.ranks.split(",")], a.repeats, Path(work),
-                                              tuple(a.modes.split(","))))
+                                              tuple(a.modes.split(",")), partial))
     report["loadavg_end"] = os.getloadavg()
     Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {a.out}")
