@@ -354,7 +354,9 @@ class Checkpointer:
                 if time.monotonic() > deadline:
                     raise SaveFailed(f"checkpoint {cid} (step {snap.step}) not committed after "
                                      f"{self.commit_timeout:.0f}s; ranks not voted: {missing}")
-                out = self.transport.outcome(cid, wait=min(2.0, max(deadline - time.monotonic(), 0.0) + 0.01))
+                # long waits (the service holds no thread for them); short ones while a peer may give up
+                out = self.transport.outcome(cid, wait=min(2.0 if converging() else 10.0,
+                                                           max(deadline - time.monotonic(), 0.0) + 0.01))
                 status, missing = out["status"], out["missing_ranks"]
         except BaseException as e:
             if isinstance(e, GaveUp):  # a newer save wants this buffer: settled before that one begins
