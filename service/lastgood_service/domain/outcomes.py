@@ -4,10 +4,10 @@ A rank that has voted waits for COMMITTED (or ABANDONED, CORRUPT). Holding a thr
 waiting rank (the waiting CommitRank vote) caps how many may wait and polls the catalog once
 per waiter per interval; at 1,024 ranks most could not wait at all and backed off instead.
 Here a waiter is a coroutine on the REST server's event loop (GET
-/api/v1/checkpoints/{id}/outcome?wait=S, api/outcomes.py) sharing one future per
+/api/v1/checkpoints/{id}/outcome?wait=S, api/routes/outcomes.py) sharing one future per
 checkpoint, and ONE notifier per service process decides when to look:
 
-- a change made in this process (a commit, an abort, an expiry: CommitService._notify)
+- a change made in this process (a commit, an abort, an expiry: _notify in domain/commit/core.py)
   pokes it, and it reads every watched checkpoint's status in one query at once;
 - a change made by another replica on the same catalog is seen by the same one query,
   repeated every `outcome_poll_interval` seconds while anything is watched.
