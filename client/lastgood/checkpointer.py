@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import threading
 import time
 from dataclasses import dataclass
@@ -337,20 +336,25 @@ class Checkpointer:
         try:
             self.transport.put_shard(cid, self.rank, self.file_name, data, digest, spooled=spooled)
             deadline = time.monotonic() + self.commit_timeout
-            pause = 0.05
-            while True:
-                asked = time.monotonic()
-                res = self.transport.commit_rank(cid, self.rank, [self.file_name], wait=2.0)
-                if res.status == "COMMITTED":
+            # vote without waiting, then wait for the outcome where a waiting rank costs the
+            # service no thread (a long-poll on its event loop: docs/control-plane.md)
+            res = self.transport.commit_rank(cid, self.rank, [self.file_name], wait=0.0)
+            status, missing = res.status, list(res.missing_ranks)
+            while status != "COMMITTED":
+                if status != "PENDING":  # decided otherwise: the vote, asked again, raises why (fenced, ...)
+                    status = self.transport.commit_rank(cid, self.rank, [self.file_name], wait=0.0).status
+                    if status != "COMMITTED":
+                        raise SaveFailed(f"checkpoint {cid} (step {snap.step}) is {status}")
                     break
                 if converging():  # a peer may have given this step up and moved on (or began it late)
                     self._converge(snap.step, cid)
                 if time.monotonic() > deadline:
                     raise SaveFailed(f"checkpoint {cid} (step {snap.step}) not committed after "
-                                     f"{self.commit_timeout:.0f}s; ranks not voted: {list(res.missing_ranks)}")
-                if time.monotonic() - asked < 1.0:  # the service answered without waiting: back off
-                    time.sleep(pause * (0.5 + random.random()))
-                    pause = min(pause * 2, 2.0)
+                                     f"{self.commit_timeout:.0f}s; ranks not voted: {missing}")
+                # long waits (the service holds no thread for them); short ones while a peer may give up
+                out = self.transport.outcome(cid, wait=min(2.0 if converging() else 10.0,
+                                                           max(deadline - time.monotonic(), 0.0) + 0.01))
+                status, missing = out["status"], out["missing_ranks"]
         except BaseException as e:
             if isinstance(e, GaveUp):  # a newer save wants this buffer: settled before that one begins
                 self._unsure.append((cid, snap.step, digest))
