@@ -182,6 +182,14 @@ class RestClient:
         """One checkpoint: status, step, tags (and its manifest once committed)."""
         return self.get_json(f"/api/v1/checkpoints/{int(checkpoint_id)}")
 
+    def outcome(self, checkpoint_id: int, wait: float) -> dict:
+        """{"status", "missing_ranks"} of a checkpoint as soon as it is not PENDING, or after
+        `wait` seconds. The service holds no thread while a rank waits here (a waiting CommitRank
+        vote does), so every rank can wait at once; retried like every call, so a
+        connection dropped while waiting is asked again (docs/control-plane.md)."""
+        return self.get_json(f"/api/v1/checkpoints/{checkpoint_id}/outcome",
+                             {"wait": min(wait, self.timeout / 2)})
+
     def ancestors(self, checkpoint_id: int) -> dict:
         """The checkpoint's ancestors (`items`, newest first) and `fallback_id`, the newest
         usable one (what last-good moves back to when this one turns out CORRUPT)."""

@@ -210,14 +210,6 @@ class Transport(RestClient):
         return self._unary("CommitRank", self._stub.CommitRank, pb.CommitRankRequest(
             checkpoint_id=checkpoint_id, rank=rank, files=files, wait_seconds=wait), timeout=wait + self.timeout)
 
-    def outcome(self, checkpoint_id: int, wait: float) -> dict:
-        """{"status", "missing_ranks"} of a checkpoint as soon as it is not PENDING, or after
-        `wait` seconds. The service holds no thread while a rank waits here (the waiting
-        CommitRank vote does), so every rank can wait at once; retried like every call, so a
-        connection dropped while waiting is asked again (docs/control-plane.md)."""
-        return self.get_json(f"/api/v1/checkpoints/{checkpoint_id}/outcome",
-                             {"wait": min(wait, self.timeout / 2)})
-
     def abort(self, checkpoint_id: int, reason: str, rank: int) -> None:
         self._unary("AbortCheckpoint", self._stub.AbortCheckpoint,
                     pb.AbortCheckpointRequest(checkpoint_id=checkpoint_id, reason=reason, rank=rank))
