@@ -9,7 +9,8 @@
     ckpt.wait(); ckpt.close()
 
 The torch-free modules (format, manifest, hashing, names, transport, v1) are what the
-service shares; the torch-dependent API below is imported lazily.
+service shares; the torch-dependent API below is imported lazily. The errors (errors.py)
+and the settings (config.py, ClientConfig) are exported here.
 """
 
 from __future__ import annotations
@@ -23,11 +24,16 @@ _LAZY = {
     "SpikeGuard": ("lastgood.spike", "SpikeGuard"),
 }
 
-__all__ = [*_LAZY, "Interval", "LastgoodError", "SaveFailed", "CorruptCheckpoint", "NoUsableCheckpoint", "ServiceError",
-           "Fenced"]
+__all__ = [*_LAZY, "ClientConfig", "Interval", "LastgoodError", "SaveFailed", "CorruptCheckpoint", "NoUsableCheckpoint",
+           "ServiceError", "Fenced", "Unavailable", "ServiceUnreachable", "Refused", "NotFound", "InvalidArgument",
+           "Conflict", "FailedPrecondition", "PermissionDenied", "Unauthenticated", "DataLoss", "CatalogBehind",
+           "StoreFull"]
 
-from .errors import (CorruptCheckpoint, Fenced, LastgoodError, NoUsableCheckpoint, SaveFailed,  # noqa: E402
-                     ServiceError)
+from .config import ClientConfig  # noqa: E402
+from .errors import (CatalogBehind, Conflict, CorruptCheckpoint, DataLoss, FailedPrecondition,  # noqa: E402
+                     Fenced, InvalidArgument, LastgoodError, NoUsableCheckpoint, NotFound, PermissionDenied,
+                     Refused, SaveFailed, ServiceError, ServiceUnreachable, StoreFull, Unauthenticated,
+                     Unavailable)
 from .interval import Interval  # noqa: E402 - torch-free
 
 

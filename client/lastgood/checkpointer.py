@@ -23,18 +23,17 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
-from . import distributed, names
+from . import config, distributed, names
 from . import health as _health
-from .errors import (CorruptCheckpoint, Fenced, FormatError, LastgoodError, NoUsableCheckpoint, SaveFailed,
-                     ServiceError)
-from .fencing import FENCED
+from .config import ClientConfig
+from .errors import (Conflict, CorruptCheckpoint, DataLoss, FailedPrecondition, Fenced, FormatError, LastgoodError,
+                     NotFound, NoUsableCheckpoint, PermissionDenied, SaveFailed, ServiceError)
 from .hashing import StreamHasher, hash_bytes
 from .interval import Decider, Interval
 from .manifest import Manifest
@@ -46,9 +45,9 @@ from .transport import Transport
 from .uploads import SaveRecord, UploadQueue
 
 log = logging.getLogger("lastgood")
-# service answers that say a checkpoint cannot be read as committed (gRPC code names and
-# HTTP statuses): missing, damaged (422 hash_mismatch, DATA_LOSS), or no longer COMMITTED
-DAMAGED = ("NOT_FOUND", "DATA_LOSS", "FAILED_PRECONDITION", 404, 409, 422)
+# service answers that say a checkpoint cannot be read as committed: missing, damaged, or
+# no longer COMMITTED
+DAMAGED = (NotFound, DataLoss, FailedPrecondition, Conflict)
 
 
 def shard_file_name(rank: int) -> str:
@@ -66,25 +65,27 @@ class Checkpointer:
                  token: str | None = None, staging_buffers: int = 2, commit_timeout: float | None = None,
                  retry: RetryPolicy | None = None, require_final: bool = True, new_run: bool | None = None,
                  interval: Interval | str | None = None, heartbeat_seconds: float | None = None) -> None:
-        """`retry`: how transient failures are retried (default RetryPolicy.from_env(), i.e. the
-        LASTGOOD_RETRY_* settings); it also bounds how long a service that is starting is
-        waited for, here and in restore(). `require_final`: wait()/close() raise SaveFailed when
-        the newest save did not commit (else they log it as an error). `new_run`: accept a run
-        name drawn at random by `torchrun --standalone` (also LASTGOOD_NEW_RUN=1).
-        `interval`: when `due(step)` says to save (an Interval or its text: "auto", "500",
-        "30m", "epoch"). `heartbeat_seconds`: the beat period (default LASTGOOD_HEARTBEAT_SECONDS,
-        10 s; 0: no beats). docs/health.md."""
-        url = url or os.environ.get("LASTGOOD_URL")
-        if not url:
-            raise LastgoodError("no service URL: pass Checkpointer(url, run=...) or set LASTGOOD_URL")
-        self.run = names.check_run_name(distributed.run_name(run, new_run))
+        """`retry`: how transient failures are retried (default: the LASTGOOD_RETRY_* settings);
+        it also bounds how long a service that is starting is waited for, here and in
+        restore(). `require_final`: wait()/close() raise SaveFailed when the newest save did
+        not commit (else they log it as an error). `new_run`: accept a run name drawn at
+        random by `torchrun --standalone` (also LASTGOOD_NEW_RUN=1). `interval`: when
+        `due(step)` says to save (an Interval or its text: "auto", "500", "30m", "epoch").
+        `heartbeat_seconds`: the beat period (default LASTGOOD_HEARTBEAT_SECONDS, 10 s; 0: no
+        beats; docs/health.md). What is not passed comes from the environment, resolved once
+        (config.ClientConfig, kept as `self.config`)."""
+        self.config = cfg = ClientConfig.resolve(url=url, token=token, run=run, attempt=attempt, new_run=new_run,
+                                                 retry=retry)
+        if not cfg.url:
+            raise LastgoodError(f"no service URL: pass Checkpointer(url, run=...) or set {config.ENV_URL}")
+        self.run = names.check_run_name(distributed.run_name(cfg.run, cfg.new_run))
         self.rank, self.world_size = distributed.rank_world()
-        self.retry = retry or RetryPolicy.from_env()
+        self.retry = cfg.retry
         self.require_final = require_final
-        self.transport = Transport(url, token=token or os.environ.get("LASTGOOD_TOKEN") or None, retry=self.retry)
+        self.transport = Transport(cfg.url, token=cfg.token, retry=cfg.retry, spool=cfg.spool)
         self._record_restart()
         self.commit_timeout = commit_timeout or 2 * float(self.transport.info.get("lease_seconds", 60)) + 60
-        self.launch = names.check_attempt(attempt or distributed.launch_attempt(self.world_size))[:56]
+        self.launch = names.check_attempt(distributed.launch_attempt(self.world_size, cfg.attempt))[:56]
         self._restores = 0  # every rank restores the same number of times, so they agree on the attempt
         self.generation = self._register()
         self._fenced: Fenced | None = None
@@ -100,19 +101,20 @@ class Checkpointer:
         self._closed = False
         self._worker = threading.Thread(target=self._run, name="lastgood-upload", daemon=True)
         self._worker.start()
-        self._start_health(url, token, interval, heartbeat_seconds)
+        self._start_health(interval, heartbeat_seconds)
 
     # ------------------------------------------------------------------ health (docs/health.md)
-    def _start_health(self, url: str, token: str | None, interval, period: float | None) -> None:
+    def _start_health(self, interval, period: float | None) -> None:
         """Heartbeats from a daemon thread; the save decisions of `due()`."""
         self.interval = Interval.parse(interval) if isinstance(interval, str) else interval
         auto = bool(self.interval and self.interval.auto)
-        self.heartbeat = _health.Heartbeat(url, self.run, self.rank, self.world_size,
-                                           token=token or os.environ.get("LASTGOOD_TOKEN") or None,
-                                           attempt=self.launch, generation=self.generation, period=period,
+        self.heartbeat = _health.Heartbeat(self.config.url, self.run, self.rank, self.world_size,
+                                           token=self.config.token,
+                                           attempt=self.launch, generation=self.generation,
+                                           period=self.config.heartbeat_seconds if period is None else period,
                                            want_interval=auto).start()
         if auto and self.heartbeat.period == 0:
-            log.warning("lastgood: interval 'auto' needs heartbeats (LASTGOOD_HEARTBEAT_SECONDS=0): "
+            log.warning(f"lastgood: interval 'auto' needs heartbeats ({config.ENV_HEARTBEAT}=0): "
                         "it saves once, then only on its other triggers")
         self._decider = Decider(self.interval, lambda: self.heartbeat.interval_s, distributed.broadcast_int) \
             if self.interval else None
@@ -138,9 +140,9 @@ class Checkpointer:
         if restarts <= 0 or self.rank != 0:
             return
         try:
-            self.transport.post_json(f"/api/v1/runs/{self.run}/events", {"kind": "restart", "data": {
+            self.transport.record_event(self.run, "restart", {
                 "restart_count": restarts, "world_size": self.world_size,
-                "max_restarts": int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)}})
+                "max_restarts": int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)})
         except ServiceError as e:  # a run that has no checkpoint yet has nowhere to record it
             log.warning("lastgood: could not record restart %s: %s", restarts, e)
 
@@ -156,7 +158,7 @@ class Checkpointer:
             try:
                 generation = self.transport.register_launch(self.run, self.launch, self.world_size)
             except ServiceError as e:
-                if e.code == 403:
+                if isinstance(e, PermissionDenied):
                     log.info("lastgood: not registered as a launch of %s (read-only token): %s", self.run, e)
                 else:
                     generation, err = -1, e
@@ -254,8 +256,8 @@ class Checkpointer:
         if not items:
             return
         try:
-            self.transport.post_json(f"/api/v1/runs/{self.run}/events", {"kind": "save_given_up", "data": {
-                "rank": self.rank, "count": len(items), "steps": [s for s, _ in items], "reason": items[-1][1]}})
+            self.transport.record_event(self.run, "save_given_up", {
+                "rank": self.rank, "count": len(items), "steps": [s for s, _ in items], "reason": items[-1][1]})
         except ServiceError as e:
             log.warning("lastgood: could not record the given-up saves: %s", e)
             self._record.put_back(items)
@@ -292,13 +294,7 @@ class Checkpointer:
         learns at once. One at a newer step means a peer has moved on: give this step up.
         Every rank applies the same rule to the same catalog, so all converge on the newest
         step. Asked only while saves are being given up or failing (one listing per save)."""
-        try:
-            items = self.transport.get_json(f"/api/v1/runs/{self.run}/checkpoints",
-                                            {"status": "PENDING", "limit": 100})["items"]
-        except ServiceError as e:
-            if e.code == 404:  # the run has no checkpoint yet
-                return
-            raise
+        items = self.transport.pending(self.run)  # none while the run has no checkpoint yet
         mine = [c for c in items if c["attempt"] == self.attempt and c["id"] != cid]
         for c in mine:
             if c["step"] < step:
@@ -318,7 +314,7 @@ class Checkpointer:
         if self._jobs.troubled:
             # the service was away at the last try: wait for it (retrying, until a newer save
             # wants this buffer) before writing a whole shard to the spool for nothing
-            self.transport.get_json("/api/v1/info")
+            self.transport.service_info()
         self._settle()
         # while saves are given up or failing (an outage), the ranks converge on a step
         converging = lambda: self._jobs.troubled or self._gave_up_since_commit  # noqa: E731
@@ -340,20 +336,25 @@ class Checkpointer:
         try:
             self.transport.put_shard(cid, self.rank, self.file_name, data, digest, spooled=spooled)
             deadline = time.monotonic() + self.commit_timeout
-            pause = 0.05
-            while True:
-                asked = time.monotonic()
-                res = self.transport.commit_rank(cid, self.rank, [self.file_name], wait=2.0)
-                if res.status == "COMMITTED":
+            # vote without waiting, then wait for the outcome where a waiting rank costs the
+            # service no thread (a long-poll on its event loop: docs/control-plane.md)
+            res = self.transport.commit_rank(cid, self.rank, [self.file_name], wait=0.0)
+            status, missing = res.status, list(res.missing_ranks)
+            while status != "COMMITTED":
+                if status != "PENDING":  # decided otherwise: the vote, asked again, raises why (fenced, ...)
+                    status = self.transport.commit_rank(cid, self.rank, [self.file_name], wait=0.0).status
+                    if status != "COMMITTED":
+                        raise SaveFailed(f"checkpoint {cid} (step {snap.step}) is {status}")
                     break
                 if converging():  # a peer may have given this step up and moved on (or began it late)
                     self._converge(snap.step, cid)
                 if time.monotonic() > deadline:
                     raise SaveFailed(f"checkpoint {cid} (step {snap.step}) not committed after "
-                                     f"{self.commit_timeout:.0f}s; ranks not voted: {list(res.missing_ranks)}")
-                if time.monotonic() - asked < 1.0:  # the service answered without waiting: back off
-                    time.sleep(pause * (0.5 + random.random()))
-                    pause = min(pause * 2, 2.0)
+                                     f"{self.commit_timeout:.0f}s; ranks not voted: {missing}")
+                # long waits (the service holds no thread for them); short ones while a peer may give up
+                out = self.transport.outcome(cid, wait=min(2.0 if converging() else 10.0,
+                                                           max(deadline - time.monotonic(), 0.0) + 0.01))
+                status, missing = out["status"], out["missing_ranks"]
         except BaseException as e:
             if isinstance(e, GaveUp):  # a newer save wants this buffer: settled before that one begins
                 self._unsure.append((cid, snap.step, digest))
@@ -383,9 +384,9 @@ class Checkpointer:
     def _as_fenced(self, e: BaseException) -> Fenced | None:
         """Fenced, if the service refused a write of this save because a newer launch registered."""
         while e is not None:
-            if isinstance(e, Fenced):
+            if isinstance(e, Fenced) and not e.coded:  # said here already
                 return e
-            if isinstance(e, ServiceError) and e.reason == FENCED:
+            if isinstance(e, Fenced):  # the service's refusal: say what it means for this job
                 return Fenced(f"run {self.run!r}: this launch (attempt {self.launch}, generation {self.generation}) "
                               f"is fenced by a newer launch of the job; stop training. {e}")
             e = e.__cause__
@@ -403,7 +404,7 @@ class Checkpointer:
         """The checkpoint's status, asked with the retry policy's patience; None (or the
         error, with quiet=False) when the service does not answer within it."""
         try:
-            return self.transport.get_json(f"/api/v1/checkpoints/{cid}")["status"]
+            return self.transport.checkpoint(cid)["status"]
         except ServiceError:
             if not quiet:
                 raise
@@ -549,7 +550,7 @@ class Checkpointer:
     def _fallback(self, failed: int) -> int:
         """The service's newest usable ancestor of the failed checkpoint (0: none left): the
         same rule that moves last-good back when a checkpoint turns out CORRUPT."""
-        return self.transport.get_json(f"/api/v1/checkpoints/{failed}/ancestors").get("fallback_id") or 0
+        return self.transport.ancestors(failed).get("fallback_id") or 0
 
     def _try_fetch(self, cid: int):
         try:
@@ -557,7 +558,7 @@ class Checkpointer:
         except (CorruptCheckpoint, FormatError) as e:  # bytes or state that are not the commit's
             return self.UNUSABLE, None, e
         except ServiceError as e:
-            if e.code in DAMAGED:  # a blob or manifest gone or damaged, or no longer committed
+            if isinstance(e, DAMAGED):  # a blob or manifest gone or damaged, or no longer committed
                 return self.UNUSABLE, None, e
             return self.FAILED, None, e
         except Exception as e:  # noqa: BLE001 - agreed on with the other ranks, then raised
@@ -635,18 +636,14 @@ class Checkpointer:
     def tag(self, name: str, checkpoint_id: int | None = None, *, alias: bool = False) -> dict:
         """Tag a checkpoint (default: the last one this Checkpointer saved). An alias names
         one checkpoint per run and moves when set again; a plain tag may name many."""
-        return self.transport.post_json(f"/api/v1/checkpoints/{self._target(checkpoint_id)}/tags",
-                                        {"name": name, "alias": alias})
+        return self.transport.tag(self._target(checkpoint_id), name, alias)
 
     def untag(self, name: str, checkpoint_id: int | None = None) -> dict:
-        from urllib.parse import quote
-        return self.transport.call("DELETE", f"/api/v1/checkpoints/{self._target(checkpoint_id)}/tags/"
-                                             f"{quote(name, safe='')}")
+        return self.transport.untag(self._target(checkpoint_id), name)
 
     def pin(self, checkpoint_id: int | None = None, pinned: bool = True) -> dict:
         """Pin a checkpoint so that GC keeps it whatever the retention policy says."""
-        return self.transport.call("PUT" if pinned else "DELETE",
-                                   f"/api/v1/checkpoints/{self._target(checkpoint_id)}/pin")
+        return self.transport.pin(self._target(checkpoint_id), pinned)
 
     def _apply(self, state: TrainState, manifest: Manifest, files: list, source: int) -> None:
         src = next(f for f in files if f.rank == source)

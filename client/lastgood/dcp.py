@@ -32,7 +32,6 @@ import dataclasses
 import io
 import json
 import logging
-import os
 import secrets
 import time
 import torch
@@ -49,6 +48,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from . import names
 from .codec import Encoder, UnsupportedValue, decode
+from .config import ENV_URL, ClientConfig
 from .errors import CorruptCheckpoint, FormatError, LastgoodError, SaveFailed
 from .format import META_STATE, header_length, parse_header
 from .hashing import hash_bytes
@@ -165,11 +165,11 @@ class _Connected:
     """Lazy connection, dropped when pickled (DCP's process-based async_save)."""
 
     def __init__(self, url: str | None, run: str | None, token: str | None) -> None:
-        self.url = url or os.environ.get("LASTGOOD_URL")
-        if not self.url:
-            raise LastgoodError("no service URL: pass url= or set LASTGOOD_URL")
-        self.run = names.check_run_name(run or os.environ.get("LASTGOOD_RUN") or "")
-        self.token = token or os.environ.get("LASTGOOD_TOKEN") or None
+        self.config = cfg = ClientConfig.resolve(url=url, run=run, token=token)
+        if not cfg.url:
+            raise LastgoodError(f"no service URL: pass url= or set {ENV_URL}")
+        self.url, self.token = cfg.url, cfg.token
+        self.run = names.check_run_name(cfg.run or "")
         self._transport = None
 
     @property
@@ -177,7 +177,8 @@ class _Connected:
         if self._transport is None:
             from .transport import Transport
 
-            self._transport = Transport(self.url, token=self.token)
+            cfg = self.config
+            self._transport = Transport(cfg.url, token=cfg.token, retry=cfg.retry, spool=cfg.spool)
         return self._transport
 
     def __getstate__(self):

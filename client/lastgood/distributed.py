@@ -13,8 +13,8 @@ import secrets
 import torch
 import torch.distributed as dist
 
+from .config import ENV_ATTEMPT, ENV_NEW_RUN, ENV_RUN
 from .errors import LastgoodError
-from .names import ATTEMPT_ENV, RUN_ENV
 
 
 def initialized() -> bool:
@@ -88,40 +88,39 @@ def elastic_run_id() -> str | None:
 _RANDOM_RDZV_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
 
 
-def run_name(explicit: str | None, new_run: bool | None = None) -> str:
-    """The run a Checkpointer saves to and restores from: `run=`, else LASTGOOD_RUN, else
-    torchrun's --rdzv-id. A run name that changes on every launch would make every relaunch
-    a new run that silently starts from step 0, so a random standalone rendezvous id is
-    refused unless a new run is asked for (new_run=True or LASTGOOD_NEW_RUN=1)."""
-    name = explicit or os.environ.get(RUN_ENV) or None
+def run_name(name: str | None, new_run: bool = False) -> str:
+    """The run a Checkpointer saves to and restores from: `name` (run=, else LASTGOOD_RUN:
+    config.ClientConfig.run), else torchrun's --rdzv-id. A run name that changes on every
+    launch would make every relaunch a new run that silently starts from step 0, so a random
+    standalone rendezvous id is refused unless a new run is asked for (new_run=True, or
+    LASTGOOD_NEW_RUN=1)."""
     if name:
         return name
     name = elastic_run_id()
     if not name:
-        raise LastgoodError("name the run: Checkpointer(url, run='my-run'), LASTGOOD_RUN=my-run, or run under "
-                         "torchrun with --rdzv-id=my-run")
-    if new_run is None:
-        new_run = os.environ.get("LASTGOOD_NEW_RUN", "").strip().lower() in ("1", "true", "yes")
+        raise LastgoodError(f"name the run: Checkpointer(url, run='my-run'), {ENV_RUN}=my-run, or run under "
+                            "torchrun with --rdzv-id=my-run")
     if _RANDOM_RDZV_ID.match(os.environ.get("TORCHELASTIC_RUN_ID", "")) and not new_run:
         raise LastgoodError(
             f"the run name would be torchrun's rendezvous id {name}, which `torchrun --standalone` draws at "
             "random on every launch: a relaunch would find no checkpoint and start over from step 0. Name the run: "
-            "Checkpointer(url, run='my-run'), LASTGOOD_RUN=my-run, or torchrun --rdzv-id=my-run "
+            f"Checkpointer(url, run='my-run'), {ENV_RUN}=my-run, or torchrun --rdzv-id=my-run "
             "(--rdzv-backend=c10d --rdzv-endpoint=localhost:0 instead of --standalone); or set "
-            "LASTGOOD_NEW_RUN=1 to start a new run on purpose")
+            f"{ENV_NEW_RUN}=1 to start a new run on purpose")
     return name
 
 
-def launch_attempt(world_size: int) -> str:
+def launch_attempt(world_size: int, explicit: str | None = None) -> str:
     """One id shared by every rank of this launch of the job.
 
     Saves of the same step by a relaunched job must not collide with the abandoned
-    attempt of the previous launch, so the id changes on every launch: explicitly via
-    LASTGOOD_ATTEMPT; else drawn by rank 0 and broadcast when torch.distributed is up;
-    else from torchrun's elastic run id and restart count.
+    attempt of the previous launch, so the id changes on every launch: `explicit`
+    (attempt=, else LASTGOOD_ATTEMPT: config.ClientConfig.attempt); else drawn by rank 0 and
+    broadcast when torch.distributed is up; else from torchrun's elastic run id and restart
+    count.
     """
-    if os.environ.get(ATTEMPT_ENV):
-        return os.environ[ATTEMPT_ENV]
+    if explicit:
+        return explicit
     if initialized():
         return f"{broadcast_int(secrets.randbits(62)):016x}"
     if world_size == 1:
@@ -130,4 +129,4 @@ def launch_attempt(world_size: int) -> str:
     if run_id and run_id != "none":
         return f"{run_id}:{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"[:64]
     raise RuntimeError("several ranks but no torch.distributed process group and no torchrun run id: "
-                       "set LASTGOOD_ATTEMPT to one value per launch, the same on every rank")
+                       f"set {ENV_ATTEMPT} to one value per launch, the same on every rank")

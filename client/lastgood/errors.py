@@ -1,25 +1,47 @@
-"""Errors the client raises. Each says what went wrong in words an operator can act on."""
+"""Errors the client raises, and the one table that turns the service's answers into them.
+
+Each says what went wrong in words an operator can act on. torch-free and grpc-free: the
+command line imports it for every command.
+
+Every refusal the service sends carries an error code (its api/errors.py TABLE): in the
+REST error body (`{"error": {"code": ..., "message": ...}}`) and in the gRPC trailing
+metadata under ERROR_METADATA. TABLE below maps each code to one class, with the HTTP
+status and gRPC code it travels with; `from_http` and `from_grpc` are the only places an
+answer becomes an error, so callers match on classes (`except NotFound`), never on a
+status, a gRPC code name or the message. An answer without a code we know (a proxy's 502,
+an older or newer service) is classified by its HTTP status or gRPC code instead.
+
+    ServiceError                 reason, status (HTTP), grpc_code, detail, retryable
+    ├── Unavailable              retried: the same request may succeed later
+    │   ├── ServiceUnreachable   no answer at all (refused, reset, timed out)
+    │   ├── Busy                 too many streams open; nothing was read
+    │   └── Internal             the request failed inside the service (HTTP 500)
+    ├── Refused                  the service said no; sending it again will not help
+    │   ├── NotFound ── NoCheckpoint
+    │   ├── InvalidArgument, OutOfRange, TooLarge, Conflict
+    │   ├── Unauthenticated, PermissionDenied
+    │   └── FailedPrecondition ── Fenced, NoUsableCheckpoint, SpoolRefused ── SpoolNotShared
+    ├── DataLoss                 the service's stored bytes differ from the commit
+    ├── CatalogBehind, StoreFull an operator has to act (rebuild, free space): not retried
+    └── GaveUp                   the client stopped retrying (a newer save wants the buffer)
+"""
 
 from __future__ import annotations
+
+import json
+
+# gRPC trailing metadata key holding a refusal's error code (the REST body's error.code)
+ERROR_METADATA = "lastgood-error"
+# error codes the service imports from here (its TABLE spells the rest)
+FENCED = "fenced"
+CATALOG_BEHIND = "catalog_behind"
+# the code of an HTTP error raised by the web framework itself (no route matched, a wrong
+# method), not by a lastgood route
+HTTP_ERROR = "http_error"
 
 
 class LastgoodError(Exception):
     """Base class of every error lastgood raises on purpose."""
-
-
-# The service's error code for a catalog that lacks commits its blob store holds: only an
-# operator's `lastgood-service rebuild` ends it, so clients do not retry it (retry.py).
-CATALOG_BEHIND = "catalog_behind"
-
-
-class ServiceError(LastgoodError):
-    """The service refused a request; `code` is the gRPC status name or HTTP status, `reason`
-    the service's error code name when it sent one (`fenced`, `not_found`, ...)."""
-
-    def __init__(self, message: str, code: str | int | None = None, reason: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.reason = reason
 
 
 class SaveFailed(LastgoodError):
@@ -30,17 +52,250 @@ class CorruptCheckpoint(LastgoodError):
     """Bytes read back do not match the hash recorded at commit."""
 
 
-class NoUsableCheckpoint(LastgoodError):
-    """The run committed checkpoints, but every one restore could fall back to is damaged
-    (CORRUPT). A refusal, raised on every rank: restore never answers "no checkpoint" for
-    such a run, which would start the training over."""
-
-
 class FormatError(LastgoodError):
     """A shard file is not a valid lastgood safetensors file."""
 
 
-class Fenced(LastgoodError):
+class ServiceError(LastgoodError):
+    """The service refused or failed a request, or did not answer.
+
+    `reason`: the service's error code (`not_found`, `fenced`, ...; the class's own when the
+    answer carried none). `status`: the HTTP status (REST), `grpc_code`: the gRPC status
+    name (gRPC). `code` is whichever of the two applies (kept for older callers: match on
+    the class instead). `detail`: the service's message without the method and path.
+    `retryable`: would the same request, sent again later, plausibly succeed? `coded`: the
+    answer carried an error code this client knows, i.e. a lastgood route said it (not a
+    proxy, not the web framework)."""
+
+    reason: str | None = None
+    transient = False
+
+    def __init__(self, message: str, code: str | int | None = None, reason: str | None = None,
+                 detail: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.coded = reason in TABLE
+        self.reason = reason or type(self).reason
+        self.status = code if isinstance(code, int) else None
+        self.grpc_code = code if isinstance(code, str) else None
+        self.detail = message if detail is None else detail
+
+    @property
+    def retryable(self) -> bool:
+        kind = type(self)
+        if kind is ServiceError and self.code is not None:  # made by hand from a bare status or code
+            kind = _classify(self.status, self.grpc_code, self.reason)
+        return kind.transient
+
+    @property
+    def no_route(self) -> bool:
+        """The answer came from the web framework, not from a lastgood route: the URL is not
+        a lastgood service, or one too old to know the route."""
+        return self.reason == HTTP_ERROR
+
+
+class Unavailable(ServiceError):
+    """The service cannot answer now (restarting, overloaded, a proxy without a backend):
+    the same request may succeed later, so the retry policy retries it."""
+    reason = "unavailable"
+    transient = True
+
+
+class ServiceUnreachable(Unavailable):
+    """No answer from the service: refused, unresolvable, reset, or timed out."""
+    reason = None
+
+
+class Busy(Unavailable):
+    """The service refused a stream because too many are open; it read nothing."""
+    reason = "streams_busy"
+
+
+class Internal(Unavailable):
+    """The request failed inside the service (its log says why). Retried like an outage;
+    the command line reports it as an unexpected error."""
+    reason = "internal"
+
+
+class Refused(ServiceError):
+    """The service refused the request; sending it again unchanged will not help."""
+
+
+class NotFound(Refused):
+    """No such run, checkpoint, file, tag, lease or token."""
+    reason = "not_found"
+
+
+class NoCheckpoint(NotFound):
+    """The run exists but never committed a checkpoint."""
+    reason = "no_checkpoint"
+
+
+class InvalidArgument(Refused):
+    reason = "invalid_argument"
+
+
+class OutOfRange(Refused):
+    reason = "out_of_range"
+
+
+class TooLarge(Refused):
+    reason = "too_large"
+
+
+class Conflict(Refused):
+    """The request contradicts what is recorded (other bytes for a stored shard, another
+    world size for a begun checkpoint)."""
+    reason = "conflict"
+
+
+class Unauthenticated(Refused):
+    """No token, or one the service does not know (or has revoked)."""
+    reason = "unauthenticated"
+
+
+class PermissionDenied(Refused):
+    """A valid token that does not allow this operation or this run."""
+    reason = "permission_denied"
+
+
+class FailedPrecondition(Refused):
+    """A valid request, but the checkpoint or run is not in a state that allows it (no
+    longer pending, not committed, ...)."""
+    reason = "failed_precondition"
+
+
+class Fenced(FailedPrecondition):
     """A newer launch of this run has registered, so the service refuses this launch's
     writes and has abandoned its pending checkpoints. The process is a zombie of an
     earlier launch (its torchrun agent died, say): stop training, do not retry."""
+    reason = FENCED
+
+
+class NoUsableCheckpoint(FailedPrecondition):
+    """The run committed checkpoints, but every one restore could fall back to is damaged
+    (CORRUPT). A refusal, raised on every rank: restore never answers "no checkpoint" for
+    such a run, which would start the training over."""
+    reason = "no_usable_checkpoint"
+
+
+class SpoolRefused(FailedPrecondition):
+    """The service did not take a shard handed over through the spool (the file was taken
+    already or swept, or another user's): the client streams that shard instead."""
+    reason = "spool_refused"
+
+
+class SpoolNotShared(SpoolRefused):
+    """The service does not read the spool the client wrote to (another host or data
+    directory, or it takes no spooled files): the client streams from now on."""
+    reason = "spool_not_shared"
+
+
+class DataLoss(ServiceError):
+    """The service's stored bytes are gone or differ from what was committed (it has marked
+    the checkpoint CORRUPT and moved last-good back)."""
+    reason = "hash_mismatch"
+
+
+class CatalogBehind(ServiceError):
+    """The catalog lacks commits its blob store holds: only an operator's
+    `lastgood-service rebuild` ends it, so it is not retried (HTTP 503 nonetheless)."""
+    reason = CATALOG_BEHIND
+
+
+class StoreFull(ServiceError):
+    """The service's store has no room: an operator frees space or grows the volume."""
+    reason = "store_full"
+
+
+class GaveUp(ServiceError):
+    """A call stopped retrying before its deadline because the caller no longer needs it
+    (a newer save is waiting). `last` is the transient failure it was retrying."""
+
+    def __init__(self, message: str, last: BaseException) -> None:
+        super().__init__(message, getattr(last, "code", None), getattr(last, "reason", None))
+        self.last = last
+
+
+# The service's error codes (its api/errors.py TABLE, plus the REST layer's own codes) ->
+# (class, HTTP status, gRPC status name). tests/unit/test_errors.py checks it against the
+# service's table, so a code added there cannot be forgotten here.
+TABLE: dict[str, tuple[type[ServiceError], int, str]] = {
+    "not_found": (NotFound, 404, "NOT_FOUND"),
+    "no_checkpoint": (NoCheckpoint, 404, "NOT_FOUND"),
+    "invalid_argument": (InvalidArgument, 400, "INVALID_ARGUMENT"),
+    "invalid_request": (InvalidArgument, 422, "INVALID_ARGUMENT"),  # a REST body that fails validation
+    "out_of_range": (OutOfRange, 416, "OUT_OF_RANGE"),
+    "too_large": (TooLarge, 413, "RESOURCE_EXHAUSTED"),
+    "conflict": (Conflict, 409, "ALREADY_EXISTS"),
+    "unauthenticated": (Unauthenticated, 401, "UNAUTHENTICATED"),
+    "permission_denied": (PermissionDenied, 403, "PERMISSION_DENIED"),
+    "failed_precondition": (FailedPrecondition, 409, "FAILED_PRECONDITION"),
+    FENCED: (Fenced, 409, "FAILED_PRECONDITION"),
+    "no_usable_checkpoint": (NoUsableCheckpoint, 409, "FAILED_PRECONDITION"),
+    "spool_refused": (SpoolRefused, 409, "FAILED_PRECONDITION"),
+    "spool_not_shared": (SpoolNotShared, 409, "FAILED_PRECONDITION"),
+    "hash_mismatch": (DataLoss, 422, "DATA_LOSS"),
+    "unavailable": (Unavailable, 503, "UNAVAILABLE"),
+    "streams_busy": (Busy, 429, "RESOURCE_EXHAUSTED"),
+    "internal": (Internal, 500, "INTERNAL"),
+    CATALOG_BEHIND: (CatalogBehind, 503, "UNAVAILABLE"),
+    "store_full": (StoreFull, 507, "RESOURCE_EXHAUSTED"),
+}
+
+# An answer whose code is missing or unknown, by HTTP status ...
+BY_STATUS: dict[int, type[ServiceError]] = {
+    400: InvalidArgument, 401: Unauthenticated, 403: PermissionDenied, 404: NotFound, 409: Conflict,
+    413: TooLarge, 416: OutOfRange, 422: InvalidArgument, 429: Busy, 500: Internal,
+    502: Unavailable, 503: Unavailable, 504: Unavailable, 507: StoreFull,
+}
+# 5xx that say so for good: not implemented, HTTP version not supported
+PERMANENT_5XX = frozenset({501, 505})
+
+# ... or by gRPC status name. INTERNAL, UNKNOWN and CANCELLED stay plain ServiceErrors (not
+# retried): gRPC raises them for the client's own failures too (a request iterator that
+# failed), so they say nothing about the service.
+BY_GRPC: dict[str, type[ServiceError]] = {
+    "NOT_FOUND": NotFound, "INVALID_ARGUMENT": InvalidArgument, "OUT_OF_RANGE": OutOfRange,
+    "RESOURCE_EXHAUSTED": TooLarge, "ALREADY_EXISTS": Conflict, "UNAUTHENTICATED": Unauthenticated,
+    "PERMISSION_DENIED": PermissionDenied, "FAILED_PRECONDITION": FailedPrecondition, "DATA_LOSS": DataLoss,
+    "UNAVAILABLE": Unavailable, "DEADLINE_EXCEEDED": Unavailable,
+}
+
+
+def _classify(status: int | None, grpc_code: str | None, reason: str | None) -> type[ServiceError]:
+    if reason in TABLE:
+        return TABLE[reason][0]
+    if status is not None:
+        if status in BY_STATUS:
+            return BY_STATUS[status]
+        if 500 <= status <= 599 and status not in PERMANENT_5XX:
+            return Internal
+        return ServiceError
+    return BY_GRPC.get(grpc_code or "", ServiceError)
+
+
+def from_http(method: str, path: str, status: int, body: bytes) -> ServiceError:
+    """The error an HTTP error answer means: the class of its error code, else of its status."""
+    reason = None
+    try:
+        err = json.loads(body)["error"]
+        detail, reason = str(err["message"]), err.get("code")
+    except Exception:  # noqa: BLE001 - not our JSON error body: a proxy's page, say
+        detail = body[:500].decode(errors="replace")
+    reason = reason if isinstance(reason, str) else None
+    cls = _classify(status, None, reason)
+    return cls(f"{method} {path}: HTTP {status}: {detail}", status, reason, detail)
+
+
+def from_grpc(what: str, code: str, details: str, trailing) -> ServiceError:
+    """The error a failed gRPC call means: the class of the error code in its trailing
+    metadata, else of its status name (`code`, e.g. "NOT_FOUND")."""
+    from . import wire
+
+    reason = dict(trailing or ()).get(ERROR_METADATA)
+    reason = reason if isinstance(reason, str) else None
+    if reason is None and code == "RESOURCE_EXHAUSTED" and details.startswith(wire.STREAMS_BUSY):
+        reason = Busy.reason  # a service from before the streams_busy code said it in words
+    cls = _classify(None, code, reason)
+    return cls(f"{what}: {code}: {details}", code, reason, details)

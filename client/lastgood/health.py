@@ -20,31 +20,16 @@ The phase names and the body's fields are the wire contract the service validate
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
+
+from . import config
 
 log = logging.getLogger("lastgood")
 
 TRAIN, SAVING, RESTORING, IDLE = "train", "saving", "restoring", "idle"
 PHASES = (TRAIN, SAVING, RESTORING, IDLE)
-ENV_PERIOD = "LASTGOOD_HEARTBEAT_SECONDS"
-DEFAULT_PERIOD = 10.0
 INTERVAL_REFRESH_BEATS = 6  # rank 0 asks for the run's auto interval every this many beats
-
-
-def period_from_env() -> float:
-    """Seconds between beats: LASTGOOD_HEARTBEAT_SECONDS (default 10; 0: no beats)."""
-    raw = os.environ.get(ENV_PERIOD, "").strip()
-    if not raw:
-        return DEFAULT_PERIOD
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_PERIOD} must be a number of seconds, got {raw!r}") from None
-    if not (value == 0 or 0.05 <= value <= 3600):
-        raise ValueError(f"{ENV_PERIOD} must be 0 (off) or 0.05..3600 seconds, got {raw!r}")
-    return value
 
 
 class Heartbeat:
@@ -54,9 +39,9 @@ class Heartbeat:
     def __init__(self, url: str, run: str, rank: int, world_size: int, *, token: str | None = None,
                  attempt: str | None = None, generation: int | None = None, period: float | None = None,
                  want_interval: bool = False) -> None:
-        from .transport import RestClient  # grpc comes with it; only when beats are on
+        from .rest import RestClient
 
-        self.period = period_from_env() if period is None else period
+        self.period = config.heartbeat_period() if period is None else period
         self.run, self.rank, self.world_size = run, rank, world_size
         self.attempt, self.generation = attempt, generation
         self.rest = RestClient(url, timeout=max(2.0, min(10.0, self.period * 2)), token=token)
@@ -143,8 +128,7 @@ class Heartbeat:
     def beat(self) -> bool:
         """Send one beat now; False (logged) when it did not arrive."""
         try:
-            with self.rest.open("POST", f"/api/v1/runs/{self.run}/heartbeats", body=self.body()):
-                pass
+            self.rest.heartbeat(self.run, self.body())
         except Exception as e:  # noqa: BLE001 - a beat never raises into training
             self.failures += 1
             if self.failures == 1:
@@ -160,7 +144,7 @@ class Heartbeat:
 
     def refresh_interval(self) -> None:
         try:
-            self.health = self.rest.get_json(f"/api/v1/runs/{self.run}/health")
+            self.health = self.rest.health(self.run)
             self.interval_s = (self.health.get("interval") or {}).get("seconds")
         except Exception as e:  # noqa: BLE001 - the interval stays as it was
             log.debug("lastgood: could not read the auto interval of %s: %s", self.run, e)

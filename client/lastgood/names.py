@@ -30,11 +30,6 @@ _SPOOL_PATTERN = r"[0-9a-f]{32}\.part"
 _SPOOL = re.compile(_SPOOL_PATTERN)  # a file a client hands over in the spool
 _LENT = re.compile(re.escape(SPOOL_OUT_DIR) + "/" + _SPOOL_PATTERN)  # a link the service lends, relative to the spool
 
-# the environment that names a job's run and its launch (read in distributed.py, set by
-# `lastgood supervise` for every launch it starts)
-RUN_ENV = "LASTGOOD_RUN"
-ATTEMPT_ENV = "LASTGOOD_ATTEMPT"
-
 MAX_ID = 2**62      # checkpoint, lease and token ids; steps; byte offsets (headroom under int64)
 MAX_RANK = 2**31 - 1  # ranks and world sizes (int32)
 

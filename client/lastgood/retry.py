@@ -8,81 +8,33 @@ capped exponential backoff and full jitter (so the ranks of a big job do not rec
 in lock-step) until the policy's deadline. Everything else -- the service refusing a
 request -- is raised at once: retrying a refusal only delays the error.
 
-Settings (constructor arguments, or the environment; read here and nowhere else):
-
-    LASTGOOD_RETRY_DEADLINE   seconds one call keeps retrying (default 120; 0 = no retries)
-    LASTGOOD_RETRY_INITIAL    first backoff in seconds (default 0.1)
-    LASTGOOD_RETRY_MAX_DELAY  longest backoff in seconds (default 2.0)
+Its settings are constructor arguments; config.py reads them from the environment
+(LASTGOOD_RETRY_DEADLINE, _INITIAL, _MAX_DELAY). What is transient is the error's class
+(errors.py: `ServiceError.retryable`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from .errors import CATALOG_BEHIND, ServiceError
+from .errors import GaveUp, ServiceError
 
 log = logging.getLogger("lastgood")
 T = TypeVar("T")
 
-ENV_DEADLINE = "LASTGOOD_RETRY_DEADLINE"
-ENV_INITIAL = "LASTGOOD_RETRY_INITIAL"
-ENV_MAX_DELAY = "LASTGOOD_RETRY_MAX_DELAY"
-
-# gRPC status names of failures that say nothing about the request itself
-TRANSIENT_GRPC = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED"})
-# HTTP 5xx that say so for good: not implemented, version not supported, the store is full
-# (retrying would only delay the error; an operator has to act)
-PERMANENT_HTTP = frozenset({501, 505, 507})
-
-
-class GaveUp(ServiceError):
-    """A call stopped retrying before its deadline because the caller no longer needs it
-    (a newer save is waiting). `last` is the transient failure it was retrying."""
-
-    def __init__(self, message: str, last: BaseException) -> None:
-        super().__init__(message, getattr(last, "code", None))
-        self.last = last
+__all__ = ["GaveUp", "NO_RETRY", "RetryPolicy", "is_transient"]
 
 
 def is_transient(exc: BaseException) -> bool:
-    """Would the same request, sent again later, plausibly succeed? Unreachable (refused,
-    reset, timed out), gRPC UNAVAILABLE / DEADLINE_EXCEEDED, an HTTP 5xx (but 501, 505,
-    507), or a stream refused because the service has too many open (nothing was read)."""
-    from .transport import ServiceUnreachable  # the error types live with the wire
-
-    if isinstance(exc, GaveUp):
-        return False
-    if isinstance(exc, ServiceUnreachable):
-        return True
-    if isinstance(exc, ServiceError):
-        if exc.reason == CATALOG_BEHIND:  # an operator must run `lastgood-service rebuild`
-            return False
-        if getattr(exc, "busy", False):  # the service has too many streams open (transport._busy)
-            return True
-        code = exc.code
-        if isinstance(code, int):
-            return 500 <= code <= 599 and code not in PERMANENT_HTTP
-        return code in TRANSIENT_GRPC
-    return False
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(f"{name} must be a finite number >= 0, got {raw!r}")
-    return value
+    """Would the same request, sent again later, plausibly succeed? Yes for no answer at
+    all, an outage, a busy service or an HTTP 5xx (errors.Unavailable); no for every
+    refusal, a catalog that needs a rebuild, a full store, and GaveUp (the caller stopped)."""
+    return isinstance(exc, ServiceError) and exc.retryable
 
 
 @dataclass(frozen=True)
@@ -94,10 +46,15 @@ class RetryPolicy:
 
     @classmethod
     def from_env(cls, **overrides) -> "RetryPolicy":
-        """The defaults, then the LASTGOOD_RETRY_* environment, then explicit arguments."""
-        base = cls(deadline=_env_float(ENV_DEADLINE, cls.deadline), initial=_env_float(ENV_INITIAL, cls.initial),
-                   max_delay=_env_float(ENV_MAX_DELAY, cls.max_delay))
-        return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+        """The defaults, then the LASTGOOD_RETRY_* environment, then explicit arguments
+        (config.retry_policy)."""
+        from .config import retry_policy
+
+        return retry_policy(**overrides)
+
+    def with_(self, **overrides) -> "RetryPolicy":
+        """This policy with the settings in `overrides` that are not None."""
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
     @property
     def enabled(self) -> bool:

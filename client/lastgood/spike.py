@@ -105,8 +105,7 @@ class SpikeGuard:
         t = self.ckpt.transport
         chain = []
         if self.ckpt.parent_id is not None:
-            chain = [t.get_json(f"/api/v1/checkpoints/{self.ckpt.parent_id}")]
-            chain += t.get_json(f"/api/v1/checkpoints/{self.ckpt.parent_id}/ancestors")["items"]
+            chain = [t.checkpoint(self.ckpt.parent_id)] + t.ancestors(self.ckpt.parent_id)["items"]
         for c in chain:
             if (c["status"] == "COMMITTED" and c["step"] < spike_step - self.margin
                     and not any(tag["name"] == "suspect" for tag in c["tags"])):
@@ -119,7 +118,7 @@ class SpikeGuard:
         if self.ckpt.rank == 0:
             target_id = self._target(step)["id"]
         target_id = distributed.broadcast_int(target_id)
-        target = self.ckpt.transport.get_json(f"/api/v1/checkpoints/{target_id}")
+        target = self.ckpt.transport.checkpoint(target_id)
         skipped_ids = sorted({i for s, ids in self.batches if target["step"] < s <= step for i in ids})
         all_skipped = sorted(set(distributed.all_gather_ints(skipped_ids)))
         if self.ckpt.rank == reporter:  # the rank that saw the spike records it, with its numbers
@@ -127,8 +126,7 @@ class SpikeGuard:
             data = jsonvalues.carried({**found, "loss": loss, "grad_norm": grad_norm,
                                        "rank": reporter, "lr_factor": self.lr_factor, "rollback": self.rollbacks + 1,
                                        "skipped": {"steps": [target["step"] + 1, step], "samples": all_skipped}})
-            self.ckpt.transport.post_json(f"/api/v1/runs/{self.ckpt.run}/rollback",
-                                          {"target_id": target_id, "spike_step": step, "data": data})
+            self.ckpt.transport.rollback(self.ckpt.run, target_id, step, data)
         kept = {name: self.state._adapters[name].state_dict() if name in self.state._adapters else dict(self.state.extra)
                 for name in self.keep}
         self.ckpt.restore(self.state, checkpoint_id=target_id)

@@ -34,12 +34,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from . import names, proctree
-from .errors import ServiceError
-
-# the variables every process of a launch inherits (the client reads them in distributed.py)
-RUN_ENV, ATTEMPT_ENV = names.RUN_ENV, names.ATTEMPT_ENV
-# the launch's marker, which the supervisor finds every process of the launch by (proctree)
-LAUNCH_ENV = "LASTGOOD_SUPERVISOR_LAUNCH"
+from .config import ENV_ATTEMPT as ATTEMPT_ENV
+from .config import ENV_RUN as RUN_ENV
+from .config import ENV_SUPERVISOR_LAUNCH as LAUNCH_ENV  # the marker proctree finds a launch by
+from .errors import NotFound, ServiceError, ServiceUnreachable
 NPROC = ("--nproc-per-node", "--nproc_per_node")
 NNODES = ("--nnodes",)
 RDZV_ID = ("--rdzv-id", "--rdzv_id")
@@ -136,7 +134,7 @@ class Ending:
 class Supervisor:
     def __init__(self, command: list[str], run: str, rest, policy: Policy | None = None,
                  drain: set[int] | None = None, say: Callable[[str], None] | None = None) -> None:
-        """`rest`: a lastgood.transport.RestClient for the service (health and events)."""
+        """`rest`: a lastgood.rest.RestClient for the service (health and events)."""
         if not command:
             raise UsageError("no command to run: lastgood supervise [OPTIONS] -- torchrun ... train.py ...")
         self.command, self.run, self.rest = list(command), names.check_run_name(run), rest
@@ -194,19 +192,14 @@ class Supervisor:
 
     # ---- watching one launch
     def _health(self, launch: Launch) -> Ending | None:
-        from .transport import HttpError, ServiceUnreachable
-
-        query = {"hang_timeout": self.policy.hang_timeout} if self.policy.hang_timeout else None
         try:
-            doc = self.rest.get_json(f"/api/v1/runs/{self.run}/health", query)
+            doc = self.rest.health(self.run, self.policy.hang_timeout)
         except ServiceUnreachable as e:
             if not self._unreachable:
                 self.say(f"the service is unreachable; the job keeps running unwatched until it answers ({e})")
             self._unreachable = True
             return None
-        except HttpError as e:
-            if e.status != 404:  # 404: no beat of the run yet
-                self.say(f"health of {self.run}: {e}")
+        except NotFound:  # no launch of the run has registered yet
             return None
         except (ServiceError, ValueError) as e:
             self.say(f"health of {self.run}: {e}")
@@ -273,7 +266,7 @@ class Supervisor:
 
     def _event(self, kind: str, data: dict) -> None:
         try:
-            self.rest.post_json(f"/api/v1/runs/{self.run}/events", {"kind": kind, "data": data})
+            self.rest.record_event(self.run, kind, data)
         except (ServiceError, ValueError) as e:  # the run may not exist yet; the service may be away
             self.say(f"could not record {kind} ({e})")
 

@@ -1,27 +1,18 @@
-"""The client's wire: gRPC for the data path, REST for catalog reads. torch-free.
-
-RestClient is the REST half alone (urllib, no gRPC channel): the command line uses it.
-Transport adds the gRPC data path on top.
+"""The client's wire: gRPC for the data path, REST (rest.py) for the catalog. torch-free.
 
 The only thing configured is the REST base URL; the gRPC endpoint is learned from
 GET /api/v1/info. Every call goes through one RetryPolicy (retry.py): transient failures
 (the service restarting, a dropped connection, a 5xx, a PutShard refused because the
 service has too many streams open) are retried with backoff until its deadline;
-everything the service refuses surfaces at once as ServiceError with its message.
-RestClient alone (the command line) tries once unless given a policy.
+everything the service refuses surfaces at once as the error class its code names
+(errors.py), with the service's message.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import json
 import logging
 import os
-import threading
-import urllib.error
-import urllib.parse
-import urllib.request
 import weakref
 from collections.abc import Iterator
 
@@ -32,14 +23,16 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import grpc  # noqa: E402
 
-from . import names, wire
-from .errors import CorruptCheckpoint, NoUsableCheckpoint, ServiceError
-from .fencing import ERROR_METADATA, GENERATION_HEADER
+from . import errors, names, wire
+from .errors import CorruptCheckpoint, GaveUp, ServiceError, ServiceUnreachable, SpoolNotShared
 from .hashing import StreamHasher
-from .manifest import Manifest
-from .retry import NO_RETRY, GaveUp, RetryPolicy
+from .rest import HttpError, RestClient
+from .retry import RetryPolicy
 from .v1 import lastgood_pb2 as pb
 from .v1 import lastgood_pb2_grpc as pb_grpc
+
+# RestClient, HttpError and ServiceUnreachable were defined here once; they are still found here
+__all__ = ["HttpError", "RestClient", "ServiceError", "ServiceUnreachable", "Transport"]
 
 CHUNK = 4 * 1024 * 1024
 log = logging.getLogger("lastgood")
@@ -47,8 +40,6 @@ log = logging.getLogger("lastgood")
 _RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
               ("grpc.max_reconnect_backoff_ms", 1000)]
 _SPOOL_WRITE = 8 * 1024 * 1024
-# the service's answers to GET /runs/{run}/last-good that mean "nothing to restore"
-NO_CHECKPOINT = ("not_found", "no_checkpoint")
 
 
 # Channels still open when the interpreter finalizes are torn down in no set order with
@@ -68,8 +59,8 @@ def _close_open_channels() -> None:
 
 def _find_spool(spec: dict | None) -> dict | None:
     """The service's spool, if this process sees the same directory (its id file matches)
-    and may write there; LASTGOOD_SPOOL=0 turns the hand-over off."""
-    if not spec or os.environ.get("LASTGOOD_SPOOL", "1") == "0":
+    and may write there."""
+    if not spec:
         return None
     try:
         with open(os.path.join(spec["dir"], names.SPOOL_ID_FILE)) as f:
@@ -81,159 +72,26 @@ def _find_spool(spec: dict | None) -> dict | None:
 
 def _service_error(e: grpc.RpcError, what: str) -> ServiceError:
     code = e.code() if hasattr(e, "code") else None
-    name = code.name if code is not None else "UNKNOWN"
-    trailing = dict(e.trailing_metadata() or ()) if hasattr(e, "trailing_metadata") else {}
-    return ServiceError(f"{what}: {name}: {e.details() if hasattr(e, 'details') else e}", name,
-                        trailing.get(ERROR_METADATA))
-
-
-class HttpError(ServiceError):
-    """The service answered with an HTTP error. `code` is the HTTP status (as on every
-    ServiceError from REST), `reason` the service's error code name (`not_found`,
-    `hash_mismatch`, ...) and `detail` its message, without the method and path."""
-
-    def __init__(self, message: str, status: int, reason: str | None, detail: str) -> None:
-        super().__init__(message, status, reason)
-        self.status = status
-        self.detail = detail
-
-
-class ServiceUnreachable(ServiceError):
-    """No answer from the service: refused, unresolvable, reset, or timed out."""
-
-
-class RestClient:
-    """The REST half of the wire, on urllib alone: no gRPC channel is opened, so the
-    command line (lastgood.cli) uses it directly and Transport builds on it."""
-
-    def __init__(self, base_url: str, timeout: float = 30.0, token: str | None = None,
-                 retry: RetryPolicy | None = None) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.timeout = timeout
-        self.retry = retry or NO_RETRY
-        self._local = threading.local()  # this thread's stop() for retries, see stoppable()
-        # a service with auth required wants `Authorization: Bearer <token>` on every call
-        self._auth = {"Authorization": f"Bearer {token}"} if token else {}
-        # this launch's generation once registered (register_launch): sent with every call,
-        # so that the service refuses a fenced launch's tags, pins and rollbacks
-        self.generation: int | None = None
-
-    def open(self, method: str, path: str, query: dict | None = None, body: dict | None = None,
-             headers: dict | None = None):
-        """Send one request; the open response (a context manager with read(n)) on 2xx.
-        Raises HttpError with the service's JSON error message, or ServiceUnreachable."""
-        url = self.base_url + path + ("?" + urllib.parse.urlencode(query) if query else "")
-        data = json.dumps(body).encode() if body is not None else (b"" if method in ("POST", "PUT") else None)
-        hdrs = {"Content-Type": "application/json"} if body is not None else {}
-        if self.generation:
-            hdrs[GENERATION_HEADER] = str(self.generation)
-        req = urllib.request.Request(url, method=method, data=data, headers={**hdrs, **self._auth, **(headers or {})})
-        try:
-            return urllib.request.urlopen(req, timeout=self.timeout)
-        except urllib.error.HTTPError as e:
-            raw = e.read()
-            reason = None
-            try:
-                err = json.loads(raw)["error"]
-                msg, reason = err["message"], err.get("code")
-            except Exception:
-                msg = raw[:500].decode(errors="replace")
-            raise HttpError(f"{method} {path}: HTTP {e.code}: {msg}", e.code, reason, msg) from None
-        except urllib.error.URLError as e:
-            raise ServiceUnreachable(f"cannot reach the lastgood service at {self.base_url}: {e.reason}") from None
-        except OSError as e:  # timeouts and resets before the answer's head
-            raise ServiceUnreachable(f"{method} {path}: no answer from the lastgood service: {e}") from None
-
-    @contextlib.contextmanager
-    def stoppable(self, stop):
-        """Calls made by this thread inside `with transport.stoppable(stop):` stop retrying
-        (GaveUp) as soon as stop() says so."""
-        self._local.stop = stop
-        try:
-            yield
-        finally:
-            self._local.stop = None
-
-    def _retrying(self, fn, what: str):
-        return self.retry.call(fn, what, stop=getattr(self._local, "stop", None))
-
-    def _request(self, method: str, path: str, query: dict | None = None, body: dict | None = None) -> bytes:
-        def once() -> bytes:
-            resp = self.open(method, path, query, body)
-            try:
-                with resp:
-                    return resp.read()
-            except OSError as e:  # timeouts and resets while reading the answer
-                raise ServiceUnreachable(f"{method} {path}: no answer from the lastgood service: {e}") from None
-        return self._retrying(once, f"{method} {path}")
-
-    def get_json(self, path: str, query: dict | None = None):
-        return json.loads(self._request("GET", path, query))
-
-    def post_json(self, path: str, body: dict | None = None, query: dict | None = None):
-        return json.loads(self._request("POST", path, query, body))
-
-    def call(self, method: str, path: str, body: dict | None = None):
-        return json.loads(self._request(method, path, None, body))
-
-    def last_good(self, run: str) -> dict | None:
-        """The run's last-good (with its manifest, read and checked by the service), or None
-        when the service says the run has none: the run is unknown (`not_found`) or never
-        committed a checkpoint (`no_checkpoint`). A run whose checkpoints are all damaged
-        raises NoUsableCheckpoint, and every other failure raises: an error is never read
-        as "no checkpoint", which would start the training over."""
-        try:
-            return self.get_json(f"/api/v1/runs/{run}/last-good")
-        except HttpError as e:
-            if e.status == 404 and e.reason in NO_CHECKPOINT:
-                return None
-            if e.reason == "no_usable_checkpoint":
-                raise NoUsableCheckpoint(e.detail) from None
-            raise
-
-    def register_launch(self, run: str, attempt: str, world_size: int) -> int:
-        """Register this launch of the job (idempotent: every rank may call) and send its
-        generation from now on; returns it. A newer launch's registration fences this one."""
-        self.generation = int(self.post_json(f"/api/v1/runs/{run}/launches",
-                                             {"attempt": attempt, "world_size": world_size})["generation"])
-        return self.generation
-
-    def committed(self, run: str, limit: int = 100) -> list[dict]:
-        try:
-            return self.get_json(f"/api/v1/runs/{run}/checkpoints",
-                                 {"status": "COMMITTED", "limit": limit})["items"]
-        except ServiceError as e:
-            if e.code == 404:
-                return []
-            raise
-
-    def verify(self, checkpoint_id: int) -> dict:
-        return self.post_json(f"/api/v1/checkpoints/{checkpoint_id}/verify")
-
-    def acquire_lease(self, checkpoint_id: int, holder: str, seconds: float = 3600.0) -> int:
-        return self.post_json(f"/api/v1/checkpoints/{checkpoint_id}/leases",
-                              {"holder": holder, "seconds": seconds})["lease_id"]
-
-    def release_lease(self, lease_id: int) -> None:
-        self.call("DELETE", f"/api/v1/leases/{lease_id}")
-
-    def manifest_bytes(self, checkpoint_id: int) -> bytes:
-        """The exact manifest bytes the service committed (canonical JSON)."""
-        return self._request("GET", f"/api/v1/checkpoints/{checkpoint_id}/manifest")
-
-    def manifest(self, checkpoint_id: int) -> Manifest:
-        # over REST: a manifest of thousands of ranks outgrows one gRPC message
-        return Manifest.from_bytes(self.manifest_bytes(checkpoint_id))
+    trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+    return errors.from_grpc(what, code.name if code is not None else "UNKNOWN",
+                            e.details() if hasattr(e, "details") else str(e), trailing)
 
 
 class Transport(RestClient):
     def __init__(self, base_url: str, timeout: float = 30.0, token: str | None = None,
-                 retry: RetryPolicy | None = None) -> None:
+                 retry: RetryPolicy | None = None, *, spool: bool | None = None) -> None:
+        """`retry` and `spool` (hand shards over through the service's spool when this host
+        sees it) default to the environment's (config.ClientConfig)."""
+        if retry is None or spool is None:
+            from .config import ClientConfig
+
+            cfg = ClientConfig.resolve(retry=retry, spool=spool)
+            retry, spool = cfg.retry, cfg.spool
         # a service that is starting (or restarting) is waited for, up to the policy's deadline
-        super().__init__(base_url, timeout, token, retry or RetryPolicy.from_env())
+        super().__init__(base_url, timeout, token, retry)
         # the same bearer token on every gRPC call, as call metadata
         self._md = (("authorization", f"Bearer {token}"),) if token else ()
-        self.info = info = self.get_json("/api/v1/info")
+        self.info = info = self.service_info()
         self.grpc_target = info["grpc_target"]
         self.chunk = min(CHUNK, int(info.get("max_chunk_bytes", CHUNK)))
         limit = self.chunk + 64 * 1024
@@ -241,7 +99,7 @@ class Transport(RestClient):
             ("grpc.max_receive_message_length", max(limit, 256 * 1024 * 1024)),
             ("grpc.max_send_message_length", limit), *_RECONNECT])
         self._stub = pb_grpc.CheckpointsStub(self._channel)
-        self.spool = _find_spool(info.get("spool"))
+        self.spool = _find_spool(info.get("spool")) if spool else None
         _open.add(self)
         # the shard streams carry hand-framed chunks (see wire.py): raw bytes at this end
         self._put_shard = self._channel.stream_unary(
@@ -261,10 +119,7 @@ class Transport(RestClient):
             try:
                 return method(request, timeout=timeout or self.timeout, metadata=self._md)
             except grpc.RpcError as e:
-                err = _service_error(e, what)
-                # a refusal for too many open streams read nothing: the ranks take turns
-                err.busy = _busy(e)
-                raise err from None
+                raise _service_error(e, what) from None
         return self._retrying(once, what)
 
     def begin(self, run: str, step: int, world_size: int, parent_id: int | None, attempt: str,
@@ -333,7 +188,7 @@ class Transport(RestClient):
                 raise
             except ServiceError as e:
                 log.warning("lastgood: the spooled hand-over of %s failed (%s); streaming it", file_name, e)
-                if "spool: the header names another spool" in str(e) or "takes no spooled files" in str(e):
+                if isinstance(e, SpoolNotShared):
                     self.spool = None  # this service does not read that directory: stream from now on
             finally:
                 self.spool_discard(spooled, spool)
@@ -401,11 +256,6 @@ class Transport(RestClient):
             return hasher.hexdigest()
 
         return view, self._retrying(once, f"GetShard {checkpoint_id}/{rank}/{file_name}")
-
-
-def _busy(e: grpc.RpcError) -> bool:
-    """The service refused a stream because too many are open; nothing was read (wire.py)."""
-    return e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (e.details() or "").startswith(wire.STREAMS_BUSY)
 
 
 def _read_lent(spool_dir: str, name: str, view: memoryview, hasher: StreamHasher) -> int:

@@ -18,7 +18,8 @@ GET_CHUNK = 1 << 3 | 2  # GetShardResponse.chunk (field 1)
 
 # How a RESOURCE_EXHAUSTED answer to PutShard/GetShard begins when the service refused the
 # stream because too many are open (not because the shard is too large): the service read
-# nothing, and the client tries again after a pause.
+# nothing, and the client tries again after a pause. The answer also carries the error code
+# streams_busy (errors.Busy); the prefix is what a client from before that code reads.
 STREAMS_BUSY = "streams: "
 
 

@@ -23,6 +23,7 @@ from .api.rest import create_app
 from .blobstore import capabilities, open_blobstore
 from .catalog.db import make_engine, make_sessionmaker, upgrade_head
 from .domain.commit import CommitService
+from .domain.outcomes import OutcomeNotifier
 from .domain.curation import Curator
 from .domain.faults import Ballast
 from .domain.gate import CatalogGate
@@ -69,6 +70,8 @@ class Service:
         self.queries = Queries(sessions, self.gate)
         self.metrics = Metrics(pending=self.queries.pending_count)
         self.commits = CommitService(settings, sessions, blobs, metrics=self.metrics, gate=self.gate)
+        self.outcomes = OutcomeNotifier(sessions, settings.outcome_poll_interval)  # one per process
+        self.commits.listeners.append(self.outcomes.poke)
         self.curator = Curator(sessions, gate=self.gate)
         # heartbeats commit without an fsync each (catalog/db.py): their own small pool
         self.health_engine = make_engine(url, durable=False)
@@ -145,7 +148,7 @@ class Service:
     def app(self):
         return create_app(AppContext(self.commits, self.queries, self.grpc_target, self.curator, self.gc,
                                      self.tokens, self.metrics, self.spool,
-                                     self.health))
+                                     self.health, self.outcomes))
 
     def stop(self) -> None:
         self._stop.set()

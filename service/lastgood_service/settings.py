@@ -39,6 +39,10 @@ class Settings(BaseSettings):
     lease_seconds: float = Field(60.0, gt=0, description="a pending checkpoint with no rank activity for this long is ABANDONED")
     reaper_interval: float = Field(1.0, gt=0, description="how often expired leases are looked for")
     commit_wait_max: float = Field(5.0, ge=0, description="longest one CommitRank call waits for the other ranks")
+    outcome_wait_max: float = Field(30.0, ge=0, le=3600, description="longest one GET .../outcome?wait= call waits "
+                                    "for a checkpoint's outcome (a coroutine, no thread, per waiting rank)")
+    outcome_poll_interval: float = Field(0.25, gt=0, description="how often the one outcome notifier per process "
+                                         "reads the watched checkpoints' status (commits by another replica)")
 
     max_shard_bytes: int = Field(256 * 1024**3, gt=0, description="largest shard file accepted")
     max_chunk_bytes: int = Field(4 * MiB, gt=0, description="largest chunk in one PutShard message")

@@ -85,6 +85,7 @@ SPEC = {
     ("POST", "/api/v1/runs/{run}/heartbeats"): (W, "run"), ("GET", "/api/v1/runs/{run}/health"): (R, "run"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}"): (R, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/manifest"): (R, "checkpoint"),
+    ("GET", "/api/v1/checkpoints/{checkpoint_id}/outcome"): (R, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/ancestors"): (R, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/files/{file_name}"): (R, "checkpoint"),
     ("POST", "/api/v1/checkpoints/{checkpoint_id}/verify"): (R, "checkpoint"),

@@ -9,7 +9,7 @@ import time
 import httpx
 
 from lastgood.supervisor import Launch, Policy, Supervisor
-from lastgood.transport import RestClient
+from lastgood.rest import RestClient
 from tests.conftest import free_port
 
 

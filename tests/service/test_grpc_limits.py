@@ -195,3 +195,26 @@ def test_the_client_waits_its_turn_when_the_service_has_too_many_streams(make_se
         release.set()
         t.close()
         holder.close()
+
+
+def test_a_refusal_for_too_many_streams_carries_its_error_code(make_service, run_name):
+    """streams_busy, so the client retries it by its code (errors.Busy), not by its words."""
+    from lastgood import errors
+
+    svc = make_service(LASTGOOD_GRPC_WORKERS="4", LASTGOOD_GRPC_IDLE_TIMEOUT="5")  # 2 streams at most
+    release = threading.Event()
+    holder = grpc.insecure_channel(svc.grpc_target)
+    put = holder.stream_unary("/lastgood.v1.Checkpoints/PutShard")
+    try:
+        held = [put.future(_silent(release), timeout=60) for _ in range(2)]  # kept: a dropped future cancels
+        time.sleep(0.5)  # both hold their slots now
+        with pytest.raises(grpc.RpcError) as refused:
+            put(_silent(release), timeout=30)
+        e = refused.value
+        assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        err = errors.from_grpc("PutShard", e.code().name, e.details(), e.trailing_metadata())
+        assert type(err) is errors.Busy and err.reason == "streams_busy" and err.retryable
+        assert not any(h.done() for h in held)  # they still hold the slots the refusal was about
+    finally:
+        release.set()
+        holder.close()

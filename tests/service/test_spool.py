@@ -184,6 +184,25 @@ def test_fifos_other_users_files_and_missing_files(svc, cl, run_name):
     t.close()
 
 
+def test_spool_refusals_carry_their_error_code(svc, cl, run_name):
+    """The client tells "this service does not read that spool" (stream from now on) from
+    "this file could not be taken" (stream this shard) by the error code, not the words."""
+    from lastgood import errors
+
+    spool, sid = spool_of(svc)
+    cid = cl.begin(run_name).checkpoint_id
+    data = make_shard(0, seed=14)
+    refusals = {
+        "another spool": rpc_error(SC.FAILED_PRECONDITION, spooled_put, cl, cid, data, "a" * 32 + ".part", "f" * 32),
+        "no such file": rpc_error(SC.FAILED_PRECONDITION, spooled_put, cl, cid, data, "b" * 32 + ".part", sid),
+    }
+    got = {what: errors.from_grpc("PutShard", e.code().name, e.details(), e.trailing_metadata())
+           for what, e in refusals.items()}
+    assert type(got["another spool"]) is errors.SpoolNotShared and got["another spool"].reason == "spool_not_shared"
+    assert type(got["no such file"]) is errors.SpoolRefused and got["no such file"].reason == "spool_refused"
+    assert all(e.details().startswith("spool:") for e in refusals.values())  # older clients read the words
+
+
 @pytest.mark.slow
 def test_a_spool_on_another_file_system_is_copied(make_service, run_name):
     """Adoption needs a rename into the blob store; across file systems (or bind mounts)

@@ -1,6 +1,6 @@
 """The `lastgood` command group: global options, output, exit codes, error handling.
 
-Every command talks to the service over REST only (lastgood.transport.RestClient, which
+Every command talks to the service over REST only (lastgood.rest.RestClient, which
 opens no gRPC channel) and never imports torch, so the command line works from a plain
 `pip install lastgood` on a laptop or a login node.
 
@@ -25,14 +25,14 @@ from typing import TYPE_CHECKING
 import click
 from rich.console import Console
 
-from .. import __version__, names
+from .. import __version__, config, errors, names
 from ..errors import CorruptCheckpoint, ServiceError
 
-# lastgood.transport (and with it grpc and protobuf, a third of the start-up time) is
-# imported when a command first talks to the service, not for --help or a usage error.
+# lastgood.rest (and with it the manifest schema) is imported when a command first talks to
+# the service, not for --help or a usage error.
 
 if TYPE_CHECKING:
-    from ..transport import RestClient
+    from ..rest import RestClient
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 
@@ -78,36 +78,34 @@ class VerificationFailed(CliError, CorruptCheckpoint):
         super().__init__(message, Exit.VERIFICATION)
 
 
-def exit_code_for(exc: BaseException) -> Exit:
-    from ..transport import HttpError, ServiceUnreachable
+# the error classes (lastgood.errors) -> exit codes, the first that matches
+EXIT_FOR: tuple[tuple[type[ServiceError], Exit], ...] = (
+    (errors.DataLoss, Exit.VERIFICATION),        # the service found its own bytes corrupt
+    (errors.NotFound, Exit.NOT_FOUND),
+    (errors.Refused, Exit.REFUSED),
+    (errors.Internal, Exit.ERROR),               # failed inside the service: unexpected
+    (errors.Unavailable, Exit.UNREACHABLE),      # no answer, 502/503/504
+    (errors.CatalogBehind, Exit.UNREACHABLE),    # a 503 until an operator runs `rebuild`
+)
 
+
+def exit_code_for(exc: BaseException) -> Exit:
     if isinstance(exc, CliError):
         return exc.exit_code
-    if isinstance(exc, ServiceUnreachable):
-        return Exit.UNREACHABLE
-    if isinstance(exc, HttpError):
-        if exc.reason == "hash_mismatch":  # the service found its own bytes corrupt
-            return Exit.VERIFICATION
-        if exc.status == 404:
-            return Exit.NOT_FOUND
-        if exc.status in (400, 401, 403, 409, 413, 416, 422):
-            return Exit.REFUSED
-        if exc.status in (502, 503, 504):
-            return Exit.UNREACHABLE
+    if isinstance(exc, ServiceError):
+        return next((code for cls, code in EXIT_FOR if isinstance(exc, cls)), Exit.ERROR)
     return Exit.ERROR
 
 
 def error_message(exc: BaseException) -> str:
     """The service's own message where there is one (not the method and path)."""
-    from ..transport import HttpError
-
-    if isinstance(exc, HttpError):
+    if isinstance(exc, ServiceError) and exc.status is not None:
         if exc.status >= 500:
             return f"the service failed (HTTP {exc.status}): {exc.detail}"
-        if exc.reason == "http_error":  # no route matched: not a lastgood endpoint, or an old service
+        if exc.no_route:  # no route matched: not a lastgood endpoint, or an old service
             return f"{exc} (is --url a lastgood service of this version?)"
-        if exc.status == 401:
-            return f"{exc.detail} (give one with --token or LASTGOOD_TOKEN)"
+        if isinstance(exc, errors.Unauthenticated):
+            return f"{exc.detail} (give one with --token or {config.ENV_TOKEN})"
         return exc.detail
     if isinstance(exc, json.JSONDecodeError):
         return f"the service's answer is not JSON ({exc}): is --url a lastgood service?"
@@ -144,7 +142,7 @@ class State:
     @property
     def rest(self) -> "RestClient":
         if self._rest is None:
-            from ..transport import RestClient
+            from ..rest import RestClient
 
             self._rest = RestClient(self.url, self.timeout, self.token)
         return self._rest
@@ -162,7 +160,7 @@ class State:
             return ref.id
         run, tag = ref.run, ref.tag
         if tag == "last-good":
-            return self.rest.get_json(f"/api/v1/runs/{q(run)}/last-good")["id"]
+            return self.rest.last_good(run, required=True)["id"]
         hits = [n for n in lineage_nodes(self.rest, run) if any(t["name"] == tag for t in n["tags"])]
         if not hits:
             raise CliError(f"run {run!r} has no checkpoint tagged {tag!r}", Exit.NOT_FOUND)
@@ -173,21 +171,16 @@ class State:
         return hits[0]["id"]
 
 
-def q(segment: str) -> str:
-    """One URL path segment, quoted (run names are safe already; tags are free text)."""
-    return urllib.parse.quote(segment, safe="")
-
-
 def lineage_nodes(rest: "RestClient", run: str) -> list[dict]:
     return lineage_all(rest, run)["nodes"]
 
 
 def lineage_all(rest: "RestClient", run: str, page: int = 10000) -> dict:
     """The whole lineage of a run, every page of it."""
-    doc = rest.get_json(f"/api/v1/runs/{q(run)}/lineage", {"limit": page, "offset": 0})
+    doc = rest.lineage(run, page, 0)
     nodes, edges = list(doc["nodes"]), list(doc["edges"])
     while len(nodes) < doc["total"] and doc["nodes"]:
-        doc = rest.get_json(f"/api/v1/runs/{q(run)}/lineage", {"limit": page, "offset": len(nodes)})
+        doc = rest.lineage(run, page, len(nodes))
         nodes += doc["nodes"]
         edges += doc["edges"]
     doc.update(nodes=nodes, edges=edges)
@@ -322,17 +315,17 @@ class LastgoodGroup(click.Group):
         except Exception as exc:  # noqa: BLE001 - every error ends here, reported once
             code = exit_code_for(exc)
             click.echo(f"lastgood: error: {one_line(error_message(exc))}", err=True)
-            if code == Exit.ERROR and os.environ.get("LASTGOOD_DEBUG"):
+            if code == Exit.ERROR and config.debug():
                 traceback.print_exc()
             ctx.exit(code)
 
 
 @click.group(cls=LastgoodGroup, epilog=EXIT_HELP,
              context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("--url", envvar="LASTGOOD_URL", default=DEFAULT_URL, show_default=True, type=URL,
-              help="REST base URL of the lastgood service [env: LASTGOOD_URL].")
-@click.option("--token", envvar="LASTGOOD_TOKEN", metavar="TOKEN", show_envvar=False,
-              help="Bearer token, for a service that requires one [env: LASTGOOD_TOKEN].")
+@click.option("--url", envvar=config.ENV_URL, default=DEFAULT_URL, show_default=True, type=URL,
+              help=f"REST base URL of the lastgood service [env: {config.ENV_URL}].")
+@click.option("--token", envvar=config.ENV_TOKEN, metavar="TOKEN", show_envvar=False,
+              help=f"Bearer token, for a service that requires one [env: {config.ENV_TOKEN}].")
 @click.option("--json", "json_", is_flag=True, help="Machine-readable output: one JSON document on stdout.")
 @click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
               metavar="SECONDS", help="Give up on a request the service has not answered in this long.")

@@ -6,7 +6,7 @@ import click
 from rich.text import Text
 
 from . import render
-from .app import CKPT, CKPT_OR_RUN, RUN, CkptRef, CliError, Exit, State, cli, json_option, lineage_all, pass_state, q
+from .app import CKPT, CKPT_OR_RUN, RUN, CkptRef, CliError, Exit, State, cli, json_option, lineage_all, pass_state
 
 LIMIT = click.IntRange(1, 1000)
 OFFSET = click.IntRange(0)
@@ -26,7 +26,7 @@ def paging(default_limit: int = 100):
 @pass_state
 def runs(st: State, limit: int, offset: int) -> None:
     """List runs: last-good and checkpoint counts."""
-    page = st.rest.get_json("/api/v1/runs", {"limit": limit, "offset": offset})
+    page = st.rest.runs(limit, offset)
     st.emit(page, lambda out: render.runs(out, page))
 
 
@@ -39,10 +39,7 @@ def runs(st: State, limit: int, offset: int) -> None:
 @pass_state
 def ls(st: State, run: str, status: str | None, limit: int, offset: int) -> None:
     """List the checkpoints of RUN, newest step first."""
-    query = {"limit": limit, "offset": offset}
-    if status:
-        query["status"] = status.upper()
-    page = st.rest.get_json(f"/api/v1/runs/{q(run)}/checkpoints", query)
+    page = st.rest.checkpoints(run, status.upper() if status else None, limit, offset)
     st.emit(page, lambda out: render.checkpoints(out, run, page))
 
 
@@ -57,11 +54,10 @@ def show(st: State, ckpt: CkptRef) -> None:
     With --json for a run: {"run": ..., "health": ...}.
     """
     if ckpt.run is not None and ckpt.tag is None:
-        doc = {"run": st.rest.get_json(f"/api/v1/runs/{q(ckpt.run)}"),
-               "health": st.rest.get_json(f"/api/v1/runs/{q(ckpt.run)}/health")}
+        doc = {"run": st.rest.run(ckpt.run), "health": st.rest.health(ckpt.run)}
         st.emit(doc, lambda out: render.run(out, doc["run"], doc["health"]))
         return
-    doc = st.rest.get_json(f"/api/v1/checkpoints/{st.resolve(ckpt)}")
+    doc = st.rest.checkpoint(st.resolve(ckpt))
     st.emit(doc, lambda out: render.checkpoint(out, doc))
 
 
@@ -93,7 +89,7 @@ def events(st: State, run: str, limit: int, offset: int) -> None:
 
     Begin, commit, abort, expired, corrupt, tag, pin, rollback, gc_delete ...
     """
-    page = st.rest.get_json(f"/api/v1/runs/{q(run)}/events", {"limit": limit, "offset": offset})
+    page = st.rest.events(run, limit, offset)
     st.emit(page, lambda out: render.events(out, run, page))
 
 
@@ -109,7 +105,7 @@ def tag(st: State, ckpt: CkptRef, name: str, alias: bool) -> None:
 
     Only committed (or corrupt) checkpoints are tagged; GC keeps tagged checkpoints.
     """
-    res = st.rest.post_json(f"/api/v1/checkpoints/{st.resolve(ckpt)}/tags", {"name": name, "alias": alias})
+    res = st.rest.tag(st.resolve(ckpt), name, alias)
 
     def human(out):
         parts = [("alias " if res["kind"] == "alias" else "tagged "), render.ckpt_id(res["checkpoint_id"]), " ",
@@ -127,13 +123,13 @@ def tag(st: State, ckpt: CkptRef, name: str, alias: bool) -> None:
 @pass_state
 def untag(st: State, ckpt: CkptRef, name: str) -> None:
     """Remove the tag or alias NAME from a checkpoint."""
-    from ..transport import HttpError
+    from ..errors import NotFound
 
     cid = st.resolve(ckpt)
     try:
-        res = st.rest.call("DELETE", f"/api/v1/checkpoints/{cid}/tags/{q(name)}")
-    except HttpError as e:
-        if e.status == 404 and e.reason == "http_error" and "/" in name:
+        res = st.rest.untag(cid, name)
+    except NotFound as e:
+        if e.no_route and "/" in name:
             # a service before 0.1.x decoded %2F before routing, so no route matched such a name
             raise CliError(f"this service cannot remove a tag whose name contains '/' ({name!r}) over "
                            f"REST", Exit.REFUSED) from None
@@ -143,7 +139,7 @@ def untag(st: State, ckpt: CkptRef, name: str) -> None:
 
 
 def _pin(st: State, ckpt: CkptRef, pinned: bool) -> None:
-    res = st.rest.call("PUT" if pinned else "DELETE", f"/api/v1/checkpoints/{st.resolve(ckpt)}/pin")
+    res = st.rest.pin(st.resolve(ckpt), pinned)
     st.emit(res, lambda out: render.line(out, "pinned " if pinned else "unpinned ",
                                          render.ckpt_id(res["checkpoint_id"])))
 
@@ -182,12 +178,12 @@ def gc(st: State, dry_run: bool, run: str | None) -> None:
     if run is not None and not dry_run:
         raise click.UsageError("--run filters the plan of --dry-run; GC itself runs for every run")
     if dry_run:
-        plan = st.rest.get_json("/api/v1/gc/plan")
+        plan = st.rest.gc_plan()
         doc = {"plan": plan if run is None else render.plan_of_run(plan, run), "dry_run": True}
         if run is not None:
             doc["run"] = run
     else:
-        doc = st.rest.post_json("/api/v1/gc", query={"dry_run": "false"})
+        doc = st.rest.gc()
 
     def human(out):
         render.gc_plan(out, doc["plan"], dry_run)

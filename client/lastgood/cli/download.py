@@ -34,7 +34,7 @@ from . import render
 from .app import CKPT, CkptRef, CliError, Exit, State, VerificationFailed, cli, json_option, pass_state
 
 if TYPE_CHECKING:
-    from ..transport import RestClient
+    from ..rest import RestClient
 
 CHUNK = 1024 * 1024
 LEASE_SECONDS = 600.0
@@ -99,7 +99,7 @@ def read_verified(rest: RestClient, cid: int, rank: int, entry: FileEntry, lease
     message (what the caller did with the bytes)."""
     where = f"checkpoint {cid} rank {rank} file {entry.name}"
     hasher = StreamHasher()
-    resp = rest.open("GET", f"/api/v1/checkpoints/{cid}/ranks/{rank}/files/{entry.name}")
+    resp = rest.open_file(cid, rank, entry.name)
     with resp:
         while True:
             try:

@@ -7,6 +7,7 @@ import os
 import click
 
 from .. import names
+from ..config import ENV_RUN
 from ..supervisor import Outcome, Policy, Supervisor, UsageError, run_of
 from .app import RUN, Exit, State, cli, pass_state
 
@@ -62,7 +63,7 @@ def supervise(st: State, max_restarts: int, hang_timeout: float | None, drain: s
     cmd = list(command)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
-    name = run or os.environ.get(names.RUN_ENV) or run_of(cmd)
+    name = run or os.environ.get(ENV_RUN) or run_of(cmd)
     if not name:
         raise click.UsageError("name the run: --run NAME, LASTGOOD_RUN, or torchrun --rdzv-id=NAME")
     try:
@@ -82,6 +83,6 @@ def supervise(st: State, max_restarts: int, hang_timeout: float | None, drain: s
 def _rest(st: State, poll: float):
     """One try per call, answered within the poll: the supervisor asks again next poll
     rather than retrying (and never waits long on a service that is away)."""
-    from ..transport import RestClient
+    from ..rest import RestClient
 
     return RestClient(st.url, min(st.timeout, max(2.0, poll)), st.token)

@@ -34,6 +34,7 @@ import time
 import uuid
 from pathlib import Path
 
+from ..config import ClientConfig
 from ..errors import FormatError, LastgoodError
 from .convert import DTYPES, target
 from .hf import CONFIG, INDEX, Item, check_coverage, file_names, parse_size, split, write_file, write_json
@@ -302,8 +303,8 @@ def export_hf(checkpoint, dest, *, url: str | None = None, token: str | None = N
         ref = parse_ckpt(str(checkpoint))
     except ValueError as e:
         raise ExportError(str(e)) from None
-    st = State(url=url or os.environ.get("LASTGOOD_URL") or DEFAULT_URL, timeout=timeout,
-               token=token or os.environ.get("LASTGOOD_TOKEN") or None)
+    cfg = ClientConfig.resolve(url=url, token=token)
+    st = State(url=cfg.url or DEFAULT_URL, timeout=timeout, token=cfg.token)
     try:
         return run_export(st, ref, Path(dest), opts)
     except CliError as e:

@@ -42,6 +42,7 @@ POLICY: dict[tuple[str, str], str | tuple[str, str]] = {
     ("GET", "/api/v1/runs/{run}/health"): (READER, "run"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}"): (READER, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/manifest"): (READER, "checkpoint"),
+    ("GET", "/api/v1/checkpoints/{checkpoint_id}/outcome"): (READER, "checkpoint"),  # a voted rank waits here
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/ancestors"): (READER, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/files/{file_name}"): (READER, "checkpoint"),
     ("POST", "/api/v1/checkpoints/{checkpoint_id}/verify"): (READER, "checkpoint"),

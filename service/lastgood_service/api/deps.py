@@ -22,6 +22,7 @@ from ..domain.curation import Curator
 from ..domain.errors import Unavailable
 from ..domain.gc import GarbageCollector
 from ..domain.health import Health
+from ..domain.outcomes import OutcomeNotifier
 from ..domain.queries import MAX_PAGE, Queries
 from ..domain.spool import Spool
 from ..domain.tokens import TokenStore
@@ -40,6 +41,7 @@ class AppContext:
     metrics: Metrics | None = None
     spool: Spool | None = None
     health: Health | None = None
+    outcomes: OutcomeNotifier | None = None  # GET .../outcome (routes/outcomes.py); one per process
 
 
 def context(request: Request) -> AppContext:
@@ -75,6 +77,16 @@ def _health(ctx: Ctx) -> Health:
     return ctx.health
 
 
+async def _outcomes(ctx: Ctx) -> OutcomeNotifier:
+    """The process's one notifier (main.Service); an app built without one (a test's
+    context) gets its own, told of the commits made through its CommitService. Async, so
+    that it runs on the event loop: no thread hop, and no race creating it."""
+    if ctx.outcomes is None:
+        ctx.outcomes = OutcomeNotifier(ctx.commits.sessions, ctx.commits.settings.outcome_poll_interval)
+        ctx.commits.listeners.append(ctx.outcomes.poke)
+    return ctx.outcomes
+
+
 def _settings(ctx: Ctx) -> Settings:
     return ctx.commits.settings
 
@@ -86,6 +98,7 @@ GCDep = Annotated[GarbageCollector, Depends(_gc)]
 TokensDep = Annotated[TokenStore, Depends(_tokens)]
 SettingsDep = Annotated[Settings, Depends(_settings)]
 HealthDep = Annotated[Health, Depends(_health)]
+OutcomesDep = Annotated[OutcomeNotifier, Depends(_outcomes)]
 
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE)]
 Offset = Annotated[int, Query(ge=0, le=names.MAX_ID)]

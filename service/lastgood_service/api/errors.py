@@ -1,5 +1,7 @@
 """The one table from domain errors to HTTP statuses and gRPC codes, and the one bound on
-the length of the message that goes with them."""
+the length of the message that goes with them. The error code (the third column) is the
+client's: lastgood.errors.TABLE maps each to the class it raises (tests/unit/test_errors.py
+checks that every code here has one)."""
 
 from __future__ import annotations
 
@@ -17,10 +19,13 @@ TABLE: dict[type[e.DomainError], tuple[int, grpc.StatusCode, str]] = {
     e.InvalidArgument: (400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
     e.Conflict: (409, grpc.StatusCode.ALREADY_EXISTS, "conflict"),
     e.Fenced: (409, grpc.StatusCode.FAILED_PRECONDITION, FENCED),
+    e.SpoolRefused: (409, grpc.StatusCode.FAILED_PRECONDITION, "spool_refused"),
+    e.SpoolNotShared: (409, grpc.StatusCode.FAILED_PRECONDITION, "spool_not_shared"),
     e.FailedPrecondition: (409, grpc.StatusCode.FAILED_PRECONDITION, "failed_precondition"),
     e.HashMismatch: (422, grpc.StatusCode.DATA_LOSS, "hash_mismatch"),
     e.OutOfRange: (416, grpc.StatusCode.OUT_OF_RANGE, "out_of_range"),
     e.TooLarge: (413, grpc.StatusCode.RESOURCE_EXHAUSTED, "too_large"),
+    e.StreamsBusy: (429, grpc.StatusCode.RESOURCE_EXHAUSTED, "streams_busy"),
     e.Unauthenticated: (401, grpc.StatusCode.UNAUTHENTICATED, "unauthenticated"),
     e.PermissionDenied: (403, grpc.StatusCode.PERMISSION_DENIED, "permission_denied"),
     e.CatalogBehind: (503, grpc.StatusCode.UNAVAILABLE, CATALOG_BEHIND),

@@ -18,7 +18,7 @@ from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
 
 from ..domain.commit import CommitService
 from ..domain.commit.protocol import ShardHeader
-from ..domain.errors import DomainError, FailedPrecondition, InvalidArgument
+from ..domain.errors import DomainError, InvalidArgument, SpoolNotShared
 from ..domain.faults import as_domain_error
 from ..domain.spool import Spool
 from ..domain.tokens import READER, WRITER, Principal, TokenStore
@@ -200,7 +200,7 @@ class Servicer(pb_grpc.CheckpointsServicer):
     def _put_spooled(self, h, header: ShardHeader, request_iterator):
         """The same-host hand-over (domain/spool.py): the bytes are in a file, not in chunks."""
         if self.spool is None:
-            raise FailedPrecondition("spool: this service takes no spooled files; stream the shard")
+            raise SpoolNotShared("spool: this service takes no spooled files; stream the shard")
         if next(request_iterator, None) is not None:
             raise InvalidArgument("a spooled PutShard carries its header only, no chunks")
         taken = self.spool.take(h.spool_file, h.spool_id, h.size)
@@ -272,6 +272,7 @@ class Servicer(pb_grpc.CheckpointsServicer):
 
 
 SERVICE = "lastgood.v1.Checkpoints"
+PENDING_CALLS = 65536  # calls gRPC may queue for a worker: every rank of a 16,384-GPU job, several times
 
 
 def handlers(servicer: Servicer) -> dict[str, grpc.RpcMethodHandler]:
@@ -300,7 +301,12 @@ def start_grpc_server(servicer: Servicer, host: str, port: int, workers: int, ma
     # receive: one chunk plus framing, so oversized input is refused before it is buffered;
     # send: manifests of thousands of ranks outgrow a chunk
     options = [("grpc.max_receive_message_length", max_message + 64 * 1024),
-               ("grpc.max_send_message_length", max(max_message + 64 * 1024, 256 * 1024 * 1024))]
+               ("grpc.max_send_message_length", max(max_message + 64 * 1024, 256 * 1024 * 1024)),
+               # calls that arrived while every worker is busy wait in gRPC's queue; beyond its
+               # default 1,000 (soft) / 3,000 (hard) it CANCELs them: 947 of 4,096 ranks
+               # beginning at once (bench/control_plane.py). A queued call costs no thread.
+               ("grpc.server.max_pending_requests", PENDING_CALLS),
+               ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS)]
     if stream_window:
         # A fixed HTTP/2 window: with BDP probing, gRPC grows it while a disk write stalls
         # the receiving thread and buffers the client's stream ahead of it (bench.alloc:

@@ -27,6 +27,16 @@ class Fenced(FailedPrecondition):
     """A write from a launch older than the run's newest registered one (domain/fencing.py)."""
 
 
+class SpoolRefused(FailedPrecondition):
+    """A spooled hand-over this service cannot take (the file is gone, or another user's):
+    the client streams the shard instead (domain/spool.py)."""
+
+
+class SpoolNotShared(SpoolRefused):
+    """The header names a spool this service does not read (another host or data directory,
+    or it takes none): the client streams from now on."""
+
+
 class HashMismatch(DomainError):
     pass
 
@@ -37,6 +47,10 @@ class OutOfRange(DomainError):
 
 class TooLarge(DomainError):
     pass
+
+
+class StreamsBusy(DomainError):
+    """Too many streams are open (api/streams.py); nothing was read: the client retries."""
 
 
 class Unauthenticated(DomainError):

@@ -41,6 +41,7 @@ from lastgood.health import PHASES
 from ..catalog.models import Event, Heartbeat, Launch, Run, utcnow
 from . import fencing, verdicts
 from .errors import InvalidArgument, NotFound
+from .events import add_event
 from .gate import CatalogGate
 
 log = logging.getLogger("lastgood.health")
@@ -178,8 +179,6 @@ class Health:
         return totals
 
     def _sweep_run(self, run_id: int, now: dt.datetime) -> dict[int, str]:
-        from .commit import add_event  # commit.py imports much of the domain
-
         with self.sessions() as s, s.begin():
             rows = _current(_rows(s, run_id))
             slow = verdicts.outliers([_rank(r, now) for r in rows], self.limits)

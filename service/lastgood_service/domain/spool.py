@@ -18,8 +18,9 @@ would still be caught by the hash on every restore and verify.
 A client that cannot read the id file in the directory - another user, another container,
 another host behind the same load balancer - streams. The id, random per spool directory,
 tells a client that the directory it sees is the one this service reads. Every refusal
-that is about the hand-over itself (another spool's id, a file that is not there, owned by
-someone else) is FAILED_PRECONDITION starting "spool:", and the client streams instead.
+that is about the hand-over itself is FAILED_PRECONDITION starting "spool:", with its own
+error code: SpoolNotShared for another spool's id (the client streams from then on),
+SpoolRefused for a file that is not there or is someone else's (it streams that shard).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from lastgood import names
 
-from .errors import FailedPrecondition, InvalidArgument
+from .errors import InvalidArgument, SpoolNotShared, SpoolRefused
 
 
 class Taken:
@@ -92,7 +93,7 @@ class Spool:
         """Move the client's file out of its reach and check it; the caller owns the result
         and must close() it."""
         if spool_id != self.id:
-            raise FailedPrecondition("spool: the header names another spool (another host or data directory); "
+            raise SpoolNotShared("spool: the header names another spool (another host or data directory); "
                                      "stream the shard instead")
         if not names.is_spool_name(name):
             raise InvalidArgument(f"spool_file must be 32 hex digits + '.part', got {name[:80]!r}")
@@ -100,14 +101,14 @@ class Spool:
         try:
             os.rename(self.dir / name, taken)  # atomic; a symlink moves as a link and is refused below
         except FileNotFoundError:
-            raise FailedPrecondition(f"spool: {name} is not in the spool (taken already, or swept); "
+            raise SpoolRefused(f"spool: {name} is not in the spool (taken already, or swept); "
                                      f"stream the shard instead") from None
         try:
             st = os.lstat(taken)
             if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
                 raise InvalidArgument(f"spool_file {name} is not a regular file with one link")
             if st.st_uid != os.geteuid():
-                raise FailedPrecondition(f"spool: {name} belongs to uid {st.st_uid}, not to the service's user; "
+                raise SpoolRefused(f"spool: {name} belongs to uid {st.st_uid}, not to the service's user; "
                                          f"stream the shard instead")
             try:
                 fd = os.open(taken, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)

@@ -40,6 +40,7 @@ class CommitCore:
         self.store = blobs
         self.blobs = MeteredBlobStore(blobs, self.metrics)
         self._changed = threading.Condition()
+        self.listeners: list[Callable[[], None]] = []  # told of every change _notify announces (domain/outcomes.py)
         self.launches = fencing.Launches(sessions, clock, notify=self._notify, metrics=self.metrics, gate=self.gate)
 
     def _lease(self) -> dt.datetime:
@@ -58,3 +59,5 @@ class CommitCore:
     def _notify(self) -> None:
         with self._changed:
             self._changed.notify_all()
+        for listener in self.listeners:
+            listener()

@@ -1,0 +1,408 @@
+"""The control plane at 1,024+ ranks: begin storm, vote storm, how every rank hears COMMITTED.
+
+    nice -n 10 python -m bench.control_plane [--ranks 1024,4096] [--catalogs sqlite,postgres]
+    python -m bench.control_plane storm URL --ranks N --mode outcome   (one storm, JSON; tests use it)
+
+One process simulates every rank with asyncio: gRPC (grpc.aio, one channel per 64 ranks)
+for begin, put and vote; httpx for the REST long-poll. Per checkpoint:
+
+1. begin storm: every rank calls BeginCheckpoint at once (idempotent: all get one id);
+2. every rank puts a tiny valid shard (32 at a time: not what is measured);
+3. vote storm: every rank votes at once and waits for COMMITTED, in one of two ways:
+   - `vote-wait` (main's path before docs/control-plane.md): CommitRank with wait_seconds=2,
+     again after a jittered backoff when the service answered without waiting (the
+     Checkpointer's loop as it was);
+   - `outcome`: CommitRank with wait 0, then GET /api/v1/checkpoints/{id}/outcome?wait=10
+     until decided (the Checkpointer's loop now).
+   Measured: from the last vote (its catalog timestamp) to each rank hearing COMMITTED
+   (time.time() here; one machine, one clock); the service's CPU seconds and its peak
+   thread count over the storm.
+4. catalog cost of the checkpoint: rows it added, and on PostgreSQL the transactions and
+   WAL bytes; on SQLite the bytes the service wrote with write() less the blob bytes.
+
+Both modes run in the same service process, alternating, so they share the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+
+from bench.common import ROOT, Service, machine, median, percentile
+from lastgood.hashing import hash_bytes
+from lastgood.v1 import lastgood_pb2 as pb
+from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
+
+MODES = ("vote-wait", "outcome")
+RANKS_PER_CHANNEL = 64
+PUTS_AT_ONCE = 16
+RPC_TIMEOUT = 600.0  # at 4,096 ranks a vote queues for minutes behind the others (docs/control-plane.md)
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _shard(rank: int, step: int) -> bytes:
+    from tests.service.helpers import make_shard  # the one valid-shard maker
+
+    return make_shard(rank, seed=step, n=2)
+
+
+def _file(rank: int) -> str:
+    from tests.service.helpers import shard_name
+
+    return shard_name(rank)
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # utime, stime
+
+
+def threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    return 0
+
+
+def wchar(pid: int) -> int:
+    with open(f"/proc/{pid}/io") as f:
+        for line in f:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    return 0
+
+
+class ThreadSampler:
+    """Peak thread count of a process, sampled every 20 ms."""
+
+    def __init__(self, pid: int | None) -> None:
+        self.pid, self.peak = pid, 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while self.pid and not self._stop.is_set():
+            try:
+                self.peak = max(self.peak, threads(self.pid))
+            except OSError:
+                return
+            self._stop.wait(0.02)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+
+async def get_json(host: str, port: int, path: str) -> tuple[int, dict]:
+    """GET on a fresh connection (as the client's urllib does), on asyncio streams alone:
+    httpx costs this one process ~10x the CPU per request, which at 4,096 ranks on a busy
+    2-core machine would measure the simulator, not the service."""
+    r, w = await asyncio.open_connection(host, port)
+    try:
+        w.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode())
+        data = await r.read()
+    finally:
+        w.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    if not head:
+        raise ConnectionError("the connection closed without an answer")
+    return int(head.split()[1]), json.loads(body)
+
+
+def summary(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    if not xs:
+        return {}
+    return {"n": len(xs), "p50": round(median(xs), 4), "p99": round(percentile(xs, 0.99), 4), "max": round(xs[-1], 4)}
+
+
+async def storm(url: str, run: str, step: int, ranks: int, mode: str, pid: int | None = None) -> dict:
+    """One checkpoint of `ranks` simulated ranks; see the module docstring."""
+    info = httpx.get(url + "/api/v1/info", timeout=30).json()
+    chans = [grpc.aio.insecure_channel(info["grpc_target"], options=[("grpc.use_local_subchannel_pool", 1)])
+             for _ in range((ranks + RANKS_PER_CHANNEL - 1) // RANKS_PER_CHANNEL)]
+    stubs = [pb_grpc.CheckpointsStub(c) for c in chans]
+    stub = lambda r: stubs[r // RANKS_PER_CHANNEL]  # noqa: E731
+    attempt = f"bench-{os.getpid()}"
+    out: dict = {"ranks": ranks, "mode": mode}
+    try:
+        # 1. begin storm
+        lat, errors, ids, failed = [], [], set(), []
+
+        async def begin(r: int, measured: bool = True) -> None:
+            t = time.perf_counter()
+            try:
+                res = await stub(r).BeginCheckpoint(pb.BeginCheckpointRequest(
+                    run=run, step=step, world_size=ranks, attempt=attempt, rank=r), timeout=RPC_TIMEOUT)
+                ids.add(res.checkpoint_id)
+            except grpc.aio.AioRpcError as e:
+                if not measured:
+                    raise
+                errors.append(e.code().name)
+                failed.append(r)
+            if measured:
+                lat.append(time.perf_counter() - t)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(begin(r) for r in range(ranks)))
+        out["begin"] = {"latency_s": summary(lat), "errors": len(errors), "error_codes": sorted(set(errors)),
+                        "checkpoint_ids": len(ids), "wall_s": round(time.perf_counter() - t0, 3)}
+        for r in failed:  # the client's retry policy would ask again: so do we, one at a time, unmeasured
+            await begin(r, measured=False)
+        if len(ids) != 1:
+            raise RuntimeError(f"begin storm: {out['begin']}")
+        cid = ids.pop()
+        out["checkpoint_id"] = cid
+
+        # 2. puts (not measured)
+        gate = asyncio.Semaphore(PUTS_AT_ONCE)
+        blob_bytes = 0
+
+        async def put(r: int) -> None:
+            nonlocal blob_bytes
+            data = _shard(r, step)
+            blob_bytes += len(data)
+            hdr = pb.PutShardRequest(header=pb.ShardHeader(checkpoint_id=cid, rank=r, file_name=_file(r),
+                                                           size=len(data), xxh3_128=hash_bytes(data)))
+            async with gate:
+                for tries in range(20):
+                    try:
+                        await stub(r).PutShard(iter([hdr, pb.PutShardRequest(chunk=data)]), timeout=RPC_TIMEOUT)
+                        return
+                    except grpc.aio.AioRpcError as e:  # too many streams at once: again shortly
+                        if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or tries == 19:
+                            raise
+                        await asyncio.sleep(0.05 * (tries + 1))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(put(r) for r in range(ranks)))
+        out["put_wall_s"] = round(time.perf_counter() - t0, 3)
+
+        # 3. vote storm
+        heard: list[float | None] = [None] * ranks
+        statuses: list[str] = [""] * ranks
+        asks = [0] * ranks
+        vote_answered: list[float] = [0.0] * ranks
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        dropped = 0
+
+        async def vote(r: int, wait: float) -> pb.CommitRankResponse:
+            asks[r] += 1
+            return await stub(r).CommitRank(pb.CommitRankRequest(checkpoint_id=cid, rank=r, files=[_file(r)],
+                                                                 wait_seconds=wait), timeout=wait + RPC_TIMEOUT)
+
+        async def rank_vote_wait(r: int) -> None:
+            pause = 0.05
+            while True:
+                asked = time.monotonic()
+                res = await vote(r, 2.0)
+                if res.status != "PENDING":
+                    statuses[r], heard[r] = res.status, time.time()
+                    return
+                if time.monotonic() - asked < 1.0:  # answered without waiting: back off
+                    await asyncio.sleep(pause * (0.5 + random.random()))
+                    pause = min(pause * 2, 2.0)
+
+        async def rank_outcome(r: int) -> None:
+            nonlocal dropped
+            res = await vote(r, 0.0)
+            vote_answered[r] = time.time()
+            status = res.status
+            while status == "PENDING":
+                asks[r] += 1
+                try:
+                    code, body = await get_json(host, int(port), f"/api/v1/checkpoints/{cid}/outcome?wait=10")
+                    if code != 200:
+                        raise RuntimeError(f"outcome: HTTP {code}: {body}")
+                    status = body["status"]
+                except (OSError, ConnectionError):  # a connection that dropped or was refused: ask again
+                    dropped += 1
+                    await asyncio.sleep(0.05)
+            statuses[r], heard[r] = status, time.time()
+
+        body = rank_vote_wait if mode == "vote-wait" else rank_outcome
+        cpu0 = cpu_seconds(pid) if pid else 0.0
+        t0 = time.time()
+        with ThreadSampler(pid) as sampler:
+            await asyncio.gather(*(body(r) for r in range(ranks)))
+        out["vote_storm_wall_s"] = round(time.time() - t0, 3)
+        out["service_cpu_s"] = round(cpu_seconds(pid) - cpu0, 2) if pid else None
+        out["service_threads_peak"] = sampler.peak if pid else None
+        out["statuses"] = {s: statuses.count(s) for s in set(statuses)}
+        out["requests_per_rank"] = {"mean": round(sum(asks) / ranks, 2), "max": max(asks)}
+        out["dropped_connections_asked_again"] = dropped
+        out["heard"] = heard
+        out["blob_bytes"] = blob_bytes
+    finally:
+        for c in chans:
+            await c.close()
+    return out
+
+
+# ---------------------------------------------------------------------------- catalog
+def _epoch(t: dt.datetime) -> float:
+    return (t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)).timestamp()
+
+
+class Catalog:
+    """Read-only look at the service's catalog: the vote and commit times, rows, and on
+    PostgreSQL the database's transaction and WAL counters."""
+
+    def __init__(self, url: str) -> None:
+        from sqlalchemy import create_engine
+
+        self.url = url
+        self.pg = url.startswith("postgresql")
+        self.engine = create_engine(url)
+
+    def times(self, cid: int) -> tuple[float, float]:
+        from sqlalchemy import text
+
+        with self.engine.connect() as c:
+            last_vote = c.execute(text("SELECT max(created_at) FROM votes WHERE checkpoint_id = :c"), {"c": cid}).scalar()
+            committed = c.execute(text("SELECT committed_at FROM checkpoints WHERE id = :c"), {"c": cid}).scalar()
+        parse = lambda v: _epoch(v if isinstance(v, dt.datetime) else dt.datetime.fromisoformat(v))  # noqa: E731
+        return parse(last_vote), parse(committed)
+
+    def rows(self, cid: int) -> dict:
+        from sqlalchemy import text
+
+        with self.engine.connect() as c:
+            return {t: c.execute(text(f"SELECT count(*) FROM {t} WHERE checkpoint_id = :c"), {"c": cid}).scalar()
+                    for t in ("shards", "votes", "events")} | {"checkpoints": 1}
+
+    def counters(self) -> dict:
+        """PostgreSQL: transactions committed in this database, tuples written, WAL position."""
+        if not self.pg:
+            return {}
+        from sqlalchemy import text
+
+        with self.engine.connect() as c:
+            c.execute(text("SELECT pg_stat_clear_snapshot()"))
+            row = c.execute(text("SELECT xact_commit, tup_inserted, tup_updated, tup_deleted FROM pg_stat_database "
+                                 "WHERE datname = current_database()")).one()
+            lsn = c.execute(text("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn")).scalar()
+        return {"xact_commit": row[0], "tup_written": row[1] + row[2] + row[3], "wal_bytes": int(lsn)}
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def one_checkpoint(svc: Service, catalog: Catalog, run: str, step: int, ranks: int, mode: str) -> dict:
+    before, w0 = catalog.counters(), wchar(svc.pid)
+    res = asyncio.run(storm(svc.url, run, step, ranks, mode, svc.pid))
+    time.sleep(1.5)  # PostgreSQL publishes a backend's counters within a second of its transactions
+    after, w1 = catalog.counters(), wchar(svc.pid)
+    last_vote, committed = catalog.times(res["checkpoint_id"])
+    heard = res.pop("heard")
+    res["decision_s"] = round(committed - last_vote, 4)  # last vote -> COMMITTED in the catalog
+    res["heard_after_last_vote_s"] = summary([h - last_vote for h in heard if h is not None])
+    res["catalog"] = {"rows": catalog.rows(res["checkpoint_id"])}
+    if before:
+        res["catalog"].update({k: after[k] - before[k] for k in before})
+    else:
+        res["catalog"]["bytes_written_less_blobs"] = w1 - w0 - res["blob_bytes"]
+    return res
+
+
+def run_catalog(kind: str, rank_counts: list[int], repeats: int, work: Path, modes=MODES, on_result=None) -> dict:
+    pg = None
+    env = {"LASTGOOD_REAPER_INTERVAL": "30", "LASTGOOD_LEASE_SECONDS": "600", "LASTGOOD_GC_INTERVAL": "0"}
+    if kind == "postgres":
+        sys.path.insert(0, str(ROOT))
+        from tests.pg import _as_postgres, PG_BIN, _start
+
+        root = Path(tempfile.mkdtemp(prefix="lastgood-pg-bench-"))
+        if os.geteuid() == 0:
+            import pwd
+
+            pw = pwd.getpwnam("postgres")
+            os.chown(root, pw.pw_uid, pw.pw_gid)
+        pg = _start(root)
+        db = pg.create_database("bench")
+        env["LASTGOOD_CATALOG_URL"] = pg.url(db)
+    svc = Service(work / kind, env).start(timeout=120)
+    catalog = Catalog(env.get("LASTGOOD_CATALOG_URL") or f"sqlite:///{work / kind / 'catalog.db'}")
+    results = []
+    try:
+        step = 0
+        for ranks in rank_counts:
+            for rep in range(repeats):
+                for mode in (modes if rep % 2 == 0 else modes[::-1]):
+                    step += 1
+                    load = os.getloadavg()[0]
+                    try:
+                        r = one_checkpoint(svc, catalog, f"cp-{kind}", step, ranks, mode)
+                    except Exception as e:  # noqa: BLE001 - a failed checkpoint is a result too
+                        r = {"ranks": ranks, "mode": mode, "failed": f"{type(e).__name__}: {e}"[:2000]}
+                    r["loadavg_1m_before"] = round(load, 2)
+                    print(json.dumps({k: v for k, v in r.items() if k != "catalog"}), flush=True)
+                    results.append(r)
+                    if on_result:
+                        on_result({"catalog": kind, "checkpoints": results})
+    finally:
+        catalog.close()
+        svc.stop()
+        log = Path(tempfile.gettempdir()) / f"control-plane-service-{kind}.log"
+        log.write_bytes(svc.log.read_bytes())  # the service's own account of any failure
+        if pg is not None:
+            _as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(pg.data_dir), "-m", "fast", "-w", "stop")
+    return {"catalog": kind, "checkpoints": results}
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "storm":
+        p = argparse.ArgumentParser(prog="bench.control_plane storm")
+        p.add_argument("cmd")
+        p.add_argument("url")
+        p.add_argument("--run", required=True)
+        p.add_argument("--step", type=int, default=1)
+        p.add_argument("--ranks", type=int, default=256)
+        p.add_argument("--mode", choices=MODES, default="outcome")
+        a = p.parse_args()
+        res = asyncio.run(storm(a.url, a.run, a.step, a.ranks, a.mode))
+        res["heard"] = sum(h is not None for h in res["heard"])
+        print(json.dumps(res))
+        return
+    p = argparse.ArgumentParser(prog="bench.control_plane")
+    p.add_argument("--ranks", default="1024,4096")
+    p.add_argument("--catalogs", default="sqlite,postgres")
+    p.add_argument("--repeats", type=int, default=1, help="pairs of (vote-wait, outcome) per rank count")
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "control_plane.json"))
+    a = p.parse_args()
+    report = {"machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "nice": os.nice(0), "runs": []}
+    with tempfile.TemporaryDirectory(prefix="lastgood-cp-") as work:
+        os.chmod(work, 0o755)
+        for kind in a.catalogs.split(","):
+            def partial(run: dict) -> None:  # written after every checkpoint: a long run that fails keeps its figures
+                Path(a.out).write_text(json.dumps({**report, "runs": report["runs"] + [run], "partial": True},
+                                                  indent=1) + "\n")
+            report["runs"].append(run_catalog(kind, [int(x) for x in a.ranks.split(",")], a.repeats, Path(work),
+                                              tuple(a.modes.split(",")), partial))
+    report["loadavg_end"] = os.getloadavg()
+    Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The client's settings are resolved once (lastgood.config): an argument wins over the
+environment, the environment over the default; each LASTGOOD_* name and each error code is
+spelled in one module of the client package only."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import lastgood
+from lastgood import config, errors
+from lastgood.config import ClientConfig
+from lastgood.retry import RetryPolicy
+
+PACKAGE = Path(lastgood.__file__).resolve().parent
+
+
+def test_arguments_win_over_the_environment_and_the_environment_over_defaults():
+    env = {"LASTGOOD_URL": "http://env:1", "LASTGOOD_TOKEN": "env-token", "LASTGOOD_RUN": "env-run",
+           "LASTGOOD_ATTEMPT": "env-attempt", "LASTGOOD_NEW_RUN": "1", "LASTGOOD_SPOOL": "0",
+           "LASTGOOD_RETRY_DEADLINE": "7"}
+    cfg = ClientConfig.resolve(env=env)
+    assert (cfg.url, cfg.token, cfg.run, cfg.attempt, cfg.new_run, cfg.spool, cfg.retry.deadline) == \
+        ("http://env:1", "env-token", "env-run", "env-attempt", True, False, 7.0)
+    mine = RetryPolicy(deadline=3)
+    cfg = ClientConfig.resolve(url="http://arg:2", token="t", run="r", attempt="a", new_run=False, spool=True,
+                               retry=mine, env=env)
+    assert (cfg.url, cfg.token, cfg.run, cfg.attempt, cfg.new_run, cfg.spool, cfg.retry) == \
+        ("http://arg:2", "t", "r", "a", False, True, mine)
+    cfg = ClientConfig.resolve(env={})
+    assert (cfg.url, cfg.token, cfg.run, cfg.attempt, cfg.new_run, cfg.spool, cfg.retry) == \
+        (None, None, None, None, False, True, RetryPolicy())
+    assert "env-token" not in repr(ClientConfig.resolve(env=env))  # a token never lands in a log line
+    with pytest.raises(Exception):
+        cfg.url = "http://elsewhere"  # frozen: resolved once, passed down as it is
+
+
+@pytest.mark.parametrize("raw,spool", [("0", False), ("false", False), ("no", False), ("off", False),
+                                       ("1", True), ("true", True), ("", True), ("maybe", True)])
+def test_the_spool_switch_reads_the_same_words_as_the_service(raw, spool):
+    """LASTGOOD_SPOOL=false turns the service's spool off; it now turns the client's
+    hand-over off too (it used to take only "0")."""
+    assert ClientConfig.resolve(env={"LASTGOOD_SPOOL": raw}).spool is spool
+
+
+def test_a_bad_retry_setting_names_its_variable():
+    with pytest.raises(ValueError, match="LASTGOOD_RETRY_INITIAL"):
+        ClientConfig.resolve(env={"LASTGOOD_RETRY_INITIAL": "soon"})
+
+
+def _constants(path: Path):
+    """The string constants of a module, docstrings left out."""
+    tree = ast.parse(path.read_text())
+    docs = {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            yield node.lineno, node.value
+
+
+def _modules(*but: str):
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if p.name not in but and "v1" not in p.relative_to(PACKAGE).parts]
+
+
+def test_each_environment_variable_is_named_in_config_only():
+    spelled = [f"{p.relative_to(PACKAGE)}:{line}: {value[:60]}" for p in _modules("config.py")
+               for line, value in _constants(p) if "LASTGOOD_" in value]
+    assert spelled == []
+    assert {getattr(config, n) for n in dir(config) if n.startswith("ENV_")} >= {
+        "LASTGOOD_URL", "LASTGOOD_TOKEN", "LASTGOOD_RUN", "LASTGOOD_ATTEMPT", "LASTGOOD_SPOOL", "LASTGOOD_NEW_RUN"}
+
+
+def test_each_error_code_is_named_in_errors_only():
+    codes = set(errors.TABLE) | {errors.HTTP_ERROR}
+    spelled = [f"{p.relative_to(PACKAGE)}:{line}: {value}" for p in _modules("errors.py")
+               for line, value in _constants(p) if value in codes]
+    assert spelled == []
