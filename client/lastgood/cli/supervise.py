@@ -42,8 +42,8 @@ def _ranks(_ctx, _param, value: str | None) -> set[int]:
 @click.option("--grace", type=click.FloatRange(0), default=10.0, show_default=True, metavar="SECONDS",
               help="Between SIGTERM and SIGKILL when a launch is ended.")
 @click.option("--run", "run", type=RUN, default=None,
-              help="The run the job saves to [default: LASTGOOD_RUN, else torchrun's --rdzv-id]; passed to "
-                   "the job as LASTGOOD_RUN.")
+              help=f"The run the job saves to [default: {ENV_RUN}, else torchrun's --rdzv-id]; passed to "
+                   f"the job as {ENV_RUN}.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @pass_state
 def supervise(st: State, max_restarts: int, hang_timeout: float | None, drain: set[int], drain_after: int,
@@ -65,7 +65,7 @@ def supervise(st: State, max_restarts: int, hang_timeout: float | None, drain: s
         cmd = cmd[1:]
     name = run or os.environ.get(ENV_RUN) or run_of(cmd)
     if not name:
-        raise click.UsageError("name the run: --run NAME, LASTGOOD_RUN, or torchrun --rdzv-id=NAME")
+        raise click.UsageError(f"name the run: --run NAME, {ENV_RUN}, or torchrun --rdzv-id=NAME")
     try:
         names.check_run_name(name)
         policy = Policy(max_restarts=max_restarts, hang_timeout=hang_timeout, poll=poll, grace=grace,
