@@ -37,6 +37,10 @@ class Manifest:
     world_size: int
     parent_id: int | None
     ranks: dict[int, list[FileEntry]] = field(default_factory=dict)
+    # the launch generation that committed it (0: a client that never registered). Written
+    # only when set, so a manifest of an unfenced checkpoint keeps its bytes; a rebuild of the
+    # catalog from the store reads it to fence the launches the lost catalog knew about.
+    generation: int = 0
 
     def files(self, rank: int) -> list[FileEntry]:
         return self.ranks.get(rank, [])
@@ -53,6 +57,7 @@ class Manifest:
             "attempt": self.attempt,
             "world_size": self.world_size,
             "parent_id": self.parent_id,
+            **({"generation": self.generation} if self.generation else {}),
             "ranks": [
                 {"rank": r, "files": [f.to_dict() for f in sorted(self.ranks[r], key=lambda f: f.name)]}
                 for r in sorted(self.ranks)
@@ -74,7 +79,7 @@ class Manifest:
             for r in d["ranks"]
         }
         return cls(int(d["checkpoint_id"]), d["run"], int(d["step"]), d["attempt"],
-                   int(d["world_size"]), d.get("parent_id"), ranks)
+                   int(d["world_size"]), d.get("parent_id"), ranks, int(d.get("generation") or 0))
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Manifest":

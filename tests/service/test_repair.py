@@ -112,3 +112,44 @@ def test_fsck_reports_missing_and_damaged_blobs_and_a_healthy_store_is_consisten
     assert bad.returncode == 1
     kinds = {(f["kind"], f["checkpoint_id"]) for f in json.loads(bad.stdout)["findings"]}
     assert kinds == {("missing_blob", a), ("manifest_mismatch", b)}
+
+
+def test_a_rebuilt_catalog_keeps_fencing_the_launches_it_forgot(make_service, run_name, tmp_path):
+    """Generations live in the catalog; a rebuild from the store must not hand one out again.
+    Launch 1 and launch 2 commit, the catalog is lost and rebuilt, a relaunch registers: the
+    zombies of launches 1 and 2 are fenced, and no relaunch ever gets their generations back."""
+    from lastgood.fencing import ERROR_METADATA, FENCED
+
+    svc = make_service(tmp_path / "svc")
+    api = http(svc)
+
+    def register(attempt: str) -> int:
+        r = api.post(f"/api/v1/runs/{run_name}/launches", json={"attempt": attempt, "world_size": 1})
+        assert r.status_code == 200, r.text
+        return r.json()["generation"]
+
+    with Client(svc.grpc_target) as c:
+        first = register("first")
+        kept, _ = c.save(run_name, 10, attempt="first", generation=first)
+        second = register("second")
+        newest, _ = c.save(run_name, 20, parent_id=kept, attempt="second", generation=second)
+    assert (first, second) == (1, 2)
+    svc.kill()
+    (tmp_path / "svc" / "catalog.db-wal").unlink()
+    (tmp_path / "svc" / "catalog.db-shm").unlink(missing_ok=True)
+    rebuilt = repair(tmp_path / "svc", "rebuild")
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert sorted(json.loads(rebuilt.stdout)["restored"]) == [kept, newest]
+
+    svc = make_service(tmp_path / "svc")
+    api = http(svc)
+    relaunches = [register(f"relaunch-{i}") for i in range(3)]
+    assert min(relaunches) > second  # never a generation an older launch may still hold
+    with Client(svc.grpc_target) as c:
+        for zombie, gen in (("first", first), ("second", second)):
+            e = rpc_error(grpc.StatusCode.FAILED_PRECONDITION, c.begin, run_name, step=30, parent_id=newest,
+                          attempt=zombie, generation=gen)
+            assert dict(e.trailing_metadata())[ERROR_METADATA] == FENCED, e.details()
+        cid, _ = c.save(run_name, 30, parent_id=newest, attempt="relaunch-2", generation=relaunches[-1])
+    assert last_good_id(svc, run_name) == cid
+    assert checkpoint(svc, newest)["status"] == "COMMITTED"

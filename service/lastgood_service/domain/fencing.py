@@ -60,6 +60,12 @@ def check_names(run_name: str, attempt: str) -> None:
         raise InvalidArgument(str(e)) from None
 
 
+# How far a run's generation jumps when its catalog is rebuilt from the store (repair.py):
+# past every generation the lost catalog can have handed out after its newest commit, whose
+# manifest names its generation. No job registers a million launches without committing.
+GENERATION_GAP = 1_000_000
+
+
 def check(s: Session, run_id: int, generation: int | None, what: str) -> None:
     """Refuse `what` when `generation` (the caller's launch) is older than the run's newest.
     None or 0: a caller that did not register, never fenced."""

@@ -32,6 +32,7 @@ from ..blobstore import BlobStore
 from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, DELETED, PENDING, VERIFIED, Checkpoint, Run, Shard, Vote,
                               utcnow)
 from . import keys, last_good
+from .fencing import GENERATION_GAP
 from .events import add_event
 
 log = logging.getLogger("lastgood.repair")
@@ -172,6 +173,7 @@ class Repair:
         lost = sorted(self.lost_manifests(), key=lambda p: p.checkpoint_id)  # parents before children
         stored = {info.key: info.size for info in self.blobs.list(keys.ROOT)}
         base = self.clock()
+        fenced_from: dict[int, int] = {}  # run id -> the newest generation its restored manifests name
         for i, p in enumerate(lost):
             key = keys.manifest_key(p.prefix)
             body = self.blobs.read_all(key)
@@ -209,6 +211,8 @@ class Repair:
                             s.delete(row)
                     s.flush()
                 ck.world_size, ck.parent_id = m.world_size, parent.id if parent else None
+                ck.generation = m.generation
+                fenced_from[run.id] = max(fenced_from.get(run.id, 0), m.generation)
                 ck.status, ck.bytes = (COMMITTED if complete else CORRUPT), m.total_bytes()
                 ck.lease_expires_at, ck.committed_at = now, now
                 ck.manifest_key, ck.manifest_hash = key, hash_bytes(body)
@@ -227,9 +231,20 @@ class Repair:
                           parent_missing=bool(m.parent_id) and parent is None)
             (restored if complete else corrupt).append(m.checkpoint_id)
         self._advance_id_sequence()
+        self._advance_generations(fenced_from)
         log.warning("rebuild: %d commits restored, %d incomplete (CORRUPT), %d conflicts",
                     len(restored), len(corrupt), len(conflicts))
         return {"restored": restored, "corrupt": corrupt, "conflicts": conflicts}
+
+    def _advance_generations(self, newest: dict[int, int]) -> None:
+        """A lost catalog may have registered launches after its newest commit, and their
+        zombies may still run. Each run whose commits came back from the store continues
+        GENERATION_GAP generations past the newest one its manifests name, so a relaunch
+        never draws a generation an older launch holds, and every older launch is fenced."""
+        with self.sessions() as s, s.begin():
+            for run_id, gen in newest.items():
+                run = s.get(Run, run_id)
+                run.generation = max(run.generation or 0, gen + GENERATION_GAP)
 
     def _advance_id_sequence(self) -> None:
         """PostgreSQL hands ids out from a sequence that rows inserted with explicit ids do

@@ -376,7 +376,8 @@ class CommitProtocol(CommitCore):
                                                   idx.get("data_start"), idx.get("tensors")))
             if any({f.name for f in by_rank[r]} != votes[r] for r in votes):
                 raise FailedPrecondition(f"checkpoint {checkpoint_id}: votes and verified shards disagree")
-            manifest = Manifest(ck.id, run.name, ck.step, ck.attempt, ck.world_size, ck.parent_id, by_rank)
+            manifest = Manifest(ck.id, run.name, ck.step, ck.attempt, ck.world_size, ck.parent_id, by_rank,
+                                ck.generation or 0)
             key = keys.manifest_key(key_prefix(s, ck))
         body = manifest.to_bytes()
         self._failpoint("crash_before_manifest")
