@@ -414,8 +414,14 @@ class Checkpointer:
         """Block until every save so far has committed or been given up (uploads retry up to
         the retry policy's deadline). Saves given up along the way are forgiven when a later
         one committed; if the newest did not, raise SaveFailed with a summary of what
-        committed and what did not (or log it, with require_final=False)."""
-        self._jobs.join()
+        committed and what did not (or log it, with require_final=False). While it waits the
+        rank's heartbeats say `saving`: a final upload may take longer than any step, and a
+        rank judged hung for it would be killed by a supervisor (docs/health.md)."""
+        self.heartbeat.phase(_health.SAVING)
+        try:
+            self._jobs.join()
+        finally:
+            self.heartbeat.phase(_health.TRAIN)
         if self._fenced is not None:
             raise self._fenced
         if self._record.final_committed():

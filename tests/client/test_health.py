@@ -203,3 +203,35 @@ def test_due_every_n_steps_and_at_epoch_ends(service, run_name):
             plain.due(1)
     finally:
         plain.close()
+
+
+def test_a_rank_waiting_for_its_last_save_reports_saving_not_train(make_service, run_name):
+    """wait() (and so close()) may block on an upload far longer than a training step; its
+    beats must say `saving`, or the service judges the rank hung and a supervisor kills a job
+    that is only finishing its final save. The upload is held by pausing the service."""
+    import os
+    import signal
+
+    svc = make_service()
+    ckpt = lastgood.Checkpointer(svc.url, run=run_name, heartbeat_seconds=0.2)
+    state = lastgood.TrainState(model=nn.Linear(64, 64), extra={})
+    ckpt.step(1)
+    os.kill(svc.pid, signal.SIGSTOP)  # the upload cannot finish while the service is paused
+    try:
+        ckpt.save(1, state)
+        waiter = threading.Thread(target=ckpt.wait, daemon=True)
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and waiter.is_alive():
+            time.sleep(0.1)
+            phase = ckpt.heartbeat.body()["phase"]
+            if phase == SAVING:
+                break
+        assert waiter.is_alive(), "wait() returned while the service was paused"
+        assert ckpt.heartbeat.body()["phase"] == SAVING
+    finally:
+        os.kill(svc.pid, signal.SIGCONT)
+    waiter.join(60)
+    assert not waiter.is_alive() and ckpt.last_saved is not None
+    assert ckpt.heartbeat.body()["phase"] == TRAIN  # training may go on after wait()
+    ckpt.close()
