@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 SERVICE_STAMP := $(VENV)/.installed-service
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: run test test-fast demo bench chaos screenshot proto clean fuzz
+.PHONY: run test test-fast demo bench chaos screenshot proto clean fuzz soak
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,10 @@ fuzz: $(DEV_STAMP)
 # the full benchmark against the peers and the limits (about 20 minutes; see bench/README.md)
 bench: $(DEV_STAMP)
 	$(BIN)/python -m bench.run
+
+# not CI: 30 minutes of writers, scheduled GC and page polling; drift per 5-minute window (bench/README.md)
+soak: $(DEV_STAMP)
+	$(BIN)/python -m bench.soak --minutes 30 --windows 6
 
 # the chaos suite, long: hundreds of service SIGKILLs with the invariants checked after each (docs/storage.md)
 chaos: $(DEV_STAMP)

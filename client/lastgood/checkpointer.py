@@ -64,7 +64,8 @@ class Checkpointer:
     def __init__(self, url: str | None = None, run: str | None = None, *, attempt: str | None = None,
                  token: str | None = None, staging_buffers: int = 2, commit_timeout: float | None = None,
                  retry: RetryPolicy | None = None, require_final: bool = True, new_run: bool | None = None,
-                 interval: Interval | str | None = None, heartbeat_seconds: float | None = None) -> None:
+                 interval: Interval | str | None = None, heartbeat_seconds: float | None = None,
+                 retention: str | None = None) -> None:
         """`retry`: how transient failures are retried (default: the LASTGOOD_RETRY_* settings);
         it also bounds how long a service that is starting is waited for, here and in
         restore(). `require_final`: wait()/close() raise SaveFailed when the newest save did
@@ -72,8 +73,10 @@ class Checkpointer:
         random by `torchrun --standalone` (also LASTGOOD_NEW_RUN=1). `interval`: when
         `due(step)` says to save (an Interval or its text: "auto", "500", "30m", "epoch").
         `heartbeat_seconds`: the beat period (default LASTGOOD_HEARTBEAT_SECONDS, 10 s; 0: no
-        beats; docs/health.md). What is not passed comes from the environment, resolved once
-        (config.ClientConfig, kept as `self.config`)."""
+        beats; docs/health.md). `retention`: the run's own retention policy, e.g.
+        "latest:5,every:1000,tagged,last-good,branch-heads" (docs/training.md), sent once by
+        rank 0; None leaves the run's policy as it is. What is not passed comes from the
+        environment, resolved once (config.ClientConfig, kept as `self.config`)."""
         self.config = cfg = ClientConfig.resolve(url=url, token=token, run=run, attempt=attempt, new_run=new_run,
                                                  retry=retry)
         if not cfg.url:
@@ -88,6 +91,8 @@ class Checkpointer:
         self.launch = names.check_attempt(distributed.launch_attempt(self.world_size, cfg.attempt))[:56]
         self._restores = 0  # every rank restores the same number of times, so they agree on the attempt
         self.generation = self._register()
+        if retention is not None and self.rank == 0:
+            self.transport.set_retention(self.run, retention)  # a bad policy raises here, before any save
         self._fenced: Fenced | None = None
         self.file_name = shard_file_name(self.rank)
         self.parent_id: int | None = None

@@ -171,6 +171,10 @@ class RestClient:
                                              {"attempt": attempt, "world_size": world_size})["generation"])
         return self.generation
 
+    def set_retention(self, run: str, retention: str | None) -> dict:
+        """The run's own retention policy (None: the service default); the service checks it."""
+        return self.call("PUT", f"/api/v1/runs/{q(run)}/retention", {"retention": retention})
+
     def rollback(self, run: str, target_id: int, spike_step: int, data: dict) -> dict:
         """Mark what the run saved after `target_id` suspect, tag the target and record the
         spike and rollback events (SpikeGuard)."""

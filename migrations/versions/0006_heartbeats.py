@@ -3,14 +3,14 @@
 One row per rank of a run, updated in place by every beat (domain/health.py).
 
 Revision ID: 0006
-Revises: 0004
+Revises: 0005
 """
 from alembic import op
 import sqlalchemy as sa
 
 
 revision = '0006'
-down_revision = '0004'
+down_revision = '0005'
 branch_labels = None
 depends_on = None
 

@@ -21,7 +21,7 @@ from .api.grpc_server import Servicer, start_grpc_server
 from .api.deps import AppContext
 from .api.rest import create_app
 from .blobstore import capabilities, open_blobstore
-from .catalog.db import make_engine, make_sessionmaker, upgrade_head
+from .catalog.db import make_engine, make_sessionmaker, read_sessionmaker, upgrade_head
 from .domain.commit import CommitService
 from .domain.outcomes import OutcomeNotifier
 from .domain.curation import Curator
@@ -67,7 +67,7 @@ class Service:
             blobs = WriteEIO(blobs)
         self.gate = CatalogGate()  # closed at start while the catalog is behind the store
         self.repair = Repair(sessions, blobs)
-        self.queries = Queries(sessions, self.gate)
+        self.queries = Queries(read_sessionmaker(self.engine), self.gate)
         self.metrics = Metrics(pending=self.queries.pending_count)
         self.commits = CommitService(settings, sessions, blobs, metrics=self.metrics, gate=self.gate)
         self.outcomes = OutcomeNotifier(sessions, settings.outcome_poll_interval)  # one per process
@@ -81,7 +81,10 @@ class Service:
                                settings.ballast_bytes)
         self.ballast.ensure()
         self.gc = GarbageCollector(sessions, blobs, Retention.parse(settings.retention), settings.gc_grace_seconds,
-                                   metrics=self.metrics, gate=self.gate, ballast=self.ballast)
+                                   metrics=self.metrics, gate=self.gate, ballast=self.ballast,
+                                   batch_size=settings.gc_batch_size, full_every=settings.gc_full_every,
+                                   event_retention_seconds=settings.event_retention_seconds,
+                                   read_sessions=self.queries.sessions)
         self.metrics.watch_free_bytes(lambda: capabilities.free_bytes(blobs))
         admin = settings.admin_token.get_secret_value() if settings.admin_token else None
         self.tokens = TokenStore(sessions, required=settings.auth_required, bootstrap_admin=admin)
@@ -134,7 +137,7 @@ class Service:
     def _gc_loop(self) -> None:
         while not self._stop.wait(self.settings.gc_interval):
             try:
-                self.gc.execute(self.gc.plan())
+                self.gc.run_pass()
             except Exception:
                 log.exception("scheduled GC pass failed; will retry")
 

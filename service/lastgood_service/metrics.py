@@ -23,6 +23,9 @@ class Metrics:
         self.commits = Counter("lastgood_commits", "Checkpoints committed", registry=r)
         self.abandoned = Counter("lastgood_abandoned", "Checkpoints abandoned", ["why"], registry=r)
         self.gc_bytes_freed = Counter("lastgood_gc_bytes_freed", "Bytes deleted by GC", registry=r)
+        self.gc_transaction_seconds = Histogram(
+            "lastgood_gc_transaction_seconds", "How long each catalog transaction of a scheduled GC pass held on "
+            "(on SQLite: the write lock commits wait for)", buckets=_SECONDS, registry=r)
         self.save_seconds = Histogram("lastgood_save_seconds", "Begin to commit of a checkpoint", buckets=_SECONDS,
                                       registry=r)
         self.commit_seconds = Histogram("lastgood_commit_seconds", "Last rank's vote to the commit transaction",

@@ -94,6 +94,13 @@ class Settings(BaseSettings):
                                     "(the auto checkpoint interval)")
     failure_merge_seconds: float = Field(300.0, ge=0, description="failure signals of a run this close together "
                                          "(a hang, its kill, the relaunch) count as one failure")
+    gc_batch_size: int = Field(100, ge=1, le=10_000, description="checkpoints GC marks DELETED per transaction: "
+                               "short transactions let commits run between GC's batches")
+    gc_full_every: int = Field(24, ge=1, description="every Nth scheduled GC pass (and the first after a start) "
+                               "plans every run and lists the whole blob store for orphans; the others plan only "
+                               "runs where something changed")
+    event_retention_seconds: float = Field(30 * 24 * 3600.0, ge=0, description="events of a checkpoint GC deleted "
+                                           "this long ago are pruned (its gc_delete event stays); 0 keeps them all")
     failpoint: str | None = Field(
         None, description="testing only: crash_before_manifest / crash_after_manifest make the process "
                           "exit abruptly at that point of a commit; lose_commit_reply fails every "

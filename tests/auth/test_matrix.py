@@ -83,6 +83,7 @@ SPEC = {
     ("POST", "/api/v1/runs/{run}/rollback"): (W, "run"), ("POST", "/api/v1/runs/{run}/events"): (W, "run"),
     ("POST", "/api/v1/runs/{run}/launches"): (W, "run"), ("GET", "/api/v1/runs/{run}/launches/current"): (R, "run"),
     ("POST", "/api/v1/runs/{run}/heartbeats"): (W, "run"), ("GET", "/api/v1/runs/{run}/health"): (R, "run"),
+    ("GET", "/api/v1/runs/{run}/retention"): (R, "run"), ("PUT", "/api/v1/runs/{run}/retention"): (W, "run"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}"): (R, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/manifest"): (R, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/outcome"): (R, "checkpoint"),
@@ -144,6 +145,8 @@ def _concrete(world, method, path):
         body = {"target_id": cid, "spike_step": 5}
     elif path.endswith("/launches"):
         body = {"attempt": "matrix-launch"}
+    elif path.endswith("/retention") and method == "PUT":
+        body = {"retention": "latest:5,tagged,last-good,branch-heads"}
     elif path.endswith("/launches/current"):
         h.post(f"/api/v1/runs/{RUN}/launches", json={"attempt": "matrix-launch"}, headers=boot)
     elif path.endswith("/events") and method == "POST":

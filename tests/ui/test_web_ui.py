@@ -344,3 +344,21 @@ def test_fencing_is_on_the_lineage_page(open_page, ui_service, grpc_client):
     wait_text(page, "#events", "generation 1 (launch first) fenced by generation 2 (launch second)")
     wait_text(page, "#events", "refused a begin of generation 1")
     assert page.locator("#events li.ev-fenced .badge").inner_text() == "fenced"
+
+
+def test_each_runs_retention_is_shown_above_its_lineage(open_page, ui_service, world):
+    page, _ = open_page(page_url(ui_service, run=world.alpha))
+    wait_graph(page, world.alpha)
+    page.wait_for_selector("#run-retention code")
+    default = rest(ui_service, "/api/v1/gc/policy")["retention"]
+    assert page.locator("#run-retention code").inner_text() == default
+    assert "service default" in page.locator("#run-retention").inner_text()
+    own = "latest:7,every:100,tagged,last-good,branch-heads"
+    url = f"{ui_service.url}/api/v1/runs/{world.alpha}/retention"
+    assert httpx.put(url, json={"retention": own}, timeout=30).status_code == 200
+    try:
+        page.reload()
+        page.wait_for_function("(own) => document.querySelector('#run-retention code')?.textContent === own", arg=own)
+        assert "this run's own" in page.locator("#run-retention").inner_text()
+    finally:
+        httpx.put(url, json={"retention": None}, timeout=30)

@@ -40,6 +40,8 @@ POLICY: dict[tuple[str, str], str | tuple[str, str]] = {
     ("GET", "/api/v1/runs/{run}/launches/current"): (READER, "run"),
     ("POST", "/api/v1/runs/{run}/heartbeats"): (WRITER, "run"),
     ("GET", "/api/v1/runs/{run}/health"): (READER, "run"),
+    ("GET", "/api/v1/runs/{run}/retention"): (READER, "run"),
+    ("PUT", "/api/v1/runs/{run}/retention"): (WRITER, "run"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}"): (READER, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/manifest"): (READER, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/outcome"): (READER, "checkpoint"),  # a voted rank waits here

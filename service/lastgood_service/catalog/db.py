@@ -19,6 +19,8 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
 
+from .txtimer import READ_ONLY, TxTimer
+
 # advisory lock key held while `alembic upgrade` runs ("lgmigrat"); the same in every replica
 MIGRATION_LOCK = 0x6C67_6D69_6772_6174
 LOCK_TIMEOUT_MS = 30_000
@@ -38,18 +40,22 @@ def make_engine(url: str, durable: bool = True) -> Engine:
     """`durable=False`: commits return before they reach the disk (SQLite synchronous=NORMAL
     in WAL mode, PostgreSQL synchronous_commit=off). Still atomic and consistent; a power
     loss may forget the last commits. For heartbeats only (domain/health.py): the next beat
-    rewrites the row anyway, and an fsync per beat was most of a beat's latency."""
+    rewrites the row anyway, and an fsync per beat was most of a beat's latency.
+    Every engine carries a TxTimer (catalog/txtimer.py): each transaction's lock timings."""
     if url.startswith("sqlite"):
         _ensure_sqlite_dir(url)
         engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
-        _sqlite_pragmas(engine, "FULL" if durable else "NORMAL")
+        TxTimer().install(engine, then=lambda e: _sqlite_pragmas(e, "FULL" if durable else "NORMAL"))
         return engine
-    if is_postgres(url):
-        return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, connect_args={
+    elif is_postgres(url):
+        engine = create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20, connect_args={
             "options": f"-c lock_timeout={LOCK_TIMEOUT_MS} "
                        f"-c idle_in_transaction_session_timeout={IDLE_IN_TXN_TIMEOUT_MS}"
                        + ("" if durable else " -c synchronous_commit=off")})
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    else:
+        engine = create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    TxTimer().install(engine)
+    return engine
 
 
 def _sqlite_pragmas(engine: Engine, synchronous: str = "FULL") -> None:
@@ -69,11 +75,19 @@ def _sqlite_pragmas(engine: Engine, synchronous: str = "FULL") -> None:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn):
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        # a reader (read_sessionmaker) begins deferred: under WAL it reads a snapshot beside
+        # the writer instead of holding the write lock that every commit waits for
+        conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(READ_ONLY) else "BEGIN IMMEDIATE")
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def read_sessionmaker(engine: Engine) -> sessionmaker[Session]:
+    """Sessions for transactions that only read (the page's and the CLI's queries, GC's
+    planning). On SQLite they do not take the write lock; elsewhere they are plain sessions."""
+    return sessionmaker(engine.execution_options(**{READ_ONLY: True}), expire_on_commit=False)
 
 
 def alembic_config(url: str, migrations_dir: Path):

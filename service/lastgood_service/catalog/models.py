@@ -60,6 +60,14 @@ class Run(Base):
         ForeignKey("checkpoints.id", use_alter=True), nullable=True)
     # the newest launch's generation (domain/fencing.py); 0 until a launch registers
     generation: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # the run's own retention (domain/retention.py syntax); None: the service's default
+    retention: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    # GC's bookkeeping (domain/gc.py): the newest event of the run its last pass saw, the
+    # policy it applied, and when time alone (a grace period, a read lease) may make
+    # something deletable. A pass plans a run again only if one of the three says so.
+    gc_event_id: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    gc_policy: Mapped[str | None] = mapped_column(String(512), nullable=True)
+    gc_due_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
 
 class Checkpoint(Base):
@@ -68,6 +76,10 @@ class Checkpoint(Base):
         UniqueConstraint("run_id", "step", "attempt", name="uq_checkpoints_run_step_attempt"),
         Index("ix_checkpoints_run_status_step", "run_id", "status", "step"),
         Index("ix_checkpoints_status_lease", "status", "lease_expires_at"),
+        # the runs list and overview count and sum by status without reading the table
+        Index("ix_checkpoints_run_status_bytes", "run_id", "status", "bytes"),
+        # a run's checkpoints in creation order: the lineage and its pages, GC's view of a run
+        Index("ix_checkpoints_run_id", "run_id", "id"),
     )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
@@ -168,7 +180,14 @@ class Token(Base):
 
 class Event(Base):
     __tablename__ = "events"
-    __table_args__ = (Index("ix_events_run_at", "run_id", "at"),)
+    __table_args__ = (
+        Index("ix_events_run_at", "run_id", "at"),
+        # a run's newest event (the overview, GC's "anything new?") and its events by kind
+        Index("ix_events_run_id", "run_id", "id"),
+        Index("ix_events_run_kind_at", "run_id", "kind", "at"),
+        # the events of a checkpoint (pruned when GC deleted it long enough ago)
+        Index("ix_events_checkpoint", "checkpoint_id"),
+    )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id"), nullable=True)
     checkpoint_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id"), nullable=True)

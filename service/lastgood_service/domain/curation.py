@@ -43,7 +43,9 @@ class Curator:
 
     @staticmethod
     def _tagged_checkpoint(s: Session, checkpoint_id: int) -> Checkpoint:
-        ck = s.get(Checkpoint, checkpoint_id)
+        # FOR SHARE: GC marks a checkpoint DELETED under FOR UPDATE after reading its tags; a
+        # tag added meanwhile would otherwise land on a checkpoint whose blobs are going (I4)
+        ck = s.get(Checkpoint, checkpoint_id, with_for_update={"read": True})
         if ck is None:
             raise NotFound(f"checkpoint {checkpoint_id} does not exist")
         if ck.status not in (COMMITTED, CORRUPT):

@@ -1,36 +1,55 @@
 """Garbage collection: `plan()` lists what would go and the bytes freed; `execute(plan)`
 deletes at most that, re-checking each checkpoint under a row lock first.
 
-What may go: committed checkpoints no retention policy keeps; CORRUPT and ABANDONED
-checkpoints older than the grace period; blobs of checkpoints already DELETED (left by a
-crash between the catalog update and the blob deletion). Never (I4): a PENDING
-checkpoint, anything a committed manifest that is kept, a tag, a pin or a live read lease
-still needs. The catalog row stays, with status DELETED, so the lineage keeps its shape.
+What may go: committed checkpoints no retention policy keeps (the run's own policy, else
+the service's default: domain/retention.py); CORRUPT and ABANDONED checkpoints older than
+the grace period; blobs of checkpoints already DELETED (left by a crash between the
+catalog update and the blob deletion). Never (I4): a PENDING checkpoint, anything a
+committed manifest that is kept, a tag, a pin or a live read lease still needs. The
+catalog row stays, with status DELETED, so the lineage keeps its shape; its events other
+than `gc_delete` go once it has been deleted for `event_retention_seconds`.
+
+Why it stays cheap as the catalog grows (docs/operations.md, "GC at scale"):
+- a pass plans only runs where something happened since the last pass (a newer event),
+  whose policy changed, or where time alone may free something (a grace period or a read
+  lease ends: `runs.gc_due_at`). A full pass (`plan(full=True)`: the API's dry run, the
+  first scheduled pass after a start and every `gc_full_every`-th) plans every run and
+  lists the blob store for orphans and unknown blobs.
+- every catalog transaction is short and bounded: planning takes one per run; execution
+  marks at most `gc_batch_size` checkpoints per transaction, so commits run between
+  batches; blobs are deleted outside any transaction, after their batch committed.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
+import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from ..blobstore import BlobStore
-from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, DELETED, PENDING, Checkpoint, ReadLease, Run, Tag,
-                              utcnow)
+from ..catalog import txtimer
 from ..metrics import Metrics
+from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, DELETED, PENDING, Checkpoint, Event, ReadLease, Run,
+                              Shard, Tag, utcnow)
 from . import keys
 from .events import add_event
 from .faults import Ballast, is_disk_full
 from .gate import CatalogGate
 from .lineage import assign_branches
-from .retention import Retention, RunView
+from .retention import Retention, RunView, effective
 
 log = logging.getLogger("lastgood.gc")
+
+YIELD_SECONDS = 1.0  # the longest GC lets waiting transactions go first before each batch
+CHUNK = 500  # ids per IN (...) list and run marks per transaction: bounded statements
+PROTECTING_TAGS = ("tag", "alias", "pin")  # a user's tag keeps even a corrupt checkpoint
 
 
 @dataclass
@@ -45,11 +64,25 @@ class PlannedDeletion:
 
 
 @dataclass
+class RunMark:
+    """What a pass saw of one run; written back (runs.gc_*) once its deletions are done."""
+
+    run_id: int
+    run: str
+    policy: str
+    event_id: int                 # the run's newest event when it was planned
+    due_at: dt.datetime | None    # when time alone may make something of it deletable
+
+
+@dataclass
 class Plan:
     policy: str
     checkpoints: list[PlannedDeletion] = field(default_factory=list)
     orphans: list[tuple[str, int]] = field(default_factory=list)  # (key, bytes) of DELETED checkpoints
     unknown: list[str] = field(default_factory=list)     # blobs lastgood cannot place: left alone
+    runs: list[RunMark] = field(default_factory=list)    # the runs this plan looked at
+    events_of: list[int] = field(default_factory=list)   # DELETED checkpoints whose old events go
+    full: bool = True
 
     @property
     def bytes_freed(self) -> int:
@@ -57,27 +90,86 @@ class Plan:
 
     def to_dict(self) -> dict:
         return {"policy": self.policy, "checkpoints": [asdict(d) for d in self.checkpoints],
-                "orphans": [{"key": k, "bytes": n} for k, n in self.orphans], "unknown": self.unknown, "bytes_freed": self.bytes_freed}
+                "orphans": [{"key": k, "bytes": n} for k, n in self.orphans], "unknown": self.unknown,
+                "bytes_freed": self.bytes_freed, "full": self.full,
+                "runs": [{"run": m.run, "policy": m.policy} for m in self.runs],
+                "checkpoints_whose_events_go": len(self.events_of)}
+
+
+@dataclass
+class _Row:
+    id: int
+    parent_id: int | None
+    status: str
+    step: int
+    attempt: str
+    committed_at: dt.datetime | None
+    lease_expires_at: dt.datetime
+    created_at: dt.datetime
+    deleted_at: dt.datetime | None
+    manifest_key: str | None
+
+
+class _Collected(list):
+    """Stands in for a session to add_event: keeps the Event rows for one bulk insert."""
+
+    add = list.append
+
+
+_EVENT_COLUMNS = ("run_id", "checkpoint_id", "kind", "at", "data_json")
+
+
+def _chunks(items: list, n: int = CHUNK) -> Iterator[list]:
+    for i in range(0, len(items), n):
+        yield items[i:i + n]
 
 
 class GarbageCollector:
     def __init__(self, sessions: sessionmaker[Session], blobs: BlobStore, retention: Retention,
                  grace_seconds: float, clock: Callable[[], dt.datetime] = utcnow, metrics: Metrics | None = None,
-                 gate: CatalogGate | None = None, ballast: Ballast | None = None) -> None:
+                 gate: CatalogGate | None = None, ballast: Ballast | None = None, batch_size: int = 100,
+                 full_every: int = 24, event_retention_seconds: float = 30 * 24 * 3600.0,
+                 read_sessions: sessionmaker[Session] | None = None) -> None:
         self.sessions = sessions
+        self.read_sessions = read_sessions or sessions  # planning only reads (catalog/db.py)
         self.ballast = ballast or Ballast(None, 0)
         self.gate = gate or CatalogGate()  # closed: the blobs of lost commits look deletable
         self.blobs = blobs
-        self.retention = retention
+        self.retention = retention  # the service's default; a run may carry its own
         self.grace = dt.timedelta(seconds=grace_seconds)
         self.clock = clock
         self.metrics = metrics or Metrics()  # a private registry when the caller keeps none
+        self.batch_size = batch_size
+        self.full_every = full_every
+        self.event_retention = dt.timedelta(seconds=event_retention_seconds) if event_retention_seconds else None
+        self.passes = 0
+        self._need_full = True  # the first scheduled pass after a start: a crash may have left orphans
+        self.timer = txtimer.of(sessions)
+        self._kept_cache: dict[int, tuple] = {}  # run id -> what _kept found, and when
+        self.last_pass: dict = {}
+
+    @contextmanager
+    def _tx(self, read: bool = False) -> Iterator[Session]:
+        """One short catalog transaction of GC's, labelled "gc" in the engine's TxTimer;
+        transactions waiting for the lock go first (GC is the one that can wait). `read`:
+        planning, which only reads (on SQLite, without the write lock)."""
+        if self.timer:
+            self.timer.let_waiters_in(YIELD_SECONDS)
+        with txtimer.labelled("gc"), (self.read_sessions if read else self.sessions)() as s, s.begin():
+            yield s
 
     # ---------------------------------------------------------------- decisions
-    def _run_view(self, s: Session, run: Run) -> RunView:
-        rows = list(s.execute(select(Checkpoint.id, Checkpoint.parent_id, Checkpoint.status, Checkpoint.step,
-                                     Checkpoint.committed_at)
-                              .where(Checkpoint.run_id == run.id).order_by(Checkpoint.id)))
+    @staticmethod
+    def _rows(s: Session, run_id: int) -> list[_Row]:
+        return [_Row(*r) for r in s.execute(
+            select(Checkpoint.id, Checkpoint.parent_id, Checkpoint.status, Checkpoint.step, Checkpoint.attempt,
+                   Checkpoint.committed_at, Checkpoint.lease_expires_at, Checkpoint.created_at,
+                   Checkpoint.deleted_at, Checkpoint.manifest_key)
+            .where(Checkpoint.run_id == run_id).order_by(Checkpoint.id))]
+
+    @staticmethod
+    def _view(s: Session, run_id: int, last_good_id: int | None, rows: list[_Row]) -> tuple[RunView, set[int]]:
+        """What the policies see of the run, and the checkpoints a user's tag or pin protects."""
         branches = assign_branches([(r.id, r.parent_id, r.committed_at is not None) for r in rows])
         heads: dict[int, tuple[int, int]] = {}
         for r in rows:
@@ -85,80 +177,215 @@ class GarbageCollector:
                 b = branches[r.id]
                 heads[b] = max(heads.get(b, (r.step, r.id)), (r.step, r.id))
         tags: dict[int, set[str]] = defaultdict(set)
-        for cid, name in s.execute(select(Tag.checkpoint_id, Tag.name).where(Tag.run_id == run.id)):
+        protected: set[int] = set()
+        for cid, name, kind in s.execute(select(Tag.checkpoint_id, Tag.name, Tag.kind).where(Tag.run_id == run_id)):
             tags[cid].add(name)
-        return RunView(run.last_good_id, [(r.id, r.step) for r in rows if r.status == COMMITTED], dict(tags),
+            if kind in PROTECTING_TAGS:
+                protected.add(cid)
+        view = RunView(last_good_id, [(r.id, r.step) for r in rows if r.status == COMMITTED], dict(tags),
                        {cid for _, cid in heads.values()})
-
-    def _why_deletable(self, s: Session, ck: Checkpoint, kept: set[int], now: dt.datetime) -> str | None:
-        if ck.status == PENDING or ck.status == DELETED:
-            return None
-        if s.scalar(select(func.count()).select_from(ReadLease).where(
-                ReadLease.checkpoint_id == ck.id, ReadLease.expires_at > now)):
-            return None
-        if ck.status == COMMITTED:
-            return None if ck.id in kept else "not kept by the retention policy"
-        if s.scalar(select(Tag.id).where(Tag.checkpoint_id == ck.id, Tag.kind.in_(("tag", "alias", "pin"))).limit(1)):
-            return None  # a user tagged or pinned it, even if corrupt
-        since = ck.committed_at or ck.lease_expires_at or ck.created_at
-        if ck.status in (ABANDONED, CORRUPT) and since + self.grace < now:
-            return f"{ck.status.lower()} for longer than the grace period"
-        return None
-
-    # ---------------------------------------------------------------- plan / execute
-    def plan(self) -> Plan:
-        self.gate.check()
-        now = self.clock()
-        plan = Plan(self.retention.describe())
-        stored = [(keys.parse(info.key), info) for info in self.blobs.list(keys.ROOT)]
-        plan.unknown += [info.key for parsed, info in stored if parsed is None]
-        with self.sessions() as s, s.begin():
-            owners = self._owners(s)
-            blobs_by_ckpt: dict[int, list[tuple[str, int]]] = defaultdict(list)
-            for parsed, info in stored:
-                if parsed is None:
-                    continue
-                if self._owned(parsed, owners):
-                    blobs_by_ckpt[parsed.checkpoint_id].append((info.key, info.size))
-                else:  # an id this catalog does not know, or another catalog history's: left alone
-                    plan.unknown.append(info.key)
-            for run in s.scalars(select(Run).order_by(Run.name)):
-                kept = self.retention.keep(self._run_view(s, run))
-                for ck in s.scalars(select(Checkpoint).where(Checkpoint.run_id == run.id).order_by(Checkpoint.id)):
-                    reason = self._why_deletable(s, ck, kept, now)
-                    if reason:
-                        found = blobs_by_ckpt.get(ck.id, [])
-                        plan.checkpoints.append(PlannedDeletion(ck.id, run.name, ck.step, ck.status, reason,
-                                                                [k for k, _ in found], sum(n for _, n in found)))
-        for cid, found in sorted(blobs_by_ckpt.items()):
-            if owners[cid][3] == DELETED:
-                plan.orphans += found
-        return plan
-
-    def _mark_deleted(self, d: PlannedDeletion, now: dt.datetime) -> bool:
-        """Re-check one planned deletion under a row lock and record it; False: skip it."""
-        with self.sessions() as s, s.begin():
-            ck = s.scalar(select(Checkpoint).where(Checkpoint.id == d.checkpoint_id).with_for_update())
-            run = s.get(Run, ck.run_id) if ck else None
-            kept = self.retention.keep(self._run_view(s, run)) if run else set()
-            if not (ck is not None and ck.status == d.status and self._why_deletable(s, ck, kept, now)):
-                return False
-            ck.status, ck.deleted_at = DELETED, now
-            add_event(s, "gc_delete", ck.run_id, ck.id, step=ck.step, reason=d.reason, bytes=d.bytes,
-                      was=d.status)
-            return True
+        return view, protected
 
     @staticmethod
-    def _owners(s: Session) -> dict[int, tuple[str, int, str, str]]:
+    def _leases(s: Session, ids: list[int], now: dt.datetime) -> dict[int, dt.datetime]:
+        """checkpoint id -> when its last live read lease ends."""
+        out: dict[int, dt.datetime] = {}
+        for chunk in _chunks(ids):
+            out.update(s.execute(select(ReadLease.checkpoint_id, func.max(ReadLease.expires_at))
+                                 .where(ReadLease.checkpoint_id.in_(chunk), ReadLease.expires_at > now)
+                                 .group_by(ReadLease.checkpoint_id)).all())
+        return out
+
+    def _why_deletable(self, ck: _Row | Checkpoint, kept: set[int], protected: set[int],
+                       leased: dict[int, dt.datetime], now: dt.datetime) -> tuple[str | None, dt.datetime | None]:
+        """(why ck may go, or None) and, when it may not yet, when time alone could change that."""
+        if ck.status == PENDING or ck.status == DELETED:
+            return None, None
+        if ck.id in leased:
+            return None, leased[ck.id]
+        if ck.status == COMMITTED:
+            return (None if ck.id in kept else "not kept by the retention policy"), None
+        if ck.id in protected:
+            return None, None  # a user tagged or pinned it, even if corrupt
+        since = ck.committed_at or ck.lease_expires_at or ck.created_at
+        if ck.status in (ABANDONED, CORRUPT):
+            if since + self.grace < now:
+                return f"{ck.status.lower()} for longer than the grace period", None
+            return None, since + self.grace
+        return None, None
+
+    def policy_of(self, run_spec: str | None) -> Retention:
+        return effective(run_spec, self.retention)
+
+    # ---------------------------------------------------------------- plan
+    def plan(self, full: bool = True) -> Plan:
+        """What GC would delete now. `full`: every run and the whole blob store (orphans,
+        unknown blobs); else only runs where something changed since the last executed pass."""
+        self.gate.check()
+        now = self.clock()
+        plan = Plan(self.retention.describe(), full=full)
+        listed: dict[int, list[tuple[str, int]]] | None = None
+        if full:
+            listed, status = self._listed(plan)
+        with self._tx(read=True) as s:
+            newest = select(func.max(Event.id)).where(Event.run_id == Run.id).scalar_subquery()
+            runs = list(s.execute(select(Run.id, Run.name, Run.retention, Run.gc_event_id, Run.gc_policy,
+                                         Run.gc_due_at, newest).order_by(Run.name)))
+        for run_id, name, spec, seen, seen_policy, due_at, newest_id in runs:
+            policy = self.policy_of(spec)
+            if not full and (newest_id or 0) <= seen and seen_policy == policy.describe() and (
+                    due_at is None or due_at > now):
+                continue  # nothing new, same policy, nothing time alone frees: nothing to do
+            with self._tx(read=True) as s:
+                self._plan_run(s, plan, run_id, name, policy, now, listed)
+        if full:
+            for cid, found in sorted(listed.items()):
+                if status.get(cid) == DELETED:
+                    plan.orphans += found
+        return plan
+
+    def _listed(self, plan: Plan) -> tuple[dict[int, list[tuple[str, int]]], dict[int, str]]:
+        """The store's checkpoint blobs by the checkpoint that owns them (others are unknown),
+        and those checkpoints' statuses."""
+        stored = [(keys.parse(info.key), info) for info in self.blobs.list(keys.ROOT)]
+        plan.unknown += [info.key for parsed, info in stored if parsed is None]
+        stored = [(p, info) for p, info in stored if p is not None]
+        owners = self._owners(sorted({p.checkpoint_id for p, _ in stored}))
+        out: dict[int, list[tuple[str, int]]] = defaultdict(list)
+        for parsed, info in stored:
+            if self._owned(parsed, owners):
+                out[parsed.checkpoint_id].append((info.key, info.size))
+            else:  # an id this catalog does not know, or another catalog history's: left alone
+                plan.unknown.append(info.key)
+        return out, {cid: o[3] for cid, o in owners.items()}
+
+    def _plan_run(self, s: Session, plan: Plan, run_id: int, name: str, policy: Retention, now: dt.datetime,
+                  listed: dict[int, list[tuple[str, int]]] | None) -> None:
+        run_row = s.execute(select(Run.last_good_id, select(func.max(Event.id)).where(Event.run_id == run_id)
+                                   .scalar_subquery()).where(Run.id == run_id)).one()
+        rows = self._rows(s, run_id)
+        view, protected = self._view(s, run_id, run_row[0], rows)
+        kept = policy.keep(view)
+        maybe = [r for r in rows if r.status not in (PENDING, DELETED) and not (r.status == COMMITTED and r.id in kept)]
+        leased = self._leases(s, [r.id for r in maybe], now)
+        due: list[dt.datetime] = []
+        found: list[tuple[_Row, str]] = []
+        for r in maybe:
+            reason, when = self._why_deletable(r, kept, protected, leased, now)
+            if reason:
+                found.append((r, reason))
+            elif when is not None:
+                due.append(when)
+        in_catalog = self._catalog_keys(s, [r for r, _ in found]) if listed is None else {}
+        for r, reason in found:
+            blobs = listed.get(r.id, []) if listed is not None else in_catalog.get(r.id, [])
+            plan.checkpoints.append(PlannedDeletion(r.id, name, r.step, r.status, reason, [k for k, _ in blobs],
+                                                    sum(n for _, n in blobs)))
+        if self.event_retention is not None:
+            cutoff = now - self.event_retention
+            old = [r.id for r in rows if r.status == DELETED and r.deleted_at and r.deleted_at < cutoff]
+            plan.events_of += self._with_prunable_events(s, old)
+            due += [r.deleted_at + self.event_retention for r in rows
+                    if r.status == DELETED and r.deleted_at and r.deleted_at >= cutoff]
+        plan.runs.append(RunMark(run_id, name, policy.describe(), run_row[1] or 0, min(due, default=None)))
+
+    @staticmethod
+    def _catalog_keys(s: Session, rows: list[_Row]) -> dict[int, list[tuple[str, int]]]:
+        """The blobs the catalog recorded for these checkpoints (an incremental pass lists no
+        store: a blob it never recorded, from a crash mid-upload, waits for a full pass)."""
+        out: dict[int, list[tuple[str, int]]] = defaultdict(list)
+        for chunk in _chunks([r.id for r in rows]):
+            for cid, key, size in s.execute(select(Shard.checkpoint_id, Shard.blob_key, Shard.size)
+                                            .where(Shard.checkpoint_id.in_(chunk)).order_by(Shard.id)):
+                out[cid].append((key, size))
+        for r in rows:
+            if r.manifest_key:
+                out[r.id].append((r.manifest_key, 0))
+        return out
+
+    @staticmethod
+    def _with_prunable_events(s: Session, ids: list[int]) -> list[int]:
+        out: list[int] = []
+        for chunk in _chunks(ids):
+            out += s.scalars(select(Event.checkpoint_id).where(Event.checkpoint_id.in_(chunk),
+                                                               Event.kind != "gc_delete").distinct())
+        return sorted(out)
+
+    def _owners(self, ids: list[int]) -> dict[int, tuple[str, int, str, str]]:
         """checkpoint id -> (run, step, attempt, status), for placing blobs by their keys."""
-        return {cid: (run, step, attempt, status) for cid, run, step, attempt, status in s.execute(
-            select(Checkpoint.id, Run.name, Checkpoint.step, Checkpoint.attempt, Checkpoint.status)
-            .join(Run, Run.id == Checkpoint.run_id))}
+        out: dict[int, tuple[str, int, str, str]] = {}
+        for chunk in _chunks(ids):
+            with self._tx(read=True) as s:
+                out.update({cid: (run, step, attempt, status) for cid, run, step, attempt, status in s.execute(
+                    select(Checkpoint.id, Run.name, Checkpoint.step, Checkpoint.attempt, Checkpoint.status)
+                    .join(Run, Run.id == Checkpoint.run_id).where(Checkpoint.id.in_(chunk)))})
+        return out
 
     @staticmethod
     def _owned(parsed: keys.ParsedKey, owners: dict) -> bool:
         owner = owners.get(parsed.checkpoint_id)
         return owner is not None and keys.belongs_to(parsed, parsed.checkpoint_id, *owner[:3])
+
+    # ---------------------------------------------------------------- execute
+    def _kept(self, s: Session, run: Run) -> tuple[set[int], set[int]]:
+        """What the run's policy keeps now, and what a user's tag protects. Every change that
+        could alter either (a commit, a corruption, a rollback, a tag, a pin, a policy, a
+        rebuild) writes an event of the run in its own transaction. On SQLite, whose single
+        writer makes event ids commit-ordered, the previous batch's answer stands while the
+        run has no event newer than the one it saw but GC's own `gc_delete`s (deleting what
+        no policy keeps changes what the policies keep: nothing). PostgreSQL hands out ids
+        before commit, in any order, so there every batch reads the run again."""
+        cached = self._kept_cache.get(run.id) if self._ids_commit_ordered(s) else None
+        if cached and cached[1] == run.retention and not s.scalar(select(Event.id).where(
+                Event.run_id == run.id, Event.id > cached[0], Event.kind != "gc_delete").limit(1)):
+            return cached[2], cached[3]
+        newest = s.scalar(select(func.max(Event.id)).where(Event.run_id == run.id)) or 0
+        view, protected = self._view(s, run.id, run.last_good_id, self._rows(s, run.id))
+        kept = self.policy_of(run.retention).keep(view)
+        self._kept_cache[run.id] = (newest, run.retention, kept, protected)
+        return kept, protected
+
+    @staticmethod
+    def _ids_commit_ordered(s: Session) -> bool:
+        return s.get_bind().dialect.name == "sqlite"
+
+    def _mark_batch(self, run_id: int, batch: list[PlannedDeletion], now: dt.datetime) -> list[PlannedDeletion]:
+        """Re-check a batch of one run's planned deletions under row locks, with the run's
+        policy as it is now, and mark DELETED those still deletable: one short transaction."""
+        with self._tx() as s:
+            locked = {ck.id: ck for ck in s.scalars(select(Checkpoint).where(
+                Checkpoint.id.in_([d.checkpoint_id for d in batch])).with_for_update())}
+            run = s.get(Run, run_id)
+            kept, protected = self._kept(s, run)
+            leased = self._leases(s, list(locked), now)
+            marked = []
+            for d in batch:
+                ck = locked.get(d.checkpoint_id)
+                if ck is None or ck.run_id != run_id or ck.status != d.status:
+                    continue
+                if self._why_deletable(ck, kept, protected, leased, now)[0] is None:
+                    continue
+                marked.append(d)
+            if marked:  # two statements for the batch, not two per checkpoint
+                for status in {d.status for d in marked}:
+                    s.execute(update(Checkpoint).where(
+                        Checkpoint.id.in_([d.checkpoint_id for d in marked if d.status == status]),
+                        Checkpoint.status == status).values(status=DELETED, deleted_at=now)
+                        .execution_options(synchronize_session=False))
+                events = _Collected()  # add_event's rows, inserted in one statement
+                for d in marked:
+                    add_event(events, "gc_delete", run_id, d.checkpoint_id, step=d.step, reason=d.reason,
+                              bytes=d.bytes, was=d.status)
+                s.execute(insert(Event), [{c: getattr(e, c) for c in _EVENT_COLUMNS} for e in events])
+            return marked
+
+    def _retrying(self, fn, *args):
+        try:
+            return fn(*args), False
+        except Exception as e:
+            if not is_disk_full(e) or not self.ballast.release():
+                raise
+            return fn(*args), True  # the catalog could not write at all: give it the ballast's room
 
     def execute(self, plan: Plan) -> dict:
         """Delete what the plan lists, and nothing else; skip whatever is no longer deletable."""
@@ -166,34 +393,95 @@ class GarbageCollector:
         deleted, skipped, freed = [], [], 0
         now = self.clock()
         released = False
+        self._kept_cache = {}  # see _kept
+        run_ids = {m.run: m.run_id for m in plan.runs}
+        by_run: dict[str, list[PlannedDeletion]] = defaultdict(list)
         for d in plan.checkpoints:
-            try:
-                marked = self._mark_deleted(d, now)
-            except Exception as e:
-                if not is_disk_full(e) or not self.ballast.release():
-                    raise
-                released = True  # the catalog could not write at all: give it the ballast's room
-                marked = self._mark_deleted(d, now)
-            if not marked:
-                skipped.append(d.checkpoint_id)
-                continue
-            for key in d.keys:  # only after the catalog says DELETED: a crash leaves orphans, never holes
-                self.blobs.delete(key)
-            deleted.append(d.checkpoint_id)
-            freed += d.bytes
-        orphans_done = []
-        if plan.orphans:
-            with self.sessions() as s, s.begin():
-                owners = self._owners(s)
-            for key, size in plan.orphans:
-                parsed = keys.parse(key)
-                if parsed and self._owned(parsed, owners) and owners[parsed.checkpoint_id][3] == DELETED:
-                    self.blobs.delete(key)
-                    orphans_done.append(key)
-                    freed += size
+            by_run[d.run].append(d)
+        unsettled: set[str] = set()  # runs with a skip: planned again next pass
+        for run, planned in by_run.items():
+            run_id = run_ids.get(run) or self._run_id(run)
+            for i in range(0, len(planned), self.batch_size):
+                batch = planned[i:i + self.batch_size]
+                marked, r = self._retrying(self._mark_batch, run_id, batch, now) if run_id else ([], False)
+                released |= r
+                done = {d.checkpoint_id for d in marked}
+                if len(done) < len(batch):
+                    unsettled.add(run)
+                    skipped += [d.checkpoint_id for d in batch if d.checkpoint_id not in done]
+                for d in marked:  # only after the catalog says DELETED: a crash leaves orphans, never holes
+                    for key in d.keys:
+                        self.blobs.delete(key)
+                    deleted.append(d.checkpoint_id)
+                    freed += d.bytes
+        orphans_done = self._delete_orphans(plan.orphans)
+        freed += sum(n for _, n in orphans_done)
+        events_pruned = self._prune_events(plan.events_of, now)
+        self._write_marks([m for m in plan.runs if m.run not in unsettled])
         if released and freed:
             self.ballast.ensure()
         if deleted or orphans_done:
             log.info("gc deleted checkpoints %s and %d orphan blobs", deleted, len(orphans_done))
         self.metrics.gc_bytes_freed.inc(freed)
-        return {"deleted": deleted, "skipped": skipped, "orphans_deleted": len(orphans_done), "bytes_freed": freed}
+        return {"deleted": deleted, "skipped": skipped, "orphans_deleted": len(orphans_done), "bytes_freed": freed,
+                "events_pruned": events_pruned}
+
+    def _run_id(self, name: str) -> int | None:
+        with self._tx(read=True) as s:
+            return s.scalar(select(Run.id).where(Run.name == name))
+
+    def _delete_orphans(self, orphans: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        if not orphans:
+            return []
+        parsed = [(keys.parse(k), k, n) for k, n in orphans]
+        owners = self._owners(sorted({p.checkpoint_id for p, _, _ in parsed if p}))
+        done = []
+        for p, key, size in parsed:
+            if p and self._owned(p, owners) and owners[p.checkpoint_id][3] == DELETED:
+                self.blobs.delete(key)
+                done.append((key, size))
+        return done
+
+    def _prune_events(self, ids: list[int], now: dt.datetime) -> int:
+        """Events of checkpoints deleted longer ago than the event retention, but the
+        `gc_delete` that says what happened to each: bounded deletes, one short transaction each."""
+        if self.event_retention is None or not ids:
+            return 0
+        cutoff, n = now - self.event_retention, 0
+        for chunk in _chunks(ids):
+            with self._tx() as s:
+                gone = select(Checkpoint.id).where(Checkpoint.id.in_(chunk), Checkpoint.status == DELETED,
+                                                   Checkpoint.deleted_at < cutoff)
+                n += s.execute(delete(Event).where(Event.checkpoint_id.in_(gone), Event.kind != "gc_delete")
+                               .execution_options(synchronize_session=False)).rowcount or 0
+        return n
+
+    def _write_marks(self, marks: Iterable[RunMark]) -> None:
+        for chunk in _chunks(list(marks)):
+            with self._tx() as s:
+                for m in chunk:
+                    s.execute(update(Run).where(Run.id == m.run_id).values(
+                        gc_event_id=m.event_id, gc_policy=m.policy, gc_due_at=m.due_at))
+
+    # ---------------------------------------------------------------- the scheduled pass
+    def run_pass(self) -> dict:
+        """One scheduled pass: incremental, but full on the first after a start, after a
+        failed pass, and every `full_every`-th (orphans come only from a crash or a failure)."""
+        full = self._need_full or self.passes % self.full_every == 0
+        mark = self.timer.total if self.timer else 0
+        t0 = time.perf_counter()
+        self._need_full = True
+        plan = self.plan(full=full)
+        t1 = time.perf_counter()
+        result = self.execute(plan)
+        t2 = time.perf_counter()
+        self._need_full = False
+        self.passes += 1
+        holds = [r.hold for r in self.timer.since(mark, "gc")] if self.timer else []
+        for h in holds:
+            self.metrics.gc_transaction_seconds.observe(h)
+        self.last_pass = {"full": full, "runs_planned": len(plan.runs), "planned": len(plan.checkpoints),
+                          "deleted": len(result["deleted"]), "plan_seconds": t1 - t0, "execute_seconds": t2 - t1,
+                          "transactions": len(holds), "longest_transaction_seconds": max(holds, default=0.0),
+                          "events_pruned": result["events_pruned"]}
+        return self.last_pass

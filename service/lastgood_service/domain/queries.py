@@ -88,16 +88,27 @@ class Queries:
         _page(limit, offset)
         with self.sessions() as s, s.begin():
             total, runs = self._runs_page(s, prefix, limit, offset)
-            items = [self._run_view(s, r) for r in runs]
+            items = self._run_views(s, runs)
         return {"items": items, "total": total, "limit": limit, "offset": offset}
 
+    @staticmethod
+    def _run_views(s: Session, runs: list[Run]) -> list[dict]:
+        """Runs with their last-good and checkpoints by status: two grouped queries for the
+        page, not two a run."""
+        ids = [r.id for r in runs]
+        counts: dict[int, dict[str, int]] = {i: dict.fromkeys(STATUSES, 0) for i in ids}
+        for run_id, status, n in s.execute(select(Checkpoint.run_id, Checkpoint.status, func.count())
+                                           .where(Checkpoint.run_id.in_(ids))
+                                           .group_by(Checkpoint.run_id, Checkpoint.status)):
+            counts[run_id][status] = n
+        lg_ids = [r.last_good_id for r in runs if r.last_good_id]
+        lgs = {c.id: c for c in s.scalars(select(Checkpoint).where(Checkpoint.id.in_(lg_ids)))} if lg_ids else {}
+        return [{"name": r.name, "created_at": _iso(r.created_at), "generation": r.generation,
+                 "last_good": checkpoint_view(lgs[r.last_good_id], r) if r.last_good_id in lgs else None,
+                 "checkpoints": counts[r.id]} for r in runs]
+
     def _run_view(self, s: Session, run: Run) -> dict:
-        counts = dict(s.execute(select(Checkpoint.status, func.count()).where(Checkpoint.run_id == run.id)
-                                .group_by(Checkpoint.status)).all())
-        lg = s.get(Checkpoint, run.last_good_id) if run.last_good_id else None
-        return {"name": run.name, "created_at": _iso(run.created_at), "generation": run.generation,
-                "last_good": checkpoint_view(lg, run) if lg else None,
-                "checkpoints": {st: counts.get(st, 0) for st in STATUSES}}
+        return self._run_views(s, [run])[0]
 
     def get_run(self, name: str) -> dict:
         with self.sessions() as s, s.begin():
@@ -236,9 +247,11 @@ class Queries:
                 counts[run_id][status] = n
                 if status != DELETED:
                     stored[run_id] += int(nbytes or 0)
-            last = {r: (eid, at) for r, eid, at in s.execute(
-                select(Event.run_id, func.max(Event.id), func.max(Event.at))
-                .where(Event.run_id.in_(ids)).group_by(Event.run_id))}
+            # each run's newest event by the (run_id, id) index: one probe a run, not a scan of its events
+            newest = select(func.max(Event.id)).where(Event.run_id == Run.id).scalar_subquery()
+            newest_ids = [e for e in s.scalars(select(newest).where(Run.id.in_(ids))) if e is not None]
+            last = {r: (eid, at) for eid, r, at in s.execute(
+                select(Event.id, Event.run_id, Event.at).where(Event.id.in_(newest_ids)))}
             fails = {r: (n, at) for r, n, at in s.execute(
                 select(Event.run_id, func.count(), func.max(Event.at))
                 .where(Event.run_id.in_(ids), Event.kind.in_(FAILURE_EVENTS), Event.at >= since)

@@ -1,10 +1,12 @@
 """Retention as small composable policies: each names the checkpoints of a run it keeps;
 GC deletes what no policy keeps. Spelled in settings as a comma list, e.g.
-`latest:3,every:1000,tagged,last-good,branch-heads` (LASTGOOD_RETENTION)."""
+`latest:3,every:1000,tagged,last-good,branch-heads` (LASTGOOD_RETENTION), the service's
+default; a run may carry its own in the same syntax (runs.retention, domain/run_retention.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from ..catalog.models import SUSPECT
 
@@ -85,6 +87,9 @@ class KeepBranchHeads(Policy):
         return set(run.branch_heads)
 
 
+MAX_SPEC = 512  # runs.retention's width
+
+
 class Retention:
     def __init__(self, policies: list[Policy]) -> None:
         self.policies = policies
@@ -100,6 +105,8 @@ class Retention:
 
     @classmethod
     def parse(cls, spec: str) -> "Retention":
+        if len(spec) > MAX_SPEC:
+            raise ValueError(f"retention is {len(spec)} characters; at most {MAX_SPEC}")
         policies: list[Policy] = []
         for part in (p.strip() for p in spec.split(",") if p.strip()):
             name, _, arg = part.partition(":")
@@ -117,3 +124,20 @@ class Retention:
         if not {"last-good", "branch-heads"} <= names:
             raise ValueError("retention must keep last-good and branch-heads: a run must always be resumable")
         return cls(policies)
+
+
+@lru_cache(maxsize=1024)
+def _parsed(spec: str) -> Retention:
+    return Retention.parse(spec)
+
+
+def effective(run_spec: str | None, default: Retention) -> Retention:
+    """The policy GC applies to a run: its own, else the service's default. A run's spec
+    was validated when it was set; one that no longer parses (an older service's syntax)
+    falls back to the default, which is never less safe than what it keeps."""
+    if not run_spec:
+        return default
+    try:
+        return _parsed(run_spec)
+    except ValueError:
+        return default

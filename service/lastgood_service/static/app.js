@@ -139,8 +139,11 @@ async function loadEvents(run) {
 
 async function loadRun(sig) {
   const run = state.run;
-  const [lineage, events] = await Promise.all([get(`/api/v1/runs/${seg(run)}/lineage`), loadEvents(run)]);
+  const [lineage, events, retention] = await Promise.all([get(`/api/v1/runs/${seg(run)}/lineage`), loadEvents(run),
+    get(`/api/v1/runs/${seg(run)}/retention`)]);
   if (run !== state.run) return; // another run was chosen meanwhile
+  fill($('run-retention'), 'Retention: ', h('code', {}, retention.retention),
+    retention.own ? ' (this run\'s own)' : ' (the service default)');
   state.lineage = lineage;
   state.events = events;
   state.renderedSig = sig;

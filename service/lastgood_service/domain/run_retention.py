@@ -1,0 +1,64 @@
+"""A run's own retention policy: read it, set it, clear it (back to the service default).
+
+The spec is the service default's syntax (domain/retention.py) and is checked the same
+way: a bad one is refused and changes nothing. Setting it records a `retention` event, so
+the next GC pass plans the run again (domain/gc.py also sees the policy it applied differ).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from lastgood import names
+
+from ..catalog.models import Run
+from .events import add_event
+from .errors import InvalidArgument, NotFound
+from .gate import CatalogGate
+from .retention import Retention, effective
+
+
+class RunRetention:
+    def __init__(self, sessions: sessionmaker[Session], default: Retention, gate: CatalogGate | None = None) -> None:
+        self.sessions = sessions
+        self.default = default
+        self.gate = gate or CatalogGate()
+
+    @staticmethod
+    def _run(s: Session, name: str, lock: bool = False) -> Run:
+        try:
+            names.check_run_name(name)
+        except names.InvalidName as e:
+            raise InvalidArgument(str(e)) from None
+        q = select(Run).where(Run.name == name)
+        run = s.scalar(q.with_for_update() if lock else q)
+        if run is None:
+            raise NotFound(f"run {name!r} does not exist")
+        return run
+
+    def _view(self, run: Run) -> dict:
+        return {"run": run.name, "retention": effective(run.retention, self.default).describe(),
+                "own": run.retention, "default": self.default.describe()}
+
+    def get(self, name: str) -> dict:
+        """The policy GC applies to the run; `own` is None when that is the service default."""
+        with self.sessions() as s, s.begin():
+            return self._view(self._run(s, name))
+
+    def set(self, name: str, spec: str | None) -> dict:
+        """Give the run its own policy (normalized, e.g. `latest:5,every:1000,...`), or
+        None / "" to fall back to the service default."""
+        self.gate.check()
+        own = None
+        if spec is not None and spec.strip():
+            try:
+                own = Retention.parse(spec).describe()
+            except ValueError as e:
+                raise InvalidArgument(str(e)) from None
+        with self.sessions() as s, s.begin():
+            run = self._run(s, name, lock=True)
+            if run.retention != own:
+                add_event(s, "retention", run.id, None, retention=own, was=run.retention)
+                run.retention = own
+            return self._view(run)

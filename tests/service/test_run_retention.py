@@ -1,0 +1,77 @@
+"""A run's own retention (issue 15): set from the Checkpointer or the API, validated like
+the service default, used by GC for that run only, the default everywhere else."""
+
+from __future__ import annotations
+
+import pytest
+
+import lastgood
+from lastgood.errors import ServiceError
+
+from .helpers import Client, http, json_error
+
+GC_ENV = {"LASTGOOD_RETENTION": "latest:1,tagged,last-good,branch-heads", "LASTGOOD_GC_INTERVAL": "0"}
+OWN = "latest:3,last-good,branch-heads"
+
+
+def _chain(c: Client, run: str, n: int) -> list[int]:
+    ids, parent = [], 0
+    for step in range(n):
+        parent, _ = c.save(run, step * 10, parent_id=parent)
+        ids.append(parent)
+    return ids
+
+
+def test_gc_keeps_by_the_runs_own_policy_and_the_default_elsewhere(make_service, run_name):
+    svc = make_service(**GC_ENV)
+    c = Client(svc.grpc_target)
+    try:
+        own, other = _chain(c, run_name, 4), _chain(c, run_name + "-other", 4)
+    finally:
+        c.close()
+    h = http(svc)
+    url = f"/api/v1/runs/{run_name}/retention"
+    assert h.get(url).json() == {"run": run_name, "retention": GC_ENV["LASTGOOD_RETENTION"], "own": None,
+                                 "default": GC_ENV["LASTGOOD_RETENTION"]}
+    r = h.put(url, json={"retention": " latest:3 , last-good,branch-heads"})
+    assert r.status_code == 200 and r.json()["own"] == OWN and r.json()["retention"] == OWN
+    plan = h.get("/api/v1/gc/plan").json()
+    assert {m["run"]: m["policy"] for m in plan["runs"]} == {run_name: OWN,
+                                                             run_name + "-other": GC_ENV["LASTGOOD_RETENTION"]}
+    assert sorted(d["checkpoint_id"] for d in plan["checkpoints"]) == [own[0]] + other[:3]
+    events = h.get(f"/api/v1/runs/{run_name}/events", params={"kind": "retention"}).json()["items"]
+    assert [e["data"] for e in events] == [{"retention": OWN, "was": None}]
+    # cleared: the default again
+    assert h.put(url, json={"retention": None}).json()["own"] is None
+    assert sorted(d["checkpoint_id"] for d in h.get("/api/v1/gc/plan").json()["checkpoints"]) == own[:3] + other[:3]
+
+
+@pytest.mark.parametrize("spec,status", [("latest:x,last-good,branch-heads", 400), ("latest:3", 400),
+                                         ("keep-everything", 400), ("latest:1," * 100, 422)])
+def test_a_bad_retention_is_refused_and_changes_nothing(service, run_name, spec, status):
+    c = Client(service.grpc_target)
+    try:
+        _chain(c, run_name, 1)
+    finally:
+        c.close()
+    h = http(service)
+    url = f"/api/v1/runs/{run_name}/retention"
+    assert h.put(url, json={"retention": OWN}).status_code == 200
+    err = json_error(h.put(url, json={"retention": spec}), status)
+    assert err["message"]
+    assert h.get(url).json()["own"] == OWN
+    json_error(h.put("/api/v1/runs/no-such-run/retention", json={"retention": OWN}), 404)
+    json_error(h.get("/api/v1/runs/no-such-run/retention"), 404)
+
+
+def test_the_checkpointer_sends_the_runs_retention(service, run_name):
+    ck = lastgood.Checkpointer(service.url, run=run_name, retention="latest:5,every:1000,tagged,last-good,branch-heads")
+    try:
+        assert http(service).get(f"/api/v1/runs/{run_name}/retention").json()["own"] == \
+            "latest:5,every:1000,tagged,last-good,branch-heads"
+    finally:
+        ck.close()
+    with pytest.raises(ServiceError) as bad:
+        lastgood.Checkpointer(service.url, run=run_name + "-bad", retention="latest:5")
+    assert bad.value.code == 400 and "last-good" in str(bad.value)
+    assert http(service).get(f"/api/v1/runs/{run_name}/retention").json()["own"] is not None
