@@ -75,3 +75,26 @@ def test_the_checkpointer_sends_the_runs_retention(service, run_name):
         lastgood.Checkpointer(service.url, run=run_name + "-bad", retention="latest:5")
     assert bad.value.code == 400 and "last-good" in str(bad.value)
     assert http(service).get(f"/api/v1/runs/{run_name}/retention").json()["own"] is not None
+
+
+def test_a_pinned_or_tagged_checkpoint_survives_a_policy_without_tagged(make_service, run_name):
+    """I4: tags and pins keep a checkpoint whatever the retention says. A run's own policy
+    may leave out `tagged`; GC must still keep what a user pinned or tagged."""
+    svc = make_service(**GC_ENV)
+    c = Client(svc.grpc_target)
+    try:
+        ids = _chain(c, run_name, 5)
+    finally:
+        c.close()
+    h = http(svc)
+    pinned, tagged, plain = ids[0], ids[1], ids[2]
+    assert h.put(f"/api/v1/checkpoints/{pinned}/pin").status_code == 200
+    assert h.post(f"/api/v1/checkpoints/{tagged}/tags", json={"name": "eval"}).status_code == 200
+    assert h.put(f"/api/v1/runs/{run_name}/retention", json={"retention": "latest:1,last-good,branch-heads"}
+                 ).status_code == 200
+    planned = sorted(d["checkpoint_id"] for d in h.get("/api/v1/gc/plan").json()["checkpoints"])
+    assert planned == [plain, ids[3]]  # control: the policy does delete what nothing protects
+    assert h.post("/api/v1/gc").status_code == 200
+    status = {cid: h.get(f"/api/v1/checkpoints/{cid}").json()["status"] for cid in ids}
+    assert status == {pinned: "COMMITTED", tagged: "COMMITTED", plain: "DELETED", ids[3]: "DELETED",
+                      ids[4]: "COMMITTED"}

@@ -203,10 +203,10 @@ class GarbageCollector:
             return None, None
         if ck.id in leased:
             return None, leased[ck.id]
+        if ck.id in protected:
+            return None, None  # a user tagged or pinned it, even if corrupt, whatever the policy says (I4)
         if ck.status == COMMITTED:
             return (None if ck.id in kept else "not kept by the retention policy"), None
-        if ck.id in protected:
-            return None, None  # a user tagged or pinned it, even if corrupt
         since = ck.committed_at or ck.lease_expires_at or ck.created_at
         if ck.status in (ABANDONED, CORRUPT):
             if since + self.grace < now:
