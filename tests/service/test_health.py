@@ -156,3 +156,29 @@ def test_failures_close_together_are_one(make_service, run_name):
     launch(svc, run_name, "b")  # a relaunch ...
     httpx.post(f"{svc.url}/api/v1/runs/{run_name}/events", json={"kind": "restart", "data": {}})  # ... and its restart
     assert health(svc, run_name)["interval"]["failures"] == 1
+
+
+def test_an_outage_of_the_service_does_not_make_every_rank_hung(make_service, run_name):
+    """Beats cannot arrive while the service is down; training goes on. When it comes back, the
+    time it was away is not the ranks' silence: no rank is hung or lost until it has had a full
+    timeout to beat again (else a supervisor would kill a healthy job after every outage).
+    Control: a rank that still does not beat after that is judged as before."""
+    import time
+
+    svc = make_service(LASTGOOD_HEALTH_INTERVAL="0", LASTGOOD_HANG_FLOOR_SECONDS="1")
+    gen = launch(svc, run_name, "a")
+    body = dict(world_size=2, phase="train", step_seconds=0.05, period_s=0.1, attempt="a", generation=gen)
+    for step in (1, 2):
+        for rank in (0, 1):
+            assert beat(svc, run_name, rank=rank, step=step, **body).status_code == 204
+    assert health(svc, run_name)["timeout_s"] == 1.0
+    svc.stop()
+    time.sleep(3)  # longer than the timeout (1 s) and than "lost" (twice that)
+    svc.start(keep_ports=True)
+    h = health(svc, run_name)
+    assert (h["hung"], h["lost"]) == ([], []), h["ranks"]
+    assert beat(svc, run_name, rank=0, step=3, **body).status_code == 204  # rank 0 beats again, rank 1 never
+    deadline = time.monotonic() + 30
+    while not (h := health(svc, run_name))["hung"] and not h["lost"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert 1 in h["hung"] + h["lost"] and 0 not in h["lost"], h["ranks"]

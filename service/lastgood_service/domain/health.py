@@ -70,6 +70,10 @@ class Health:
         self.clock = clock
         self.metrics = metrics
         self.gate = gate or CatalogGate()
+        # Beats sent while this process was not running could not arrive: silence is counted
+        # from when it could hear at the earliest, so an outage longer than the hang timeout
+        # does not make every rank hung (and a supervisor kill a healthy job) when it ends.
+        self.up_since = clock()
 
     @classmethod
     def from_settings(cls, sessions, settings, **kw) -> "Health":
@@ -141,7 +145,7 @@ class Health:
                 raise NotFound(f"run {run_name!r} does not exist")
             rows = _current(_rows(s, run.id))
             iv = self._interval(s, run, rows, now)
-        ranks = [_rank(r, now) for r in rows]
+        ranks = [_rank(r, now, self.up_since) for r in rows]
         steady, states = verdicts.judge(ranks, limits)
         world = max(rows, key=lambda r: r.beat_at).world_size if rows else None
         seen = {r.rank for r in rows}
@@ -181,7 +185,7 @@ class Health:
     def _sweep_run(self, run_id: int, now: dt.datetime) -> dict[int, str]:
         with self.sessions() as s, s.begin():
             rows = _current(_rows(s, run_id))
-            slow = verdicts.outliers([_rank(r, now) for r in rows], self.limits)
+            slow = verdicts.outliers([_rank(r, now, self.up_since) for r in rows], self.limits)
             for r in rows:  # when each outlier became one; cleared when it is not
                 since = (r.outlier_since or now) if r.rank in slow else None
                 if since != r.outlier_since:
@@ -189,7 +193,7 @@ class Health:
                                                       Heartbeat.generation == r.generation)
                               .values(outlier_since=since))
                     r.outlier_since = since
-            ranks = [_rank(r, now) for r in rows]
+            ranks = [_rank(r, now, self.up_since) for r in rows]
             steady, states = verdicts.judge(ranks, self.limits)
             for r, v in zip(rows, ranks):
                 new = states[r.rank]
@@ -280,10 +284,12 @@ def _current(rows: list[SimpleNamespace]) -> list[SimpleNamespace]:
     return sorted((r for r in mine if r.rank < world), key=lambda r: r.rank)
 
 
-def _rank(r: SimpleNamespace, now: dt.datetime) -> verdicts.Rank:
+def _rank(r: SimpleNamespace, now: dt.datetime, up_since: dt.datetime) -> verdicts.Rank:
+    """Ages count from `up_since` at the earliest: a rank cannot be heard while we are down."""
+    heard = lambda t: None if t is None else max(t, up_since)  # noqa: E731
     return verdicts.Rank(rank=r.rank, phase=r.phase, step_seconds=r.step_seconds, typical_step_s=r.typical_step_s,
-                         slowest_step_s=r.slowest_step_s, period_s=r.period_s, beat_age=_age(now, r.beat_at),
-                         progress_age=_age(now, r.progress_at), outlier_age=_age(now, r.outlier_since))
+                         slowest_step_s=r.slowest_step_s, period_s=r.period_s, beat_age=_age(now, heard(r.beat_at)),
+                         progress_age=_age(now, heard(r.progress_at)), outlier_age=_age(now, r.outlier_since))
 
 
 def _check(run_name: str, b: dict) -> None:
