@@ -10,6 +10,7 @@ no answer at all ServiceUnreachable. Without a policy it tries once (the command
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import threading
 import urllib.error
@@ -62,7 +63,7 @@ class RestClient:
             raise errors.from_http(method, path, e.code, e.read()) from None
         except urllib.error.URLError as e:
             raise ServiceUnreachable(f"cannot reach the lastgood service at {self.base_url}: {e.reason}") from None
-        except OSError as e:  # timeouts and resets before the answer's head
+        except (OSError, http.client.HTTPException) as e:  # timeouts, resets, no status line
             raise ServiceUnreachable(f"{method} {path}: no answer from the lastgood service: {e}") from None
 
     @contextlib.contextmanager
@@ -84,7 +85,7 @@ class RestClient:
             try:
                 with resp:
                     return resp.read()
-            except OSError as e:  # timeouts and resets while reading the answer
+            except (OSError, http.client.HTTPException) as e:  # timeouts, resets, an answer cut short
                 raise ServiceUnreachable(f"{method} {path}: no answer from the lastgood service: {e}") from None
         return self._retrying(once, f"{method} {path}")
 

@@ -157,6 +157,7 @@ class Supervisor:
         self.prefix = f"sv-{secrets.token_hex(4)}"
         self._stop: int | None = None
         self._unreachable = False
+        self._said_not_lastgood = False
 
     # ---- what each launch runs
     def _slots(self) -> list[int]:
@@ -199,9 +200,13 @@ class Supervisor:
                 self.say(f"the service is unreachable; the job keeps running unwatched until it answers ({e})")
             self._unreachable = True
             return None
-        except NotFound:  # no launch of the run has registered yet
-            return None
-        except (ServiceError, ValueError) as e:
+        except NotFound as e:
+            if not e.coded and not self._said_not_lastgood:  # not the service's answer: a wrong --url, a proxy
+                self._said_not_lastgood = True
+                self.say(f"health of {self.run}: {e} (is {self.rest.base_url} a lastgood service?); "
+                         f"the job runs unwatched until it answers")
+            return None  # the service's own 404: no launch of the run has registered yet
+        except Exception as e:  # noqa: BLE001 - whatever a health read does, the supervisor goes on
             self.say(f"health of {self.run}: {e}")
             return None
         if self._unreachable:

@@ -62,3 +62,50 @@ def test_the_spool_switch_is_read_once_with_the_services_words(service, run_name
     monkeypatch.delenv("LASTGOOD_SPOOL")
     with lastgood.Checkpointer(service.url, run=run_name) as ckpt:  # control: the service's host sees it
         assert ckpt.config.spool is True and ckpt.transport.spool is not None
+
+
+def _broken_http_server(reply: bytes):
+    """A socket that answers every connection with `reply` and hangs up: what a service dying
+    mid-answer, or a broken proxy, looks like to the client. Not a lastgood service."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+
+    def serve():
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(reply)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("reply", [b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"a\":",  # cut short
+                                   b"hello, not http\r\n\r\n"])                            # no status line
+def test_a_broken_answer_is_unreachable_and_retried(reply, caplog):
+    """http.client raises IncompleteRead / BadStatusLine, which are not OSErrors: they must
+    become ServiceUnreachable (transient, retried), never escape the error model raw."""
+    from lastgood.errors import ServiceUnreachable
+    from lastgood.rest import RestClient
+    from lastgood.retry import RetryPolicy, is_transient
+
+    srv, url = _broken_http_server(reply)
+    try:
+        with pytest.raises(ServiceUnreachable) as once:
+            RestClient(url, timeout=5).get_json("/api/v1/info")
+        assert is_transient(once.value)
+        policy = RetryPolicy(deadline=1.0, initial=0.05, max_delay=0.1)
+        with caplog.at_level("WARNING", logger="lastgood"):
+            with pytest.raises(ServiceUnreachable):  # retried until the deadline, then the last failure
+                RestClient(url, timeout=5, retry=policy).runs()
+        assert "gave up after" in caplog.text  # it was retried, not raised at the first try
+    finally:
+        srv.close()

@@ -53,3 +53,35 @@ def test_a_service_that_does_not_answer_ends_nothing(run_name):
     sup = supervisor(f"http://127.0.0.1:{free_port()}", run_name, 1.0, said)
     assert sup._health(launch(started_ago=60)) is None and sup._health(launch(started_ago=60)) is None
     assert len([s for s in said if "unreachable" in s]) == 1  # said once, not every poll
+
+
+def test_a_url_that_is_not_lastgood_is_said_and_a_broken_answer_does_not_end_the_supervisor(run_name):
+    """A wrong --url (any web server's 404) must not pass for "no launch registered yet" in
+    silence, and an answer cut short must not raise out of the supervisor's loop."""
+    import http.server
+    import socketserver
+    import threading
+
+    class NotLastgood(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path.startswith("/broken"):
+                self.send_response(200)
+                self.send_header("Content-Length", "100")
+                self.end_headers()
+                self.wfile.write(b'{"ra')  # and hang up
+                return
+            self.send_error(404, "no such page")
+
+        def log_message(self, *args):
+            pass
+
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), NotLastgood) as httpd:
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        said: list[str] = []
+        sup = supervisor(url, run_name, 1.0, said)
+        assert sup._health(launch(started_ago=60)) is None and sup._health(launch(started_ago=60)) is None
+        assert len([s for s in said if "a lastgood service?" in s]) == 1, said  # said once
+        broken = supervisor(url + "/broken", run_name, 1.0, said)
+        assert broken._health(launch(started_ago=60)) is None  # no exception: the job stays watched
+        httpd.shutdown()
