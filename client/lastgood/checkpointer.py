@@ -569,7 +569,9 @@ class Checkpointer:
         except (CorruptCheckpoint, FormatError) as e:  # bytes or state that are not the commit's
             return self.UNUSABLE, None, e
         except ServiceError as e:
-            if isinstance(e, DAMAGED):  # a blob or manifest gone or damaged, or no longer committed
+            # a blob or manifest gone or damaged, or no longer committed, in the service's own
+            # words; a proxy's bare 404/409 says nothing about the checkpoint (no fallback on it)
+            if isinstance(e, DAMAGED) and e.coded:
                 return self.UNUSABLE, None, e
             return self.FAILED, None, e
         except Exception as e:  # noqa: BLE001 - agreed on with the other ranks, then raised
