@@ -90,9 +90,7 @@ class Checkpointer:
         self.commit_timeout = commit_timeout or 2 * float(self.transport.info.get("lease_seconds", 60)) + 60
         self.launch = names.check_attempt(distributed.launch_attempt(self.world_size, cfg.attempt))[:56]
         self._restores = 0  # every rank restores the same number of times, so they agree on the attempt
-        self.generation = self._register()
-        if retention is not None and self.rank == 0:
-            self.transport.set_retention(self.run, retention)  # a bad policy raises here, before any save
+        self.generation = self._register(retention)  # a bad retention raises here on every rank
         self._fenced: Fenced | None = None
         self.file_name = shard_file_name(self.rank)
         self.parent_id: int | None = None
@@ -151,17 +149,20 @@ class Checkpointer:
         except ServiceError as e:  # a run that has no checkpoint yet has nowhere to record it
             log.warning("lastgood: could not record restart %s: %s", restarts, e)
 
-    def _register(self) -> int | None:
+    def _register(self, retention: str | None = None) -> int | None:
         """Fencing (docs/fencing.md): this launch's generation, registered before anything is
         read, so that a commit of an older launch either shows up in this launch's restore or
         is refused. Rank 0 registers and broadcasts (one registration per launch, however many
         ranks); without a process group every rank registers, which the service answers with
         the same generation. A token that may not write (a reader restoring) neither registers
-        nor fences the job that writes; its saves are refused anyway."""
+        nor fences the job that writes; its saves are refused anyway. The run's `retention`,
+        if given, is set in the same step, so a policy the service refuses stops every rank."""
         generation, err = 0, None
         if self.rank == 0 or not distributed.initialized():
             try:
                 generation = self.transport.register_launch(self.run, self.launch, self.world_size)
+                if retention is not None:
+                    self.transport.set_retention(self.run, retention)
             except ServiceError as e:
                 if isinstance(e, PermissionDenied):
                     log.info("lastgood: not registered as a launch of %s (read-only token): %s", self.run, e)
@@ -171,7 +172,8 @@ class Checkpointer:
                 generation, err = -1, e
         generation = distributed.broadcast_int(generation)
         if generation < 0:
-            raise err or LastgoodError("rank 0 could not register this launch with the service; see its log")
+            raise err or LastgoodError("rank 0 could not register this launch (or set the run's retention) "
+                                       "with the service; see its log")
         self.transport.generation = generation or None
         return generation or None
 
