@@ -369,11 +369,12 @@ class Checkpointer:
             # The reply may be what was lost: ask (retrying) before declaring the save failed.
             try:
                 status = self._status(cid, quiet=False)
+                ours = status == "COMMITTED" and self._committed_with(cid, digest)
             except ServiceError:
                 self._unsure.append((cid, snap.step, digest))  # the next save asks again first
                 raise SaveFailed(f"save of step {snap.step} (checkpoint {cid}): outcome unknown, the service "
                                  f"did not answer: {e}") from e
-            if status == "COMMITTED" and self._committed_with(cid, digest):
+            if ours:
                 log.warning("lastgood: step %s: %s, but checkpoint %s is committed", snap.step, e, cid)
             else:
                 if status == "PENDING":
@@ -400,10 +401,14 @@ class Checkpointer:
         return None
 
     def _committed_with(self, cid: int, digest: str) -> bool:
-        """Does the committed checkpoint hold exactly the bytes this rank tried to save?"""
+        """Does the committed checkpoint hold exactly the bytes this rank tried to save? An
+        error that may pass (the service or the path to it away) is raised: "unknown" is
+        not "other bytes"."""
         try:
             files = self.transport.manifest(cid).files(self.rank)
-        except ServiceError:
+        except ServiceError as e:
+            if e.retryable:
+                raise
             return False
         return [(f.name, f.xxh3_128) for f in files] == [(self.file_name, digest)]
 

@@ -169,3 +169,32 @@ def test_a_lost_commit_reply_is_not_a_failed_save(make_service, run_name):
     assert svc.get(f"/api/v1/runs/{run_name}/last-good").json()["id"] == second
     # control: the failpoint really failed the replies
     assert "lose_commit_reply" in svc.log.read_text()
+
+
+@pytest.mark.slow
+def test_a_lost_reply_with_the_manifest_unreadable_is_unknown_not_other_bytes(make_service, run_name, monkeypatch):
+    """The commit's reply is lost and the manifest cannot be read (a proxy answers 503) while
+    the client checks what committed: the outcome is unknown (asked again before the next
+    save), not "committed with other bytes", which would leave the lineage a dead end."""
+    from .proxy import proxy
+
+    monkeypatch.setenv("LASTGOOD_RETRY_DEADLINE", "2")
+    svc = make_service(LASTGOOD_FAILPOINT="lose_commit_reply")
+    model = nn.Linear(4, 4)
+    with proxy(svc.url, "/api/v1/checkpoints/", 503) as (url, handler):
+        handler.fail_path = ""
+        ckpt = lastgood.Checkpointer(url, run=run_name, heartbeat_seconds=0)
+        try:
+            cid = None
+            handler.fail_path = "/api/v1/checkpoints/1/manifest"  # the run's first checkpoint
+            ckpt.save(1, lastgood.TrainState(model=model))
+            with pytest.raises(lastgood.SaveFailed) as failed:
+                ckpt.wait()
+            assert "outcome unknown" in str(failed.value), failed.value
+            handler.fail_path = ""
+            ckpt.save(2, lastgood.TrainState(model=model))  # settles step 1 first: committed, with its bytes
+            ckpt.wait()
+            cid = ckpt.last_saved.checkpoint_id
+        finally:
+            ckpt.close()
+    assert svc.get(f"/api/v1/checkpoints/{cid}").json()["parent_id"] == 1
