@@ -9,6 +9,7 @@ no answer at all ServiceUnreachable. Without a policy it tries once (the command
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import http.client
 import json
@@ -20,7 +21,7 @@ import urllib.request
 from . import errors
 from .errors import NotFound, ServiceError, ServiceUnreachable
 from .fencing import GENERATION_HEADER
-from .manifest import Manifest
+from .manifest import IndexMismatch, Manifest
 from .retry import NO_RETRY, RetryPolicy
 
 # kept for callers that caught the REST half's own error class: every REST error is a
@@ -45,6 +46,16 @@ class RestClient:
         # this launch's generation once registered (register_launch): sent with every call,
         # so that the service refuses a fenced launch's tags, pins and rollbacks
         self.generation: int | None = None
+        # metadata this client fetched: path -> times, and bytes in all (manifests, tensor
+        # indexes, last-good); what tests and bench/manifest.py count a restore by
+        self.fetched: collections.Counter[str] = collections.Counter()
+        self.fetched_bytes = 0
+
+    def _metadata(self, path: str, query: dict | None = None) -> bytes:
+        body = self._request("GET", path, query)
+        self.fetched[path] += 1
+        self.fetched_bytes += len(body)
+        return body
 
     # ------------------------------------------------------------------ the wire
     def open(self, method: str, path: str, query: dict | None = None, body: dict | None = None,
@@ -124,13 +135,13 @@ class RestClient:
             pass
 
     def last_good(self, run: str, *, required: bool = False) -> dict | None:
-        """The run's last-good (with its manifest, read and checked by the service), or None
+        """The run's last-good (its manifest read and checked by the service, not sent), or None
         when the service says the run has none: the run is unknown or never committed a
         checkpoint (NotFound; raised as such with required=True). A run whose checkpoints
         are all damaged raises NoUsableCheckpoint, and every other failure raises: an error
         is never read as "no checkpoint", which would start the training over."""
         try:
-            return self.get_json(f"/api/v1/runs/{q(run)}/last-good")
+            return json.loads(self._metadata(f"/api/v1/runs/{q(run)}/last-good"))
         except NotFound as e:
             if required or not e.coded:  # not the service's answer (a proxy, a wrong URL): never "none"
                 raise
@@ -220,12 +231,29 @@ class RestClient:
         self.call("DELETE", f"/api/v1/leases/{int(lease_id)}")
 
     def manifest_bytes(self, checkpoint_id: int) -> bytes:
-        """The exact manifest bytes the service committed (canonical JSON)."""
-        return self._request("GET", f"/api/v1/checkpoints/{int(checkpoint_id)}/manifest")
+        """The exact manifest bytes the service committed (canonical JSON): a root of
+        format 2 (no tensors: see index_bytes), or an old checkpoint's whole manifest."""
+        return self._metadata(f"/api/v1/checkpoints/{int(checkpoint_id)}/manifest")
 
     def manifest(self, checkpoint_id: int) -> Manifest:
+        """What a restore reads: every file's name, size and hash (lastgood/manifest.py)."""
         # over REST: a manifest of thousands of ranks outgrows one gRPC message
         return Manifest.from_bytes(self.manifest_bytes(checkpoint_id))
+
+    def index_bytes(self, checkpoint_id: int, rank: int, file_name: str) -> bytes:
+        """One file's tensor index object, as stored (checked by the service; check it
+        against the root with FileEntry.with_index)."""
+        return self._metadata(f"/api/v1/checkpoints/{int(checkpoint_id)}/ranks/{int(rank)}/index/{q(file_name)}")
+
+    def full_manifest(self, checkpoint_id: int, ranks=None) -> Manifest:
+        """The manifest with the tensors of `ranks` (default: all), for tools (export):
+        the root and one index object per file, each checked against the root's hash
+        (a mismatch raises DataLoss, like a damaged file)."""
+        m = self.manifest(checkpoint_id)
+        try:
+            return m.with_indexes(lambda r, f: self.index_bytes(checkpoint_id, r, f.name), ranks)
+        except IndexMismatch as e:
+            raise errors.DataLoss(f"checkpoint {checkpoint_id}: {e}") from None
 
     def open_file(self, checkpoint_id: int, rank: int, file_name: str, headers: dict | None = None):
         """One stored file as an open response to read from (not retried: a stream)."""

@@ -89,6 +89,7 @@ SPEC = {
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/outcome"): (R, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/ancestors"): (R, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/files/{file_name}"): (R, "checkpoint"),
+    ("GET", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/index/{file_name}"): (R, "checkpoint"),
     ("POST", "/api/v1/checkpoints/{checkpoint_id}/verify"): (R, "checkpoint"),
     ("POST", "/api/v1/checkpoints/{checkpoint_id}/leases"): (R, "checkpoint"),
     ("DELETE", "/api/v1/leases/{lease_id}"): (R, "lease"),

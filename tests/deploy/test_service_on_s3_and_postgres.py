@@ -51,7 +51,7 @@ def test_save_restore_and_download_on_s3_and_postgres(make_service, pg_server, p
     assert progress2 == progress
 
     # an operator's view over REST
-    lg = svc.get(f"/api/v1/runs/{run_name}/last-good")
+    lg = svc.get(f"/api/v1/runs/{run_name}/last-good", params={"manifest": "true"})
     assert lg.status_code == 200
     view = lg.json()
     cid = view["id"]

@@ -21,7 +21,7 @@ def test_dcp_save_and_load_through_lastgood(service, run_name, mode):
     assert res.returncode == 0, why(res)
     assert f"[rank 0] {EXACT}" in res.stdout
     assert "[rank 1] loaded meta {'epoch': 3, 'tokens': 123456789, 'name': 'x'}" in res.stdout
-    lg = service.get(f"/api/v1/runs/{run_name}/last-good").json()
+    lg = service.get(f"/api/v1/runs/{run_name}/last-good", params={"manifest": "true"}).json()
     assert lg["step"] == 5 and lg["status"] == "COMMITTED" and lg["world_size"] == 2
     names = {r["rank"]: sorted(f["name"] for f in r["files"]) for r in lg["manifest"]["ranks"]}
     assert names == {0: ["dcp.metadata.json", "rank00000.safetensors"], 1: ["rank00001.safetensors"]}

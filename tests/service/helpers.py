@@ -18,6 +18,7 @@ from lastgood.format import TensorSpec, plan_layout
 from lastgood.hashing import hash_bytes
 from lastgood.v1 import lastgood_pb2 as pb
 from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
+from lastgood_service.domain.keys import INDEX_SUFFIX
 
 ATTEMPT = "attempt-1"
 RPC_TIMEOUT = 20.0
@@ -213,8 +214,23 @@ def ckpt_dir(svc, checkpoint_id: int) -> Path:
 
 
 def shard_blob(svc, checkpoint_id: int, rank: int) -> Path:
-    """The one blob file holding rank's shard of the checkpoint (keys end in r<rank>/<xxh3>)."""
-    files = [p for p in (ckpt_dir(svc, checkpoint_id) / f"r{rank}").iterdir() if p.is_file()]
+    """The one blob file holding rank's shard of the checkpoint (keys end in r<rank>/<xxh3>;
+    its tensor index beside it ends in .index, see index_blob)."""
+    files = [p for p in (ckpt_dir(svc, checkpoint_id) / f"r{rank}").iterdir()
+             if p.is_file() and not p.name.endswith(INDEX_SUFFIX)]
+    assert len(files) == 1, files
+    return files[0]
+
+
+def root_of(full: dict) -> dict:
+    """The committed root of a full manifest view: the view less every file's tensors."""
+    return {**full, "ranks": [{**r, "files": [{k: v for k, v in f.items() if k not in ("data_start", "tensors")}
+                                              for f in r["files"]]} for r in full["ranks"]]}
+
+
+def index_blob(svc, checkpoint_id: int, rank: int) -> Path:
+    """The one tensor index object of rank's shard (keys end in r<rank>/<xxh3>.index)."""
+    files = [p for p in (ckpt_dir(svc, checkpoint_id) / f"r{rank}").iterdir() if p.name.endswith(INDEX_SUFFIX)]
     assert len(files) == 1, files
     return files[0]
 

@@ -12,8 +12,8 @@ from safetensors.numpy import load as st_load
 
 from lastgood.hashing import hash_bytes
 
-from .helpers import (ATTEMPT, checkpoint, ckpt_dir, events, http, json_error, last_good_id, make_shard, rpc_error,
-                      shard_blob, shard_name, snapshot, wait_status)
+from .helpers import (ATTEMPT, checkpoint, ckpt_dir, events, http, json_error, last_good_id, make_shard, root_of,
+                      rpc_error, shard_blob, shard_name, snapshot, wait_status)
 
 SC = grpc.StatusCode
 
@@ -61,7 +61,9 @@ def test_two_ranks_commit_only_after_both_votes(service, client, run_name):
     assert view["status"] == "COMMITTED" and view["committed_at"] and view["last_good"] is True
     assert view["bytes"] == len(shards[0]) + len(shards[1])
     m = view["manifest"]
-    assert lg.json()["manifest"] == m
+    assert "manifest" not in lg.json()  # last-good answers without its manifest unless asked
+    root = http(service).get(f"/api/v1/runs/{run_name}/last-good", params={"manifest": "true"}).json()["manifest"]
+    assert root == root_of(m) and root["format"] == "lastgood.manifest/2"
     assert (m["checkpoint_id"], m["run"], m["step"], m["world_size"], m["attempt"], m["parent_id"]) == \
         (cid, run_name, 10, 2, ATTEMPT, None)
     assert [r["rank"] for r in m["ranks"]] == [0, 1]
@@ -83,7 +85,7 @@ def test_two_ranks_commit_only_after_both_votes(service, client, run_name):
     assert rest_manifest.status_code == 200
     grpc_manifest = client.manifest(cid)
     assert grpc_manifest.manifest == rest_manifest.content and grpc_manifest.step == 10
-    assert json.loads(grpc_manifest.manifest) == m
+    assert json.loads(grpc_manifest.manifest) == root_of(m)
     assert client.manifest(0, run_name).checkpoint_id == cid
     for r, data in shards.items():
         got = _download(service, cid, r, shard_name(r))

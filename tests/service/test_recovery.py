@@ -11,8 +11,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from .helpers import (Client, checkpoint, ckpt_dir, events, http, json_error, last_good_id, make_shard, shard_name,
-                      wait_status)
+from .helpers import (Client, checkpoint, ckpt_dir, events, http, json_error, last_good_id, make_shard, shard_blob,
+                      shard_name, wait_status)
 
 # what a client may see when the server process vanishes under its call
 GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
@@ -92,5 +92,5 @@ def test_crash_before_manifest_waits_for_expiry(make_service, run_name):
     kinds = [e["kind"] for e in events(svc, run_name) if e["checkpoint_id"] == cid]
     assert "expired" in kinds and "commit" not in kinds
     # the shard was verified and stored, yet nothing of it is visible
-    assert len(list((ckpt_dir(svc, cid) / "r0").iterdir())) == 1
+    assert shard_blob(svc, cid, 0).is_file()
     json_error(http(svc).get(f"/api/v1/checkpoints/{cid}/ranks/0/files/{shard_name(0)}"), 409)

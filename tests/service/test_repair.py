@@ -85,7 +85,8 @@ def test_a_destroyed_wal_is_detected_and_rebuilt_from_the_store(make_service, ru
     svc = make_service(tmp_path / "svc")
     assert last_good_id(svc, run_name) == newest
     for cid, data in acked.items():
-        assert checkpoint(svc, cid)["status"] == "COMMITTED"
+        view = checkpoint(svc, cid)  # with every tensor index, from the objects the rebuilt rows name
+        assert view["status"] == "COMMITTED" and view["manifest"]["ranks"][0]["files"][0]["tensors"]
         got = http(svc).get(f"/api/v1/checkpoints/{cid}/ranks/0/files/{shard_name(0)}")
         assert got.status_code == 200 and got.content == data
         assert http(svc).post(f"/api/v1/checkpoints/{cid}/verify").json()["ok"]

@@ -178,6 +178,7 @@ def run_export(st, ref, dest: Path, opts: Options, progress=None) -> dict:
     tmp = None
     try:
         _, manifest = read_manifest(st.rest, cid)
+        manifest = _with_tensors(st.rest, cid, manifest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.parent / f".{dest.name}.export-{uuid.uuid4().hex[:8]}.tmp"
         tmp.mkdir()
@@ -206,6 +207,18 @@ def run_export(st, ref, dest: Path, opts: Options, progress=None) -> dict:
             "read": [{"rank": r, "name": n, "size": s} for r, n, s in src.files_read],
             "skipped": [{"rank": r, "name": n, "size": s} for r, n, s in skipped],
             "bytes_read": src.bytes_read, "verified": True, "seconds": round(time.monotonic() - t0, 3)}
+
+
+def _with_tensors(rest, cid: int, manifest):
+    """A format 2 manifest names each file's tensor index: fetched here, every one checked
+    against the root's hash (a format 1 manifest holds them already)."""
+    from ..cli.download import VerificationFailed
+    from ..manifest import IndexMismatch
+
+    try:
+        return manifest.with_indexes(lambda r, f: rest.index_bytes(cid, r, f.name))
+    except IndexMismatch as e:
+        raise VerificationFailed(f"checkpoint {cid}: {e}") from None
 
 
 def _read(st, cid: int, manifest, src: Collector, lease, tail: str, progress) -> list[tuple[int, str, int]]:

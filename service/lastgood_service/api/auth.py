@@ -47,6 +47,7 @@ POLICY: dict[tuple[str, str], str | tuple[str, str]] = {
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/outcome"): (READER, "checkpoint"),  # a voted rank waits here
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/ancestors"): (READER, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/files/{file_name}"): (READER, "checkpoint"),
+    ("GET", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/index/{file_name}"): (READER, "checkpoint"),
     ("POST", "/api/v1/checkpoints/{checkpoint_id}/verify"): (READER, "checkpoint"),
     ("POST", "/api/v1/checkpoints/{checkpoint_id}/leases"): (READER, "checkpoint"),
     ("DELETE", "/api/v1/leases/{lease_id}"): (READER, "lease"),

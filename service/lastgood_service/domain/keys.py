@@ -2,6 +2,7 @@
 
     ckpt/<id>-<nonce>/r<rank>/<xxh3-128>     a shard file (named by its content hash)
     ckpt/<id>-<nonce>/manifest.json          the manifest that makes the checkpoint complete
+    ckpt/<id>-<nonce>/r<rank>/<xxh3>.index   a safetensors file's tensor index, named in the manifest
 
 Why a nonce next to the id: a catalog that loses its newest rows (a destroyed SQLite WAL, a
 restored database backup) hands the same ids out again. Keyed by the id alone, a new
@@ -24,6 +25,7 @@ import xxhash
 
 ROOT = "ckpt/"
 MANIFEST = "manifest.json"
+INDEX_SUFFIX = ".index"
 _KEY = re.compile(r"^ckpt/(\d+)(?:-([0-9a-f]{16}))?/(.+)$")
 
 
@@ -37,6 +39,12 @@ def prefix(checkpoint_id: int, run: str, step: int, attempt: str) -> str:
 
 def shard_key(ckpt_prefix: str, rank: int, xxh3: str) -> str:
     return f"{ckpt_prefix}r{rank}/{xxh3}"
+
+
+def index_key(ckpt_prefix: str, rank: int, index_xxh3: str) -> str:
+    """A file's tensor index object (lastgood/manifest.py): named by its hash, like a shard,
+    so the root's reference (hash, size) is all a reader or a rebuild needs to find it."""
+    return f"{ckpt_prefix}r{rank}/{index_xxh3}{INDEX_SUFFIX}"
 
 
 def manifest_key(ckpt_prefix: str) -> str:

@@ -32,6 +32,7 @@ from ..blobstore import BlobStore
 from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, DELETED, PENDING, VERIFIED, Checkpoint, Run, Shard, Vote,
                               utcnow)
 from . import keys, last_good
+from .commit import indexes
 from .fencing import GENERATION_GAP
 from .events import add_event
 
@@ -120,7 +121,10 @@ class Repair:
                 shards_of.setdefault(sh.checkpoint_id, []).append(sh)
         report.checkpoints = len(rows)
         for cid, (ck, _run) in sorted(rows.items()):
-            mine = [sh.blob_key for sh in shards_of.get(cid, [])] + ([ck.manifest_key] if ck.manifest_key else [])
+            pfx = ck.manifest_key[:-len(keys.MANIFEST)] if ck.manifest_key else None
+            index_keys = {(sh.rank, sh.file_name): key for sh in shards_of.get(cid, []) if pfx and (key := indexes.key_of(pfx, sh))}
+            mine = [sh.blob_key for sh in shards_of.get(cid, [])] + ([ck.manifest_key] if ck.manifest_key else []) \
+                + list(index_keys.values())
             accounted.update(mine)
             if ck.status == DELETED:
                 for key in mine:
@@ -144,6 +148,9 @@ class Repair:
                 elif rehash and hash_bytes(self.blobs.read_all(sh.blob_key)) != sh.xxh3_128:
                     report.add("missing_blob", f"checkpoint {cid} rank {sh.rank} {sh.file_name}: bytes differ",
                                cid, sh.blob_key)
+                if (key := index_keys.get((sh.rank, sh.file_name))) and stored.get(key) != indexes.ref_of(sh)["size"]:
+                    report.add("missing_blob", f"checkpoint {cid} rank {sh.rank} {sh.file_name}: its tensor index "
+                               f"is missing or truncated", cid, key)
         for p in self.lost_manifests():
             manifest_key = keys.manifest_key(p.prefix)
             row = rows.get(p.checkpoint_id)
@@ -200,6 +207,8 @@ class Repair:
                     s.flush()
                 parent = s.get(Checkpoint, m.parent_id) if m.parent_id else None
                 complete = all(stored.get(keys.shard_key(p.prefix, r, f.xxh3_128)) == f.size
+                               and (f.index is None or stored.get(keys.index_key(p.prefix, r, f.index["xxh3_128"]))
+                                    == f.index["size"])
                                for r, files in m.ranks.items() for f in files)
                 if ck is None:
                     ck = Checkpoint(id=m.checkpoint_id, run_id=run.id, step=m.step, attempt=m.attempt,
@@ -219,7 +228,9 @@ class Repair:
                 s.flush()
                 for r, files in m.ranks.items():
                     for f in files:
-                        index = {"data_start": f.data_start, "tensors": f.tensors} if f.tensors is not None else None
+                        # /2: the reference to its index object; /1: the index itself (indexes.py reads both)
+                        index = f.index or ({"data_start": f.data_start, "tensors": f.tensors}
+                                            if f.tensors is not None else None)
                         s.add(Shard(checkpoint_id=ck.id, rank=r, file_name=f.name, size=f.size,
                                     xxh3_128=f.xxh3_128, blob_key=keys.shard_key(p.prefix, r, f.xxh3_128),
                                     status=VERIFIED, index_json=json.dumps(index) if index else None,

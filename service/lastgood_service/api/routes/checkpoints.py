@@ -1,4 +1,4 @@
-"""Checkpoints: one checkpoint with its manifest, the manifest's bytes, verification,
+"""Checkpoints: one checkpoint with its manifest, the manifest's bytes, a file's tensor index, verification,
 downloads of a rank's file (with HTTP Range), and the files the catalog holds."""
 
 from __future__ import annotations
@@ -44,13 +44,26 @@ def parse_range(header: str, size: int) -> tuple[int, int]:
 @router.get("/api/v1/checkpoints/{checkpoint_id}", responses=answers(404, 409))
 def get_checkpoint(checkpoint_id: CkptId, queries: QueriesDep, commits: CommitsDep):
     view = queries.get_checkpoint(checkpoint_id)
-    view["manifest"] = json.loads(commits.manifest_bytes(checkpoint_id)) if view["status"] == "COMMITTED" else None
+    # the full view, every tensor index fetched and checked: for tools, never the restore path
+    view["manifest"] = commits.full_manifest(checkpoint_id) if view["status"] == "COMMITTED" else None
     return view
 
 
 @router.get("/api/v1/checkpoints/{checkpoint_id}/manifest", responses=answers(404, 409))
 def get_manifest(checkpoint_id: CkptId, commits: CommitsDep):
     return Response(commits.manifest_bytes(checkpoint_id), media_type="application/json")
+
+
+@router.get("/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/index/{file_name}", responses=answers(400, 404, 409))
+def get_index(checkpoint_id: CkptId, rank: Annotated[int, Path(ge=0, le=names.MAX_RANK)], file_name: str,
+              commits: CommitsDep):
+    """One file's tensor index object (a manifest of format 2 names it by hash): the exact
+    bytes, checked here against that hash; a damaged one marks the checkpoint CORRUPT."""
+    try:
+        names.check_file_name(file_name)
+    except names.InvalidName as exc:
+        raise InvalidArgument(str(exc)) from None
+    return Response(commits.index_bytes(checkpoint_id, rank, file_name), media_type="application/json")
 
 
 @router.post("/api/v1/checkpoints/{checkpoint_id}/verify", responses=answers(404, 409))

@@ -39,12 +39,14 @@ def list_checkpoints(run: str, queries: QueriesDep, status: str | None = None, l
 
 
 @router.get("/api/v1/runs/{run}/last-good", responses=answers(400, 404, 409))
-def last_good(run: str, queries: QueriesDep, commits: CommitsDep):
-    """The run's last-good with its manifest, checked; 404 `not_found`: no such run; 404
+def last_good(run: str, queries: QueriesDep, commits: CommitsDep, manifest: bool = False):
+    """The run's last-good, its manifest read and checked (included with `manifest=true`:
+    a restore needs the id, not a document of O(ranks)); 404 `not_found`: no such run; 404
     `no_checkpoint`: the run never committed one; 409 `no_usable_checkpoint`: it did,
     but all are damaged (a refusal, not "start from scratch")."""
     view, body = queries.readable_last_good(run, commits.manifest_bytes)
-    view["manifest"] = json.loads(body)
+    if manifest:
+        view["manifest"] = json.loads(body)
     return view
 
 

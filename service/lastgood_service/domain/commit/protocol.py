@@ -40,6 +40,7 @@ from .. import fencing, keys, last_good
 from ..errors import (Conflict, FailedPrecondition, Fenced, HashMismatch, InvalidArgument, NotFound, StoreFull,
                       TooLarge)
 from ..events import add_event
+from . import indexes
 from .core import CommitCore, key_prefix
 
 log = logging.getLogger("lastgood.commit")
@@ -195,7 +196,8 @@ class CommitProtocol(CommitCore):
             ck.lease_expires_at = self._lease()
             # The key derives from the declared hash, so an S3 multipart upload can start now;
             # bytes that do not match it are aborted and never become visible.
-            key = keys.shard_key(key_prefix(s, ck), header.rank, header.xxh3_128)
+            pfx = key_prefix(s, ck)
+            key = keys.shard_key(pfx, header.rank, header.xxh3_128)
 
         hasher = StreamHasher()
         index_json = None
@@ -232,6 +234,8 @@ class CommitProtocol(CommitCore):
                 raise HashMismatch(f"xxh3-128 of the received bytes is {digest}, the client declared "
                                    f"{header.xxh3_128}: shard rejected")
             w.publish()
+        if index_json is not None:  # the file's tensor index, as an object of its own (indexes.py)
+            index_json = indexes.store(self.blobs, pfx, header.rank, header.file_name, *index_json)
 
         with self.sessions() as s:
             try:
@@ -268,7 +272,7 @@ class CommitProtocol(CommitCore):
                        f"with different bytes ({existing.size} bytes, xxh3 {existing.xxh3_128})")
 
     @staticmethod
-    def _try_index(prefix: bytearray, size: int, final: bool = False) -> str | None:
+    def _try_index(prefix: bytearray, size: int, final: bool = False) -> tuple[int, dict] | None:
         """Parse the safetensors header once its bytes are in; None while it is incomplete."""
         try:
             if len(prefix) < 8:
@@ -283,7 +287,7 @@ class CommitProtocol(CommitCore):
             tensors, _meta = parse_header(memoryview(prefix)[:n], file_size=size)  # no copy of a copy
         except FormatError as e:
             raise InvalidArgument(f"not a valid safetensors file: {e}") from None
-        return json.dumps({"data_start": n, "tensors": tensor_index(tensors)}, separators=(",", ":"))
+        return n, tensor_index(tensors)
 
     def _record_mismatch(self, h: ShardHeader, digest: str) -> None:
         log.warning("hash mismatch on checkpoint %s rank %s file %s", h.checkpoint_id, h.rank, h.file_name,
@@ -368,17 +372,16 @@ class CommitProtocol(CommitCore):
             if set(votes) != set(range(ck.world_size)):
                 return False
             by_rank: dict[int, list[FileEntry]] = {r: [] for r in votes}
+            pfx = key_prefix(s, ck)
             for sh in shards:
                 if sh.status != VERIFIED or sh.file_name not in votes.get(sh.rank, ()):
                     raise FailedPrecondition(f"shard {sh.file_name!r} of rank {sh.rank} is not part of a vote")
-                idx = json.loads(sh.index_json) if sh.index_json else {}
-                by_rank[sh.rank].append(FileEntry(sh.file_name, sh.size, sh.xxh3_128,
-                                                  idx.get("data_start"), idx.get("tensors")))
+                by_rank[sh.rank].append(indexes.entry(self.blobs, pfx, sh))  # a reference: O(files)
             if any({f.name for f in by_rank[r]} != votes[r] for r in votes):
                 raise FailedPrecondition(f"checkpoint {checkpoint_id}: votes and verified shards disagree")
             manifest = Manifest(ck.id, run.name, ck.step, ck.attempt, ck.world_size, ck.parent_id, by_rank,
-                                ck.generation or 0)
-            key = keys.manifest_key(key_prefix(s, ck))
+                                ck.generation or 0, version=2)
+            key = keys.manifest_key(pfx)
         body = manifest.to_bytes()
         self._failpoint("crash_before_manifest")
         stored = self.blobs.stat(key)

@@ -1,15 +1,19 @@
 """Reads of committed checkpoints: a shard's bytes (streamed, ranged, or lent through the
-spool), and the manifest, checked against its recorded hash on every read (I2)."""
+spool), the manifest, checked against its recorded hash on every read (I2), and a file's
+tensor index object, checked against the hash its manifest names (indexes.py)."""
 
 from __future__ import annotations
 
 from sqlalchemy import select
 
 from lastgood.hashing import hash_bytes
+from lastgood.manifest import IndexMismatch, Manifest
 
 from ...blobstore import capabilities
 from ...catalog.models import COMMITTED, Shard
 from ..errors import DamagedMismatch, DamagedMissing, FailedPrecondition, NotFound, OutOfRange
+from . import indexes
+from .core import key_prefix
 from .verification import CommitVerification
 
 
@@ -64,3 +68,38 @@ class CommitReads(CommitVerification):
             raise DamagedMismatch(f"the manifest of checkpoint {checkpoint_id} does not match its hash; "
                                   f"the checkpoint is now CORRUPT")
         return body
+
+    def index_bytes(self, checkpoint_id: int, rank: int, file_name: str) -> bytes:
+        """One file's tensor index object, checked against the hash the manifest names
+        (the catalog row holds the same reference; a rebuild restores it from the manifest).
+        A missing or damaged one marks the checkpoint CORRUPT, like a damaged shard."""
+        with self.sessions() as s, s.begin():
+            sh = self.shard_for_read(checkpoint_id, rank, file_name)
+            ref = indexes.ref_of(sh)
+            if ref is None:
+                raise NotFound(f"checkpoint {checkpoint_id} rank {rank} file {file_name!r} has no tensor index "
+                               f"(not a safetensors file, or a manifest of format 1 that holds it inline)")
+            key = indexes.key_of(key_prefix(s, self._get_checkpoint(s, checkpoint_id)), sh)
+        what = {"rank": rank, "file": f"{file_name} (tensor index)", "expected": ref["xxh3_128"]}
+        try:
+            body = self.blobs.read_all(key)
+        except FileNotFoundError:
+            self.mark_corrupt(checkpoint_id, [{**what, "found": "missing"}])
+            raise DamagedMissing(f"the tensor index of checkpoint {checkpoint_id} rank {rank} file {file_name!r} "
+                                 f"is missing from the store; the checkpoint is now CORRUPT") from None
+        if hash_bytes(body) != ref["xxh3_128"] or len(body) != ref["size"]:
+            self.mark_corrupt(checkpoint_id, [{**what, "found": hash_bytes(body)}])
+            raise DamagedMismatch(f"the tensor index of checkpoint {checkpoint_id} rank {rank} file {file_name!r} "
+                                  f"does not match the hash its manifest names; the checkpoint is now CORRUPT")
+        return body
+
+    def full_manifest(self, checkpoint_id: int) -> dict:
+        """The whole manifest with every file's tensors, for tools (the page, `lastgood show`):
+        built on demand from the root and every index object, O(total tensors). Never on the
+        restore path, which reads the root alone."""
+        m = Manifest.from_bytes(self.manifest_bytes(checkpoint_id))
+        try:
+            return m.with_indexes(lambda r, f: self.index_bytes(checkpoint_id, r, f.name)).to_dict()
+        except IndexMismatch as e:  # hash checked above: the content names another file
+            self.mark_corrupt(checkpoint_id, [{"file": "tensor index", "expected": "this file's", "found": str(e)}])
+            raise DamagedMismatch(f"checkpoint {checkpoint_id}: {e}; the checkpoint is now CORRUPT") from None

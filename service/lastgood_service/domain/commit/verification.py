@@ -15,7 +15,8 @@ from ...catalog.models import COMMITTED, CORRUPT, Shard
 from .. import last_good
 from ..errors import FailedPrecondition
 from ..events import add_event
-from .core import CommitCore
+from . import indexes
+from .core import CommitCore, key_prefix
 
 log = logging.getLogger("lastgood.commit")
 
@@ -32,6 +33,7 @@ class CommitVerification(CommitCore):
                 raise FailedPrecondition(f"checkpoint {checkpoint_id} is {ck.status}; only committed ones are verified")
             shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == checkpoint_id)
                                     .order_by(Shard.rank, Shard.file_name)))
+            pfx = key_prefix(s, ck)
         bad = []
         try:
             got = hash_bytes(self.store.read_all(ck.manifest_key))
@@ -54,6 +56,10 @@ class CommitVerification(CommitCore):
             elif (problem := head.state_problem()) is not None:
                 bad.append({"rank": sh.rank, "file": sh.file_name, "expected": "a readable lastgood.state",
                             "found": problem})
+        for sh in shards:  # the tensor index objects the manifest names (indexes.py)
+            if (key := indexes.key_of(pfx, sh)) is not None and (got := indexes.found(self.store, key)) != \
+                    (want := indexes.ref_of(sh)["xxh3_128"]):
+                bad.append({"rank": sh.rank, "file": f"{sh.file_name} (tensor index)", "expected": want, "found": got})
         if bad:
             self.mark_corrupt(checkpoint_id, bad)
         return {"checkpoint_id": checkpoint_id, "ok": not bad, "files": len(shards), "bad": bad,

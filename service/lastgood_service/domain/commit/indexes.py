@@ -1,0 +1,61 @@
+"""Tensor index objects: each safetensors file's index stored as a blob of its own.
+
+Why: a monolithic manifest held every rank's tensor index, so the commit parsed and wrote
+O(total tensors) and every restoring rank downloaded all of it (docs/architecture.md,
+"Checkpoint metadata"). Now put_shard writes the file's index object as soon as the file
+is verified (each rank's upload pays for its own index, in parallel), the catalog's
+`shards.index_json` keeps only its reference {xxh3_128, size, tensors}, and the commit
+copies references into the root: O(files), whatever the tensor count.
+
+A row from before this layout holds the whole index in `index_json`; its object is written
+when the commit meets it (once, for checkpoints pending across the upgrade).
+"""
+
+from __future__ import annotations
+
+import json
+
+from lastgood.hashing import hash_bytes
+from lastgood.manifest import FileEntry, index_bytes, index_ref
+
+from ...catalog.models import Shard
+from .. import keys
+
+
+def store(blobs, ckpt_prefix: str, rank: int, file_name: str, data_start: int, tensors: dict) -> str:
+    """Write one file's index object; what `shards.index_json` keeps of it."""
+    body = index_bytes(rank, file_name, data_start, tensors)
+    ref = index_ref(body, len(tensors))
+    blobs.put_bytes(keys.index_key(ckpt_prefix, rank, ref["xxh3_128"]), body)
+    return json.dumps(ref, sort_keys=True, separators=(",", ":"))
+
+
+def ref_of(sh: Shard) -> dict | None:
+    """The shard's index reference; None for a file without one (not safetensors)."""
+    if not sh.index_json:
+        return None
+    d = json.loads(sh.index_json)
+    return d if "xxh3_128" in d else None
+
+
+def key_of(ckpt_prefix: str, sh: Shard) -> str | None:
+    ref = ref_of(sh)
+    return keys.index_key(ckpt_prefix, sh.rank, ref["xxh3_128"]) if ref else None
+
+
+def entry(blobs, ckpt_prefix: str, sh: Shard) -> FileEntry:
+    """The shard's line in the root (a legacy row's index object is written now)."""
+    ref = None
+    if sh.index_json:
+        d = json.loads(sh.index_json)
+        ref = d if "xxh3_128" in d else json.loads(
+            store(blobs, ckpt_prefix, sh.rank, sh.file_name, d["data_start"], d["tensors"]))
+    return FileEntry(sh.file_name, sh.size, sh.xxh3_128, index=ref)
+
+
+def found(store_, key: str) -> str:
+    """The hash of the object at key, or "missing": what verify and fsck compare."""
+    try:
+        return hash_bytes(store_.read_all(key))
+    except FileNotFoundError:
+        return "missing"
