@@ -38,6 +38,7 @@ from ..catalog import txtimer
 from ..metrics import Metrics
 from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, DELETED, PENDING, Checkpoint, Event, ReadLease, Run,
                               Shard, Tag, utcnow)
+from .commit import indexes
 from . import keys
 from .events import add_event
 from .faults import Ballast, is_disk_full
@@ -295,9 +296,10 @@ class GarbageCollector:
         store: a blob it never recorded, from a crash mid-upload, waits for a full pass)."""
         out: dict[int, list[tuple[str, int]]] = defaultdict(list)
         for chunk in _chunks([r.id for r in rows]):
-            for cid, key, size in s.execute(select(Shard.checkpoint_id, Shard.blob_key, Shard.size)
-                                            .where(Shard.checkpoint_id.in_(chunk)).order_by(Shard.id)):
-                out[cid].append((key, size))
+            for sh in s.scalars(select(Shard).where(Shard.checkpoint_id.in_(chunk)).order_by(Shard.id)):
+                out[sh.checkpoint_id].append((sh.blob_key, sh.size))
+                if (parsed := keys.parse(sh.blob_key)) and (index := indexes.key_of(parsed.prefix, sh)):
+                    out[sh.checkpoint_id].append((index, 0))  # its tensor index object
         for r in rows:
             if r.manifest_key:
                 out[r.id].append((r.manifest_key, 0))
