@@ -62,7 +62,7 @@ def test_save_returns_before_the_commit(service, run_name, monkeypatch):
     ck1.save(10, lastgood.TrainState(model=m1))
     ck0.wait()
     ck1.wait()
-    lg = service.get(f"/api/v1/runs/{run_name}/last-good").json()
+    lg = service.get(f"/api/v1/runs/{run_name}/last-good", params={"manifest": "true"}).json()
     assert lg["step"] == 10 and lg["world_size"] == 2
     assert [r["rank"] for r in lg["manifest"]["ranks"]] == [0, 1]
     ck0.close(), ck1.close()
