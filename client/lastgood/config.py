@@ -84,15 +84,9 @@ def retry_policy(env: Mapping[str, str] | None = None, **overrides) -> RetryPoli
 def heartbeat_period(env: Mapping[str, str] | None = None) -> float:
     """Seconds between a rank's heartbeats: LASTGOOD_HEARTBEAT_SECONDS (default 10; 0: no
     beats; else 0.05..3600). docs/health.md."""
-    raw = (os.environ if env is None else env).get(ENV_HEARTBEAT, "").strip()
-    if not raw:
-        return DEFAULT_HEARTBEAT
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_HEARTBEAT} must be a number of seconds, got {raw!r}") from None
+    value = _seconds(os.environ if env is None else env, ENV_HEARTBEAT, DEFAULT_HEARTBEAT)
     if not (value == 0 or 0.05 <= value <= 3600):
-        raise ValueError(f"{ENV_HEARTBEAT} must be 0 (off) or 0.05..3600 seconds, got {raw!r}")
+        raise ValueError(f"{ENV_HEARTBEAT} must be 0 (off) or 0.05..3600 seconds, got {value!r}")
     return value
 
 

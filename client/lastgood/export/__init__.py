@@ -39,6 +39,7 @@ from ..errors import FormatError, LastgoodError
 from .convert import DTYPES, target
 from .hf import CONFIG, INDEX, Item, check_coverage, file_names, parse_size, split, write_file, write_json
 from .source import Collector
+from ..durable import fsync_dir as _fsync_dir
 
 __all__ = ["export_hf", "ExportError", "HF_CONFIG_KEY", "DEFAULT_PREFIX", "DEFAULT_MAX_SHARD_SIZE"]
 
@@ -282,14 +283,6 @@ def _counting(stream, progress):
     for chunk in stream:
         progress(len(chunk), "read")
         yield chunk
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def export_hf(checkpoint, dest, *, url: str | None = None, token: str | None = None, timeout: float = 30.0,

@@ -12,16 +12,10 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from lastgood.durable import fsync_dir as _fsync_dir
+
 from .base import READ_CHUNK, BlobInfo, BlobStore, BlobWriter, check_key
 from .capabilities import AdoptsFiles, LendsLocalPaths, ReportsFreeSpace
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 BLOB_MODE = 0o444  # a published blob is never written again (a new version is a new key)
