@@ -8,6 +8,7 @@ import os
 import signal
 import statistics
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -200,3 +201,24 @@ def proc_meminfo(key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def dirty_bytes() -> int:
+    """Bytes the page cache still has to write back (Dirty + Writeback in /proc/meminfo)."""
+    return proc_meminfo("Dirty") + proc_meminfo("Writeback")
+
+
+def settle(limit: int = 32 * MiB, timeout: float = 120.0) -> float:
+    """sync, then wait until the dirty backlog is under `limit` (or `timeout` passes):
+    a case must not pay for the writeback of the one before it. Returns seconds waited."""
+    t0 = time.perf_counter()
+    os.sync()
+    while dirty_bytes() > limit and time.perf_counter() - t0 < timeout:
+        time.sleep(0.05)
+    return time.perf_counter() - t0
+
+
+def spread(xs) -> float:
+    """(max - min) / median of the repetitions: 0.1 means they lie within 10% of each other."""
+    m = median(xs)
+    return (max(xs) - min(xs)) / m if xs and m else 0.0

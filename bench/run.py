@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from bench.common import (GiB, MiB, ROOT, RssSampler, Service, build_state, machine, median, parse_size,
-                          proc_status, size_label, state_bytes, state_tensors)
+                          proc_status, settle, size_label, spread, state_bytes, state_tensors)
 from bench.pipe import PipeClient
 
 # What every run must produce (tests/bench checks each one is a number in the JSON).
@@ -64,6 +64,34 @@ TARGETS = [  # (name, figure path, comparison, bound, what)
 ]
 
 
+# A figure whose repetitions spread wider than this ((max - min) / median) cannot carry a
+# verdict: the targets it feeds read "too noisy to judge" instead of met / missed.
+NOISE = 0.25
+# The disk itself, measured by --quiet-check (raw write + fsync, settled between): a
+# machine whose own disk spreads wider than this is not quiet enough for acceptance figures.
+QUIET = 0.15
+SETTLED: list[float] = []  # seconds each case waited for the writeback before it (settle())
+
+# ratio -> (numerator figure, denominator figure, how): "tput" compares throughputs
+# (higher is better: denominator time / numerator time), "time" compares times
+RATIO_OF = {
+    "save_vs_dcp": ("lastgood_save_sync", "dcp_save", "tput"),
+    "save_stream_vs_dcp": ("lastgood_save_stream", "dcp_save", "tput"),
+    "stream_vs_grpc_upload": ("lastgood_save_stream", "grpc_upload", "tput"),
+    "save_vs_torch_save": ("lastgood_save_sync", "torch_save", "tput"),
+    "save_vs_raw_disk": ("lastgood_save_sync", "raw_write_fsync", "tput"),
+    "block_vs_copy": ("lastgood_save_async_block", "copy_floor", "time"),
+    "restore_vs_grpc": ("lastgood_restore", "grpc_download", "tput"),
+    "restore_stream_vs_grpc": ("lastgood_restore_stream", "grpc_download", "tput"),
+    "restore_vs_torch_load": ("lastgood_restore", "torch_load", "tput"),
+    "restore_vs_dcp_load": ("lastgood_restore", "dcp_load", "tput"),
+}
+
+
+def ratio(num: float, den: float, how: str) -> float:
+    return den / num if how == "tput" else num / den
+
+
 def log(msg: str) -> None:
     print(msg, flush=True)
 
@@ -81,6 +109,7 @@ def interleaved(cases: list, reps: int):
     for i in range(reps):
         order = rotate(cases, i)
         for _name, case in order:
+            SETTLED.append(settle())  # no case inherits the dirty pages of the one before
             case()
         yield i, order
 
@@ -352,25 +381,18 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
 
     med = {k: median(v) for k, v in times.items()}
     gib = nbytes / GiB
-    figures = {k: {"seconds": times[k], "median_s": med[k], "gib_per_s": gib / med[k] if med[k] else None}
+    figures = {k: {"seconds": times[k], "median_s": med[k], "gib_per_s": gib / med[k] if med[k] else None,
+                   "min_s": min(times[k]), "max_s": max(times[k]), "spread": spread(times[k])}
                for k in PER_SIZE}
-    tput = {k: gib / med[k] for k in PER_SIZE}
-    ratios = {
-        "save_vs_dcp": tput["lastgood_save_sync"] / tput["dcp_save"],
-        "save_stream_vs_dcp": tput["lastgood_save_stream"] / tput["dcp_save"],
-        "stream_vs_grpc_upload": tput["lastgood_save_stream"] / tput["grpc_upload"],
-        "save_vs_torch_save": tput["lastgood_save_sync"] / tput["torch_save"],
-        "save_vs_raw_disk": tput["lastgood_save_sync"] / tput["raw_write_fsync"],
-        "block_vs_copy": med["lastgood_save_async_block"] / med["copy_floor"],
-        "restore_vs_grpc": tput["lastgood_restore"] / tput["grpc_download"],
-        "restore_stream_vs_grpc": tput["lastgood_restore_stream"] / tput["grpc_download"],
-        "restore_vs_torch_load": tput["lastgood_restore"] / tput["torch_load"],
-        "restore_vs_dcp_load": tput["lastgood_restore"] / tput["dcp_load"],
-    }
+    ratios = {k: ratio(med[a], med[b], how) for k, (a, b, how) in RATIO_OF.items()}
+    # the same ratio rep by rep (the cases of one rep ran back to back), and whether either
+    # figure spread too wide for the median ratio to mean anything
+    ratio_reps = {k: [ratio(x, y, how) for x, y in zip(times[a], times[b])] for k, (a, b, how) in RATIO_OF.items()}
+    noisy = {k: max(figures[a]["spread"], figures[b]["spread"]) > NOISE for k, (a, b, _) in RATIO_OF.items()}
     del model, opt, state, tensors
     gc.collect()
     return {"label": label, "target_bytes": target, "bytes": nbytes, "reps": reps, "figures": figures,
-            "ratios": ratios, "lastgood_cold_first_save_s": t_cold,
+            "ratios": ratios, "ratio_reps": ratio_reps, "noisy": noisy, "lastgood_cold_first_save_s": t_cold,
             "service_rss": {"baseline_mib": base_rss / MiB, "peak_mib_reps": [p / MiB for p in rss_peaks],
                             "peak_mib": median(rss_peaks) / MiB, "vmhwm_after_ingest_mib": hwm_after_ingest / MiB,
                             "spool_peak_mib_reps": [p / MiB for p in spool_rss_peaks],
@@ -465,6 +487,8 @@ def evaluate(results: dict, rss_label: str) -> list[dict]:
     out = []
     biggest = results["sizes"][-1]
     for name, path, op, bound, what in TARGETS:
+        if path.split(".")[0] in ("four_ranks", "four_ranks_stream", "scale", "catalog") and path.split(".")[0] not in results:
+            continue  # --only-sizes
         if path.startswith(("four_ranks", "scale", "catalog")):
             values = [(None, lookup(results, path))]
         elif path.startswith("service_rss"):
@@ -473,12 +497,16 @@ def evaluate(results: dict, rss_label: str) -> list[dict]:
         else:
             values = [(b["label"], b["ratios"][path]) for b in results["sizes"]]
         for size, v in values:
+            block = next((b for b in results["sizes"] if b["label"] == size), None)
+            noisy = bool(block and block.get("noisy", {}).get(path))
             met = v >= bound if op == ">=" else v <= bound
             # how far off: as a fraction of the bound, in the direction that matters
             miss = 0.0 if met else ((bound - v) / bound if op == ">=" else (v - bound) / bound)
-            label = name.format(ranks=results["scale"]["ranks"], checkpoints=results["catalog"]["checkpoints"])
+            label = name.format(ranks=results.get("scale", {}).get("ranks"),
+                                checkpoints=results.get("catalog", {}).get("checkpoints", 0))
             out.append({"target": label, "size": size, "figure": path, "value": v, "op": op, "bound": bound,
-                        "met": met, "missed_by": miss, "what": what, "headline": size in (None, biggest["label"])})
+                        "met": None if noisy else met, "noisy": noisy, "missed_by": miss, "what": what,
+                        "headline": size in (None, biggest["label"])})
     return out
 
 
@@ -507,7 +535,7 @@ def table(results: dict) -> str:
         cells = []
         for b in sizes:
             f = b["figures"][k]
-            cells.append(f"{fmt_s(f['median_s'])} · {f['gib_per_s']:.2f} GiB/s")
+            cells.append(f"{fmt_s(f['median_s'])} ±{f['spread'] * 50:.0f}% · {f['gib_per_s']:.2f} GiB/s")
         lines.append(f"| {names[k]} | " + " | ".join(cells) + " |")
     lines.append("| service peak RSS while ingesting a stream (baseline) | " + " | ".join(
         f"{b['service_rss']['peak_mib']:.0f} MiB ({b['service_rss']['baseline_mib']:.0f})" for b in sizes) + " |")
@@ -524,7 +552,11 @@ def table(results: dict) -> str:
                    "restore_vs_torch_load": "restore: lastgood / torch.load",
                    "restore_vs_dcp_load": "restore: lastgood / DCP load"}
     for k in RATIOS:
-        lines.append(f"| *{ratio_names[k]}* | " + " | ".join(f"{b['ratios'][k]:.2f}×" for b in sizes) + " |")
+        lines.append(f"| *{ratio_names[k]}* | " + " | ".join(
+            f"{b['ratios'][k]:.2f}× ({min(b['ratio_reps'][k]):.2f}–{max(b['ratio_reps'][k]):.2f})"
+            + (" noisy" if b["noisy"][k] else "") for b in sizes) + " |")
+    if "scale" not in results:  # --only-sizes
+        return "\n".join(lines + targets_table(results))
     sc, cat = results["scale"], results["catalog"]
     lines += ["", "| case | figure |", "|---|---|"]
     for fr in (results["four_ranks"], results["four_ranks_stream"]):
@@ -549,15 +581,20 @@ def table(results: dict) -> str:
                       ("list_last_page", f"limit=100&offset={cat['checkpoints'] - 100}")):
         lines.append(f"| GET checkpoints?{what} at {cat['checkpoints']:,} (target p99 ≤ 50 ms) | "
                      f"p50 {cat[key]['p50_ms']:.1f} ms · p99 {cat[key]['p99_ms']:.1f} ms |")
-    lines += ["", "| target | value | met |", "|---|---|---|"]
+    return "\n".join(lines + targets_table(results))
+
+
+def targets_table(results: dict) -> list[str]:
+    lines = ["", "| target | value | met |", "|---|---|---|"]
     for t in results["targets"]:
         if not t["headline"]:
             continue
         v = t["value"]
         val = f"{v:.2f}" if abs(v) < 100 else f"{v:.0f}"
-        miss = "yes" if t["met"] else f"**no** (off by {t['missed_by'] * 100:.0f}%)"
+        miss = ("too noisy to judge" if t.get("noisy") else "yes" if t["met"]
+                else f"**no** (off by {t['missed_by'] * 100:.0f}%)")
         lines.append(f"| {t['target']}{' at ' + t['size'] if t['size'] else ''}: {t['op']} {t['bound']} | {val} | {miss} |")
-    return "\n".join(lines)
+    return lines
 
 
 # ---------------------------------------------------------------------------- main
@@ -574,6 +611,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the 1,024 ranks voting with wait_seconds=2 (about 35 s a rep)")
     ap.add_argument("--workdir", help="scratch folder on the disk under test (default: a new one under /tmp)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"), help="where the JSON goes")
+    ap.add_argument("--quiet-check", action="store_true",
+                    help="first measure the disk's own variance (raw write + fsync, settled between) and say "
+                         "whether the machine is quiet enough for acceptance figures")
+    ap.add_argument("--only-sizes", action="store_true",
+                    help="only the per-size save/restore comparisons (no 4-rank, scale or catalog parts)")
     args = ap.parse_args(argv)
     # DCP without a process group says it assumes one process, on every call: it does
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -600,6 +642,16 @@ def main(argv: list[str] | None = None) -> int:
     log(f"lastgood benchmark: sizes {', '.join(size_label(s) for s in sizes)}; workdir {work} "
         f"({free / GiB:.0f} GiB free); load average {os.getloadavg()[0]:.2f}")
     t_start = time.perf_counter()
+    if args.quiet_check:
+        results["quiet_check"] = quiet_check(work, min(max(sizes), GiB), 3 if smoke else 7)
+    if args.only_sizes:
+        pipe = Pipe(work)
+        try:
+            for target in sizes:
+                results["sizes"].append(size_block(target, reps_for(target), work, pipe))
+        finally:
+            pipe.close()
+        return finish(results, args, work, t_start, smoke)
     rank_procs = RankProcs(rank_size, args.ranks, work)
     try:
         if smoke:  # the rank processes import torch while the sizes run (full runs keep them apart)
@@ -626,6 +678,32 @@ def main(argv: list[str] | None = None) -> int:
     log(f"\n== catalog: GET a run's checkpoint list with {catalog_n:,} committed checkpoints")
     results["catalog"] = scale.list_latency(work, catalog_n, 3, 20 if smoke else 200, log)
 
+    return finish(results, args, work, t_start, smoke)
+
+
+def quiet_check(work: Path, nbytes: int, reps: int) -> dict:
+    """The disk's own variance: `reps` raw writes + fsync of `nbytes`, the writeback settled
+    before each. On a quiet machine they agree within QUIET; when they do not, no ratio of
+    this run can be trusted to a few percent, whatever the code does."""
+    path = work / "quiet.bin"
+    load0 = os.getloadavg()[0]
+    times = []
+    for _ in range(reps):
+        settle()
+        times.append(raw_write(path, nbytes))
+    rm(path)
+    load1 = os.getloadavg()[0]
+    cpus = os.cpu_count() or 1
+    out = {"bytes": nbytes, "seconds": times, "median_s": median(times), "spread": spread(times),
+           "loadavg": [load0, load1], "cpus": cpus}
+    out["quiet"] = out["spread"] <= QUIET and max(load0, load1) < 0.5 * cpus
+    log(f"quiet check: raw write + fsync of {nbytes / MiB:.0f} MiB × {reps}: median {median(times):.2f} s, spread "
+        f"{out['spread'] * 100:.0f}% (quiet ≤ {QUIET * 100:.0f}%), load {load0:.1f} → {load1:.1f} on {cpus} CPUs: "
+        + ("QUIET" if out["quiet"] else "NOT QUIET: these figures cannot settle the targets; run again on an idle machine"))
+    return out
+
+
+def finish(results: dict, args, work: Path, t_start: float, smoke: bool) -> int:
     rss_label = next((b["label"] for b in results["sizes"] if b["target_bytes"] == 4 * GiB),
                      results["sizes"][-1]["label"])
     results["service_rss"] = {"size": rss_label,
@@ -633,6 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     results["targets"] = evaluate(results, rss_label)
     results["elapsed_s"] = time.perf_counter() - t_start
     results["machine"]["loadavg_end"] = os.getloadavg()
+    results["settle_s"] = {"cases": len(SETTLED), "total": sum(SETTLED), "max": max(SETTLED, default=0.0)}
     shutil.rmtree(work, ignore_errors=True)
 
     text = table(results)
@@ -640,9 +719,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    name = ("smoke" if smoke else "bench") + f"-{stamp}.json"
+    kind = "smoke" if smoke else "sizes" if args.only_sizes else "bench"
+    name = f"{kind}-{stamp}.json"
     body = json.dumps(results, indent=1, default=str)
-    for target in (out / name, out / ("smoke-latest.json" if smoke else "latest.json")):
+    for target in (out / name, out / ("latest.json" if kind == "bench" else f"{kind}-latest.json")):
         tmp = target.with_suffix(".json.tmp")
         tmp.write_text(body)
         os.replace(tmp, target)

@@ -23,7 +23,7 @@ def _number(x) -> bool:
 def test_bench_smoke_produces_every_figure(tmp_path):
     out = tmp_path / "results"
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "bench.run", "--smoke", "--out", str(out),
+    proc = subprocess.run([sys.executable, "-m", "bench.run", "--smoke", "--quiet-check", "--out", str(out),
                            "--workdir", str(tmp_path / "work")],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
     elapsed = time.monotonic() - t0
@@ -39,8 +39,10 @@ def test_bench_smoke_produces_every_figure(tmp_path):
             assert len(fig["seconds"]) >= 3, (block["label"], name, "a figure is a median of >= 3 reps")
             assert all(_number(s) and s > 0 for s in fig["seconds"]), (block["label"], name, fig)
             assert _number(fig["median_s"]) and _number(fig["gib_per_s"]), (block["label"], name)
+            assert _number(fig["spread"]) and fig["min_s"] <= fig["median_s"] <= fig["max_s"], (block["label"], name)
         for name in RATIOS:
             assert _number(block["ratios"][name]) and block["ratios"][name] > 0, (block["label"], name)
+            assert len(block["ratio_reps"][name]) >= 3 and isinstance(block["noisy"][name], bool)
         rss = block["service_rss"]
         assert len(rss["peak_mib_reps"]) >= 3 and rss["peak_mib"] >= rss["baseline_mib"] > 0
 
@@ -65,6 +67,11 @@ def test_bench_smoke_produces_every_figure(tmp_path):
     # one verdict per target (the per-size ones once per size), each with its number
     per_size = sum(1 for _n, path, *_ in TARGETS if "." not in path)
     assert len(doc["targets"]) == per_size * len(doc["sizes"]) + len(TARGETS) - per_size
-    assert all(_number(t["value"]) and isinstance(t["met"], bool) for t in doc["targets"])
+    # a target whose figures spread too wide has no verdict ("too noisy to judge")
+    assert all(_number(t["value"]) and (t["met"] is None if t["noisy"] else isinstance(t["met"], bool))
+               for t in doc["targets"])
+    quiet = doc["quiet_check"]  # the disk's own variance, measured first
+    assert len(quiet["seconds"]) >= 3 and _number(quiet["spread"]) and isinstance(quiet["quiet"], bool)
+    assert doc["settle_s"]["cases"] > 0 and _number(doc["settle_s"]["total"])
     assert "| target |" in doc["table_markdown"] and "| target |" in proc.stdout
     print(f"bench smoke took {elapsed:.0f} s")
