@@ -79,3 +79,24 @@ def test_index_of_a_file_without_one_and_bad_names_are_refused(make_service, run
     json_error(h.get(f"/api/v1/checkpoints/{cid}/ranks/0/index/..%2Fx"), (400, 404))
     json_error(h.get(f"/api/v1/checkpoints/{cid}/ranks/5/index/{shard_name(0)}"), 400)
     assert checkpoint(svc, cid)["status"] == "COMMITTED"
+
+
+@pytest.mark.parametrize("damage", ["removed", "changed"])
+def test_the_view_of_a_checkpoint_whose_index_is_damaged_shows_it_corrupt(make_service, run_name, damage):
+    """`GET /checkpoints/{id}` builds the full view from the index objects; a damaged one
+    marks the checkpoint CORRUPT (as any read does), and the view then shows the checkpoint
+    as it now is, with no manifest: the checkpoint exists, so never a 404 or a 5xx."""
+    svc = make_service()
+    h = http(svc)
+    first, second = two_commits(svc, run_name)
+    assert h.get(f"/api/v1/checkpoints/{second}").json()["manifest"] is not None  # control: intact
+    if damage == "removed":
+        blob = index_blob(svc, second, 0)
+        blob.chmod(0o644)
+        blob.unlink()
+    else:
+        tamper(svc, second)
+    r = h.get(f"/api/v1/checkpoints/{second}")
+    assert r.status_code == 200, r.text
+    assert r.json()["status"] == "CORRUPT" and r.json()["manifest"] is None
+    assert last_good_id(svc, run_name) == first

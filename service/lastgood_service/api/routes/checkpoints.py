@@ -12,7 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from lastgood import names
 
-from ...domain.errors import InvalidArgument, OutOfRange
+from ...domain.errors import Damaged, InvalidArgument, OutOfRange
 from ..contract import StrictJSONRoute, answers, error_response
 from ..deps import CkptId, CommitsDep, QueriesDep
 
@@ -45,7 +45,13 @@ def parse_range(header: str, size: int) -> tuple[int, int]:
 def get_checkpoint(checkpoint_id: CkptId, queries: QueriesDep, commits: CommitsDep):
     view = queries.get_checkpoint(checkpoint_id)
     # the full view, every tensor index fetched and checked: for tools, never the restore path
-    view["manifest"] = commits.full_manifest(checkpoint_id) if view["status"] == "COMMITTED" else None
+    if view["status"] == "COMMITTED":
+        try:
+            view["manifest"] = commits.full_manifest(checkpoint_id)
+        except Damaged:  # found damaged just now and marked CORRUPT: show it as it now is
+            view = {**queries.get_checkpoint(checkpoint_id), "manifest": None}
+    else:
+        view["manifest"] = None
     return view
 
 
