@@ -176,7 +176,9 @@ def test_clicking_a_node_opens_its_detail(open_page, ui_service, world, tmp_path
         (tmp_path / "curl").mkdir()
         subprocess.run(["bash", "-euc", curl], cwd=tmp_path / "curl", check=True, capture_output=True, timeout=60)
         assert hash_bytes((tmp_path / "curl" / entry["name"]).read_bytes()) == entry["xxh3_128"]
-        assert json.loads((tmp_path / "curl" / f"manifest-{ids['c7']}.json").read_bytes()) == manifest
+        root = rest(ui_service, f"/api/v1/checkpoints/{ids['c7']}/manifest")  # the stored root, not the full view
+        assert json.loads((tmp_path / "curl" / f"manifest-{ids['c7']}.json").read_bytes()) == root
+        assert [f["name"] for r in root["ranks"] for f in r["files"]] == [entry["name"]]
     # the parent link walks up the lineage
     page.locator("#detail-info button", has_text=f"checkpoint {ids['c6']}").click()
     page.wait_for_selector(f'#detail[data-checkpoint="{ids["c6"]}"]')
