@@ -120,6 +120,11 @@ class Heartbeat:
         elif step is None:
             self._sent = None
         gap, self._max_gap = self._max_gap, 0.0
+        if self._step_seconds is None and gap:
+            # steps faster than the beats (or each beat landing on a save) give no estimate
+            # from beat to beat; the training thread's own step-to-step gap is one, so a rank
+            # that hangs early is judged by the steady timeout, not the first-step allowance
+            self._step_seconds = gap
         return {"rank": self.rank, "world_size": self.world_size, "step": step,
                 "step_seconds": self._step_seconds, "phase": self._phase, "attempt": self.attempt,
                 "generation": self.generation, "max_step_seconds": gap or None, "period_s": self.period,

@@ -117,3 +117,21 @@ def test_ranks_follow_rank_zero():
         c0.t += 1.0
         c1.t += 3.0
     assert s0 == s1 and s0
+
+
+def test_a_step_time_is_known_when_steps_are_faster_than_the_beats():
+    """Ten fast steps between two beats, the first beat before any step: the beat-to-beat
+    estimate has nothing to work with, the step-to-step gap does. Without a step time the
+    service gives the rank its long first-step allowance and a hang goes unseen for minutes
+    (seen in a clean CI run of the supervisor's hang test)."""
+    import time as _time
+
+    from lastgood.health import Heartbeat
+
+    hb = Heartbeat("http://127.0.0.1:9", "r", 0, 1, period=0)  # never started: body() only
+    assert hb.body()["step_seconds"] is None
+    for step in range(10):
+        hb.step(step)
+        _time.sleep(0.002)
+    body = hb.body()
+    assert body["step_seconds"] is not None and body["step_seconds"] > 0
