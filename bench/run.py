@@ -598,6 +598,15 @@ def targets_table(results: dict) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- main
+def run_sizes(sizes, reps_for, work: Path) -> list[dict]:
+    """The per-size comparisons, one size after another over one pipe."""
+    pipe = Pipe(work)
+    try:
+        return [size_block(target, reps_for(target), work, pipe) for target in sizes]
+    finally:
+        pipe.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny sizes and counts: checks that every case runs")
@@ -645,23 +654,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.quiet_check:
         results["quiet_check"] = quiet_check(work, min(max(sizes), GiB), 3 if smoke else 7)
     if args.only_sizes:
-        pipe = Pipe(work)
-        try:
-            for target in sizes:
-                results["sizes"].append(size_block(target, reps_for(target), work, pipe))
-        finally:
-            pipe.close()
+        results["sizes"] = run_sizes(sizes, reps_for, work)
         return finish(results, args, work, t_start, smoke)
     rank_procs = RankProcs(rank_size, args.ranks, work)
     try:
         if smoke:  # the rank processes import torch while the sizes run (full runs keep them apart)
             rank_procs.start()
-        pipe = Pipe(work)
-        try:
-            for target in sizes:
-                results["sizes"].append(size_block(target, reps_for(target), work, pipe))
-        finally:
-            pipe.close()
+        results["sizes"] = run_sizes(sizes, reps_for, work)
         if not smoke:
             rank_procs.start()
         results["four_ranks"] = rank_procs.run(3)
