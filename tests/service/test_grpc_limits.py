@@ -178,7 +178,9 @@ def test_the_client_waits_its_turn_when_the_service_has_too_many_streams(make_se
     (with backoff, up to the call's timeout) instead of failing the save."""
     from lastgood.transport import Transport
 
-    svc = make_service(LASTGOOD_GRPC_WORKERS="4", LASTGOOD_GRPC_IDLE_TIMEOUT="2")  # 2 streams at most
+    # 2 streams at most; a lease longer than the wait, so a slow machine's backoff cannot expire
+    # the checkpoint before the upload gets its turn (that is not what this test is about)
+    svc = make_service(LASTGOOD_GRPC_WORKERS="4", LASTGOOD_GRPC_IDLE_TIMEOUT="2", LASTGOOD_LEASE_SECONDS="60")
     release = threading.Event()
     holder = grpc.insecure_channel(svc.grpc_target)
     put = holder.stream_unary("/lastgood.v1.Checkpoints/PutShard")
