@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # there is deselected by `make test-fast` without anyone remembering to mark it. catalog/
 # starts PostgreSQL servers and replicas: slow as a whole.
 MARKERS_BY_FOLDER = {"multiproc": ("multiproc", "slow"), "ui": ("ui", "slow"), "bench": ("bench", "slow"),
-                     "catalog": ("slow",), "chaos": ("chaos", "slow")}
+                     "catalog": ("slow",), "chaos": ("chaos", "slow"), "fuzz": ("fuzz", "slow")}
 
 
 def pytest_collection_modifyitems(config, items):

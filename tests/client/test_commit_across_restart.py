@@ -15,6 +15,7 @@ from lastgood.retry import RetryPolicy
 
 
 @pytest.mark.parametrize("retries", [True, False], ids=["retries", "control-no-retries"])
+@pytest.mark.slow
 def test_ranks_agree_on_a_commit_that_spans_a_restart(make_service, run_name, monkeypatch, retries):
     svc = make_service(LASTGOOD_FAILPOINT="crash_after_manifest", LASTGOOD_LEASE_SECONDS="60")
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -152,6 +152,7 @@ def test_a_rank_three_times_slower_is_a_straggler(hsvc, run_name):
             s.stop()
 
 
+@pytest.mark.slow
 def test_an_even_job_has_no_straggler(hsvc, run_name):
     ranks = start_ranks(hsvc, run_name, [0.1, 0.1, 0.1, 0.1])
     try:

@@ -287,6 +287,7 @@ def test_bad_file_names_on_download(svc, committed, name):
     _unchanged(svc, before, run)
 
 
+@pytest.mark.slow
 def test_declared_size_above_the_limit(make_service, run_name):
     small = make_service(LASTGOOD_MAX_SHARD_BYTES="1024")
     assert small.info["max_shard_bytes"] == 1024

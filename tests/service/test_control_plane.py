@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import grpc
+import pytest
 
 from lastgood.v1 import lastgood_pb2 as pb
 from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
@@ -19,6 +20,7 @@ STORM_RANKS = 300
 BEGIN_STORM = 3200  # above gRPC's default hard limit of 3,000 queued calls
 
 
+@pytest.mark.slow
 def test_hundreds_of_ranks_voting_at_once_all_hear_committed(service, run_name):
     """A separate process simulates the ranks (bench/control_plane.py `storm`): all begin,
     put, then vote at once and wait on GET .../outcome. Every one must hear COMMITTED."""
@@ -34,6 +36,7 @@ def test_hundreds_of_ranks_voting_at_once_all_hear_committed(service, run_name):
     assert view["status"] == "COMMITTED" and view["world_size"] == STORM_RANKS
 
 
+@pytest.mark.slow
 def test_thousands_of_ranks_beginning_at_once_are_all_served(service, run_name):
     """Calls beyond gRPC's queue of calls waiting for a worker were CANCELLED (229 of 2,048
     and 947 of 4,096 ranks beginning at once); the service raises that queue."""

@@ -179,6 +179,7 @@ def test_gc_in_a_loop_during_uploads_and_restores(make_service, run_name):
     assert http(svc).post(f"/api/v1/checkpoints/{committed[0]['id']}/verify").json()["ok"]
 
 
+@pytest.mark.slow
 def test_a_retried_save_after_gc_deleted_its_abandoned_sibling_is_not_a_branch(make_service, run_name):
     """A save that died (ABANDONED) and was then deleted by GC never claimed its parent:
     the retry under the same parent continues the branch, and branch-heads does not keep

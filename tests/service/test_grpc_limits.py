@@ -38,6 +38,7 @@ def _silent(release: threading.Event, first: bytes | None = None):
 
 
 @pytest.mark.parametrize("auth", [False, True], ids=["tokens-off", "tokens-on"])
+@pytest.mark.slow
 def test_silent_streams_cannot_starve_an_authenticated_unary_rpc(make_service, run_name, auth):
     env = {"LASTGOOD_GRPC_WORKERS": "8", "LASTGOOD_GRPC_IDLE_TIMEOUT": "2"}
     if auth:
@@ -88,6 +89,7 @@ def test_silent_streams_cannot_starve_an_authenticated_unary_rpc(make_service, r
     trainer.close()
 
 
+@pytest.mark.slow
 def test_one_callers_stalled_streams_do_not_refuse_another_tokens_upload(make_service, run_name):
     """Budgets are per token: the old per-address budget let one local client with its
     streams stalled refuse every other trainer on the host."""
@@ -143,6 +145,7 @@ def test_streams_can_never_be_set_to_take_every_worker():
         Settings(grpc_workers=64, grpc_max_streams=48)  # 48 + 16 waiting votes: none left
 
 
+@pytest.mark.slow
 def test_a_download_nobody_reads_is_cancelled_after_the_idle_timeout(make_service, run_name):
     """GetShard holds its worker while the reader does not take the chunks; after the idle
     timeout the service cancels it. A reader that keeps reading is not affected."""
@@ -173,6 +176,7 @@ def test_a_download_nobody_reads_is_cancelled_after_the_idle_timeout(make_servic
         channel.close()
 
 
+@pytest.mark.slow
 def test_the_client_waits_its_turn_when_the_service_has_too_many_streams(make_service, run_name):
     """A refusal for too many open streams read nothing: the client library tries again
     (with backoff, up to the call's timeout) instead of failing the save."""
@@ -199,6 +203,7 @@ def test_the_client_waits_its_turn_when_the_service_has_too_many_streams(make_se
         holder.close()
 
 
+@pytest.mark.slow
 def test_a_refusal_for_too_many_streams_carries_its_error_code(make_service, run_name):
     """streams_busy, so the client retries it by its code (errors.Busy), not by its words."""
     from lastgood import errors

@@ -150,6 +150,7 @@ def test_auto_interval_is_young_daly_of_cost_and_failures(hsvc, run_name):
         assert iv["seconds"] == pytest.approx(iv["mtbf_s"])
 
 
+@pytest.mark.slow
 def test_failures_close_together_are_one(make_service, run_name):
     svc = make_service(LASTGOOD_HEALTH_INTERVAL="0", LASTGOOD_FAILURE_MERGE_SECONDS="600")
     launch(svc, run_name, "a")
@@ -158,6 +159,7 @@ def test_failures_close_together_are_one(make_service, run_name):
     assert health(svc, run_name)["interval"]["failures"] == 1
 
 
+@pytest.mark.slow
 def test_an_outage_of_the_service_does_not_make_every_rank_hung(make_service, run_name):
     """Beats cannot arrive while the service is down; training goes on. When it comes back, the
     time it was away is not the ranks' silence: no rank is hung or lost until it has had a full

@@ -29,6 +29,7 @@ def tamper(svc, cid: int) -> bytes:
     return good
 
 
+@pytest.mark.slow
 def test_the_root_references_each_index_object_by_hash(make_service, run_name):
     svc = make_service()
     h = http(svc)
@@ -50,6 +51,7 @@ def test_the_root_references_each_index_object_by_hash(make_service, run_name):
 
 
 @pytest.mark.parametrize("found_by", ["read", "verify"])
+@pytest.mark.slow
 def test_a_tampered_index_object_is_corruption(make_service, run_name, found_by):
     svc = make_service()
     h = http(svc)
@@ -71,6 +73,7 @@ def test_a_tampered_index_object_is_corruption(make_service, run_name, found_by)
     json_error(h.get(url), 409)  # nothing of a corrupt checkpoint is served
 
 
+@pytest.mark.slow
 def test_index_of_a_file_without_one_and_bad_names_are_refused(make_service, run_name):
     svc = make_service()
     h = http(svc)
@@ -82,6 +85,7 @@ def test_index_of_a_file_without_one_and_bad_names_are_refused(make_service, run
 
 
 @pytest.mark.parametrize("damage", ["removed", "changed"])
+@pytest.mark.slow
 def test_the_view_of_a_checkpoint_whose_index_is_damaged_shows_it_corrupt(make_service, run_name, damage):
     """`GET /checkpoints/{id}` builds the full view from the index objects; a damaged one
     marks the checkpoint CORRUPT (as any read does), and the view then shows the checkpoint

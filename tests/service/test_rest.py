@@ -178,6 +178,7 @@ def test_verify_intact(service, history):
     assert not [e for e in events(service, run) if e["kind"] == "corrupt"]
 
 
+@pytest.mark.slow
 def test_corruption_found_by_verify_moves_last_good_back(make_service, run_name):
     svc = make_service()
     h = http(svc)
@@ -265,6 +266,7 @@ def test_a_damaged_manifest_of_last_good_answers_its_parent(service, client, run
     assert http(service).get(f"/api/v1/checkpoints/{third}/ancestors").json()["fallback_id"] is None
 
 
+@pytest.mark.slow
 def test_download_of_a_vanished_blob_is_a_json_error(make_service, run_name):
     svc = make_service()
     c = Client(svc.grpc_target)

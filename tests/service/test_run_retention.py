@@ -22,6 +22,7 @@ def _chain(c: Client, run: str, n: int) -> list[int]:
     return ids
 
 
+@pytest.mark.slow
 def test_gc_keeps_by_the_runs_own_policy_and_the_default_elsewhere(make_service, run_name):
     svc = make_service(**GC_ENV)
     c = Client(svc.grpc_target)
@@ -77,6 +78,7 @@ def test_the_checkpointer_sends_the_runs_retention(service, run_name):
     assert http(service).get(f"/api/v1/runs/{run_name}/retention").json()["own"] is not None
 
 
+@pytest.mark.slow
 def test_a_pinned_or_tagged_checkpoint_survives_a_policy_without_tagged(make_service, run_name):
     """I4: tags and pins keep a checkpoint whatever the retention says. A run's own policy
     may leave out `tagged`; GC must still keep what a user pinned or tagged."""

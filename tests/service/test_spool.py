@@ -337,6 +337,7 @@ def test_the_client_reads_lent_files_only_from_the_spools_out_folder(tmp_path):
         _read_lent(str(tmp_path), ".out/" + "b" * 32 + ".part", memoryview(bytearray(16)), StreamHasher())
 
 
+@pytest.mark.slow
 def test_a_restarted_service_sweeps_stale_spool_files_at_start(make_service, tmp_path):
     """Files of writers that died are swept once they are older than the lease (and GC grace),
     also by a service that restarts more often than its sweep interval (60 s): the first

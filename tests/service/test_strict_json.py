@@ -53,6 +53,7 @@ def test_control_the_strings_nan_and_inf_are_stored_and_read(svc, saved):
     assert last == {"loss": "nan", "grad": "-inf", "deep": [[[1.5]]], "s": "é"}
 
 
+@pytest.mark.slow
 def test_rows_stored_before_the_rules_are_read(make_service):
     """Rows written straight into a real service's SQLite catalog, as an older service stored
     them: the events and the lineage still answer, with the values carried as strict JSON."""

@@ -47,6 +47,7 @@ def test_a_drain_that_cannot_be_done_is_refused_up_front(cmd, drain, message):
         Supervisor(cmd, "run-1", rest=None, drain=drain)
 
 
+@pytest.mark.slow
 def test_usage_errors_exit_2_and_start_nothing(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("LASTGOOD_RUN", "LASTGOOD_URL")}
     marker = tmp_path / "ran"
