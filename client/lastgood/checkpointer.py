@@ -34,10 +34,10 @@ from . import health as _health
 from .config import ClientConfig
 from .errors import (Conflict, CorruptCheckpoint, DataLoss, FailedPrecondition, Fenced, FormatError, LastgoodError,
                      NotFound, NoUsableCheckpoint, PermissionDenied, SaveFailed, ServiceError)
-from .hashing import StreamHasher, hash_bytes
 from .interval import Decider, Interval
 from .manifest import Manifest
-from .retry import GaveUp, RetryPolicy
+from .retry import RetryPolicy
+from .save import SaveSession
 from .staging import Snapshot, StagingPool, snapshot
 from .sharding import ShardIndex, StoredFile
 from .state import TrainState, array_from_buffer, fits, tensor_from_buffer
@@ -93,13 +93,14 @@ class Checkpointer:
         self.generation = self._register(retention)  # a bad retention raises here on every rank
         self._fenced: Fenced | None = None
         self.file_name = shard_file_name(self.rank)
-        self.parent_id: int | None = None
+        # the commit protocol's client side, shared with DCP's writer: it keeps the parent
+        # and the checkpoints whose outcome this rank missed (save/session.py)
+        self._session = SaveSession(self.transport, self.run, self.rank, commit_timeout=self.commit_timeout)
         self.last_saved: SaveResult | None = None
         self._pool = StagingPool(slots=staging_buffers)
         self._jobs = UploadQueue()
         self._record = SaveRecord()
-        self._unsure: list[tuple[int, int, str]] = []  # (checkpoint, step, digest) whose outcome this rank missed
-        self._gave_up_since_commit = False  # then the ranks converge on a step before each begin (_converge)
+        self._gave_up_since_commit = False  # then the ranks converge on a step before each begin (converge)
         self._last_error: BaseException | None = None
         self._closed = False
         self._worker = threading.Thread(target=self._run, name="lastgood-upload", daemon=True)
@@ -182,6 +183,20 @@ class Checkpointer:
         """(run, step, attempt) names a checkpoint. After a restore the job may save steps it
         saved before (on another branch), so every restore starts a new attempt."""
         return self.launch if self._restores == 0 else f"{self.launch}.{self._restores}"
+
+    @property
+    def parent_id(self) -> int | None:
+        """The parent of the next save: the last commit, or the checkpoint restored from."""
+        return self._session.parent_id
+
+    @parent_id.setter
+    def parent_id(self, value: int | None) -> None:
+        self._session.parent_id = value
+
+    @property
+    def _unsure(self) -> list:
+        """Checkpoints whose outcome this rank missed, settled before the next begin."""
+        return self._session.unsure
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: TrainState) -> None:
@@ -269,125 +284,28 @@ class Checkpointer:
             log.warning("lastgood: could not record the given-up saves: %s", e)
             self._record.put_back(items)
 
-    def _settle(self) -> None:
-        """Before anything new begins, learn from the service what became of checkpoints whose
-        outcome this rank missed (a reply lost in a restart, an upload given up after it
-        began). Every rank asks the same service, so all continue from the same parent: a
-        pending one is aborted first, which makes its outcome final for everyone."""
-        while self._unsure:
-            cid, step, digest = self._unsure[0]
-            status = self._status(cid, quiet=False)
-            if status == "PENDING":
-                try:
-                    self.transport.abort(cid, f"rank {self.rank} gave up step {step}", self.rank)
-                except GaveUp:
-                    raise
-                except ServiceError:  # committed or expired meanwhile: asked again below
-                    pass
-                status = self._status(cid, quiet=False)
-            if status == "COMMITTED":
-                self.parent_id = cid
-                if self._committed_with(cid, digest):
-                    self.last_saved = SaveResult(step, cid)
-                    self._record.commit(step)
-                    log.warning("lastgood: step %s (checkpoint %s) did commit after all", step, cid)
-            self._unsure.pop(0)
-
-    def _converge(self, step: int, cid: int | None = None) -> None:
-        """After an outage the ranks may have given up different saves: one rank begins step
-        8 while another dropped 8 and began 20, and each would wait for the other until the
-        lease runs out. Saves are processed in order, so a PENDING checkpoint of this launch
-        at an older step is one this rank has given up: abort it, and a peer waiting on it
-        learns at once. One at a newer step means a peer has moved on: give this step up.
-        Every rank applies the same rule to the same catalog, so all converge on the newest
-        step. Asked only while saves are being given up or failing (one listing per save)."""
-        items = self.transport.pending(self.run)  # none while the run has no checkpoint yet
-        mine = [c for c in items if c["attempt"] == self.attempt and c["id"] != cid]
-        for c in mine:
-            if c["step"] < step:
-                try:
-                    self.transport.abort(c["id"], f"rank {self.rank} gave up step {c['step']}", self.rank)
-                except GaveUp:
-                    raise
-                except ServiceError:  # committed or expired meanwhile
-                    pass
-        newer = sorted(c["step"] for c in mine if c["step"] > step)
-        if newer:
-            if cid is not None:
-                self.transport.abort(cid, f"rank {self.rank}: another rank moved on to step {newer[0]}", self.rank)
-            raise SaveFailed(f"another rank gave step {step} up and moved on to step {newer[0]}")
-
     def _upload(self, snap: Snapshot) -> None:
         if self._jobs.troubled:
             # the service was away at the last try: wait for it (retrying, until a newer save
             # wants this buffer) before writing a whole shard to the spool for nothing
             self.transport.service_info()
-        self._settle()
+        self._session.settle(self._committed_after_all)
         # while saves are given up or failing (an outage), the ranks converge on a step
         converging = lambda: self._jobs.troubled or self._gave_up_since_commit  # noqa: E731
         if converging():
-            self._converge(snap.step)
-        data = snap.view()
+            self._session.converge(snap.step, self.attempt)
+        up = self._session.checkpoint(snap.step)
         # on the service's host the shard is handed over as a file, hashed as it is written;
         # written before begin, so that a long write never runs into the checkpoint's lease
-        hasher = StreamHasher()
-        spooled = self.transport.spool_write(data, hasher)
-        digest = hasher.hexdigest() if spooled and hasher.size == data.nbytes else hash_bytes(data)
-        try:
-            ck = self.transport.begin(self.run, snap.step, self.world_size, self.parent_id, self.attempt, self.rank,
-                                      expected_bytes=0 if spooled else data.nbytes)  # a spooled shard is on disk
-        except BaseException:
-            self.transport.spool_discard(spooled)
-            raise
-        cid = ck.checkpoint_id
-        try:
-            self.transport.put_shard(cid, self.rank, self.file_name, data, digest, spooled=spooled)
-            deadline = time.monotonic() + self.commit_timeout
-            # vote without waiting, then wait for the outcome where a waiting rank costs the
-            # service no thread (a long-poll on its event loop: docs/control-plane.md)
-            res = self.transport.commit_rank(cid, self.rank, [self.file_name], wait=0.0)
-            status, missing = res.status, list(res.missing_ranks)
-            while status != "COMMITTED":
-                if status != "PENDING":  # decided otherwise: the vote, asked again, raises why (fenced, ...)
-                    status = self.transport.commit_rank(cid, self.rank, [self.file_name], wait=0.0).status
-                    if status != "COMMITTED":
-                        raise SaveFailed(f"checkpoint {cid} (step {snap.step}) is {status}")
-                    break
-                if converging():  # a peer may have given this step up and moved on (or began it late)
-                    self._converge(snap.step, cid)
-                if time.monotonic() > deadline:
-                    raise SaveFailed(f"checkpoint {cid} (step {snap.step}) not committed after "
-                                     f"{self.commit_timeout:.0f}s; ranks not voted: {missing}")
-                # long waits (the service holds no thread for them); short ones while a peer may give up
-                out = self.transport.outcome(cid, wait=min(2.0 if converging() else 10.0,
-                                                           max(deadline - time.monotonic(), 0.0) + 0.01))
-                status, missing = out["status"], out["missing_ranks"]
-        except BaseException as e:
-            if isinstance(e, GaveUp):  # a newer save wants this buffer: settled before that one begins
-                self._unsure.append((cid, snap.step, digest))
-                raise
-            # The reply may be what was lost: ask (retrying) before declaring the save failed.
-            try:
-                status = self._status(cid, quiet=False)
-                ours = status == "COMMITTED" and self._committed_with(cid, digest)
-            except ServiceError:
-                self._unsure.append((cid, snap.step, digest))  # the next save asks again first
-                raise SaveFailed(f"save of step {snap.step} (checkpoint {cid}): outcome unknown, the service "
-                                 f"did not answer: {e}") from e
-            if ours:
-                log.warning("lastgood: step %s: %s, but checkpoint %s is committed", snap.step, e, cid)
-            else:
-                if status == "PENDING":
-                    try:
-                        self.transport.abort(cid, f"rank {self.rank}: {e}"[:1000], self.rank)
-                    except Exception:  # expired or committed meanwhile: the lease settles it
-                        pass
-                outcome = ("last-good did not move" if status in ("PENDING", "ABANDONED")
-                           else "it committed with other bytes for this rank" if status == "COMMITTED"
-                           else f"it is {status}")
-                raise SaveFailed(f"save of step {snap.step} (checkpoint {cid}) failed, {outcome}: {e}") from e
-        self.parent_id = cid
-        self.last_saved = SaveResult(snap.step, cid)
+        up.add(self.file_name, snap.view())
+        up.begin(self.world_size, self.attempt)
+        up.commit(converging=converging)
+        self.last_saved = SaveResult(snap.step, up.checkpoint_id)
+
+    def _committed_after_all(self, step: int, cid: int) -> None:
+        """A save whose outcome this rank missed did commit, with its bytes."""
+        self.last_saved = SaveResult(step, cid)
+        self._record.commit(step)
 
     def _as_fenced(self, e: BaseException) -> Fenced | None:
         """Fenced, if the service refused a write of this save because a newer launch registered."""
@@ -399,28 +317,6 @@ class Checkpointer:
                               f"is fenced by a newer launch of the job; stop training. {e}")
             e = e.__cause__
         return None
-
-    def _committed_with(self, cid: int, digest: str) -> bool:
-        """Does the committed checkpoint hold exactly the bytes this rank tried to save? An
-        error that may pass (the service or the path to it away) is raised: "unknown" is
-        not "other bytes"."""
-        try:
-            files = self.transport.manifest(cid).files(self.rank)
-        except ServiceError as e:
-            if e.retryable:
-                raise
-            return False
-        return [(f.name, f.xxh3_128) for f in files] == [(self.file_name, digest)]
-
-    def _status(self, cid: int, quiet: bool = True) -> str | None:
-        """The checkpoint's status, asked with the retry policy's patience; None (or the
-        error, with quiet=False) when the service does not answer within it."""
-        try:
-            return self.transport.checkpoint(cid)["status"]
-        except ServiceError:
-            if not quiet:
-                raise
-            return None
 
     def wait(self) -> None:
         """Block until every save so far has committed or been given up (uploads retry up to

@@ -1,0 +1,121 @@
+"""Data paths: how one file of a rank reaches the service's store. torch-free.
+
+The save session (session.py) runs the commit protocol and knows nothing of bytes on the
+move; a data path moves them and knows nothing of the protocol. Each file goes through
+three calls:
+
+    handle = path.prepare(name, data)   # before begin where the caller can: no checkpoint id yet
+    path.send(cid, rank, handle)        # after begin: the file is the service's, verified
+    path.discard(handle)                # what prepare left that send did not hand over
+
+`prepare` does what needs no checkpoint: hashing, and writing the bytes somewhere the
+service will take them from. Done before begin, a long write never runs into the
+checkpoint's lease. Its handle carries what the protocol needs:
+
+- `digest`: the whole file's xxh3-128, sent with the file and compared with the manifest
+  when a reply was lost (the session's lost-reply check);
+- `expected_bytes`: what begin tells the service the store must still find room for (the
+  service refuses a begin the store cannot hold): the file's size when its bytes travel
+  to the service, 0 when they are already written where the service takes them from.
+
+`send` must be safe to retry after a lost reply (the service answers a file it has
+already with `already_present`) and is final: whatever the path tried, after it returns
+the service holds the file as `file_name` of `rank`, verified, or it raised. The session
+then votes with the names of every file the rank sent (`CommitRank.files`, in the order
+they were added); a path adds nothing to the vote.
+
+Two paths today, chosen per save by `default_path`:
+
+- `StreamPath`: the bytes go over gRPC (PutShard, chunked).
+- `SpoolPath`: on the service's host, the file is written into its spool, hashed as it is
+  written, and only its name is sent (docs/architecture.md, *The spool*). Anything that
+  fails on the way falls back to the stream, so it is never worse than streaming.
+
+A `direct` path (the rank writes to the store itself: a shared file system, S3 through
+grants) is a third implementation of the same three calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from ..hashing import StreamHasher, hash_bytes
+
+
+@dataclass
+class Prepared:
+    """One file, ready to send. `token` is the path's own (a spool file's name, a staging
+    path, an upload id); nobody else reads it."""
+
+    name: str
+    data: memoryview
+    digest: str
+    expected_bytes: int
+    token: object = None
+
+    @property
+    def size(self) -> int:
+        return self.data.nbytes
+
+
+@runtime_checkable
+class DataPath(Protocol):
+    name: str
+
+    def prepare(self, name: str, data) -> Prepared: ...
+
+    def send(self, checkpoint_id: int, rank: int, handle: Prepared) -> None: ...
+
+    def discard(self, handle: Prepared) -> None: ...
+
+
+class StreamPath:
+    """The bytes over the gRPC stream (PutShard); works from anywhere the service answers."""
+
+    name = "stream"
+
+    def __init__(self, transport) -> None:
+        self.transport = transport
+
+    def prepare(self, name: str, data) -> Prepared:
+        data = memoryview(data).cast("B")
+        return Prepared(name, data, hash_bytes(data), expected_bytes=data.nbytes)
+
+    def send(self, checkpoint_id: int, rank: int, handle: Prepared) -> None:
+        self.transport.put_shard(checkpoint_id, rank, handle.name, handle.data, handle.digest)
+
+    def discard(self, handle: Prepared) -> None:
+        pass
+
+
+class SpoolPath(StreamPath):
+    """On the service's host: the file handed over through its spool (transport.spool_write,
+    put_shard(spooled=...)); streamed whenever that is not possible."""
+
+    name = "spool"
+
+    def prepare(self, name: str, data) -> Prepared:
+        data = memoryview(data).cast("B")
+        hasher = StreamHasher()  # fed as the spool file is written: one pass over the bytes
+        spooled = self.transport.spool_write(data, hasher)
+        if not spooled:  # no spool here, or writing failed: streamed
+            return super().prepare(name, data)
+        digest = hasher.hexdigest() if hasher.size == data.nbytes else hash_bytes(data)
+        return Prepared(name, data, digest, expected_bytes=0, token=spooled)  # already on the store's disk
+
+    def send(self, checkpoint_id: int, rank: int, handle: Prepared) -> None:
+        # a hand-over that fails for any reason is streamed, and the spool file removed
+        self.transport.put_shard(checkpoint_id, rank, handle.name, handle.data, handle.digest,
+                                 spooled=handle.token)
+        handle.token = None
+
+    def discard(self, handle: Prepared) -> None:
+        self.transport.spool_discard(handle.token)
+        handle.token = None
+
+
+def default_path(transport) -> DataPath:
+    """The spool where this process sees the service's (checked once per Transport, and
+    dropped when the service says it does not read it), else the stream."""
+    return SpoolPath(transport) if transport.spool is not None else StreamPath(transport)
