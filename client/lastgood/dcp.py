@@ -33,7 +33,6 @@ import io
 import json
 import logging
 import secrets
-import time
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.futures import Future
@@ -49,9 +48,8 @@ from torch.distributed.checkpoint.storage import WriteResult
 from . import names
 from .codec import Encoder, UnsupportedValue, decode
 from .config import ENV_URL, ClientConfig
-from .errors import CorruptCheckpoint, FormatError, LastgoodError, SaveFailed
+from .errors import CorruptCheckpoint, FormatError, LastgoodError
 from .format import META_STATE, header_length, parse_header
-from .hashing import hash_bytes
 from .staging import StagingPool, snapshot
 from .state import tensor_from_buffer
 
@@ -194,11 +192,30 @@ class StorageWriter(_Connected, dcp.StorageWriter):
         self.step, self.parent_id = step, parent_id
         self.is_coordinator, self.rank = False, 0
         self.checkpoint_id: int | None = None
+        self._session = None  # save/session.py: made with the connection
+        self._upload = None   # this rank's part in the checkpoint being saved
+
+    @property
+    def session(self):
+        """The commit protocol's client side, the Checkpointer's own (save/session.py)."""
+        if self._session is None:
+            from .save import SaveSession
+
+            t = self.transport
+            self._session = SaveSession(t, self.run, self.rank,
+                                        commit_timeout=2 * float(t.info.get("lease_seconds", 60)) + 60)
+        return self._session
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["_session"] = state["_upload"] = None  # they hold the connection
+        return state
 
     def reset(self, checkpoint_id=None) -> None:
         if checkpoint_id is not None:
             self.step = _digits(checkpoint_id, "a lastgood DCP save's checkpoint_id is its step")
         self.checkpoint_id = None
+        self._upload = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
         self.is_coordinator = is_coordinator
@@ -210,17 +227,20 @@ class StorageWriter(_Connected, dcp.StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         if self.step is None:
             raise LastgoodError("name the step: StorageWriter(step=...) or dcp.save(..., checkpoint_id=step)")
+        self.session.settle()  # a checkpoint whose outcome a failed save missed: aborted, or found committed
         parent = self.parent_id
         if parent is None:
             lg = self.transport.last_good(self.run)
             parent = lg["id"] if lg else None
-        ck = self.transport.begin(self.run, self.step, len(plans), parent, f"dcp-{secrets.token_hex(8)}", 0)
-        return [dataclasses.replace(p, storage_data={"checkpoint_id": ck.checkpoint_id, "rank": i})
+        cid = self.session.checkpoint(self.step, rank=0).begin(len(plans), f"dcp-{secrets.token_hex(8)}",
+                                                                parent_id=parent)
+        return [dataclasses.replace(p, storage_data={"checkpoint_id": cid, "rank": i})
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner) -> Future:
         cid, rank = plan.storage_data["checkpoint_id"], plan.storage_data["rank"]
         self.checkpoint_id, self.rank = cid, rank
+        self._upload = up = self.session.checkpoint(self.step or 0, rank=rank).join(cid)
         try:
             results, tensors, values = [], {}, {}
             for item in plan.items:
@@ -241,40 +261,28 @@ class StorageWriter(_Connected, dcp.StorageWriter):
                     size = data.numel() * data.element_size()
                 results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=where))
             snap = snapshot(self.step or 0, {"dcp_values": values}, tensors, StagingPool(slots=1, pin=False))
-            data = snap.view()
-            self.transport.put_shard(cid, rank, shard_file(rank), data, hash_bytes(data))
-            if not self.is_coordinator:
-                self.transport.commit_rank(cid, rank, [shard_file(rank)], wait=0)
+            up.add(shard_file(rank), snap.view())  # the spool on the service's host, else the stream
         except BaseException as e:
-            self._abort(cid, e)
+            up.abort(e)
             raise
+        if self.is_coordinator:
+            up.send()  # the coordinator votes in finish(), with DCP's metadata
+        else:
+            up.commit(wait=False)  # vote; the coordinator waits for the outcome
         fut: Future = Future()
         fut.set_result(results)
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        cid = self.checkpoint_id
+        up = self._upload
         try:
             metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
             metadata.storage_meta = self.storage_meta()
-            raw = metadata_to_json(metadata)
-            self.transport.put_shard(cid, self.rank, METADATA_FILE, memoryview(raw), hash_bytes(raw))
-            deadline = time.monotonic() + 2 * float(self.transport.info.get("lease_seconds", 60)) + 60
-            while True:
-                res = self.transport.commit_rank(cid, self.rank, [shard_file(self.rank), METADATA_FILE], wait=2.0)
-                if res.status == "COMMITTED":
-                    return
-                if time.monotonic() > deadline:
-                    raise SaveFailed(f"DCP checkpoint {cid} not committed; ranks not voted: {list(res.missing_ranks)}")
+            up.add(METADATA_FILE, metadata_to_json(metadata))
         except BaseException as e:
-            self._abort(cid, e)
+            up.abort(e)
             raise
-
-    def _abort(self, cid, e) -> None:
-        try:
-            self.transport.abort(cid, f"DCP rank {self.rank}: {e}"[:1000], self.rank)
-        except Exception:  # committed or expired already: the service settles it
-            pass
+        up.commit()  # vote last, wait for COMMITTED; a lost reply is checked, a failure aborts
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=str(self.step), save_id=str(self.checkpoint_id))

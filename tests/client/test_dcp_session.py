@@ -1,0 +1,132 @@
+"""DCP's StorageWriter goes through the Checkpointer's save session (lastgood/save/): a
+lost CommitRank reply is checked with the service instead of failing a save that
+committed; an unanswerable check says "outcome unknown", not a false failure; on the
+service's host the files are handed over through the spool; a save whose commit spans a
+service restart finishes once the service is back. One process, no process group (DCP's
+single-rank mode): the session is the same code for every rank."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import lastgood
+from lastgood import dcp as lgdcp
+from tests.service.helpers import ckpt_dir
+
+
+def state(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    return {"w": torch.randn(64, 32), "b": torch.randn(32), "meta": {"epoch": 3, "name": "x"}}
+
+
+def save(url: str, run: str, step: int = 5, sd: dict | None = None) -> None:
+    dcp.save(sd or state(), storage_writer=lgdcp.StorageWriter(url, run=run), checkpoint_id=str(step),
+             planner=lgdcp.SavePlanner())
+
+
+def assert_loads_back(url: str, run: str, step: int = 5) -> dict:
+    """The run's last-good is the DCP save of `step`, and it loads back exactly."""
+    lg = httpx_json(url, f"/api/v1/runs/{run}/last-good")
+    assert lg["step"] == step and lg["status"] == "COMMITTED"
+    got = {"w": torch.zeros(64, 32), "b": torch.zeros(32), "meta": {"epoch": 0, "name": ""}}
+    dcp.load(got, storage_reader=lgdcp.StorageReader(url, run=run), planner=lgdcp.LoadPlanner())
+    want = state()
+    assert torch.equal(got["w"], want["w"]) and torch.equal(got["b"], want["b"]) and got["meta"] == want["meta"]
+    return lg
+
+
+def httpx_json(url: str, path: str):
+    import httpx
+
+    r = httpx.get(url + path, timeout=30)
+    r.raise_for_status()
+    return r.json()
+
+
+def failures(e: CheckpointException) -> list[BaseException]:
+    """The exceptions DCP gathered from its ranks (each kept with its traceback)."""
+    return [exc for exc, _trace in e.failures.values()]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's "no process group: single rank" warning
+def test_a_lost_commit_reply_of_a_dcp_save_is_not_a_failed_save(make_service, run_name):
+    """The service commits, then the coordinator's vote reply is lost (a non-retryable
+    INTERNAL): the writer asks, finds its own files committed, and dcp.save returns.
+    Before the session, dcp.save raised although the checkpoint had committed."""
+    svc = make_service(LASTGOOD_FAILPOINT="lose_commit_reply")
+    save(svc.url, run_name)
+    assert "lose_commit_reply" in svc.log.read_text()  # control: the reply really was lost
+    assert_loads_back(svc.url, run_name)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_lost_reply_with_the_manifest_unreadable_is_unknown_not_failed(make_service, run_name, monkeypatch):
+    """The reply is lost and the check cannot read the manifest (a proxy answers 503): the
+    save reports that its outcome is unknown - it did commit - instead of a plain failure,
+    and leaves the checkpoint alone (an abort of a committed checkpoint is refused anyway)."""
+    from .proxy import proxy
+
+    monkeypatch.setenv("LASTGOOD_RETRY_DEADLINE", "2")
+    svc = make_service(LASTGOOD_FAILPOINT="lose_commit_reply")
+    with proxy(svc.url, "/api/v1/checkpoints/1/manifest", 503) as (url, _handler):
+        with pytest.raises(CheckpointException) as raised:
+            save(url, run_name)
+    [err] = failures(raised.value)
+    assert isinstance(err, lastgood.SaveFailed) and "outcome unknown" in str(err), repr(err)
+    assert httpx_json(svc.url, "/api/v1/checkpoints/1")["status"] == "COMMITTED"  # the true outcome
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_dcp_save_hands_its_files_over_through_the_spool(service, run_name, monkeypatch):
+    """On the service's host the shard and DCP's metadata are written into the spool and
+    adopted as the blobs (the very inodes), not streamed."""
+    writer = lgdcp.StorageWriter(service.url, run=run_name)
+    assert writer.transport.spool is not None
+    spool_write, written = writer.transport.spool_write, []
+
+    def observed(data, hasher=None):  # the real method; remember the inodes it wrote
+        name = spool_write(data, hasher)
+        if name:
+            written.append(os.stat(os.path.join(writer.transport.spool["dir"], name)).st_ino)
+        return name
+
+    monkeypatch.setattr(writer.transport, "spool_write", observed)
+    dcp.save(state(), storage_writer=writer, checkpoint_id="5", planner=lgdcp.SavePlanner())
+    lg = assert_loads_back(service.url, run_name)
+    blobs = {p.stat().st_ino for p in (ckpt_dir(service, lg["id"]) / "r0").iterdir()
+             if p.is_file() and not p.name.endswith(".index")}
+    assert len(written) == 2 and set(written) == blobs, (written, blobs)  # the shard and the metadata
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_dcp_save_whose_commit_spans_a_service_restart_commits(make_service, run_name):
+    """The service dies between writing the manifest and its commit transaction (the
+    coordinator's vote unanswered) and comes back on the same data: the writer retries
+    with backoff meanwhile, hears COMMITTED (rolled forward at start-up) and returns."""
+    svc = make_service(LASTGOOD_FAILPOINT="crash_after_manifest", LASTGOOD_LEASE_SECONDS="60")
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            save(svc.url, run_name)
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            outcome.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert svc.wait_exit(60) == 77  # the failpoint: died between the manifest and the commit
+    time.sleep(3)  # down for a while: the writer's calls fail and back off
+    svc.env.pop("LASTGOOD_FAILPOINT")
+    svc.restart()
+    t.join(120)
+    assert outcome == [None], outcome
+    assert_loads_back(svc.url, run_name)
