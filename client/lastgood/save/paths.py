@@ -22,7 +22,8 @@ checkpoint's lease. Its handle carries what the protocol needs:
 already with `already_present`) and is final: whatever the path tried, after it returns
 the service holds the file as `file_name` of `rank`, verified, or it raised. The session
 then votes with the names of every file the rank sent (`CommitRank.files`, in the order
-they were added); a path adds nothing to the vote.
+they were added). A path whose service side must hear more at the vote (S3's parts) keeps
+it on its handle (`token`); `Upload._vote` is the one place that would pass it on.
 
 Two paths today, chosen per save by `default_path`:
 
@@ -32,7 +33,8 @@ Two paths today, chosen per save by `default_path`:
   fails on the way falls back to the stream, so it is never worse than streaming.
 
 A `direct` path (the rank writes to the store itself: a shared file system, S3 through
-grants) is a third implementation of the same three calls.
+grants) is a third implementation of the same three calls; `default_path` is the one
+place that chooses a path.
 """
 
 from __future__ import annotations
