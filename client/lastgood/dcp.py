@@ -233,7 +233,7 @@ class StorageWriter(_Connected, dcp.StorageWriter):
             lg = self.transport.last_good(self.run)
             parent = lg["id"] if lg else None
         cid = self.session.checkpoint(self.step, rank=0).begin(len(plans), f"dcp-{secrets.token_hex(8)}",
-                                                                parent_id=parent)
+                                                                parent_id=parent or 0)  # 0: none
         return [dataclasses.replace(p, storage_data={"checkpoint_id": cid, "rank": i})
                 for i, p in enumerate(plans)]
 

@@ -157,7 +157,7 @@ class Upload:
 
     def begin(self, world_size: int, attempt: str, *, parent_id: int | None = None) -> int:
         """BeginCheckpoint (idempotent on run, step, attempt), telling the service what the
-        files added so far will cost its store. `parent_id`: by default the session's."""
+        files added so far will cost its store. `parent_id`: by default the session's (0: none)."""
         parent = self.session.parent_id if parent_id is None else parent_id
         try:
             ck = self.transport.begin(self.session.run, self.step, world_size, parent, attempt, self.rank,
