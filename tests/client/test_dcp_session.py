@@ -55,6 +55,7 @@ def failures(e: CheckpointException) -> list[BaseException]:
     return [exc for exc, _trace in e.failures.values()]
 
 
+@pytest.mark.slow  # a service of its own, armed with a failpoint
 @pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's "no process group: single rank" warning
 def test_a_lost_commit_reply_of_a_dcp_save_is_not_a_failed_save(make_service, run_name):
     """The service commits, then the coordinator's vote reply is lost (a non-retryable
@@ -66,6 +67,7 @@ def test_a_lost_commit_reply_of_a_dcp_save_is_not_a_failed_save(make_service, ru
     assert_loads_back(svc.url, run_name)
 
 
+@pytest.mark.slow  # a service of its own, armed with a failpoint
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_a_lost_reply_with_the_manifest_unreadable_is_unknown_not_failed(make_service, run_name, monkeypatch):
     """The reply is lost and the check cannot read the manifest (a proxy answers 503): the
