@@ -87,7 +87,7 @@ class Checkpointer:
         self.require_final = require_final
         self.transport = Transport(cfg.url, token=cfg.token, retry=cfg.retry, spool=cfg.spool)
         self._record_restart()
-        self.commit_timeout = commit_timeout or 2 * float(self.transport.info.get("lease_seconds", 60)) + 60
+        commit_timeout = commit_timeout or 2 * float(self.transport.info.get("lease_seconds", 60)) + 60
         self.launch = names.check_attempt(distributed.launch_attempt(self.world_size, cfg.attempt))[:56]
         self._restores = 0  # every rank restores the same number of times, so they agree on the attempt
         self.generation = self._register(retention)  # a bad retention raises here on every rank
@@ -95,7 +95,7 @@ class Checkpointer:
         self.file_name = shard_file_name(self.rank)
         # the commit protocol's client side, shared with DCP's writer: it keeps the parent
         # and the checkpoints whose outcome this rank missed (save/session.py)
-        self._session = SaveSession(self.transport, self.run, self.rank, commit_timeout=self.commit_timeout)
+        self._session = SaveSession(self.transport, self.run, self.rank, commit_timeout=commit_timeout)
         self.last_saved: SaveResult | None = None
         self._pool = StagingPool(slots=staging_buffers)
         self._jobs = UploadQueue()
@@ -183,6 +183,15 @@ class Checkpointer:
         """(run, step, attempt) names a checkpoint. After a restore the job may save steps it
         saved before (on another branch), so every restore starts a new attempt."""
         return self.launch if self._restores == 0 else f"{self.launch}.{self._restores}"
+
+    @property
+    def commit_timeout(self) -> float:
+        """How long a save waits for its commit after its upload (the session's; settable)."""
+        return self._session.commit_timeout
+
+    @commit_timeout.setter
+    def commit_timeout(self, value: float) -> None:
+        self._session.commit_timeout = value
 
     @property
     def parent_id(self) -> int | None:

@@ -10,12 +10,16 @@
 (`checkpoint_id` of a save is its step; of a load, a lastgood checkpoint id, or nothing for
 the run's last-good; `dcp.async_save` works the same.)
 
-How DCP's protocol maps onto the commit: the coordinator begins the checkpoint in
-`prepare_global_plan` and hands its id to every rank inside the plans; in `write_data`
-each rank streams its items as one safetensors file and, unless it is the coordinator,
-votes; the coordinator's `finish()` uploads DCP's metadata, votes last and returns only
-when the checkpoint is COMMITTED. Any failure aborts the checkpoint, so nothing partial
-becomes visible; a rank that dies leaves it to expire.
+How DCP's protocol maps onto the commit (the Checkpointer's save session, save/): the
+coordinator picks the checkpoint's attempt and parent in `prepare_global_plan` and hands
+them to every rank inside the plans; in `write_data` each rank writes its items as one
+safetensors file (into the service's spool on its host, else streamed), then begins the
+checkpoint (idempotent on run, step and attempt, so every rank gets the same one) and,
+unless it is the coordinator, votes; the coordinator's `finish()` uploads DCP's metadata,
+votes last and returns only when the checkpoint is COMMITTED. The file is written before
+begin, as the Checkpointer does, so a long write never runs into the checkpoint's lease.
+A failure aborts the checkpoint, so nothing partial becomes visible, unless the failure
+was a lost reply of a checkpoint that did commit; a rank that dies leaves it to expire.
 
 No pickle: DCP's metadata is stored as JSON, and DCP's default planners pickle
 non-tensor values (`torch.save` on write, an unrestricted torch load on read), so lastgood ships
@@ -232,15 +236,15 @@ class StorageWriter(_Connected, dcp.StorageWriter):
         if parent is None:
             lg = self.transport.last_good(self.run)
             parent = lg["id"] if lg else None
-        cid = self.session.checkpoint(self.step, rank=0).begin(len(plans), f"dcp-{secrets.token_hex(8)}",
-                                                                parent_id=parent or 0)  # 0: none
-        return [dataclasses.replace(p, storage_data={"checkpoint_id": cid, "rank": i})
-                for i, p in enumerate(plans)]
+        # every rank begins it itself after writing its file (begin is idempotent on the attempt)
+        begin = {"attempt": f"dcp-{secrets.token_hex(8)}", "parent": parent or 0, "world": len(plans)}  # 0: none
+        return [dataclasses.replace(p, storage_data={**begin, "rank": i}) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner) -> Future:
-        cid, rank = plan.storage_data["checkpoint_id"], plan.storage_data["rank"]
-        self.checkpoint_id, self.rank = cid, rank
-        self._upload = up = self.session.checkpoint(self.step or 0, rank=rank).join(cid)
+        how = plan.storage_data
+        self.rank = rank = how["rank"]
+        self._upload = up = self.session.checkpoint(self.step or 0, rank=rank)
+        begin = lambda: up.begin(how["world"], how["attempt"], parent_id=how["parent"])  # noqa: E731
         try:
             results, tensors, values = [], {}, {}
             for item in plan.items:
@@ -262,7 +266,13 @@ class StorageWriter(_Connected, dcp.StorageWriter):
                 results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=where))
             snap = snapshot(self.step or 0, {"dcp_values": values}, tensors, StagingPool(slots=1, pin=False))
             up.add(shard_file(rank), snap.view())  # the spool on the service's host, else the stream
+            self.checkpoint_id = begin()  # after the write: a long write never meets the lease
         except BaseException as e:
+            if up.checkpoint_id is None:  # begun only to abort it, so the peers learn at once
+                try:
+                    begin()
+                except Exception:  # noqa: BLE001 - the service is away: the lease settles it
+                    pass
             up.abort(e)
             raise
         if self.is_coordinator:

@@ -132,3 +132,44 @@ def test_a_dcp_save_whose_commit_spans_a_service_restart_commits(make_service, r
     t.join(120)
     assert outcome == [None], outcome
     assert_loads_back(svc.url, run_name)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_dcp_file_written_longer_than_the_lease_still_commits(make_service, run_name, monkeypatch):
+    """A rank writes its file before it begins the checkpoint (as the Checkpointer does), so
+    a long write (a big shard into the spool, telling the service nothing meanwhile) cannot
+    run into the checkpoint's lease. Control: the same slow write after begin, which is what
+    the writer did when the coordinator began in prepare_global_plan, lets the lease lapse."""
+    svc = make_service()  # the test lease: 3 s
+    writer = lgdcp.StorageWriter(svc.url, run=run_name)
+    assert writer.transport.spool is not None
+    real = writer.transport.spool_write
+
+    def slow(data, hasher=None):  # a shard takes 5 s to write, longer than the lease (DCP's metadata not)
+        if memoryview(data).nbytes > 4096:
+            time.sleep(5)
+        return real(data, hasher)
+
+    monkeypatch.setattr(writer.transport, "spool_write", slow)
+    dcp.save(state(), storage_writer=writer, checkpoint_id="5", planner=lgdcp.SavePlanner())
+    assert_loads_back(svc.url, run_name)
+
+    # control: begun first, then written as slowly: the checkpoint is ABANDONED under the write
+    from lastgood.save import SaveSession
+
+    up = SaveSession(writer.transport, run_name, 0, commit_timeout=30).checkpoint(6, rank=0)
+    cid = up.begin(1, "control")
+    up.add("rank00000.safetensors", memoryview(bytes(8192)))
+    with pytest.raises(lastgood.SaveFailed, match="ABANDONED"):
+        up.commit()
+    assert httpx_json(svc.url, f"/api/v1/checkpoints/{cid}")["status"] == "ABANDONED"
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_writer_holds_no_copy_of_its_shard_after_the_save(service, run_name):
+    """A writer kept for the next save (as with dcp.async_save) must not keep the last
+    save's host copy of the shard: its handles drop the bytes once the service has them."""
+    writer = lgdcp.StorageWriter(service.url, run=run_name)
+    dcp.save(state(), storage_writer=writer, checkpoint_id="5", planner=lgdcp.SavePlanner())
+    assert writer._upload.files and all(h.data.nbytes == 0 for h in writer._upload.files)
+    assert_loads_back(service.url, run_name)

@@ -56,10 +56,6 @@ class Prepared:
     expected_bytes: int
     token: object = None
 
-    @property
-    def size(self) -> int:
-        return self.data.nbytes
-
 
 @runtime_checkable
 class DataPath(Protocol):
@@ -104,16 +100,22 @@ class SpoolPath(StreamPath):
         if not spooled:  # no spool here, or writing failed: streamed
             return super().prepare(name, data)
         digest = hasher.hexdigest() if hasher.size == data.nbytes else hash_bytes(data)
-        return Prepared(name, data, digest, expected_bytes=0, token=spooled)  # already on the store's disk
+        # the spool it was written to, kept: the transport forgets its spool when the service
+        # declines one hand-over, and the files written before that must still be removed
+        return Prepared(name, data, digest, expected_bytes=0, token=(spooled, self.transport.spool))
 
     def send(self, checkpoint_id: int, rank: int, handle: Prepared) -> None:
         # a hand-over that fails for any reason is streamed, and the spool file removed
-        self.transport.put_shard(checkpoint_id, rank, handle.name, handle.data, handle.digest,
-                                 spooled=handle.token)
+        name, spool = handle.token
+        try:
+            self.transport.put_shard(checkpoint_id, rank, handle.name, handle.data, handle.digest, spooled=name)
+        finally:
+            self.transport.spool_discard(name, spool)  # gone already when the service took it
         handle.token = None
 
     def discard(self, handle: Prepared) -> None:
-        self.transport.spool_discard(handle.token)
+        if handle.token is not None:
+            self.transport.spool_discard(*handle.token)
         handle.token = None
 
 

@@ -31,6 +31,7 @@ from ..errors import GaveUp, SaveFailed, ServiceError
 from .paths import DataPath, Prepared, default_path
 
 log = logging.getLogger("lastgood")
+_SENT = memoryview(b"")  # what a sent file's handle holds instead of its bytes
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,9 @@ class Upload:
 
     def _send(self) -> None:
         while self._sent < len(self.files):
-            self.path.send(self.checkpoint_id, self.rank, self.files[self._sent])
+            handle = self.files[self._sent]
+            self.path.send(self.checkpoint_id, self.rank, handle)
+            handle.data = _SENT  # the service has it: the writer's buffer is not held past the save
             self._sent += 1
 
     def commit(self, *, wait: bool = True, converging: Callable[[], bool] | None = None) -> None:
