@@ -34,6 +34,7 @@ from lastgood.format import header_length, parse_header, tensor_index
 from lastgood.hashing import StreamHasher, hash_bytes, is_valid_hex
 from lastgood.manifest import FileEntry, Manifest
 
+from ...catalog import txtimer
 from ...catalog.models import ABANDONED, COMMITTED, CORRUPT, PENDING, VERIFIED, Checkpoint, Run, Shard, Vote
 from ...blobstore import capabilities
 from .. import fencing, keys, last_good
@@ -96,6 +97,7 @@ class CommitProtocol(CommitCore):
             os._exit(77)
 
     # ---------------------------------------------------------------- begin
+    @txtimer.label("begin")  # /metrics counts catalog transactions by these labels
     def begin(self, run: str, step: int, world_size: int, parent_id: int | None, attempt: str,
               rank: int = 0, generation: int = 0, expected_bytes: int = 0) -> Checkpoint:
         """`generation`: the caller's launch (domain/fencing.py); 0 for a client that did not register.
@@ -167,6 +169,7 @@ class CommitProtocol(CommitCore):
             return ck
 
     # ---------------------------------------------------------------- put
+    @txtimer.label("put")
     def put_shard(self, header: ShardHeader, chunks: Iterable[bytes], adopt=None) -> PutResult:
         """Stream one shard file into a temporary blob, hashing as bytes arrive; publish it
         durably and record it VERIFIED only if size and hash match the client's.
@@ -299,6 +302,7 @@ class CommitProtocol(CommitCore):
                       file=h.file_name, declared=h.xxh3_128, received=digest)
 
     # ---------------------------------------------------------------- vote and commit
+    @txtimer.label("vote")
     def vote(self, checkpoint_id: int, rank: int, files: list[str], wait_seconds: float = 0.0) -> VoteResult:
         self.gate.check()
         if len(set(files)) != len(files):
