@@ -309,32 +309,11 @@ class CommitProtocol(CommitCore):
             raise InvalidArgument("the vote lists a file twice")
         if not math.isfinite(wait_seconds):
             raise InvalidArgument(f"wait_seconds must be a finite number, got {wait_seconds}")
-        with self.sessions() as s, s.begin():
-            ck = self._get_checkpoint(s, checkpoint_id, lock=True)  # serialises with shard records
-            self._check_rank(ck, rank)
-            fencing.check(s, ck.run_id, ck.generation, f"vote on checkpoint {ck.id}")
-            prior = s.get(Vote, (checkpoint_id, rank))
-            if prior is not None:
-                if sorted(json.loads(prior.files_json)) != sorted(files):
-                    raise Conflict(f"rank {rank} already voted on checkpoint {checkpoint_id} with other files")
-            else:
-                self._require_pending(ck, "vote")
-                have = {sh.file_name: sh for sh in s.scalars(
-                    select(Shard).where(Shard.checkpoint_id == checkpoint_id, Shard.rank == rank))}
-                missing = sorted(set(files) - set(have))
-                extra = sorted(set(have) - set(files))
-                if missing:
-                    raise FailedPrecondition(f"rank {rank} votes for files that are not verified: {missing}")
-                if extra:
-                    raise FailedPrecondition(f"rank {rank} uploaded files its vote leaves out: {extra}")
-                s.add(Vote(checkpoint_id=checkpoint_id, rank=rank, files_json=json.dumps(sorted(files)),
-                           created_at=self.clock()))
-                ck.lease_expires_at = self._lease()
-            voted = s.scalar(select(func.count()).select_from(Vote).where(Vote.checkpoint_id == checkpoint_id))
-            complete = ck.status == PENDING and voted == ck.world_size
-        if complete:
-            self.try_commit(checkpoint_id)
-        result = self.wait_for(checkpoint_id, min(max(wait_seconds, 0.0), self.settings.commit_wait_max))
+        # recorded in one transaction with the votes arriving together (votebatch.py), and
+        # committed by one of them when they complete the checkpoint
+        result = self.vote_batches.vote(checkpoint_id, rank, files)
+        if result.status == PENDING and wait_seconds > 0:
+            result = self.wait_for(checkpoint_id, min(wait_seconds, self.settings.commit_wait_max))
         if result.status == COMMITTED and self.settings.failpoint == "lose_commit_reply":
             raise RuntimeError("failpoint lose_commit_reply: the commit happened, its reply is lost")
         return result
