@@ -49,6 +49,10 @@ class CommitCore:
     def _lease(self) -> dt.datetime:
         return self.clock() + dt.timedelta(seconds=self.settings.lease_seconds)
 
+    def _lease_slack(self) -> dt.timedelta:
+        """How stale a lease may be before a begin renews it: a quarter of it (puts renew as often)."""
+        return dt.timedelta(seconds=self.settings.lease_seconds / 4)
+
     def _get_checkpoint(self, s: Session, checkpoint_id: int, lock: bool = False) -> Checkpoint:
         ck = s.get(Checkpoint, checkpoint_id, with_for_update=lock) if checkpoint_id > 0 else None
         if ck is None:

@@ -5,8 +5,9 @@ Invariants (docs/architecture.md), and where this module keeps them:
      that marks the checkpoint COMMITTED and moves last-good has committed; blobs were
      published durably (fsync + rename + fsync dir) before they were recorded VERIFIED.
   I2 nothing is visible unless complete: a checkpoint becomes COMMITTED only when every
-     rank voted with exactly its verified files (reads.py serves COMMITTED checkpoints
-     only; verification.py re-hashes and marks CORRUPT).
+     rank voted with exactly its verified files (each vote checked where it is written,
+     votebatch.py, and all of them again by try_commit; reads.py serves COMMITTED
+     checkpoints only; verification.py re-hashes and marks CORRUPT).
   I3 last-good moves forward only in the commit transaction (domain/last_good.py, advance);
      a failed save never touches it.
 Commit is exactly-once under races: the status change is a conditional UPDATE
@@ -149,7 +150,9 @@ class CommitProtocol(CommitCore):
                 if ck.status in (ABANDONED, CORRUPT):
                     raise FailedPrecondition(f"checkpoint {ck.id} ({run_name} step {step} attempt {attempt}) is "
                                              f"{ck.status}; save again under a new attempt")
-                if ck.status == PENDING:
+                # the other ranks' begins of a storm find the lease fresh: they write nothing
+                # (no WAL, no fsync), so 1,024 begins are one write and 1,023 reads
+                if ck.status == PENDING and ck.lease_expires_at < self._lease() - self._lease_slack():
                     ck.lease_expires_at = self._lease()
                 return ck
             if parent_id is not None:
