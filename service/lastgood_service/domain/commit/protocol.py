@@ -199,7 +199,8 @@ class CommitProtocol(CommitCore):
                 return self._same_or_conflict(existing, header)
             self._require_pending(ck, "upload")
             self._require_not_voted(s, header)
-            ck.lease_expires_at = self._lease()
+            if ck.lease_expires_at < self._lease() - self._lease_slack():  # fresh: a put storm writes nothing here
+                ck.lease_expires_at = self._lease()
             # The key derives from the declared hash, so an S3 multipart upload can start now;
             # bytes that do not match it are aborted and never become visible.
             pfx = key_prefix(s, ck)
