@@ -17,8 +17,10 @@ for begin, put and vote; httpx for the REST long-poll. Per checkpoint:
    Measured: from the last vote (its catalog timestamp) to each rank hearing COMMITTED
    (time.time() here; one machine, one clock); the service's CPU seconds and its peak
    thread count over the storm.
-4. catalog cost of the checkpoint: rows it added, and on PostgreSQL the transactions and
-   WAL bytes; on SQLite the bytes the service wrote with write() less the blob bytes.
+4. catalog cost of the checkpoint: rows it added; the service's catalog transactions of
+   each phase by label (/metrics, both catalogs); on PostgreSQL the database's own
+   transaction, tuple and WAL counters; on SQLite the bytes the service wrote with write()
+   less the blob bytes.
 
 Both modes run in the same service process, alternating, so they share the machine's load.
 """
@@ -127,6 +129,20 @@ async def get_json(host: str, port: int, path: str) -> tuple[int, dict]:
     return int(head.split()[1]), json.loads(body)
 
 
+def catalog_transactions(url: str) -> dict[str, int]:
+    """The service's catalog transactions so far by label (begin, put, vote, ...), from
+    /metrics (`lastgood_catalog_transactions_total`); {} from a service without them."""
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith("lastgood_catalog_transactions_total{"):
+            out[line.split('label="', 1)[1].split('"', 1)[0]] = int(float(line.split()[-1]))
+    return out
+
+
+def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+
+
 def summary(xs: list[float]) -> dict:
     xs = sorted(xs)
     if not xs:
@@ -161,8 +177,10 @@ async def storm(url: str, run: str, step: int, ranks: int, mode: str, pid: int |
             if measured:
                 lat.append(time.perf_counter() - t)
 
+        tx0 = catalog_transactions(url)
         t0 = time.perf_counter()
         await asyncio.gather(*(begin(r) for r in range(ranks)))
+        tx_begun = catalog_transactions(url)
         out["begin"] = {"latency_s": summary(lat), "errors": len(errors), "error_codes": sorted(set(errors)),
                         "checkpoint_ids": len(ids), "wall_s": round(time.perf_counter() - t0, 3)}
         for r in failed:  # the client's retry policy would ask again: so do we, one at a time, unmeasured
@@ -195,6 +213,7 @@ async def storm(url: str, run: str, step: int, ranks: int, mode: str, pid: int |
         t0 = time.perf_counter()
         await asyncio.gather(*(put(r) for r in range(ranks)))
         out["put_wall_s"] = round(time.perf_counter() - t0, 3)
+        tx_put = catalog_transactions(url)
 
         # 3. vote storm
         heard: list[float | None] = [None] * ranks
@@ -244,6 +263,10 @@ async def storm(url: str, run: str, step: int, ranks: int, mode: str, pid: int |
         with ThreadSampler(pid) as sampler:
             await asyncio.gather(*(body(r) for r in range(ranks)))
         out["vote_storm_wall_s"] = round(time.time() - t0, 3)
+        # catalog transactions of each phase, by the label of the code that ran them (the
+        # service's own count: SQLite and PostgreSQL alike; "vote" includes the commit)
+        out["catalog_transactions"] = {"begin_storm": _delta(tx_begun, tx0), "puts": _delta(tx_put, tx_begun),
+                                       "vote_storm": _delta(catalog_transactions(url), tx_put)}
         out["service_cpu_s"] = round(cpu_seconds(pid) - cpu0, 2) if pid else None
         out["service_threads_peak"] = sampler.peak if pid else None
         out["statuses"] = {s: statuses.count(s) for s in set(statuses)}

@@ -21,6 +21,7 @@ from .api.grpc_server import Servicer, start_grpc_server
 from .api.deps import AppContext
 from .api.rest import create_app
 from .blobstore import capabilities, open_blobstore
+from .catalog import txtimer
 from .catalog.db import make_engine, make_sessionmaker, read_sessionmaker, upgrade_head
 from .domain.commit import CommitService
 from .domain.outcomes import OutcomeNotifier
@@ -86,6 +87,7 @@ class Service:
                                    event_retention_seconds=settings.event_retention_seconds,
                                    read_sessions=self.queries.sessions)
         self.metrics.watch_free_bytes(lambda: capabilities.free_bytes(blobs))
+        self.metrics.watch_catalog(txtimer.of(sessions))  # the commit path's engine (heartbeats have their own)
         admin = settings.admin_token.get_secret_value() if settings.admin_token else None
         self.tokens = TokenStore(sessions, required=settings.auth_required, bootstrap_admin=admin)
         self.spool = None

@@ -9,9 +9,22 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+
+class _CatalogTransactions:
+    def __init__(self, timer) -> None:
+        self.timer = timer
+
+    def collect(self):
+        c = CounterMetricFamily("lastgood_catalog_transactions", "Catalog transactions ended (committed or rolled "
+                                "back) by this process, by who ran them", labels=["label"])
+        for label, n in sorted(dict(self.timer.counts).items()):
+            c.add_metric([label or "other"], n)
+        yield c
 
 
 class Metrics:
@@ -45,6 +58,13 @@ class Metrics:
         """Room left in the blob store, read at scrape time (NaN where the store cannot tell)."""
         Gauge("lastgood_store_free_bytes", "Bytes free in the blob store (local stores)", registry=self.registry
               ).set_function(lambda: float("nan") if (n := free()) is None else n)
+
+    def watch_catalog(self, timer) -> None:
+        """Catalog transactions (read-only ones included) by who ran them (catalog/txtimer.py's
+        labels: begin, put, vote, ...; "other" unlabelled), read from the engine's timer at
+        scrape time: what a checkpoint costs the catalog, on SQLite as on PostgreSQL."""
+        if timer is not None:
+            self.registry.register(_CatalogTransactions(timer))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

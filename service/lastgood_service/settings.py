@@ -43,6 +43,9 @@ class Settings(BaseSettings):
                                     "for a checkpoint's outcome (a coroutine, no thread, per waiting rank)")
     outcome_poll_interval: float = Field(0.25, gt=0, description="how often the one outcome notifier per process "
                                          "reads the watched checkpoints' status (commits by another replica)")
+    vote_batch_window: float = Field(0.002, ge=0, le=1.0, description="a vote that finds no batch being written "
+                                     "waits this long for others to join its transaction (0: only the votes "
+                                     "that arrived while the previous batch was written join)")
 
     max_shard_bytes: int = Field(256 * 1024**3, gt=0, description="largest shard file accepted")
     max_chunk_bytes: int = Field(4 * MiB, gt=0, description="largest chunk in one PutShard message")
@@ -104,7 +107,8 @@ class Settings(BaseSettings):
     failpoint: str | None = Field(
         None, description="testing only: crash_before_manifest / crash_after_manifest make the process "
                           "exit abruptly at that point of a commit; lose_commit_reply fails every "
-                          "CommitRank reply after the commit happened; blob_eio fails every blob write "
+                          "CommitRank reply after the commit happened; vote_batch_fails_once fails the "
+                          "first vote batch's transaction after its rows were written; blob_eio fails every blob write "
                           "with EIO")
 
     @model_validator(mode="after")

@@ -17,6 +17,7 @@ from tests.conftest import ROOT
 from tests.service.helpers import http
 
 STORM_RANKS = 300
+VOTE_BATCH_RANKS = 128
 BEGIN_STORM = 3200  # above gRPC's default hard limit of 3,000 queued calls
 
 
@@ -34,6 +35,33 @@ def test_hundreds_of_ranks_voting_at_once_all_hear_committed(service, run_name):
     assert res["heard"] == STORM_RANKS
     view = http(service).get(f"/api/v1/checkpoints/{res['checkpoint_id']}").json()
     assert view["status"] == "COMMITTED" and view["world_size"] == STORM_RANKS
+
+
+def catalog_transactions(svc, label: str) -> int:
+    """This service process's catalog transactions so far run by `label` (/metrics)."""
+    for line in http(svc).get("/metrics").text.splitlines():
+        if line.startswith(f'lastgood_catalog_transactions_total{{label="{label}"}}'):
+            return int(float(line.split()[-1]))
+    return 0
+
+
+@pytest.mark.slow
+def test_ranks_voting_at_once_are_written_in_a_few_catalog_transactions(service, run_name):
+    """Group commit of votes (domain/commit/votebatch.py): votes that arrive together are
+    written in one transaction, and no vote re-reads the others. One transaction per vote
+    (and one more to read every vote back) made the catalog work of a checkpoint
+    O(ranks) transactions and O(ranks^2) rows read."""
+    ranks = VOTE_BATCH_RANKS
+    before = catalog_transactions(service, "vote")
+    proc = subprocess.run([sys.executable, "-m", "bench.control_plane", "storm", service.url, "--run", run_name,
+                           "--ranks", str(ranks), "--mode", "outcome"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["statuses"] == {"COMMITTED": ranks}
+    spent = catalog_transactions(service, "vote") - before
+    # every vote and the commit, all of them: batches plus the commit's few transactions
+    assert 0 < spent <= ranks // 4, f"{ranks} votes took {spent} catalog transactions"
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from a wall clock around a whole request.
 from __future__ import annotations
 
 import contextvars
+import functools
 import threading
 import time
 from collections import deque
@@ -43,6 +44,7 @@ class TxTimer:
     def __init__(self, keep: int = KEEP) -> None:
         self.records: deque[TxTiming] = deque(maxlen=keep)
         self.total = 0  # transactions recorded ever: a mark for since()
+        self.counts: dict[str, int] = {}  # transactions ended ever, by label ("" unlabelled): for /metrics
         self._waiting: dict[int, float] = {}  # id(conn.info) -> when its BEGIN was asked for
         self._lock = threading.Lock()
 
@@ -92,7 +94,9 @@ class TxTimer:
         if t is None or t[2] is None:
             return
         self.records.append(TxTiming(t[0], t[1], t[2] - t[1], time.perf_counter() - t[2], t[3]))
-        self.total += 1
+        with self._lock:
+            self.total += 1
+            self.counts[t[0]] = self.counts.get(t[0], 0) + 1
 
     def since(self, mark: int = 0, label: str | None = None) -> list[TxTiming]:
         """Transactions recorded after `mark` (`total` taken earlier; the newest KEEP at most),
@@ -110,6 +114,17 @@ def labelled(name: str) -> Iterator[None]:
         yield
     finally:
         _label.reset(token)
+
+
+def label(name: str):
+    """Decorator: the function's transactions carry `name` (labelled, for a whole call)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            with labelled(name):
+                return fn(*args, **kwargs)
+        return call
+    return wrap
 
 
 def of(sessions) -> TxTimer | None:

@@ -2,6 +2,7 @@
 
   core.py          what the parts share (catalog, store, clock, lease, the waiters' condition)
   protocol.py      begin, put, vote, commit (the invariants I1-I3 are kept there)
+  votebatch.py     group commit of votes: the votes arriving together, one transaction
   lifecycle.py     abort, lease expiry, start-up recovery
   verification.py  re-hashing, and marking a checkpoint CORRUPT
   reads.py         shards and manifests of committed checkpoints

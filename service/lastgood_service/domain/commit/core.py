@@ -17,6 +17,7 @@ from ...settings import Settings
 from .. import fencing, keys
 from ..errors import InvalidArgument, NotFound
 from ..gate import CatalogGate
+from .votebatch import VoteBatcher
 
 
 def key_prefix(s: Session, ck: Checkpoint) -> str:
@@ -41,10 +42,16 @@ class CommitCore:
         self.blobs = MeteredBlobStore(blobs, self.metrics)
         self._changed = threading.Condition()
         self.listeners: list[Callable[[], None]] = []  # told of every change _notify announces (domain/outcomes.py)
+        # votes that arrive together are written in one transaction (votebatch.py)
+        self.vote_batches = VoteBatcher(self, settings.vote_batch_window, settings.failpoint)
         self.launches = fencing.Launches(sessions, clock, notify=self._notify, metrics=self.metrics, gate=self.gate)
 
     def _lease(self) -> dt.datetime:
         return self.clock() + dt.timedelta(seconds=self.settings.lease_seconds)
+
+    def _lease_slack(self) -> dt.timedelta:
+        """How stale a lease may be before a begin renews it: a quarter of it (puts renew as often)."""
+        return dt.timedelta(seconds=self.settings.lease_seconds / 4)
 
     def _get_checkpoint(self, s: Session, checkpoint_id: int, lock: bool = False) -> Checkpoint:
         ck = s.get(Checkpoint, checkpoint_id, with_for_update=lock) if checkpoint_id > 0 else None

@@ -1,0 +1,226 @@
+"""Group commit of votes: the votes that arrive together are written in ONE transaction.
+
+At 1,024 ranks every rank votes within the same second. Written one transaction each,
+under the checkpoint's row lock, each also counting and re-reading every vote before it,
+a checkpoint cost O(ranks) catalog transactions and O(ranks^2) rows read, and on SQLite
+every transaction appends its own pages to the WAL. Here a vote joins a queue; one of the
+waiting voters (the leader) takes everything queued - what arrived while the previous
+batch was being written, and within `vote_batch_window` seconds after - and writes it:
+
+- one transaction per batch, whatever the number of checkpoints and ranks in it: each
+  checkpoint's row is locked (in id order, so two replicas' batches cannot deadlock), its
+  votes in the batch are checked against the rank's verified shards read in one query,
+  written, and the voted ranks are read back in one query (the count that says "all ranks
+  voted", and the missing ranks the answer carries);
+- a voter's answer leaves only after its batch's transaction has committed (a vote is
+  durable when acknowledged, as before);
+- a vote the protocol refuses (wrong files, a checkpoint not PENDING, fenced) is refused
+  to that voter alone and writes nothing; the others in the batch are written;
+- a batch whose transaction fails (a catalog error, a lost connection) has written nothing
+  (rolled back as a whole) and every voter in it hears Unavailable: vote again;
+- the batch that completes a checkpoint names one of its voters to commit it (the
+  protocol's try_commit, as the completing vote always did); the others of that batch wait
+  for that commit and answer with its outcome.
+
+The protocol's checks and invariants are protocol.py's (I1-I3); this module only groups.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from sqlalchemy import select
+
+from ...catalog.models import ABANDONED, CORRUPT, PENDING, Shard, Vote
+from .. import fencing
+from ..errors import Conflict, DomainError, FailedPrecondition, Unavailable
+from ..faults import as_domain_error
+
+log = logging.getLogger("lastgood.commit")
+
+MAX_BATCH = 2048  # votes a transaction writes at most (bounds its IN lists and its length)
+COMMIT_WAIT = 120.0  # a voter of a completing batch waits this long for its committer at most
+
+
+class _Commit:
+    """The commit a completing batch owes one checkpoint: one voter runs it, the others wait."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.result = None  # the committer's VoteResult, when it had one
+
+
+@dataclass(eq=False)
+class _Ask:
+    checkpoint_id: int
+    rank: int
+    files: list[str]
+    done: bool = False
+    error: BaseException | None = None
+    status: str = PENDING
+    missing: list[int] = field(default_factory=list)
+    commit: _Commit | None = None
+    commits: bool = False  # this voter runs `commit`
+
+
+class VoteBatcher:
+    """One per commit service (process). `core` is the CommitProtocol: its sessions, checks
+    (_get_checkpoint, _check_rank, _require_pending), clock and lease, and try_commit."""
+
+    def __init__(self, core, window: float, failpoint: str | None = None) -> None:
+        self.core = core
+        self.window = window
+        self._cv = threading.Condition()
+        self._queue: list[_Ask] = []
+        self._writing = False
+        self._fail_next = failpoint == "vote_batch_fails_once"  # testing only (settings.failpoint)
+        self.batches = 0  # transactions written, for tests and the benchmark
+
+    def vote(self, checkpoint_id: int, rank: int, files: list[str]):
+        """Record the vote (durably, in some batch's transaction), commit if its batch
+        completed the checkpoint; the VoteResult as of then. Raises the vote's own refusal."""
+        from .protocol import VoteResult
+
+        ask = _Ask(checkpoint_id, rank, list(files))
+        self._submit(ask)
+        if ask.error is not None:
+            raise ask.error
+        if ask.commit is None:
+            return VoteResult(checkpoint_id, ask.status, ask.missing)
+        if ask.commits:
+            try:
+                self.core.try_commit(checkpoint_id)
+                ask.commit.result = self.core.wait_for(checkpoint_id, 0.0)
+                return ask.commit.result
+            finally:
+                ask.commit.done.set()
+        ask.commit.done.wait(COMMIT_WAIT)
+        # the committer's outcome; if it failed, still PENDING: the rank waits for the outcome
+        return ask.commit.result or VoteResult(checkpoint_id, PENDING, [])
+
+    # ------------------------------------------------------------------ the queue
+    def _submit(self, ask: _Ask) -> None:
+        with self._cv:
+            self._queue.append(ask)
+            while True:
+                while self._writing and not ask.done:
+                    self._cv.wait()
+                if ask.done:
+                    return
+                self._writing = True  # this voter leads the next batch
+                self._cv.release()
+                batch: list[_Ask] = []
+                written = False
+                try:
+                    if self.window > 0:
+                        time.sleep(self.window)  # let the votes arriving with this one join it
+                    with self._cv:
+                        batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
+                    self._write(batch)
+                    written = True
+                finally:
+                    self._cv.acquire()
+                    for a in batch:
+                        if not written:  # interrupted: whether it committed is unknown, say so
+                            a.error, a.commit = Unavailable("vote interrupted before its batch was answered: "
+                                                            "vote again"), None
+                        a.done = True
+                    self._writing = False
+                    self._cv.notify_all()
+
+    def _write(self, batch: list[_Ask]) -> None:
+        try:
+            self._record(batch)
+            self.batches += 1
+        except Exception as e:  # noqa: BLE001 - the transaction rolled back: nothing of the batch is written
+            known = as_domain_error(e)
+            log.warning("a batch of %d votes was not recorded (rolled back): %s", len(batch), e)
+            err = known if known is not None and not isinstance(known, FailedPrecondition) else Unavailable(
+                f"vote not recorded: the catalog transaction of its batch of {len(batch)} votes failed "
+                f"({type(e).__name__}); nothing of it was written: vote again")
+            for a in batch:
+                a.error, a.commit, a.commits = err, None, False
+
+    # ------------------------------------------------------------------ the transaction
+    def _record(self, batch: list[_Ask]) -> None:
+        by_checkpoint: dict[int, list[_Ask]] = defaultdict(list)
+        for a in batch:
+            a.error, a.commit, a.commits = None, None, False
+            by_checkpoint[a.checkpoint_id].append(a)
+        with self.core.sessions() as s, s.begin():
+            for cid in sorted(by_checkpoint):  # row locks in id order: batches of two replicas cannot deadlock
+                self._record_checkpoint(s, cid, by_checkpoint[cid])
+            if self._fail_next:
+                self._fail_next = False
+                s.flush()  # the votes are in the transaction: the rollback must take them all back
+                raise RuntimeError("failpoint vote_batch_fails_once: the batch's transaction fails")
+
+    def _record_checkpoint(self, s, cid: int, asks: list[_Ask]) -> None:
+        core = self.core
+        try:
+            ck = core._get_checkpoint(s, cid, lock=True)  # serialises with shard records and other batches
+            fencing.check(s, ck.run_id, ck.generation, f"vote on checkpoint {ck.id}")
+        except DomainError as e:
+            for a in asks:
+                a.error = e
+            return
+        ok: list[_Ask] = []
+        for a in asks:
+            try:
+                core._check_rank(ck, a.rank)
+                ok.append(a)
+            except DomainError as e:
+                a.error = e
+        ranks = sorted({a.rank for a in ok})
+        voted_files = {v.rank: json.loads(v.files_json) for v in s.scalars(
+            select(Vote).where(Vote.checkpoint_id == cid, Vote.rank.in_(ranks)))} if ranks else {}
+        have: dict[int, set[str]] = defaultdict(set)
+        if unvoted := [r for r in ranks if r not in voted_files]:
+            for rank, name in s.execute(select(Shard.rank, Shard.file_name).where(
+                    Shard.checkpoint_id == cid, Shard.rank.in_(unvoted))):
+                have[rank].add(name)
+        added = 0
+        for a in ok:
+            try:
+                prior = voted_files.get(a.rank)
+                if prior is not None:
+                    if sorted(prior) != sorted(a.files):
+                        raise Conflict(f"rank {a.rank} already voted on checkpoint {cid} with other files")
+                    continue
+                core._require_pending(ck, "vote")
+                missing = sorted(set(a.files) - have[a.rank])
+                extra = sorted(have[a.rank] - set(a.files))
+                if missing:
+                    raise FailedPrecondition(f"rank {a.rank} votes for files that are not verified: {missing}")
+                if extra:
+                    raise FailedPrecondition(f"rank {a.rank} uploaded files its vote leaves out: {extra}")
+                s.add(Vote(checkpoint_id=cid, rank=a.rank, files_json=json.dumps(sorted(a.files)),
+                           created_at=core.clock()))
+                voted_files[a.rank] = sorted(a.files)  # the same rank twice in one batch: one vote
+                added += 1
+            except DomainError as e:
+                a.error = e
+        if added:
+            ck.lease_expires_at = core._lease()
+            s.flush()
+        accepted = [a for a in ok if a.error is None]
+        if not accepted:
+            return
+        # one read of the voted ranks per checkpoint per batch (an index-only scan): the
+        # count that decides the commit, and the missing ranks every answer carries
+        voted = set(s.scalars(select(Vote.rank).where(Vote.checkpoint_id == cid)))
+        missing_ranks = sorted(set(range(ck.world_size)) - voted)
+        if ck.status in (ABANDONED, CORRUPT):  # a vote again on a checkpoint decided so
+            for a in accepted:
+                a.error = FailedPrecondition(f"checkpoint {cid} is {ck.status}")
+            return
+        commit = _Commit() if ck.status == PENDING and not missing_ranks else None
+        for a in accepted:
+            a.status, a.missing, a.commit = ck.status, missing_ranks, commit
+        if commit is not None:
+            accepted[0].commits = True
