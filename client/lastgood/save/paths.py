@@ -118,6 +118,11 @@ class SpoolPath(StreamPath):
 
 
 def default_path(transport) -> DataPath:
-    """The spool where this process sees the service's (checked once per Transport, and
-    dropped when the service says it does not read it), else the stream."""
+    """Direct to the S3 store when the service offers it (directs3.py), else the spool
+    where this process sees the service's (checked once per Transport, and dropped when the
+    service says it does not read it), else the stream."""
+    from .. import directs3  # direct S3 uploads: the service's GET /api/v1/info offers them
+
+    if terms := directs3.offered(transport):
+        return directs3.DirectS3Path(transport, terms)
     return SpoolPath(transport) if transport.spool is not None else StreamPath(transport)
