@@ -130,6 +130,15 @@ class Settings(BaseSettings):
                              f"{self.grpc_workers - self.grpc_workers // 4 - 1}")
         return self
 
+    @field_validator("s3_public_endpoint")
+    @classmethod
+    def _valid_public_endpoint(cls, value: str | None) -> str | None:
+        if value:
+            from .blobstore.s3direct import parse_endpoint
+
+            parse_endpoint(value)  # a bad endpoint stops the service at start, not every grant
+        return value
+
     @field_validator("retention")
     @classmethod
     def _valid_retention(cls, value: str) -> str:

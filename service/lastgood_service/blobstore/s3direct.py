@@ -32,6 +32,16 @@ CHECKSUM_HEADER = "x-amz-checksum-crc32"
 MAX_EXPIRES = 7 * 24 * 3600  # SigV4's limit on a presigned URL
 
 
+def parse_endpoint(value: str, secure: bool = True) -> tuple[str, str]:
+    """(scheme, host[:port]) of an endpoint written `scheme://host[:port]` or `host[:port]`
+    (then https unless `secure` is false). Settings check LASTGOOD_S3_PUBLIC_ENDPOINT with it."""
+    ep = value if "://" in value else f"{'https' if secure else 'http'}://{value}"
+    p = urlparse(ep)
+    if p.scheme not in ("http", "https") or not p.hostname or p.path not in ("", "/") or p.query or p.username:
+        raise ValueError(f"an S3 endpoint is scheme://host[:port], got {value!r}")
+    return p.scheme, p.netloc
+
+
 @dataclass(frozen=True)
 class StoredPart:
     number: int
@@ -53,13 +63,7 @@ class S3Direct:
 
     def __init__(self, store, public_endpoint: str | None = None) -> None:
         self.store = store
-        ep = public_endpoint or f"{'https' if store.secure else 'http'}://{store.endpoint}"
-        if "://" not in ep:
-            ep = f"{'https' if store.secure else 'http'}://{ep}"
-        p = urlparse(ep)
-        if p.scheme not in ("http", "https") or not p.netloc or p.path not in ("", "/"):
-            raise ValueError(f"the S3 public endpoint must be scheme://host[:port], got {public_endpoint!r}")
-        self.scheme, self.host = p.scheme, p.netloc
+        self.scheme, self.host = parse_endpoint(public_endpoint or store.endpoint, store.secure)
         self.region = store.region or "us-east-1"
 
     # ------------------------------------------------------------ presigned URLs
