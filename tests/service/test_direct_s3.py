@@ -123,6 +123,30 @@ def test_a_corrupted_part_is_refused_by_the_store_and_never_commits(make_service
     t.close()
 
 
+def test_a_checkpointer_whose_bytes_change_after_checksumming_fails_the_save(make_service, tmp_path, localstack,
+                                                                            ls_bucket, run_name, monkeypatch):
+    """The same fault through the Checkpointer: its save fails, it aborts the checkpoint, the
+    abort aborts the upload, and last-good stays where it was (the control is the round trip)."""
+    svc = direct_service(make_service, tmp_path, localstack, ls_bucket)
+    real = directs3.prepare
+
+    def prepare_then_corrupt(data, part_size):
+        prepared = real(data, part_size)
+        data[len(data) // 2] ^= 0xFF  # the staging buffer changes after its checksums were computed
+        return prepared
+
+    monkeypatch.setattr(directs3, "prepare", prepare_then_corrupt)
+    model, opt = training(0)
+    with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
+        ckpt.save(1, lastgood.TrainState(model=model, optimizer=opt))
+        with pytest.raises(lastgood.SaveFailed, match="BadDigest"):
+            ckpt.wait()
+    statuses = [c["status"] for c in svc.get(f"/api/v1/runs/{run_name}/checkpoints").json()["items"]]
+    assert statuses == ["ABANDONED"]
+    assert svc.get(f"/api/v1/runs/{run_name}/last-good").status_code == 404
+    assert localstack.uploads(ls_bucket) == []
+
+
 def test_a_hand_over_that_disagrees_with_the_store_is_refused(make_service, tmp_path, localstack, ls_bucket,
                                                               run_name):
     """The service believes the store's listing, not the rank: a part it names with another
