@@ -18,6 +18,7 @@ import subprocess
 import time
 import urllib.request
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,15 +71,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def localstack(tmp_path_factory):
-    if not PYTHON.exists():  # pragma: no cover - depends on the machine
-        msg = f"{PYTHON} is missing: run `make .venv-localstack/.installed`"
-        if os.environ.get("CI") == "true":
-            pytest.fail(msg)
-        pytest.skip(msg)
+@contextmanager
+def running(home: Path):
+    """LocalStack's S3 on a free loopback port while the block runs (the fixture below;
+    bench/direct_s3.py). Its files and log go under `home`."""
     port = _free_port()
-    home = tmp_path_factory.mktemp("localstack")
     env = {**os.environ, "GATEWAY_LISTEN": f"127.0.0.1:{port}", "SERVICES": "s3",
            "S3_SKIP_SIGNATURE_VALIDATION": "0",  # check presigned URLs: expiry, key, signed headers
            "SKIP_SSL_CERT_DOWNLOAD": "1", "DISABLE_EVENTS": "1", "DNS_ADDRESS": "0",  # loopback only
@@ -111,6 +108,17 @@ def localstack(tmp_path_factory):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
+
+
+@pytest.fixture(scope="session")
+def localstack(tmp_path_factory):
+    if not PYTHON.exists():  # pragma: no cover - depends on the machine
+        msg = f"{PYTHON} is missing: run `make .venv-localstack/.installed`"
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    with running(tmp_path_factory.mktemp("localstack")) as server:
+        yield server
 
 
 @pytest.fixture
