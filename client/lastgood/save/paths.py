@@ -34,7 +34,9 @@ Two paths today, chosen per save by `default_path`:
 
 A `direct` path (the rank writes to the store itself: a shared file system, S3 through
 grants) is a third implementation of the same three calls; `default_path` is the one
-place that chooses a path.
+place that chooses a path. `directs3.DirectS3Path` is the S3 one: chosen whenever the
+service offers direct uploads, it keeps the part checksums on the handle (`token`) and
+hands the upload over in `send`, so the vote names files as for every path.
 """
 
 from __future__ import annotations
