@@ -87,6 +87,17 @@ def test_direct_save_and_restore_round_trip_bitwise(make_service, tmp_path, loca
     assert localstack.uploads(ls_bucket) == []
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # DCP's "no process group: single rank" warning
+def test_a_dcp_save_goes_direct_too(make_service, tmp_path, localstack, ls_bucket, run_name):
+    """DCP's StorageWriter saves through the same session, so through the same data path."""
+    from tests.client.test_dcp_session import assert_loads_back, save
+
+    svc = direct_service(make_service, tmp_path, localstack, ls_bucket)
+    save(svc.url, run_name)
+    assert_loads_back(svc.url, run_name)
+    assert metric(svc, "lastgood_bytes_ingested_total") == metric(svc, "lastgood_bytes_served_total") == 0
+
+
 def upload_corrupted(svc, run: str, corrupt: bool):
     """Begin, checksum the file, then (if `corrupt`) change a byte of part 2 before uploading."""
     t = Transport(svc.url)
