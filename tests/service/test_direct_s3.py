@@ -5,7 +5,6 @@ real service and LocalStack's S3, which verifies part checksums and presigned UR
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
