@@ -4,6 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 SERVICE_STAMP := $(VENV)/.installed-service
 DEV_STAMP := $(VENV)/.installed-dev
+LOCALSTACK_VENV := .venv-localstack
+LOCALSTACK_STAMP := $(LOCALSTACK_VENV)/.installed
 
 .PHONY: run test test-fast demo bench chaos screenshot proto clean fuzz soak
 
@@ -21,10 +23,18 @@ $(DEV_STAMP): $(SERVICE_STAMP) requirements-dev.txt
 	$(BIN)/pip install -q -r requirements-dev.txt -e 'client[torch,data]'
 	touch $@
 
+# LocalStack's S3, which verifies part checksums, for the direct-upload tests (tests/localstack.py):
+# a virtual environment of its own, since its pins clash with the project's
+$(LOCALSTACK_STAMP): requirements-localstack.txt
+	test -x $(LOCALSTACK_VENV)/bin/python || $(PYTHON) -m venv $(LOCALSTACK_VENV)
+	$(LOCALSTACK_VENV)/bin/pip install -q --upgrade pip
+	$(LOCALSTACK_VENV)/bin/pip install -q -r requirements-localstack.txt
+	touch $@
+
 run: $(SERVICE_STAMP)
 	$(BIN)/lastgood-service
 
-test: $(DEV_STAMP)
+test: $(DEV_STAMP) $(LOCALSTACK_STAMP)
 	$(BIN)/python -m pytest
 
 # the inner loop: everything but torchrun, the browser, the bench smoke and single slow tests
@@ -63,4 +73,4 @@ proto: $(DEV_STAMP)
 		--grpc_python_out=client client/proto/lastgood/v1/lastgood.proto
 
 clean:
-	rm -rf $(VENV) data demo-data
+	rm -rf $(VENV) $(LOCALSTACK_VENV) data demo-data

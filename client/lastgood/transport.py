@@ -23,7 +23,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import grpc  # noqa: E402
 
-from . import errors, names, wire
+from . import directs3, errors, names, wire
 from .errors import CorruptCheckpoint, GaveUp, ServiceError, ServiceUnreachable, SpoolNotShared
 from .hashing import StreamHasher
 from .rest import HttpError, RestClient
@@ -219,6 +219,8 @@ class Transport(RestClient):
         """The whole file, and the xxh3-128 of what arrived (hashed while receiving), written
         into `into` (a writable buffer of at least `size` bytes; by default a new one). On
         the service's host it may come as a link in the spool instead of a stream."""
+        if self.info.get("direct_s3"):  # straight from the S3 store, through a presigned GET (directs3.py)
+            return directs3.read_file(self, checkpoint_id, rank, file_name, size, into)
         view = memoryview(bytearray(size) if into is None else into).cast("B")
         if view.nbytes < size:
             raise ValueError(f"read_file: a buffer of {view.nbytes} bytes cannot hold {size}")

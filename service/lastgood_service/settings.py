@@ -66,6 +66,17 @@ class Settings(BaseSettings):
                                           "directory instead of streaming them (see domain/spool.py)")
     spool_dir: Path | None = Field(None, description="the spool directory; default <data_dir>/spool (put it on "
                                                      "the blob store's file system: files are adopted by rename)")
+    # direct uploads to an S3 store (domain/grants.py, docs/direct-s3.md): off until enabled
+    direct_s3: bool = Field(False, description="trainers upload shard files straight to an s3:// blob store "
+                            "through presigned multipart URLs (per-part CRC32 the store verifies) and read "
+                            "them back through presigned GETs; the service only signs, checks metadata, commits")
+    s3_public_endpoint: str | None = Field(None, description="scheme://host:port at which trainers reach the S3 "
+                                           "store when it differs from the service's endpoint (presigned URLs "
+                                           "are signed for this host)")
+    direct_s3_grant_seconds: int = Field(3600, ge=1, le=7 * 24 * 3600, description="how long a presigned URL "
+                                         "of a direct upload or read lasts")
+    direct_s3_part_size: int = Field(64 * MiB, ge=5 * MiB, le=5 * 1024 * MiB, description="part size of a direct "
+                                     "upload (S3: 5 MiB to 5 GiB; grown for files that would need over 10,000 parts)")
     max_request_bytes: int = Field(1024 * 1024, gt=0, description="largest REST request body")
     max_streams_per_client: int = Field(16, gt=0, description="concurrent PutShard/GetShard streams per caller: per "
                                         "token, or per connection when tokens are off")
@@ -122,6 +133,15 @@ class Settings(BaseSettings):
                              f"would leave no worker for unary RPCs; at most "
                              f"{self.grpc_workers - self.grpc_workers // 4 - 1}")
         return self
+
+    @field_validator("s3_public_endpoint")
+    @classmethod
+    def _valid_public_endpoint(cls, value: str | None) -> str | None:
+        if value:
+            from .blobstore.s3direct import parse_endpoint
+
+            parse_endpoint(value)  # a bad endpoint stops the service at start, not every grant
+        return value
 
     @field_validator("retention")
     @classmethod

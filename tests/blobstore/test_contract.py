@@ -20,7 +20,8 @@ from lastgood.hashing import hash_bytes
 from lastgood_service.blobstore import BlobStore, LocalBlobStore, MemoryBlobStore
 from lastgood_service.blobstore import capabilities
 from lastgood_service.blobstore.base import READ_CHUNK
-from lastgood_service.blobstore.capabilities import AdoptsFiles, LendsLocalPaths, ReportsFreeSpace
+from lastgood_service.blobstore.capabilities import (AdoptsFiles, GrantsDirectAccess, LendsLocalPaths,
+                                                       ReportsFreeSpace)
 from lastgood_service.blobstore.metered import MeteredBlobStore
 from lastgood_service.domain.spool import Taken
 from lastgood_service.metrics import Metrics
@@ -310,3 +311,38 @@ def test_a_store_without_a_capability_is_asked_nothing():
     assert capabilities.local_path(store, "ckpt/12/r0/aa") is None
     assert capabilities.free_bytes(store) is None
     assert capabilities.adopt_writer(store, "ckpt/12/r0/bb", object()) is None
+
+
+def test_direct_access_uploads_and_reads_through_presigned_urls(backend):
+    """GrantsDirectAccess (s3direct.py): what a trainer does with the URLs, with no
+    credentials, and what the service's calls see of it. Checksums are checked only by a
+    store that checks them: that part is tested against LocalStack (tests/service/test_direct_s3.py)."""
+    needs(backend, GrantsDirectAccess)
+    import urllib.request
+
+    from lastgood import directs3
+    from lastgood.retry import NO_RETRY
+
+    class NoRetry:
+        retry = NO_RETRY
+
+    d = backend.store.direct()
+    data = bytearray(payload(5 * MiB + 7, seed=5))
+    prepared = directs3.prepare(data, 5 * MiB)
+    key = "ckpt/12/r0/" + prepared.xxh3_128
+    upload_id = d.create_upload(key)
+    other = d.create_upload(key)
+    assert sorted(u for k, u in d.uploads("ckpt/12/") if k == key) == sorted([upload_id, other])
+    etags = [directs3._put_part(NoRetry, d.presign_part(key, upload_id, n, crc, 60), "x-amz-checksum-crc32", crc,
+                                memoryview(data)[(n - 1) * 5 * MiB:n * 5 * MiB], n)
+             for n, crc in enumerate(prepared.crc32, 1)]
+    assert backend.store.stat(key) is None  # nothing visible before completion
+    parts = d.list_parts(key, upload_id)
+    assert [(p.number, p.size, p.etag) for p in parts] == [(1, 5 * MiB, etags[0]), (2, 7, etags[1])]
+    d.complete(key, upload_id, parts)
+    d.abort_upload(key, other)
+    d.abort_upload(key, other)  # one already gone counts as aborted
+    assert backend.leftovers() == [] and d.uploads("ckpt/12/") == []
+    assert read(backend.store, key) == bytes(data)
+    with urllib.request.urlopen(d.presign_get(key, 60), timeout=30) as r:
+        assert r.read() == bytes(data)

@@ -34,7 +34,9 @@ Two paths today, chosen per save by `default_path`:
 
 A `direct` path (the rank writes to the store itself: a shared file system, S3 through
 grants) is a third implementation of the same three calls; `default_path` is the one
-place that chooses a path.
+place that chooses a path. `directs3.DirectS3Path` is the S3 one: chosen whenever the
+service offers direct uploads, it keeps the part checksums on the handle (`token`) and
+hands the upload over in `send`, so the vote names files as for every path.
 """
 
 from __future__ import annotations
@@ -120,6 +122,11 @@ class SpoolPath(StreamPath):
 
 
 def default_path(transport) -> DataPath:
-    """The spool where this process sees the service's (checked once per Transport, and
-    dropped when the service says it does not read it), else the stream."""
+    """Direct to the S3 store when the service offers it (directs3.py), else the spool
+    where this process sees the service's (checked once per Transport, and dropped when the
+    service says it does not read it), else the stream."""
+    from .. import directs3  # direct S3 uploads: the service's GET /api/v1/info offers them
+
+    if terms := directs3.offered(transport):
+        return directs3.DirectS3Path(transport, terms)
     return SpoolPath(transport) if transport.spool is not None else StreamPath(transport)

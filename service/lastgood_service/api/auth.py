@@ -57,6 +57,10 @@ POLICY: dict[tuple[str, str], str | tuple[str, str]] = {
     ("DELETE", "/api/v1/checkpoints/{checkpoint_id}/pin"): (ADMIN, "checkpoint"),
     ("GET", "/api/v1/overview"): (READER, "list"),     # every run's health, filtered to the token's scope
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/shards"): (READER, "checkpoint"),
+    # direct S3 uploads (api/routes/grants.py): a grant names keys of this checkpoint alone
+    ("POST", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/grants"): (WRITER, "checkpoint"),
+    ("POST", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/direct-files"): (WRITER, "checkpoint"),
+    ("GET", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/read-grants/{file_name}"): (READER, "checkpoint"),
     ("GET", "/api/v1/gc/policy"): (READER, "global"),
     ("GET", "/api/v1/gc/plan"): (READER, "global"),
     ("POST", "/api/v1/gc"): (ADMIN, "global"),

@@ -5,6 +5,8 @@ small protocol of its own, checked by the caller at the point of use.
                    (the local store, by rename, when the spool can rename into it)
   LendsLocalPaths  a blob is a file on this host, which a same-host reader may link to
   ReportsFreeSpace the store can tell how many bytes it has left (a local file system)
+  GrantsDirectAccess trainers may upload and read blobs straight from the store through
+                   presigned URLs the service signs (S3; blobstore/s3direct.py, domain/grants.py)
 
 A store without a capability is asked nothing: the helpers below answer what the caller
 does then (None: copy the file through a writer; stream the chunks; the room is unknown).
@@ -51,3 +53,15 @@ def local_path(store: BlobStore, key: str) -> Path | None:
 
 def free_bytes(store: BlobStore) -> int | None:
     return store.free_bytes() if isinstance(store, ReportsFreeSpace) else None
+
+
+@runtime_checkable
+class GrantsDirectAccess(Protocol):
+    def direct(self, public_endpoint: str | None = None):
+        """The store's direct-access calls (s3direct.S3Direct), signing URLs for trainers
+        that reach the store at `public_endpoint` (None: the service's own endpoint)."""
+
+
+def direct(store: BlobStore, public_endpoint: str | None = None):
+    """The store's direct access, or None when it has none (the data goes through the service)."""
+    return store.direct(public_endpoint) if isinstance(store, GrantsDirectAccess) else None

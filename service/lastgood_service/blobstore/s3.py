@@ -181,6 +181,8 @@ class S3BlobStore(BlobStore):
         self.prefix = check_key(prefix.strip("/")) + "/" if prefix.strip("/") else ""
         self.part_size = part_size
         self.endpoint = endpoint
+        # direct access (s3direct.py) signs URLs for trainers with these; never sent to them
+        self.secure, self.region, self.access_key, self.secret_key = secure, region, access_key, secret_key
         # Our own pool: minio's default keeps 10 connections per host, and the service runs
         # up to grpc_workers uploads at once. Retries as minio's default (idempotent calls only).
         http = urllib3.PoolManager(
@@ -247,14 +249,21 @@ class S3BlobStore(BlobStore):
         # S3's DELETE of a missing key succeeds: idempotent as the interface asks
         self.client.remove_object(bucket_name=self.bucket, object_name=self._name(key))
 
-    def incomplete_uploads(self) -> list[tuple[str, str]]:
-        """(object name, upload id) of every multipart upload under this store's prefix not
-        yet completed or aborted. For operators and tests: after publish or abort there is none."""
+    def direct(self, public_endpoint: str | None = None):
+        """Presigned URLs and multipart calls for direct uploads (capabilities.GrantsDirectAccess)."""
+        from .s3direct import S3Direct
+
+        return S3Direct(self, public_endpoint)
+
+    def incomplete_uploads(self, key_prefix: str = "") -> list[tuple[str, str]]:
+        """(object name, upload id) of every multipart upload under this store's prefix (and
+        `key_prefix` under it) not yet completed or aborted. For operators, tests and the
+        direct uploads' sweep (domain/grants.py): after publish or abort there is none."""
         out: list[tuple[str, str]] = []
         key_marker = upload_marker = None
         while True:
             res = self.client._list_multipart_uploads(  # minio 7 has no public call for this
-                bucket_name=self.bucket, prefix=self.prefix, key_marker=key_marker,
+                bucket_name=self.bucket, prefix=self.prefix + key_prefix, key_marker=key_marker,
                 upload_id_marker=upload_marker)
             out += [(u.object_name, u.upload_id) for u in res.uploads]
             if not res.is_truncated:

@@ -39,7 +39,7 @@ from ..metrics import Metrics
 from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, DELETED, PENDING, Checkpoint, Event, ReadLease, Run,
                               Shard, Tag, utcnow)
 from .commit import indexes
-from . import keys
+from . import grants, keys
 from .events import add_event
 from .faults import Ballast, is_disk_full
 from .gate import CatalogGate
@@ -417,6 +417,7 @@ class GarbageCollector:
                     deleted.append(d.checkpoint_id)
                     freed += d.bytes
         orphans_done = self._delete_orphans(plan.orphans)
+        grants.sweep(self.sessions, self.blobs)  # direct S3 uploads of ended checkpoints (domain/grants.py)
         freed += sum(n for _, n in orphans_done)
         events_pruned = self._prune_events(plan.events_of, now)
         self._write_marks([m for m in plan.runs if m.run not in unsettled])

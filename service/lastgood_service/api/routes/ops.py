@@ -6,6 +6,7 @@ from fastapi import APIRouter, Response
 
 from ... import __version__
 from ..contract import StrictJSONRoute
+from ...domain.grants import DirectUploads
 from ..deps import Ctx, QueriesDep
 
 router = APIRouter(route_class=StrictJSONRoute, tags=["ops"])
@@ -22,7 +23,8 @@ def info(ctx: Ctx):
     s = ctx.commits.settings
     return {"service": "lastgood", "version": __version__, "grpc_target": ctx.grpc_target,
             "max_chunk_bytes": s.max_chunk_bytes, "max_shard_bytes": s.max_shard_bytes,
-            "lease_seconds": s.lease_seconds, "spool": ctx.spool.info() if ctx.spool else None}
+            "lease_seconds": s.lease_seconds, "spool": ctx.spool.info() if ctx.spool else None,
+            "direct_s3": DirectUploads(ctx.commits).info()}  # direct S3 uploads (domain/grants.py)
 
 
 @router.get("/metrics", include_in_schema=False)

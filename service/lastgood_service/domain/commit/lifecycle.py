@@ -36,6 +36,7 @@ class CommitLifecycle(CommitProtocol):
                     extra={"checkpoint_id": checkpoint_id, "rank": rank})
         self.metrics.abandoned.labels("abort").inc()
         self._notify()
+        self._end_direct([checkpoint_id])
         return ABANDONED
 
     def expire_leases(self) -> list[int]:
@@ -59,7 +60,15 @@ class CommitLifecycle(CommitProtocol):
                             extra={"checkpoint_id": cid})
             self.metrics.abandoned.labels("lease_expired").inc(len(expired))
             self._notify()
+            self._end_direct(expired)
         return expired
+
+    def _end_direct(self, checkpoint_ids: list[int]) -> None:
+        """Abort the direct S3 uploads the ended checkpoints left open (domain/grants.py)."""
+        if self.settings.direct_s3:
+            from ..grants import DirectUploads  # grants.py builds on this package
+
+            DirectUploads(self).end(checkpoint_ids)
 
     def recover(self) -> list[int]:
         """At start-up: roll a PENDING checkpoint forward when every rank voted, its manifest

@@ -1,0 +1,291 @@
+"""Direct uploads to an S3 store: a rank's file goes from the trainer straight to the store,
+in parts, in parallel; the service only grants, checks the store's metadata and commits
+(the service's domain/grants.py; docs/direct-s3.md). torch-free.
+
+    parts = prepare(data, part_size)          # one pass: xxh3-128 of the file, CRC32 of each part
+    handle = upload(transport, cid, rank, name, data, parts)   # grant, then the parts, in parallel
+    hand_over(transport, cid, rank, name, handle)              # the service completes and records it
+    discard(handle)                                            # a save that failed in between
+
+`DirectS3Path` is the same as a data path of the save session (save/paths.py), which
+chooses it whenever the service offers direct uploads (GET /api/v1/info `direct_s3`).
+
+Why CRC32 per part: the store checks it on arrival (`x-amz-checksum-crc32`, which AWS S3,
+MinIO, Ceph RGW and LocalStack verify: BadDigest on a mismatch), and it costs one pass of
+zlib.crc32, in the standard library, beside the xxh3-128 pass we make anyway. SHA-256 would
+cost several times more per byte for no gain against accidental corruption, which is what
+this guards; CRC32C or CRC64NVME would need a third-party module. The grant signs each
+part's CRC32 into its URL, so the URL admits those bytes and nothing else.
+
+The whole file's xxh3-128 is still computed here, named in the key and the manifest, and
+checked end to end by every restore (`read_file`).
+
+The part layout is a rule of the wire, the same on both sides: `part_layout` here, which
+the service imports.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import logging
+import math
+import re
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from .errors import CorruptCheckpoint, Refused, Unavailable
+from .hashing import StreamHasher
+
+log = logging.getLogger("lastgood")
+
+MAX_PARTS = 10_000       # S3's limit
+THREADS = 4              # parts in flight per file: enough to fill a link, few enough to share it
+_PIECE = 8 * 1024 * 1024  # hashing granularity: each piece is hashed while it is in the CPU's cache
+_TIMEOUT = 300.0
+
+
+class StoreRefused(Refused):
+    """The store refused a request (BadDigest: the bytes do not match their checksum;
+    AccessDenied / SignatureDoesNotMatch: an expired grant, or one used for another key)."""
+    reason = "store_refused"
+
+    def __init__(self, message: str, status: int, store_code: str) -> None:
+        super().__init__(message, status)
+        self.store_code = store_code
+
+
+class StoreUnavailable(Unavailable):
+    """No answer from the store, or a 5xx: the retry policy tries again."""
+    reason = "store_unavailable"
+
+
+def part_layout(size: int, base: int) -> tuple[int, int]:
+    """(part size, number of parts) of a file of `size` bytes: parts of `base` bytes, grown
+    to fit S3's 10,000 parts; the last part holds the rest (an empty file: one empty part)."""
+    part = max(base, math.ceil(size / MAX_PARTS))
+    return part, max(1, math.ceil(size / part))
+
+
+def crc32_b64(crc: int) -> str:
+    """A CRC32 as S3 spells it: base64 of its 4 big-endian bytes."""
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
+def offered(transport) -> dict | None:
+    """The service's direct-upload terms (GET /api/v1/info), or None: it takes the bytes itself."""
+    return (getattr(transport, "info", None) or {}).get("direct_s3") or None
+
+
+@dataclass(frozen=True)
+class Parts:
+    size: int
+    xxh3_128: str
+    part_size: int
+    crc32: list[str]
+
+
+@dataclass
+class Handle:
+    """What was uploaded: what the hand-over tells the service."""
+    prepared: Parts
+    upload_id: str | None = None
+    parts: list[dict] = field(default_factory=list)  # {"number", "etag", "crc32"}
+    already_present: bool = False                    # the service had the file already (a retried save)
+
+
+def prepare(data, part_size: int) -> Parts:
+    """One pass over the file: its xxh3-128, and each part's CRC32."""
+    view = memoryview(data).cast("B")
+    part, n = part_layout(view.nbytes, part_size)
+    hasher = StreamHasher()
+    crcs = []
+    for i in range(n):
+        crc = 0
+        for off in range(i * part, min((i + 1) * part, view.nbytes), _PIECE):
+            piece = view[off:min(off + _PIECE, (i + 1) * part, view.nbytes)]
+            hasher.update(piece)
+            crc = zlib.crc32(piece, crc)
+        crcs.append(crc32_b64(crc))
+    if view.nbytes == 0:
+        hasher.update(b"")
+    return Parts(view.nbytes, hasher.hexdigest(), part, crcs)
+
+
+def _store_error(status: int, body: bytes, what: str) -> Exception:
+    text = body[:2000].decode("utf-8", "replace")
+    code = (re.search(r"<Code>([^<]{1,100})</Code>", text) or [None, f"HTTP {status}"])[1]
+    msg = (re.search(r"<Message>([^<]{1,500})</Message>", text) or [None, ""])[1]
+    if status >= 500 or code in ("SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable"):
+        return StoreUnavailable(f"{what}: the store answered {status} {code} {msg}".strip(), status)
+    return StoreRefused(f"{what}: the store refused it: {status} {code} {msg}".strip(), status, code)
+
+
+def _request(method: str, url: str, body=None, headers: dict | None = None, what: str = ""):
+    """One request to the store; (response, connection), the response unread."""
+    u = urlsplit(url)
+    conn_type = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+    conn = conn_type(u.netloc, timeout=_TIMEOUT)
+    try:
+        conn.request(method, f"{u.path}?{u.query}", body=body, headers=headers or {})
+        resp = conn.getresponse()
+    except (OSError, http.client.HTTPException) as e:
+        conn.close()
+        raise StoreUnavailable(f"{what}: no answer from the store at {u.netloc}: {e}") from None
+    if resp.status >= 300:
+        try:
+            err = _store_error(resp.status, resp.read(), what)
+        except (OSError, http.client.HTTPException) as e:
+            err = StoreUnavailable(f"{what}: the store's answer was cut short: {e}")
+        finally:
+            conn.close()
+        raise err
+    return resp, conn
+
+
+def _put_part(transport, url: str, header: str, crc: str, piece: memoryview, number: int) -> str:
+    def once() -> str:
+        resp, conn = _request("PUT", url, piece, {header: crc, "Content-Length": str(piece.nbytes)},
+                              f"upload of part {number}")
+        try:
+            resp.read()
+            return (resp.getheader("ETag") or "").strip('"')
+        finally:
+            conn.close()
+    return transport.retry.call(once, f"upload of part {number}")
+
+
+def upload(transport, checkpoint_id: int, rank: int, file_name: str, data, prepared: Parts,
+           renew: Callable[[], None] | None = None, renew_every: float = 15.0, threads: int = THREADS) -> Handle:
+    """Ask for a grant, then upload the parts in parallel to its presigned URLs. `renew` is
+    called every `renew_every` seconds while parts are in flight: the service sees no byte
+    of a direct upload, so the checkpoint's lease is kept alive by the uploader."""
+    g = transport.post_json(f"/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/grants",
+                            {"file_name": file_name, "size": prepared.size, "xxh3_128": prepared.xxh3_128,
+                             "crc32": prepared.crc32})
+    handle = Handle(prepared, g.get("upload_id"), already_present=bool(g["already_present"]))
+    if handle.already_present:
+        return handle
+    view = memoryview(data).cast("B")
+    part = g["part_size"]
+    header = g["checksum_header"]
+    lock = threading.Lock()
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(g["parts"]))),
+                            thread_name_prefix="lastgood-direct") as pool:
+        futures = {}
+        for p in g["parts"]:
+            n = p["number"]
+            piece = view[(n - 1) * part:min(n * part, view.nbytes)]
+            futures[pool.submit(_put_part, transport, p["url"], header, p["crc32"], piece, n)] = p
+        pending = set(futures)
+        last = time.monotonic()
+        try:
+            while pending:
+                done, pending = wait(pending, timeout=max(renew_every, 0.1), return_when=FIRST_EXCEPTION)
+                for f in done:
+                    p = futures[f]
+                    etag = f.result()  # a refused part raises here; the rest are cancelled below
+                    with lock:
+                        handle.parts.append({"number": p["number"], "etag": etag, "crc32": p["crc32"]})
+                if pending and renew is not None and time.monotonic() - last >= renew_every:
+                    renew()
+                    last = time.monotonic()
+        except BaseException:
+            for f in pending:
+                f.cancel()
+            raise
+    handle.parts.sort(key=lambda d: d["number"])
+    return handle
+
+
+def hand_over(transport, checkpoint_id: int, rank: int, file_name: str, handle: Handle) -> dict:
+    """Tell the service what was uploaded; it confirms it from the store's metadata and
+    records the file (a refusal: HashMismatch / DataLoss, and the rank cannot vote with it)."""
+    p = handle.prepared
+    if handle.already_present:
+        return {"already_present": True, "size": p.size, "xxh3_128": p.xxh3_128}
+    return transport.post_json(f"/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/direct-files",
+                               {"file_name": file_name, "size": p.size, "xxh3_128": p.xxh3_128,
+                                "upload_id": handle.upload_id, "parts": handle.parts})
+
+
+def discard(handle: Handle | None) -> None:
+    """A save that fails between upload and hand-over: nothing to undo here. The service
+    aborts the checkpoint's open uploads when the rank's abort (or the lease's expiry) ends
+    it, and every GC pass sweeps what those missed; the trainer holds no credentials to
+    abort with, by design."""
+    if handle is not None:
+        handle.parts.clear()
+
+
+def read_file(transport, checkpoint_id: int, rank: int, file_name: str, size: int,
+              into=None) -> tuple[memoryview, str]:
+    """The whole file through a presigned GET, into `into`, and the xxh3-128 of what arrived
+    (the caller compares it with the manifest's, as for a streamed read)."""
+    view = memoryview(bytearray(size) if into is None else into).cast("B")
+    if view.nbytes < size:
+        raise ValueError(f"read_file: a buffer of {view.nbytes} bytes cannot hold {size}")
+    view = view[:size]
+    what = f"direct read of checkpoint {checkpoint_id} rank {rank} {file_name}"
+
+    def once() -> str:  # a retry asks for a fresh URL and starts over
+        g = transport.get_json(f"/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/read-grants/{file_name}")
+        resp, conn = _request("GET", g["url"], what=what)
+        hasher, pos = StreamHasher(), 0
+        try:
+            while pos < size:
+                n = resp.readinto(view[pos:min(pos + _PIECE, size)])
+                if not n:
+                    break
+                hasher.update(view[pos:pos + n])
+                pos += n
+            extra = resp.read(1)
+        except (OSError, http.client.HTTPException) as e:
+            raise StoreUnavailable(f"{what}: the store's answer was cut short: {e}") from None
+        finally:
+            conn.close()
+        if pos != size or extra:
+            raise CorruptCheckpoint(f"{what}: the stored file is {'longer' if extra else f'{pos} bytes'}, "
+                                    f"not the committed {size}")
+        return hasher.hexdigest()
+
+    return view, transport.retry.call(once, what)
+
+
+class DirectS3Path:
+    """The save session's data path (save/paths.py) for direct uploads: `prepare` hashes and
+    checksums before begin, `send` uploads and hands over, `discard` has nothing to undo."""
+
+    name = "direct-s3"
+
+    def __init__(self, transport, terms: dict) -> None:
+        self.transport, self.part_size = transport, int(terms["part_size"])
+
+    def prepare(self, name: str, data):
+        from .save.paths import Prepared
+
+        data = memoryview(data).cast("B")
+        parts = prepare(data, self.part_size)
+        return Prepared(name, data, parts.xxh3_128, expected_bytes=0, token=parts)  # the store's room, not ours
+
+    def send(self, checkpoint_id: int, rank: int, handle) -> None:
+        up = upload(self.transport, checkpoint_id, rank, handle.name, handle.data, handle.token,
+                    renew=self._renewer(checkpoint_id, rank),
+                    renew_every=float(self.transport.info.get("lease_seconds", 60)) / 4)
+        hand_over(self.transport, checkpoint_id, rank, handle.name, up)
+
+    def discard(self, handle) -> None:
+        discard(None)
+
+    def _renewer(self, checkpoint_id: int, rank: int) -> Callable[[], None]:
+        """Renew the checkpoint's lease while parts are in flight: a begin of the same
+        checkpoint (idempotent) does, and the checkpoint's view says what to begin with."""
+        def renew() -> None:
+            ck = self.transport.checkpoint(checkpoint_id)
+            self.transport.begin(ck["run"], ck["step"], ck["world_size"], ck["parent_id"], ck["attempt"], rank)
+        return renew

@@ -1,0 +1,301 @@
+"""Direct uploads to an S3 store: the service grants, the store carries the bytes, the
+service decides (docs/direct-s3.md).
+
+Why: through the service every byte of every shard crosses one Python process. Here a rank
+asks for a *grant* for one file of its own on a PENDING checkpoint; the service starts a
+multipart upload of that file's key and answers presigned UploadPart URLs, one a part, each
+signing the part's CRC32 the rank computed (blobstore/s3direct.py). The rank uploads the
+parts in parallel straight to the store, which refuses a part whose bytes do not match its
+CRC32 (BadDigest). At the *hand-over* the rank names what it uploaded (upload id, part
+numbers, ETags, CRC32s); the service confirms every part from the store's own listing
+(ListParts: sizes, ETags and the CRC32 the store computed), completes the upload, checks
+the object's size (HEAD), and records the file VERIFIED as put_shard would. No byte of the
+file passes through the service, but the safetensors header (a ranged GET of the first
+bytes), which its tensor index object needs. A mismatch refuses the hand-over: the rank
+cannot vote with that file, and the checkpoint never commits.
+
+What a grant can touch: one key, `ckpt/<id>-<nonce>/r<rank>/<xxh3>`, of a checkpoint the
+caller's token may write (api/auth.py checks the route's checkpoint), for one upload, for
+`direct_s3_grant_seconds`. The signature covers key, upload id, part number and CRC32:
+another key, another upload or a late request is refused by the store.
+
+Nothing is orphaned: an abort or a lease expiry aborts the checkpoint's open uploads
+(lifecycle.py calls `end`), and every GC pass sweeps the open uploads of checkpoints that
+are no longer PENDING (gc.py calls `sweep`), the backstop for a service that died between.
+
+Verification: a directly uploaded file is verified by the *store* (per-part CRC32), not by
+the service's xxh3-128, which the restoring client still checks end to end.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+from dataclasses import dataclass
+
+from minio.error import S3Error
+from sqlalchemy import select
+
+from lastgood import names
+from lastgood.directs3 import MAX_PARTS, part_layout  # the part layout: one rule, both sides
+from lastgood.errors import FormatError
+from lastgood.format import header_length
+from lastgood.hashing import is_valid_hex
+
+from ..blobstore import capabilities
+from ..blobstore.s3direct import StoredPart
+from ..catalog.models import PENDING, VERIFIED, Checkpoint, Shard
+from . import fencing, keys
+from .commit import indexes
+from .commit.core import key_prefix
+from .commit.protocol import PutResult, ShardHeader
+from .errors import FailedPrecondition, HashMismatch, InvalidArgument, TooLarge
+from .events import add_event
+
+log = logging.getLogger("lastgood.grants")
+
+def _check_crc(value: str, where: str) -> str:
+    try:
+        ok = len(base64.b64decode(value, validate=True)) == 4
+    except (binascii.Error, ValueError, TypeError):
+        ok = False
+    if not ok:
+        raise InvalidArgument(f"{where}: a CRC32 is 4 bytes in base64 (8 characters), got {str(value)[:20]!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class UploadedPart:
+    number: int
+    etag: str
+    crc32: str
+
+
+class DirectUploads:
+    def __init__(self, commits) -> None:
+        """`commits`: the CommitService (its catalog, store, settings and helpers)."""
+        self.commits = commits
+        self.settings = commits.settings
+
+    def _direct(self):
+        d = capabilities.direct(self.commits.store, self.settings.s3_public_endpoint) \
+            if self.settings.direct_s3 else None
+        if d is None:
+            raise FailedPrecondition("direct uploads are off: they need an s3:// blob store and "
+                                     "LASTGOOD_DIRECT_S3=true; stream the file instead")
+        return d
+
+    def info(self) -> dict | None:
+        """What GET /api/v1/info says of direct uploads (None: off)."""
+        if not self.settings.direct_s3 or not isinstance(self.commits.store, capabilities.GrantsDirectAccess):
+            return None
+        return {"part_size": self.settings.direct_s3_part_size, "max_parts": MAX_PARTS,
+                "checksum": "crc32", "grant_seconds": self.settings.direct_s3_grant_seconds}
+
+    # ------------------------------------------------------------ grant
+    def _file(self, h: ShardHeader, *, for_what: str):
+        """Check the file's header and the checkpoint; its key, and the stored shard if the
+        file is recorded already."""
+        c = self.commits
+        c.gate.check()
+        try:
+            names.check_file_name(h.file_name)
+        except names.InvalidName as e:
+            raise InvalidArgument(str(e)) from None
+        if not is_valid_hex(h.xxh3_128):
+            raise InvalidArgument("xxh3_128 must be 32 lowercase hex digits")
+        if h.size < 0:
+            raise InvalidArgument(f"size must be >= 0, got {h.size}")
+        if h.size > self.settings.max_shard_bytes:
+            raise TooLarge(f"shard of {h.size} bytes exceeds the limit of {self.settings.max_shard_bytes}")
+        with c.sessions() as s, s.begin():
+            ck = c._get_checkpoint(s, h.checkpoint_id)
+            c._check_rank(ck, h.rank)
+            fencing.check(s, ck.run_id, ck.generation, f"{for_what} of checkpoint {ck.id}")
+            existing = c._find_shard(s, h)
+            if existing is not None:
+                return None, c._same_or_conflict(existing, h), None
+            c._require_pending(ck, for_what)
+            c._require_not_voted(s, h)
+            ck.lease_expires_at = c._lease()
+            pfx = key_prefix(s, ck)
+            return keys.shard_key(pfx, h.rank, h.xxh3_128), None, pfx
+
+    def grant(self, h: ShardHeader, crc32s: list[str]) -> dict:
+        """Start the file's multipart upload; one presigned UploadPart URL a part, each
+        signing that part's CRC32. A file recorded already needs no grant."""
+        d = self._direct()
+        part_size, n = part_layout(h.size, self.settings.direct_s3_part_size)
+        if len(crc32s) != n:
+            raise InvalidArgument(f"a file of {h.size} bytes has {n} parts of {part_size} bytes; "
+                                  f"{len(crc32s)} CRC32s were given")
+        for i, crc in enumerate(crc32s):
+            _check_crc(crc, f"part {i + 1}")
+        key, present, _pfx = self._file(h, for_what="grant an upload")
+        if present is not None:
+            return {"already_present": True, "part_size": part_size, "parts": []}
+        upload_id = d.create_upload(key)
+        expires = self.settings.direct_s3_grant_seconds
+        parts = [{"number": i + 1, "url": d.presign_part(key, upload_id, i + 1, crc, expires), "crc32": crc}
+                 for i, crc in enumerate(crc32s)]
+        return {"already_present": False, "upload_id": upload_id, "part_size": part_size, "expires_in": expires,
+                "checksum_header": "x-amz-checksum-crc32", "parts": parts}
+
+    # ------------------------------------------------------------ hand-over
+    def hand_over(self, h: ShardHeader, upload_id: str, uploaded: list[UploadedPart]) -> PutResult:
+        """Confirm the upload from the store's metadata, complete it, record the file VERIFIED."""
+        d = self._direct()
+        if not upload_id or len(upload_id) > 1024:
+            raise InvalidArgument("upload_id must be 1..1024 characters")
+        for p in uploaded:
+            _check_crc(p.crc32, f"part {p.number}")
+        key, present, pfx = self._file(h, for_what="record the upload")
+        if present is not None:
+            return present
+        part_size, n = part_layout(h.size, self.settings.direct_s3_part_size)
+        try:
+            stored = d.list_parts(key, upload_id)
+        except S3Error as e:
+            if e.code == "NoSuchUpload":
+                raise FailedPrecondition(f"no upload {upload_id!r} of rank {h.rank}'s {h.file_name!r} is open "
+                                         f"(aborted, completed, or never granted for this file)") from None
+            raise
+        problem = self._compare(h, n, part_size, stored, uploaded)
+        if problem:
+            self._refuse(d, h, key, upload_id, problem)
+        d.complete(key, upload_id, stored)
+        info = self.commits.store.stat(key)
+        if info is None or info.size != h.size:
+            self.commits.store.delete(key)  # a whole object of other bytes: never left under the file's key
+            self._refuse(d, h, key, upload_id, f"the completed object has {info.size if info else 'no'} bytes, "
+                                               f"not {h.size}")
+        for other_key, other in d.uploads(key):  # a retried grant's upload of the same file
+            if other_key == key and other != upload_id:
+                d.abort_upload(key, other)
+        index_json = self._index(key, h, pfx)
+        return self._record(h, key, index_json)
+
+    @staticmethod
+    def _compare(h: ShardHeader, n: int, part_size: int, stored: list[StoredPart],
+                 uploaded: list[UploadedPart]) -> str | None:
+        """What is wrong with the upload, from the store's listing; None when it is whole."""
+        numbers = [p.number for p in stored]
+        if numbers != list(range(1, n + 1)):
+            return f"the store holds parts {numbers[:20]}, a file of {h.size} bytes needs 1..{n}"
+        if sorted(p.number for p in uploaded) != numbers:
+            return f"the hand-over names parts {sorted(p.number for p in uploaded)[:20]}, the store holds 1..{n}"
+        mine = {p.number: p for p in uploaded}
+        for p in stored:
+            want = part_size if p.number < n else h.size - part_size * (n - 1)
+            if p.size != want:
+                return f"part {p.number} has {p.size} bytes in the store, {want} expected"
+            if p.etag != mine[p.number].etag.strip('"'):
+                return f"part {p.number}'s ETag in the store is {p.etag}, the rank uploaded {mine[p.number].etag}"
+            if p.crc32 is None:
+                return (f"the store reports no CRC32 for part {p.number}: it does not keep (or check) part "
+                        f"checksums, so it cannot vouch for the bytes; use a store that does")
+            if p.crc32 != mine[p.number].crc32:
+                return f"part {p.number}'s CRC32 in the store is {p.crc32}, the rank computed {mine[p.number].crc32}"
+        return None
+
+    def _refuse(self, d, h: ShardHeader, key: str, upload_id: str, problem: str):
+        log.warning("direct upload refused: checkpoint %s rank %s file %s: %s", h.checkpoint_id, h.rank,
+                    h.file_name, problem, extra={"checkpoint_id": h.checkpoint_id, "rank": h.rank})
+        self.commits.metrics.hash_mismatches.inc()
+        try:
+            d.abort_upload(key, upload_id)
+        except Exception:  # noqa: BLE001 - the checkpoint's end or GC aborts it again
+            log.exception("aborting upload %s of %s failed", upload_id, key)
+        with self.commits.sessions() as s, s.begin():
+            ck = s.get(Checkpoint, h.checkpoint_id)
+            add_event(s, "direct_upload_refused", ck.run_id if ck else None, h.checkpoint_id, rank=h.rank,
+                      file=h.file_name, reason=problem[:500])
+        raise HashMismatch(f"direct upload of rank {h.rank}'s {h.file_name!r} refused: {problem}")
+
+    def _index(self, key: str, h: ShardHeader, pfx: str) -> str | None:
+        """The tensor index object of a safetensors file, from its header alone (ranged reads)."""
+        if not h.file_name.endswith(".safetensors"):
+            return None
+        store = self.commits.store
+        head = b"".join(store.get(key, 0, min(8, h.size)))
+        try:
+            n = header_length(head)
+        except FormatError as e:
+            raise InvalidArgument(f"not a valid safetensors file: {e}") from None
+        if n > 8:
+            head += b"".join(store.get(key, 8, min(n, h.size) - 8))
+        parsed = self.commits._try_index(bytearray(head), h.size, final=True)
+        return indexes.store(self.commits.blobs, pfx, h.rank, h.file_name, *parsed)
+
+    def _record(self, h: ShardHeader, key: str, index_json: str | None) -> PutResult:
+        c = self.commits
+        with c.sessions() as s, s.begin():
+            ck = c._get_checkpoint(s, h.checkpoint_id, lock=True)  # serialises with votes
+            fencing.check(s, ck.run_id, ck.generation, f"upload to checkpoint {ck.id}")
+            existing = c._find_shard(s, h)
+            if existing is not None:
+                return c._same_or_conflict(existing, h)
+            c._require_pending(ck, "record the shard")
+            c._require_not_voted(s, h)
+            s.add(Shard(checkpoint_id=ck.id, rank=h.rank, file_name=h.file_name, size=h.size, xxh3_128=h.xxh3_128,
+                        blob_key=key, status=VERIFIED, index_json=index_json, created_at=c.clock()))
+            ck.lease_expires_at = c._lease()
+            add_event(s, "direct_upload", ck.run_id, ck.id, rank=h.rank, file=h.file_name, bytes=h.size)
+        return PutResult(False, h.size, h.xxh3_128)
+
+    # ------------------------------------------------------------ reads
+    def read_url(self, checkpoint_id: int, rank: int, file_name: str) -> dict:
+        """A presigned GET of a committed checkpoint's file (the reader re-hashes it)."""
+        d = self._direct()
+        sh = self.commits.shard_for_read(checkpoint_id, rank, file_name)  # the one rule of what is readable
+        key, size, digest = sh.blob_key, sh.size, sh.xxh3_128
+        expires = self.settings.direct_s3_grant_seconds
+        return {"url": d.presign_get(key, expires), "size": size, "xxh3_128": digest, "expires_in": expires}
+
+    # ------------------------------------------------------------ nothing orphaned
+    def end(self, checkpoint_ids: list[int]) -> int:
+        """Abort the open uploads of checkpoints that ended (aborted, expired). Never raises:
+        GC's sweep is the backstop."""
+        d = capabilities.direct(self.commits.store)
+        if d is None or not checkpoint_ids:
+            return 0
+        n = 0
+        try:
+            with self.commits.sessions() as s, s.begin():
+                prefixes = [key_prefix(s, ck) for ck in s.scalars(
+                    select(Checkpoint).where(Checkpoint.id.in_(checkpoint_ids)))]
+            for pfx in prefixes:
+                for key, upload_id in d.uploads(pfx):
+                    d.abort_upload(key, upload_id)
+                    n += 1
+        except Exception:  # noqa: BLE001
+            log.exception("aborting the uploads of checkpoints %s failed; GC sweeps them", checkpoint_ids)
+        return n
+
+
+def sweep(sessions, store) -> int:
+    """Abort every open upload under ckpt/ whose checkpoint is no longer PENDING: GC's
+    backstop (gc.py) for an abort or expiry whose own `end` did not get through. Never
+    raises: a store that cannot list uploads must not stop GC's deletions."""
+    d = capabilities.direct(store)
+    if d is None:
+        return 0
+    n = 0
+    try:
+        open_ = [(keys.parse(k), k, u) for k, u in d.uploads(keys.ROOT)]
+        ids = sorted({p.checkpoint_id for p, _, _ in open_ if p})
+        with sessions() as s, s.begin():
+            status = dict(s.execute(select(Checkpoint.id, Checkpoint.status)
+                                    .where(Checkpoint.id.in_(ids))).tuples().all()) if ids else {}
+        for p, key, upload_id in open_:
+            # a key this catalog does not own is left alone, as GC leaves such blobs
+            if p is None or status.get(p.checkpoint_id, PENDING) == PENDING:
+                continue
+            d.abort_upload(key, upload_id)
+            n += 1
+    except Exception:  # noqa: BLE001
+        log.exception("sweeping open multipart uploads failed; the next GC pass tries again")
+    if n:
+        log.info("aborted %d multipart uploads of checkpoints that are no longer pending", n)
+    return n
