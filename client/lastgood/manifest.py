@@ -38,10 +38,11 @@ def _canonical(d: dict) -> bytes:
     return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
 
 
-def index_bytes(rank: int, file_name: str, data_start: int, tensors: dict) -> bytes:
-    """The tensor index object of one safetensors file (canonical JSON)."""
+def index_bytes(rank: int, file_name: str, data_start: int, tensors: dict, digests: dict | None = None) -> bytes:
+    """The tensor index object of one safetensors file (canonical JSON). `digests`: its
+    range digests (ranges.py), absent in objects written before them."""
     return _canonical({"format": INDEX_FORMAT, "rank": rank, "file": file_name, "data_start": data_start,
-                       "tensors": tensors})
+                       "tensors": tensors, **({"digests": digests} if digests is not None else {})})
 
 
 def index_ref(body: bytes, tensors: int) -> dict:
@@ -57,6 +58,7 @@ class FileEntry:
     data_start: int | None = None           # safetensors data section start, when indexed
     tensors: dict[str, dict] | None = None  # name -> {dtype, shape, offsets}; in a /2 root: once fetched
     index: dict | None = None               # /2: {xxh3_128, size, tensors} of the index object
+    digests: dict | None = None             # range digests (ranges.py), from the index object, if it has them
 
     def to_dict(self) -> dict:
         d: dict = {"name": self.name, "size": self.size, "xxh3_128": self.xxh3_128}
@@ -65,6 +67,8 @@ class FileEntry:
         if self.tensors is not None:
             d["data_start"] = self.data_start
             d["tensors"] = self.tensors
+            if self.digests is not None:
+                d["digests"] = self.digests
         return d
 
     def with_index(self, rank: int, body: bytes) -> "FileEntry":
@@ -84,7 +88,7 @@ class FileEntry:
             ok = False
         if not ok:  # the right hash over the wrong content: only a service bug gets here
             raise IndexMismatch(f"rank {rank} file {self.name!r}: the tensor index is not this file's")
-        return replace(self, data_start=int(d["data_start"]), tensors=d["tensors"])
+        return replace(self, data_start=int(d["data_start"]), tensors=d["tensors"], digests=d.get("digests"))
 
 
 @dataclass(frozen=True)
@@ -127,7 +131,8 @@ class Manifest:
     def to_bytes(self) -> bytes:
         """The committed bytes: a /2 root never carries tensors, even once they are fetched."""
         if self.version == 2:
-            bare = {r: [replace(f, data_start=None, tensors=None) for f in fs] for r, fs in self.ranks.items()}
+            bare = {r: [replace(f, data_start=None, tensors=None, digests=None) for f in fs]
+                    for r, fs in self.ranks.items()}
             return _canonical(replace(self, ranks=bare).to_dict())
         return _canonical(self.to_dict())
 

@@ -22,9 +22,11 @@ from ...catalog.models import Shard
 from .. import keys
 
 
-def store(blobs, ckpt_prefix: str, rank: int, file_name: str, data_start: int, tensors: dict) -> str:
-    """Write one file's index object; what `shards.index_json` keeps of it."""
-    body = index_bytes(rank, file_name, data_start, tensors)
+def store(blobs, ckpt_prefix: str, rank: int, file_name: str, data_start: int, tensors: dict,
+          digests: dict | None = None) -> str:
+    """Write one file's index object, with its range digests when given (lastgood/ranges.py);
+    what `shards.index_json` keeps of it."""
+    body = index_bytes(rank, file_name, data_start, tensors, digests)
     ref = index_ref(body, len(tensors))
     blobs.put_bytes(keys.index_key(ckpt_prefix, rank, ref["xxh3_128"]), body)
     return json.dumps(ref, sort_keys=True, separators=(",", ":"))

@@ -32,6 +32,7 @@ from sqlalchemy.orm import Session
 from lastgood import names
 from lastgood.errors import FormatError
 from lastgood.format import header_length, parse_header, tensor_index
+from lastgood.ranges import RangeHasher
 from lastgood.hashing import StreamHasher, hash_bytes, is_valid_hex
 from lastgood.manifest import FileEntry, Manifest
 
@@ -208,6 +209,7 @@ class CommitProtocol(CommitCore):
 
         hasher = StreamHasher()
         index_json = None
+        segments = None  # the range digests, from the moment the header is parsed
         want_index = header.file_name.endswith(".safetensors")
         prefix = bytearray()
         renew_every = self.settings.lease_seconds / 4
@@ -227,7 +229,10 @@ class CommitProtocol(CommitCore):
                     prefix += chunk
                     index_json = self._try_index(prefix, header.size)
                     if index_json is not None:
+                        segments = self._segments(index_json, prefix)
                         prefix = bytearray()
+                elif segments is not None:
+                    segments.update(chunk)
                 if time.monotonic() - last_renew > renew_every:
                     self._renew(header.checkpoint_id)
                     last_renew = time.monotonic()
@@ -235,6 +240,7 @@ class CommitProtocol(CommitCore):
                 raise InvalidArgument(f"stream ended after {hasher.size} of the declared {header.size} bytes")
             if want_index and index_json is None:
                 index_json = self._try_index(prefix, header.size, final=True)
+                segments = self._segments(index_json, prefix)
             digest = hasher.hexdigest()
             if digest != header.xxh3_128:
                 self._record_mismatch(header, digest)
@@ -242,7 +248,8 @@ class CommitProtocol(CommitCore):
                                    f"{header.xxh3_128}: shard rejected")
             w.publish()
         if index_json is not None:  # the file's tensor index, as an object of its own (indexes.py)
-            index_json = indexes.store(self.blobs, pfx, header.rank, header.file_name, *index_json)
+            index_json = indexes.store(self.blobs, pfx, header.rank, header.file_name, *index_json,
+                                       segments.digests() if segments is not None else None)
 
         with self.sessions() as s:
             try:
@@ -277,6 +284,15 @@ class CommitProtocol(CommitCore):
             return PutResult(True, existing.size, existing.xxh3_128)
         raise Conflict(f"rank {h.rank} already uploaded {h.file_name!r} to checkpoint {h.checkpoint_id} "
                        f"with different bytes ({existing.size} bytes, xxh3 {existing.xxh3_128})")
+
+    def _segments(self, index: tuple[int, dict], prefix: bytearray) -> RangeHasher | None:
+        """The file's range digests (lastgood/ranges.py), fed from here on; the bytes so far
+        are `prefix`. None when range_block_bytes is 0."""
+        if not self.settings.range_block_bytes:
+            return None
+        hasher = RangeHasher(*index, self.settings.range_block_bytes)
+        hasher.update(prefix)
+        return hasher
 
     @staticmethod
     def _try_index(prefix: bytearray, size: int, final: bool = False) -> tuple[int, dict] | None:

@@ -1,0 +1,66 @@
+"""Range digests (lastgood/ranges.py): the segments of a file, their digests computed from
+any chunking of the stream, and which segments verify a byte range."""
+
+from __future__ import annotations
+
+import pytest
+
+from lastgood.errors import FormatError
+from lastgood.hashing import hash_bytes
+from lastgood.ranges import HEADER, RangeDigests, RangeHasher, segments
+
+DATA_START = 16
+TENSORS = {"a": {"offsets": [0, 10]}, "b": {"offsets": [10, 10]}, "c": {"offsets": [10, 35]}}  # b is empty
+FILE = bytes(range(DATA_START + 35))
+
+
+def digests(block: int, chunk: int) -> dict:
+    h = RangeHasher(DATA_START, TENSORS, block)
+    for i in range(0, len(FILE), chunk):
+        h.update(FILE[i:i + chunk])
+    return h.digests()
+
+
+def test_segments_cut_each_tensor_from_its_own_start_and_never_straddle_two():
+    segs = [(s.name, s.start, s.end) for s in segments(DATA_START, TENSORS, 8)]
+    assert segs == [(HEADER, 0, 16), ("a", 16, 24), ("a", 24, 26),
+                    ("c", 26, 34), ("c", 34, 42), ("c", 42, 50), ("c", 50, 51)]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 8, 1000])
+def test_digests_do_not_depend_on_how_the_stream_is_cut(chunk):
+    d = digests(8, chunk)
+    assert d == digests(8, 3)
+    assert d["block"] == 8 and d["header"] == hash_bytes(FILE[:16])
+    assert d["tensors"]["a"] == [hash_bytes(FILE[16:24]), hash_bytes(FILE[24:26])]
+    assert "b" not in d["tensors"] and len(d["tensors"]["c"]) == 4
+
+
+def test_a_range_is_verified_by_the_segments_that_cover_it():
+    rd = RangeDigests(DATA_START, TENSORS, digests(8, 5))
+    assert [(s.start, s.end) for s, _ in rd.covering(30, 36)] == [(26, 34), (34, 42)]
+    assert [(s.start, s.end) for s, _ in rd.covering(0, 16)] == [(0, 16)]  # the header alone
+    for seg, want in rd.covering(0, len(FILE)):
+        assert hash_bytes(FILE[seg.start:seg.end]) == want
+    with pytest.raises(ValueError):
+        rd.covering(40, 52)
+
+
+def test_digests_that_do_not_fit_the_index_are_a_format_error():
+    d = digests(8, 5)
+    with pytest.raises(FormatError):
+        RangeDigests(DATA_START, TENSORS, {**d, "tensors": {**d["tensors"], "c": d["tensors"]["c"][:3]}})
+    with pytest.raises(FormatError):
+        RangeDigests(DATA_START, TENSORS, {**d, "header": "not hex"})
+    with pytest.raises(FormatError):
+        RangeDigests(DATA_START, TENSORS, {**d, "block": 0})
+
+
+def test_a_stream_longer_or_shorter_than_its_segments_is_refused():
+    h = RangeHasher(DATA_START, TENSORS, 8)
+    h.update(FILE[:-1])
+    with pytest.raises(FormatError):
+        h.digests()
+    h.update(FILE[-1:])
+    with pytest.raises(FormatError):
+        h.update(b"x")
