@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import config, distributed, names
+from . import config, distributed, names, readplan
 from . import health as _health
 from .config import ClientConfig
 from .errors import (Conflict, CorruptCheckpoint, DataLoss, FailedPrecondition, Fenced, FormatError, LastgoodError,
@@ -40,7 +40,7 @@ from .retry import RetryPolicy
 from .save import SaveSession
 from .staging import Snapshot, StagingPool, snapshot
 from .sharding import ShardIndex, StoredFile
-from .state import TrainState, array_from_buffer, fits, tensor_from_buffer
+from .state import TrainState, fits
 from .transport import Transport
 from .uploads import SaveRecord, UploadQueue
 
@@ -90,6 +90,7 @@ class Checkpointer:
         commit_timeout = commit_timeout or 2 * float(self.transport.info.get("lease_seconds", 60)) + 60
         self.launch = names.check_attempt(distributed.launch_attempt(self.world_size, cfg.attempt))[:56]
         self._restores = 0  # every rank restores the same number of times, so they agree on the attempt
+        self.restore_reads: dict | None = None  # what the last restore by ranges read (readplan.py)
         self.generation = self._register(retention)  # a bad retention raises here on every rank
         self._fenced: Fenced | None = None
         self.file_name = shard_file_name(self.rank)
@@ -401,7 +402,7 @@ class Checkpointer:
         tried: list[int] = []
         cid = self._agree(lambda: checkpoint_id if checkpoint_id is not None else self._last_good_id())
         while cid > 0:
-            code, result, err = self._try_fetch(cid)
+            code, result, err = self._try_fetch(cid, state)
             agreed = distributed.all_max(code)
             if code == self.OK and agreed != self.OK:
                 self._give_back(state, result[3])  # fetched here, unusable elsewhere: nothing applied
@@ -475,9 +476,9 @@ class Checkpointer:
         same rule that moves last-good back when a checkpoint turns out CORRUPT."""
         return self.transport.ancestors(failed).get("fallback_id") or 0
 
-    def _try_fetch(self, cid: int):
+    def _try_fetch(self, cid: int, state: TrainState):
         try:
-            return self.OK, self._fetch(cid), None
+            return self.OK, self._fetch(cid, state), None
         except (CorruptCheckpoint, FormatError) as e:  # bytes or state that are not the commit's
             return self.UNUSABLE, None, e
         except ServiceError as e:
@@ -489,26 +490,37 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - agreed on with the other ranks, then raised
             return self.FAILED, None, e
 
-    def _fetch(self, cid: int) -> tuple[Manifest, list[StoredFile], int, list]:
+    def _fetch(self, cid: int, state: TrainState) -> tuple[Manifest, list, int, list]:
         # a read lease keeps GC away from this checkpoint while its bytes are read
         lease = self.transport.acquire_lease(cid, f"{self.run}/rank{self.rank}")
         try:
-            return self._fetch_leased(cid)
+            return self._fetch_leased(cid, state)
         finally:
             try:
                 self.transport.release_lease(lease)
             except ServiceError as e:  # it expires by itself
                 log.warning("lastgood: releasing read lease %s failed: %s", lease, e)
 
-    def _fetch_leased(self, cid: int):
+    def _fetch_leased(self, cid: int, state: TrainState):
         """(manifest, files, source rank, staging buffers held). At the saving world size a
         rank reads its own file, into a staging buffer: restore runs between saves, when the
         pool is idle, and a buffer already touched is written at memory speed (a new one
-        costs a page fault per 4 KiB). At another world size it reads every rank's file:
-        DTensor shards may overlap its new shards, and replicated state comes from old rank
+        costs a page fault per 4 KiB). At another world size it reads just the verified
+        byte ranges its new shards and the replicated state need (readplan.py); a
+        checkpoint written before range digests is read whole, every rank's file: DTensor
+        shards may overlap its new shards, and replicated state comes from old rank
         min(rank, old world - 1)."""
         manifest = self.transport.manifest(cid)
         old_world = manifest.world_size
+        if old_world != self.world_size:
+            before = self.transport.shard_bytes, self.transport.range_requests
+            planned = readplan.fetch(self.transport, state, manifest, self.rank, shard_file_name)
+            if planned is not None:
+                files, source, counts = planned
+                self.restore_reads = {**counts, "bytes": self.transport.shard_bytes - before[0],
+                                      "requests": self.transport.range_requests - before[1]}
+                log.info("lastgood: rank %s read checkpoint %s by ranges: %s", self.rank, cid, self.restore_reads)
+                return manifest, files, source, []
         ranks = [self.rank] if old_world == self.world_size else list(range(old_world))
         files, held = [], []
         try:
@@ -583,14 +595,13 @@ class Checkpointer:
         direct = state.module_tensor_names()
 
         def tensor(name: str, device: str | None):
-            spec = src.tensors[name]
             dst = targets.get(name)
-            if dst is not None and fits(dst, spec, device):
-                return dst.copy_(tensor_from_buffer(src.buf, spec, src.start, None, copy=False))
+            if dst is not None and fits(dst, src.tensors[name], device):
+                return dst.copy_(src.resolve(name, None, copy=False))
             # everything else is cloned: the buffer goes back to the staging pool
-            return tensor_from_buffer(src.buf, spec, src.start, device, copy=name not in direct)
+            return src.resolve(name, device, copy=name not in direct)
 
-        state.apply(src.state, tensor, lambda name: array_from_buffer(src.buf, src.tensors[name], src.start),
+        state.apply(src.state, tensor, src.array,
                     shards=ShardIndex(files),
                     reseed=None if self.rank < manifest.world_size else _derived_seed(manifest.checkpoint_id, self.rank),
                     world_changed=changed)

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from .codec import ShardRef, _is_dtensor, decode
 from .errors import CorruptCheckpoint, FormatError, LastgoodError
 from .format import header_length, parse_header, parse_state
-from .state import tensor_from_buffer
+from .state import array_from_buffer, tensor_from_buffer
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -42,16 +42,35 @@ class StoredFile:
     state: dict = field(init=False)
 
     def __post_init__(self) -> None:
-        self.tensors, meta = parse_header(self.buf, file_size=len(self.buf))
-        self.start = header_length(self.buf)
-        self.state = parse_state(meta, self.tensors)
-        try:  # a dry run of the decode restore will do: the codec's own forms, nothing made
-            decode(self.state, lambda name, device: None, lambda name: None)
-        except Exception as e:  # noqa: BLE001 - whatever the codec chokes on is damage
-            raise FormatError(f"the shard's state cannot be decoded: {type(e).__name__}: {str(e)[:200]}") from None
+        self.tensors, self.start, self.state = read_header(self.buf, len(self.buf))
 
     def tensor(self, name: str) -> torch.Tensor:
         return tensor_from_buffer(self.buf, self.tensors[name], self.start, None, copy=False)
+
+    def piece(self, name: str, offsets, lengths) -> torch.Tensor:
+        """The part of stored tensor `name` that one read item of ShardIndex names."""
+        return narrow_tensor_by_index(self.tensor(name), offsets, lengths)
+
+    def resolve(self, name: str, device: str | None, copy: bool) -> torch.Tensor:
+        """A replicated tensor, for the codec's decode: a view of the buffer or a copy."""
+        return tensor_from_buffer(self.buf, self.tensors[name], self.start, device, copy=copy)
+
+    def array(self, name: str):
+        return array_from_buffer(self.buf, self.tensors[name], self.start)
+
+
+def read_header(head, file_size: int) -> tuple[dict, int, dict]:
+    """(tensors, data start, state) of a shard file from its header bytes, checked before
+    the ranks agree on the checkpoint: a file that cannot be applied is a damaged
+    checkpoint to fall back from, on every rank."""
+    tensors, meta = parse_header(head, file_size=file_size)
+    start = header_length(head)
+    state = parse_state(meta, tensors)
+    try:  # a dry run of the decode restore will do: the codec's own forms, nothing made
+        decode(state, lambda name, device: None, lambda name: None)
+    except Exception as e:  # noqa: BLE001 - whatever the codec chokes on is damage
+        raise FormatError(f"the shard's state cannot be decoded: {type(e).__name__}: {str(e)[:200]}") from None
+    return tensors, start, state
 
 
 class ShardIndex:
@@ -75,24 +94,30 @@ class ShardIndex:
             for v in node:
                 self._walk(v, f)
 
-    def fill(self, ref: ShardRef, target) -> None:
-        """Copy into the live DTensor's local shard every stored overlap; all of it must be covered."""
+    def read_items(self, ref: ShardRef, target) -> list:
+        """(file, read item) for every stored shard that overlaps the live DTensor's local
+        shard, by DCP's planner: what fill() copies and what a resharding restore reads
+        (readplan.py), computed once, here."""
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         if tuple(target.shape) != ref.shape:
             raise LastgoodError(f"{ref.name}: stored with global shape {ref.shape}, the model has {tuple(target.shape)}")
-        local = target.to_local()
         shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
         stored = self.chunks.get(ref.name, [])
-        md = TensorStorageMetadata(properties=TensorProperties(dtype=local.dtype), size=torch.Size(ref.shape),
+        md = TensorStorageMetadata(properties=TensorProperties(dtype=target.dtype), size=torch.Size(ref.shape),
                                    chunks=[ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s, _ in stored])
         by_offset = {tuple(o): f for o, _, f in stored}
+        return [(by_offset[tuple(item.storage_index.offset)], item)
+                for item in create_read_items_for_chunk_list(ref.name, md, [ChunkStorageMetadata(
+                    torch.Size(offset), torch.Size(shape))])]
+
+    def fill(self, ref: ShardRef, target) -> None:
+        """Copy into the live DTensor's local shard every stored overlap; all of it must be covered."""
+        local = target.to_local()
         covered = 0
         with torch.no_grad():
-            for item in create_read_items_for_chunk_list(ref.name, md, [ChunkStorageMetadata(torch.Size(offset),
-                                                                                               torch.Size(shape))]):
-                src = by_offset[tuple(item.storage_index.offset)].tensor(ref.name)
-                src = narrow_tensor_by_index(src, item.storage_offsets, item.lengths)
+            for f, item in self.read_items(ref, target):
+                src = f.piece(ref.name, item.storage_offsets, item.lengths)
                 narrow_tensor_by_index(local, item.dest_offsets, item.lengths).copy_(src)
                 covered += src.numel()
         if covered != local.numel():

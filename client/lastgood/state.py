@@ -173,6 +173,22 @@ class TrainState:
                 out.update(f"{name}.{n}" for n, _ in m.named_buffers())
         return out
 
+    def sharded_live(self) -> dict:
+        """Component -> its live state dict, for each FSDP2 module and each optimizer over
+        one: the DTensors a restore at another world size plans its reads against
+        (readplan.py). A fresh optimizer gets its moments first, as apply() gives them."""
+        from torch.distributed.checkpoint.state_dict import (_init_optim_state, get_model_state_dict,
+                                                             get_optimizer_state_dict)
+        out = {}
+        for name in self._order():
+            kind = self._kind(name)
+            if kind == "sharded_module":
+                out[name] = get_model_state_dict(_unwrap(self.components[name]))
+            elif kind == "sharded_optimizer":
+                _init_optim_state(self.components[name])
+                out[name] = get_optimizer_state_dict(self._owner[name], self.components[name])
+        return out
+
     def aliases(self, buf: torch.Tensor) -> bool:
         """Does any module or optimizer tensor share memory with `buf` (a CPU byte buffer)?"""
         lo = buf.data_ptr()

@@ -100,6 +100,8 @@ class Transport(RestClient):
             ("grpc.max_send_message_length", limit), *_RECONNECT])
         self._stub = pb_grpc.CheckpointsStub(self._channel)
         self.spool = _find_spool(info.get("spool")) if spool else None
+        # shard bytes received (whole files and ranges) and ranged requests: what a restore read
+        self.shard_bytes = self.range_requests = 0
         _open.add(self)
         # the shard streams carry hand-framed chunks (see wire.py): raw bytes at this end
         self._put_shard = self._channel.stream_unary(
@@ -252,12 +254,45 @@ class Transport(RestClient):
                     pos += n
             except grpc.RpcError as e:
                 raise _service_error(e, "GetShard") from None
+            self.shard_bytes += pos
             if pos != size:  # the whole stored file came, without an error: it is shorter
                 raise CorruptCheckpoint(f"checkpoint {checkpoint_id} rank {rank} {file_name}: the stored file ends "
                                         f"after {pos} of the committed {size} bytes")
             return hasher.hexdigest()
 
         return view, self._retrying(once, f"GetShard {checkpoint_id}/{rank}/{file_name}")
+
+    def read_range(self, checkpoint_id: int, rank: int, file_name: str, offset: int, into) -> None:
+        """Bytes [offset, offset + len(into)) of a stored file, streamed into `into` (the
+        caller verifies them: readplan.py). Always a stream: a link in the spool would
+        hand over the whole file. Every byte received is counted in `shard_bytes`."""
+        view = memoryview(into).cast("B")
+        length = view.nbytes
+
+        def once() -> None:  # a retry after a broken stream starts over
+            pos = 0
+            try:
+                for raw in self._get_shard(pb.GetShardRequest(checkpoint_id=checkpoint_id, rank=rank,
+                                                              file_name=file_name, offset=offset, length=length),
+                                           timeout=max(self.timeout, 3600.0), metadata=self._md):
+                    chunk = wire.unframe(raw, wire.GET_CHUNK)
+                    if chunk is None:
+                        chunk = pb.GetShardResponse.FromString(raw).chunk
+                    n = len(chunk)
+                    self.shard_bytes += n
+                    if pos + n > length:
+                        raise CorruptCheckpoint(f"checkpoint {checkpoint_id} rank {rank} {file_name}: more than the "
+                                                f"{length} bytes asked for at offset {offset}")
+                    view[pos:pos + n] = chunk
+                    pos += n
+            except grpc.RpcError as e:
+                raise _service_error(e, "GetShard") from None
+            if pos != length:
+                raise CorruptCheckpoint(f"checkpoint {checkpoint_id} rank {rank} {file_name}: the stored file ends "
+                                        f"{pos} bytes after offset {offset}, {length} were committed")
+
+        self.range_requests += 1
+        self._retrying(once, f"GetShard {checkpoint_id}/{rank}/{file_name} [{offset}, +{length})")
 
 
 def _read_lent(spool_dir: str, name: str, view: memoryview, hasher: StreamHasher) -> int:

@@ -1,10 +1,14 @@
 """Rank script: an FSDP2 model with AdamW, saved on one world size, restored on another.
 
-    save    URL RUN OUT   train 3 steps on a plain DataLoader over ResumableDistributedSampler, save
-    restore URL RUN OUT   a fresh, differently initialised model: restore, then finish the epoch
+    save    URL RUN OUT        train 3 steps on a plain DataLoader over ResumableDistributedSampler,
+                               save steps 1 and 2
+    restore URL RUN OUT [STEP] a fresh, differently initialised model: restore (expecting STEP,
+                               default 2), then finish the epoch
 
 Both write OUT/full-<phase>.safetensors (rank 0: every full tensor, weights and Adam
-moments, gathered with full_state_dict) and OUT/ids-<phase>-rank<R>.json (samples seen).
+moments, gathered with full_state_dict) and OUT/ids-<phase>-rank<R>.json (samples seen);
+restore also OUT/read-rank<R>.json: the shard bytes and ranged requests its transport
+received, and the bytes of its own new shards (every DTensor's local shard).
 """
 
 from __future__ import annotations
@@ -60,8 +64,16 @@ def dump_full(model, opt, out: Path, phase: str) -> None:
         save_file(tensors, str(out / f"full-{phase}.safetensors"))
 
 
+def local_bytes(model, opt) -> int:
+    """The bytes of this rank's own shards: every DTensor's local shard, weights and moments."""
+    msd, osd = get_model_state_dict(model), get_optimizer_state_dict(model, opt)
+    values = [*msd.values(), *(v for st in osd["state"].values() for v in st.values())]
+    return sum(v.to_local().numel() * v.element_size() for v in values if hasattr(v, "to_local"))
+
+
 def main() -> None:
     phase, url, run, out = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4])
+    out.mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model, opt, sampler, loader = build(seed=0 if phase == "save" else 1)
@@ -76,10 +88,18 @@ def main() -> None:
                 loss.backward()
                 opt.step()
                 seen += ids.tolist()
+                if step == 1:
+                    ckpt.save(1, state)  # the ancestor a damaged step 2 falls back to
             ckpt.save(2, state)
             ckpt.wait()
         else:
-            assert ckpt.restore(state) == 2
+            want = int(sys.argv[5]) if len(sys.argv) > 5 else 2
+            got = ckpt.restore(state)
+            assert got == want, f"restored step {got}, expected {want}"
+            print(f"[rank {rank}] restored step {got}", flush=True)
+            (out / f"read-rank{rank}.json").write_text(json.dumps({
+                "shard_bytes": ckpt.transport.shard_bytes, "requests": ckpt.transport.range_requests,
+                "new_shard_bytes": local_bytes(model, opt)}))
             sampler.set_epoch(0)
             for ids, _ in loader:  # the rest of epoch 0, dealt to the new ranks
                 seen += ids.tolist()

@@ -1,6 +1,9 @@
-"""An FSDP2 model with AdamW saved by 4 ranks restores on 2, and one saved by 2 restores
-on 3: every full tensor (weights, Adam moments, steps) identical, and across the change
-no sample of the epoch is repeated or skipped (sample ids recorded on every rank)."""
+"""FSDP2 with AdamW restored at another world size (docs/resharding.md): every full tensor
+(weights, Adam moments, steps) identical, no sample of the epoch repeated or skipped, and
+each rank reads only its ranges: at most its new shards, the replicated state, the old
+files' headers and the segment rounding (counted at its transport). A flipped byte in a
+range one rank reads makes the checkpoint CORRUPT and every rank falls back; a checkpoint
+without range digests (written before them) is read whole, as before, and still restores."""
 
 from __future__ import annotations
 
@@ -11,9 +14,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from lastgood.format import header_length, parse_header, parse_state
+
 from tests.multiproc.launch import torchrun, why
+from tests.service.helpers import shard_blob, wait_status
 
 SCRIPT = Path(__file__).with_name("fsdp_reshard.py")
+BLOCK = 64  # bytes: small enough that ranges cut through these tiny tensors
 
 
 def full(path: Path) -> dict[str, torch.Tensor]:
@@ -21,23 +28,108 @@ def full(path: Path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-@pytest.mark.parametrize("before,after", [(4, 2), (2, 3)])
-def test_fsdp2_restores_at_another_world_size(service, run_name, tmp_path, before, after):
-    saved = torchrun(SCRIPT, ["save", service.url, run_name, str(tmp_path)], nproc=before)
+def save(svc, run: str, out: Path, nproc: int) -> dict:
+    saved = torchrun(SCRIPT, ["save", svc.url, run, str(out)], nproc=nproc)
     assert saved.returncode == 0, why(saved)
-    lg = service.get(f"/api/v1/runs/{run_name}/last-good", params={"manifest": "true"}).json()
-    assert lg["world_size"] == before and len(lg["manifest"]["ranks"]) == before
-    restored = torchrun(SCRIPT, ["restore", service.url, run_name, str(tmp_path)], nproc=after)
-    assert restored.returncode == 0, why(restored)
+    lg = svc.get(f"/api/v1/runs/{run}/last-good").json()
+    assert lg["world_size"] == nproc and lg["step"] == 2
+    return svc.get(f"/api/v1/checkpoints/{lg['id']}").json()  # the full view, with tensors
 
-    a, b = full(tmp_path / "full-save.safetensors"), full(tmp_path / "full-restore.safetensors")
+
+def restore(svc, run: str, out: Path, nproc: int, step: int = 2):
+    res = torchrun(SCRIPT, ["restore", svc.url, run, str(out), str(step)], nproc=nproc)
+    assert res.returncode == 0, why(res)
+    return res
+
+
+def assert_round_trip(saved: Path, restored: Path, before: int, after: int) -> None:
+    a, b = full(saved / "full-save.safetensors"), full(restored / "full-restore.safetensors")
     assert sorted(a) == sorted(b) and any(k.endswith("exp_avg_sq") for k in a)
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-
-    seen = [i for r in range(before) for i in json.loads((tmp_path / f"ids-save-rank{r}.json").read_text())]
-    rest = [i for r in range(after) for i in json.loads((tmp_path / f"ids-restore-rank{r}.json").read_text())]
+    seen = [i for r in range(before) for i in json.loads((saved / f"ids-save-rank{r}.json").read_text())]
+    rest = [i for r in range(after) for i in json.loads((restored / f"ids-restore-rank{r}.json").read_text())]
     assert sorted(seen + rest) == list(range(48))  # each sample of the epoch exactly once
+
+
+def read(out: Path, rank: int) -> dict:
+    return json.loads((out / f"read-rank{rank}.json").read_text())
+
+
+def bound(svc, ckpt: dict, rank: int, counted: dict) -> int:
+    """What a rank may read: its new shards, the replicated state of its source file (every
+    tensor that is not a DTensor shard, found in the stored state), every old header, and
+    up to one block of rounding at each end of each request."""
+    files = [r["files"][0] for r in ckpt["manifest"]["ranks"]]
+    src = min(rank, len(files) - 1)
+    body = svc.get(f"/api/v1/checkpoints/{ckpt['id']}/ranks/{src}/files/{files[src]['name']}").content
+    tensors, meta = parse_header(body[:header_length(body)])
+    sharded = set()
+    todo = [parse_state(meta, tensors)]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if "__dtensor__" in node:
+                sharded.add(node["__dtensor__"])
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    assert sharded, "the model's shards are DTensors"
+    replicated = sum(b - a for n, t in tensors.items() if n not in sharded for a, b in [t["data_offsets"]])
+    headers = sum(f["data_start"] for f in files)
+    return counted["new_shard_bytes"] + replicated + headers + 2 * BLOCK * counted["requests"]
+
+
+@pytest.mark.parametrize("before,afters", [(4, (2, 3, 8)), (2, (4,))])
+def test_fsdp2_restores_at_another_world_size_reading_only_its_ranges(make_service, run_name, tmp_path,
+                                                                       before, afters):
+    svc = make_service(LASTGOOD_RANGE_BLOCK_BYTES=str(BLOCK))
+    ckpt = save(svc, run_name, tmp_path / "save", before)
+    total = sum(r["files"][0]["size"] for r in ckpt["manifest"]["ranks"])
+    assert all("digests" in r["files"][0] for r in ckpt["manifest"]["ranks"])
+    for after in afters:
+        out = tmp_path / f"on{after}"
+        restore(svc, run_name, out, after)
+        assert_round_trip(tmp_path / "save", out, before, after)
+        for rank in range(after):
+            counted = read(out, rank)
+            assert 0 < counted["shard_bytes"] <= bound(svc, ckpt, rank, counted) < total, (after, rank, counted)
+
+
+def test_without_range_digests_files_are_read_whole_and_restore(make_service, run_name, tmp_path):
+    """A checkpoint as the service wrote it before range digests (LASTGOOD_RANGE_BLOCK_BYTES=0
+    writes none): each rank reads every old file whole, which is over the bound above (the
+    control of the bound), and the restore is still exact."""
+    svc = make_service(LASTGOOD_RANGE_BLOCK_BYTES="0")
+    ckpt = save(svc, run_name, tmp_path / "save", 4)
+    assert not any("digests" in r["files"][0] for r in ckpt["manifest"]["ranks"])
+    total = sum(r["files"][0]["size"] for r in ckpt["manifest"]["ranks"])
+    restore(svc, run_name, tmp_path / "on3", 3)
+    assert_round_trip(tmp_path / "save", tmp_path / "on3", 4, 3)
+    for rank in range(3):
+        counted = read(tmp_path / "on3", rank)
+        assert counted["shard_bytes"] == total and counted["requests"] == 0
+        assert counted["shard_bytes"] > bound(svc, ckpt, rank, counted)
+
+
+def test_a_damaged_range_one_rank_reads_falls_back_on_every_rank(make_service, run_name, tmp_path):
+    """Old rank 3 of 4 holds rows 24..29 of layer 0's weight; restored on 2 ranks, only new
+    rank 1 (rows 15..29) reads them. One flipped byte there: rank 1's range does not verify,
+    the checkpoint turns CORRUPT, and both ranks restore its parent, step 1."""
+    svc = make_service(LASTGOOD_RANGE_BLOCK_BYTES=str(BLOCK))
+    ckpt = save(svc, run_name, tmp_path / "save", 4)
+    f = ckpt["manifest"]["ranks"][3]["files"][0]
+    start, end = f["tensors"]["model.0.weight"]["offsets"]
+    blob = shard_blob(svc, ckpt["id"], 3)
+    data = bytearray(blob.read_bytes())
+    data[f["data_start"] + end - 1] ^= 0x01
+    blob.write_bytes(bytes(data))
+
+    res = restore(svc, run_name, tmp_path / "on2", 2, step=1)
+    assert "[rank 0] restored step 1" in res.stdout and "[rank 1] restored step 1" in res.stdout
+    assert "(tensor 'model.0.weight') hash to" in res.stdout + res.stderr
+    assert wait_status(svc, ckpt["id"], "CORRUPT")["status"] == "CORRUPT"
+    assert svc.get(f"/api/v1/runs/{run_name}/last-good").json()["step"] == 1
 
 
 def test_control_each_rank_stores_only_its_own_shard(service, run_name, tmp_path):

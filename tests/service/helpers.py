@@ -224,7 +224,8 @@ def shard_blob(svc, checkpoint_id: int, rank: int) -> Path:
 
 def root_of(full: dict) -> dict:
     """The committed root of a full manifest view: the view less every file's tensors."""
-    return {**full, "ranks": [{**r, "files": [{k: v for k, v in f.items() if k not in ("data_start", "tensors", "digests")}
+    full_only = ("data_start", "tensors", "digests")
+    return {**full, "ranks": [{**r, "files": [{k: v for k, v in f.items() if k not in full_only}
                                               for f in r["files"]]} for r in full["ranks"]]}
 
 

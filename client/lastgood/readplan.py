@@ -1,0 +1,224 @@
+"""The read plan of a restore at another world size: each rank reads only what it needs.
+
+Before, every rank read every old rank's whole file (the whole-file hash was the only
+check), so at 1,024 -> 1,000 ranks each rank would read ~1,000 times what it restores.
+Now, when every file's index object carries range digests (ranges.py), a rank reads:
+
+  1. each old file's header (its segment, verified): the stored state, with every
+     DTensor shard's global offset;
+  2. for each DTensor shard of its new sharding, the rows of each stored shard that
+     overlap it (DCP's planner, sharding.ShardIndex.read_items), as one byte range;
+  3. the replicated state (every tensor that is not a DTensor shard) from one source,
+     old rank min(rank, old world - 1), as before;
+
+each range read whole-segment by whole-segment through a bounded window and checked
+against its digest before a byte of it is kept (RangeReader). A mismatch is
+CorruptCheckpoint, which makes the checkpoint unusable on every rank and falls back, as
+any damage does (docs/recovery.md). What is kept is exactly the new shards' bytes and the
+replicated state; the window (WINDOW) is the only other buffer. docs/resharding.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .codec import ShardRef, _is_dtensor, decode
+from .dtypes import ST_TO_TORCH
+from .errors import CorruptCheckpoint, FormatError
+from .format import DTYPE_SIZES
+from .hashing import hash_bytes
+from .manifest import FileEntry, IndexMismatch, Manifest
+from .ranges import RangeDigests
+from .sharding import ShardIndex, read_header
+from .state import array_from_buffer, tensor_from_buffer
+
+WINDOW = 16 * 1024 * 1024  # the most bytes one request brings in beyond what is kept
+
+
+class RangeReader:
+    """Verified byte ranges of one checkpoint's files. A range is read as the segments
+    that cover it, in requests of at most one window; bytes that are all kept go straight
+    into the destination, the rest through the one window buffer."""
+
+    def __init__(self, transport, checkpoint_id: int, window: int = WINDOW) -> None:
+        self.transport = transport
+        self.checkpoint_id = checkpoint_id
+        self.window = window
+        self._buf = bytearray()
+
+    def _scratch(self, n: int) -> memoryview:
+        if len(self._buf) < n:
+            self._buf = bytearray(n)
+        return memoryview(self._buf)[:n]
+
+    def read(self, rank: int, entry: FileEntry, digests: RangeDigests, a: int, b: int, out) -> None:
+        """Bytes [a, b) of the file into `out` (b - a bytes), every covering segment checked."""
+        out = memoryview(out).cast("B")
+        groups, cur = [], []
+        for seg, want in digests.covering(a, b):
+            if cur and seg.end - cur[0][0].start > self.window:
+                groups.append(cur)
+                cur = []
+            cur.append((seg, want))
+        if cur:
+            groups.append(cur)
+        for group in groups:
+            s0, s1 = group[0][0].start, group[-1][0].end
+            direct = a <= s0 and s1 <= b
+            buf = out[s0 - a:s1 - a] if direct else self._scratch(s1 - s0)
+            self.transport.read_range(self.checkpoint_id, rank, entry.name, s0, buf)
+            for seg, want in group:
+                got = hash_bytes(buf[seg.start - s0:seg.end - s0])
+                if got != want:
+                    what = "header" if not seg.name else f"tensor {seg.name!r}"
+                    raise CorruptCheckpoint(f"checkpoint {self.checkpoint_id} rank {rank} file {entry.name}: bytes "
+                                            f"[{seg.start}, {seg.end}) ({what}) hash to {got}, the commit "
+                                            f"recorded {want}")
+            if not direct:
+                lo, hi = max(a, s0), min(b, s1)
+                out[lo - a:hi - a] = buf[lo - s0:hi - s0]
+
+
+class RangedFile:
+    """One old rank's file of which only the header and the planned ranges were read;
+    restore uses it as it uses a whole sharding.StoredFile (piece, resolve, array)."""
+
+    def __init__(self, rank: int, entry: FileEntry, reader: RangeReader) -> None:
+        self.rank, self.entry, self._reader = rank, entry, reader
+        self.digests = RangeDigests(entry.data_start, entry.tensors, entry.digests)
+        head = bytearray(entry.data_start)
+        reader.read(rank, entry, self.digests, 0, entry.data_start, head)
+        self.tensors, self.start, self.state = read_header(memoryview(head), entry.size)
+        if self.start != entry.data_start:
+            raise FormatError(f"rank {rank} file {entry.name}: the header says the data start at {self.start}, "
+                              f"the tensor index at {entry.data_start}")
+        self._pieces: dict[tuple, torch.Tensor] = {}
+        self._whole: dict[str, tuple[memoryview, dict]] = {}
+
+    def _bytes(self, a: int, b: int) -> torch.Tensor:
+        buf = torch.empty(b - a, dtype=torch.uint8)  # uninitialised: every byte is read
+        if b > a:
+            self._reader.read(self.rank, self.entry, self.digests, a, b, buf.numpy())
+        return buf
+
+    def want_piece(self, name: str, offsets, lengths) -> int:
+        """Read the stored rows that hold the part (`offsets`, `lengths`) of tensor `name`;
+        the bytes read (the part's own, when only rows are cut, as FSDP2 does)."""
+        key = (name, tuple(offsets), tuple(lengths))
+        if key in self._pieces:
+            return 0
+        spec = self.tensors[name]
+        shape, dtype = list(spec["shape"]), ST_TO_TORCH[spec["dtype"]]
+        base = self.start + spec["data_offsets"][0]
+        if not shape:  # a 0-d shard: the whole value
+            rows, first, count = [], 0, 1
+            row = DTYPE_SIZES[spec["dtype"]]
+        else:
+            rows, first, count = shape[1:], int(offsets[0]), int(lengths[0])
+            row = DTYPE_SIZES[spec["dtype"]] * math.prod(rows)
+        buf = self._bytes(base + first * row, base + (first + count) * row)
+        t = buf.view(dtype).view(count, *rows) if shape else buf.view(dtype).view(())
+        for dim in range(1, len(shape)):
+            t = t.narrow(dim, int(offsets[dim]), int(lengths[dim]))
+        self._pieces[key] = t
+        return buf.numel()
+
+    def piece(self, name: str, offsets, lengths) -> torch.Tensor:
+        try:
+            return self._pieces[(name, tuple(offsets), tuple(lengths))]
+        except KeyError:
+            raise LastgoodPlanError(f"rank {self.rank}: part {offsets}+{lengths} of {name!r} was not planned") from None
+
+    def want_whole(self, names) -> int:
+        """Read these tensors whole, adjacent ones in one range; the bytes read."""
+        spans = sorted((self.tensors[n]["data_offsets"], n) for n in names)
+        total, i = 0, 0
+        while i < len(spans):
+            j = i + 1
+            while j < len(spans) and spans[j][0][0] == spans[j - 1][0][1]:
+                j += 1
+            a, b = spans[i][0][0], spans[j - 1][0][1]
+            buf = self._bytes(self.start + a, self.start + b).numpy()
+            for (lo, hi), n in spans[i:j]:
+                self._whole[n] = (buf, {**self.tensors[n], "data_offsets": [lo - a, hi - a]})
+            total += b - a
+            i = j
+        return total
+
+    def resolve(self, name: str, device: str | None, copy: bool) -> torch.Tensor:
+        buf, spec = self._whole[name]
+        return tensor_from_buffer(buf, spec, 0, device, copy=copy)
+
+    def array(self, name: str):
+        buf, spec = self._whole[name]
+        return array_from_buffer(buf, spec, 0)
+
+
+class LastgoodPlanError(RuntimeError):
+    """Restore asked for a part the plan did not read: a bug here, never the checkpoint's."""
+
+
+def _refs(saved, target, out: list) -> None:
+    """The (ShardRef, live DTensor) pairs of a decoded saved state beside the live one:
+    the walk of sharding.fill_tree, recording instead of filling."""
+    if isinstance(saved, ShardRef):
+        if _is_dtensor(target):  # otherwise apply says what is wrong
+            out.append((saved, target))
+    elif isinstance(saved, dict):
+        tgt = target if isinstance(target, dict) else {}
+        for k, v in saved.items():
+            _refs(v, tgt.get(k), out)
+    elif isinstance(saved, list):
+        tgt = target if isinstance(target, list) else []
+        for i, v in enumerate(saved):
+            _refs(v, tgt[i] if i < len(tgt) else None, out)
+
+
+def fetch(transport, state, manifest: Manifest, rank: int, file_name) -> tuple[list[RangedFile], int, dict] | None:
+    """Plan and read this rank's part of a checkpoint saved at another world size:
+    (files, source rank, counts), or None when a file has no range digests (written
+    before them: the caller reads whole files, as before)."""
+    cid, old_world = manifest.checkpoint_id, manifest.world_size
+    try:
+        full = _indexed(transport, manifest, file_name)
+    except IndexMismatch as e:
+        raise CorruptCheckpoint(f"checkpoint {cid}: {e}") from None
+    if full is None:
+        return None
+    reader = RangeReader(transport, cid)
+    files = [RangedFile(r, full[r], reader) for r in range(old_world)]
+    source = files[min(rank, old_world - 1)]
+    index = ShardIndex(files)
+    counts = {"pieces": 0, "piece_bytes": 0, "replicated_bytes": 0,
+              "header_bytes": sum(f.start for f in files), "window": reader.window}
+    saved = source.state.get("components", {})
+    for name, live in state.sharded_live().items():
+        if name not in saved:
+            continue  # apply() names what does not match
+        pairs: list = []
+        _refs(decode(saved[name]["state"], lambda n, d: None, lambda n: None), live, pairs)
+        for ref, target in pairs:
+            for f, item in index.read_items(ref, target):
+                counts["piece_bytes"] += f.want_piece(ref.name, item.storage_offsets, item.lengths)
+                counts["pieces"] += 1
+    counts["replicated_bytes"] = source.want_whole([n for n in source.tensors if n not in index.chunks])
+    return files, source.rank, counts
+
+
+def _indexed(transport, manifest: Manifest, file_name) -> dict[int, FileEntry] | None:
+    """Each old rank's shard file entry with its tensor index and digests (one index
+    object per old rank, checked against the root); None if one has no digests."""
+    out = {}
+    for r in range(manifest.world_size):
+        entry = next((f for f in manifest.files(r) if f.name == file_name(r)), None)
+        if entry is None:
+            raise CorruptCheckpoint(f"checkpoint {manifest.checkpoint_id} has no file {file_name(r)} for rank {r}")
+        if entry.index is None:
+            return None
+        entry = entry.with_index(r, transport.index_bytes(manifest.checkpoint_id, r, entry.name))
+        if entry.digests is None:
+            return None
+        out[r] = entry
+    return out
