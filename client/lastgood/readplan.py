@@ -96,16 +96,11 @@ class RangedFile:
                               f"the tensor index at {entry.data_start}")
         self._pieces: dict[tuple, torch.Tensor] = {}
         self._whole: dict[str, tuple[memoryview, dict]] = {}
-
-    def _bytes(self, a: int, b: int) -> torch.Tensor:
-        buf = torch.empty(b - a, dtype=torch.uint8)  # uninitialised: every byte is read
-        if b > a:
-            self._reader.read(self.rank, self.entry, self.digests, a, b, buf.numpy())
-        return buf
+        self._wants: list[tuple[int, int, object]] = []  # (a, b, place(buf, a)): read by read_planned()
 
     def want_piece(self, name: str, offsets, lengths) -> int:
-        """Read the stored rows that hold the part (`offsets`, `lengths`) of tensor `name`;
-        the bytes read (the part's own, when only rows are cut, as FSDP2 does)."""
+        """Plan to read the stored rows that hold the part (`offsets`, `lengths`) of tensor
+        `name`; its bytes (the part's own, when only rows are cut, as FSDP2 cuts)."""
         key = (name, tuple(offsets), tuple(lengths))
         if key in self._pieces:
             return 0
@@ -118,34 +113,61 @@ class RangedFile:
         else:
             rows, first, count = shape[1:], int(offsets[0]), int(lengths[0])
             row = DTYPE_SIZES[spec["dtype"]] * math.prod(rows)
-        buf = self._bytes(base + first * row, base + (first + count) * row)
-        t = buf.view(dtype).view(count, *rows) if shape else buf.view(dtype).view(())
-        for dim in range(1, len(shape)):
-            t = t.narrow(dim, int(offsets[dim]), int(lengths[dim]))
-        self._pieces[key] = t
-        return buf.numel()
+        lo, hi = base + first * row, base + (first + count) * row
 
-    def piece(self, name: str, offsets, lengths) -> torch.Tensor:
-        try:
-            return self._pieces[(name, tuple(offsets), tuple(lengths))]
-        except KeyError:
-            raise LastgoodPlanError(f"rank {self.rank}: part {offsets}+{lengths} of {name!r} was not planned") from None
+        def place(buf: torch.Tensor, at: int) -> None:
+            t = buf[lo - at:hi - at].view(dtype)
+            t = t.view(count, *rows) if shape else t.view(())
+            for dim in range(1, len(shape)):
+                t = t.narrow(dim, int(offsets[dim]), int(lengths[dim]))
+            self._pieces[key] = t
+
+        self._pieces[key] = None  # planned
+        self._wants.append((lo, hi, place))
+        return hi - lo
 
     def want_whole(self, names) -> int:
-        """Read these tensors whole, adjacent ones in one range; the bytes read."""
-        spans = sorted((self.tensors[n]["data_offsets"], n) for n in names)
-        total, i = 0, 0
-        while i < len(spans):
-            j = i + 1
-            while j < len(spans) and spans[j][0][0] == spans[j - 1][0][1]:
-                j += 1
-            a, b = spans[i][0][0], spans[j - 1][0][1]
-            buf = self._bytes(self.start + a, self.start + b).numpy()
-            for (lo, hi), n in spans[i:j]:
-                self._whole[n] = (buf, {**self.tensors[n], "data_offsets": [lo - a, hi - a]})
-            total += b - a
-            i = j
+        """Plan to read these tensors whole; their bytes."""
+        total = 0
+        for n in names:
+            a, b = self.tensors[n]["data_offsets"]
+            lo, hi = self.start + a, self.start + b
+
+            def place(buf: torch.Tensor, at: int, n=n, lo=lo, hi=hi) -> None:
+                self._whole[n] = (buf.numpy(), {**self.tensors[n], "data_offsets": [lo - at, hi - at]})
+
+            self._wants.append((lo, hi, place))
+            total += hi - lo
         return total
+
+    def read_planned(self) -> None:
+        """Read every planned range; ranges whose covering segments touch or overlap are
+        read as one (the bytes between them would be read for the rounding anyway), so a
+        rank that takes whole stored shards reads each old file in a few requests."""
+        wants = sorted((w for w in self._wants if w[1] > w[0]), key=lambda w: w[0])
+        for w in self._wants:
+            if w[1] == w[0]:
+                w[2](torch.empty(0, dtype=torch.uint8), w[0])
+        i = 0
+        while i < len(wants):
+            a, b = wants[i][0], wants[i][1]
+            j = i + 1
+            cov = self.digests.covering
+            while j < len(wants) and cov(wants[j][0], wants[j][0] + 1)[0][0].start <= cov(b - 1, b)[-1][0].end:
+                b = max(b, wants[j][1])
+                j += 1
+            buf = torch.empty(b - a, dtype=torch.uint8)  # uninitialised: every byte is read
+            self._reader.read(self.rank, self.entry, self.digests, a, b, buf.numpy())
+            for lo, _, place in wants[i:j]:
+                place(buf, a)
+            i = j
+        self._wants = []
+
+    def piece(self, name: str, offsets, lengths) -> torch.Tensor:
+        t = self._pieces.get((name, tuple(offsets), tuple(lengths)))
+        if t is None:
+            raise LastgoodPlanError(f"rank {self.rank}: part {offsets}+{lengths} of {name!r} was not planned")
+        return t
 
     def resolve(self, name: str, device: str | None, copy: bool) -> torch.Tensor:
         buf, spec = self._whole[name]
@@ -191,8 +213,9 @@ def fetch(transport, state, manifest: Manifest, rank: int, file_name) -> tuple[l
     files = [RangedFile(r, full[r], reader) for r in range(old_world)]
     source = files[min(rank, old_world - 1)]
     index = ShardIndex(files)
-    counts = {"pieces": 0, "piece_bytes": 0, "replicated_bytes": 0,
-              "header_bytes": sum(f.start for f in files), "window": reader.window}
+    counts = {"pieces": 0, "piece_bytes": 0, "replicated_bytes": 0, "header_bytes": sum(f.start for f in files),
+              "index_bytes": sum(full[r].index["size"] for r in full), "tensors_per_file": len(source.tensors),
+              "window": reader.window}
     saved = source.state.get("components", {})
     for name, live in state.sharded_live().items():
         if name not in saved:
@@ -204,6 +227,8 @@ def fetch(transport, state, manifest: Manifest, rank: int, file_name) -> tuple[l
                 counts["piece_bytes"] += f.want_piece(ref.name, item.storage_offsets, item.lengths)
                 counts["pieces"] += 1
     counts["replicated_bytes"] = source.want_whole([n for n in source.tensors if n not in index.chunks])
+    for f in files:
+        f.read_planned()
     return files, source.rank, counts
 
 
