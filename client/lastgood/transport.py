@@ -100,8 +100,9 @@ class Transport(RestClient):
             ("grpc.max_send_message_length", limit), *_RECONNECT])
         self._stub = pb_grpc.CheckpointsStub(self._channel)
         self.spool = _find_spool(info.get("spool")) if spool else None
-        # shard bytes received (whole files and ranges) and ranged requests: what a restore read
-        self.shard_bytes = self.range_requests = 0
+        # shard bytes received (whole files and ranges), ranged requests and those of them
+        # answered with a link in the spool: what a restore read, and how
+        self.shard_bytes = self.range_requests = self.lent_ranges = 0
         _open.add(self)
         # the shard streams carry hand-framed chunks (see wire.py): raw bytes at this end
         self._put_shard = self._channel.stream_unary(
@@ -263,21 +264,31 @@ class Transport(RestClient):
         return view, self._retrying(once, f"GetShard {checkpoint_id}/{rank}/{file_name}")
 
     def read_range(self, checkpoint_id: int, rank: int, file_name: str, offset: int, into) -> None:
-        """Bytes [offset, offset + len(into)) of a stored file, streamed into `into` (the
-        caller verifies them: readplan.py). Always a stream: a link in the spool would
-        hand over the whole file. Every byte received is counted in `shard_bytes`."""
+        """Bytes [offset, offset + len(into)) of a stored file into `into` (the caller
+        verifies them: readplan.py): streamed, or on the service's host read (pread) from a
+        link the service makes in its spool. Every byte received is counted in `shard_bytes`."""
         view = memoryview(into).cast("B")
         length = view.nbytes
 
         def once() -> None:  # a retry after a broken stream starts over
             pos = 0
+            spool = self.spool
             try:
                 for raw in self._get_shard(pb.GetShardRequest(checkpoint_id=checkpoint_id, rank=rank,
-                                                              file_name=file_name, offset=offset, length=length),
+                                                              file_name=file_name, offset=offset, length=length,
+                                                              spool_id=spool["id"] if spool else ""),
                                            timeout=max(self.timeout, 3600.0), metadata=self._md):
                     chunk = wire.unframe(raw, wire.GET_CHUNK)
                     if chunk is None:
-                        chunk = pb.GetShardResponse.FromString(raw).chunk
+                        msg = pb.GetShardResponse.FromString(raw)
+                        if msg.spool_file:
+                            if pos or spool is None:
+                                raise ServiceError(f"GetShard answered with a spool file mid-stream for {file_name}")
+                            pos = _pread_lent(spool["dir"], msg.spool_file, view, offset)
+                            self.shard_bytes += pos
+                            self.lent_ranges += 1
+                            continue
+                        chunk = msg.chunk
                     n = len(chunk)
                     self.shard_bytes += n
                     if pos + n > length:
@@ -295,9 +306,8 @@ class Transport(RestClient):
         self._retrying(once, f"GetShard {checkpoint_id}/{rank}/{file_name} [{offset}, +{length})")
 
 
-def _read_lent(spool_dir: str, name: str, view: memoryview, hasher: StreamHasher) -> int:
-    """Read a link the service made in its spool (the file, up to len(view) bytes and one
-    more to notice a longer file) into `view`, hashing each piece; remove the link."""
+def _open_lent(spool_dir: str, name: str) -> int:
+    """Open a link the service made in its spool and remove it (the descriptor keeps the bytes)."""
     if not names.is_lent_name(name):
         raise ServiceError(f"GetShard named a spool file {name[:80]!r} outside the spool's .out/")
     path = os.path.join(spool_dir, name)
@@ -306,7 +316,34 @@ def _read_lent(spool_dir: str, name: str, view: memoryview, hasher: StreamHasher
     except OSError as e:
         raise ServiceError(f"GetShard: cannot open the spool file {name}: {e}") from None
     try:
-        os.unlink(path)  # ours from here on: the open descriptor keeps the bytes
+        os.unlink(path)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _pread_lent(spool_dir: str, name: str, view: memoryview, offset: int) -> int:
+    """Read bytes [offset, offset + len(view)) of a lent link into `view` (fewer when the
+    file is shorter); remove the link."""
+    fd = _open_lent(spool_dir, name)
+    try:
+        pos = 0
+        while pos < view.nbytes:
+            n = os.preadv(fd, [view[pos:pos + _SPOOL_WRITE]], offset + pos)
+            if not n:
+                break
+            pos += n
+        return pos
+    finally:
+        os.close(fd)
+
+
+def _read_lent(spool_dir: str, name: str, view: memoryview, hasher: StreamHasher) -> int:
+    """Read a link the service made in its spool (the file, up to len(view) bytes and one
+    more to notice a longer file) into `view`, hashing each piece; remove the link."""
+    fd = _open_lent(spool_dir, name)  # ours from here on: the open descriptor keeps the bytes
+    try:
         pos = 0
         while pos < view.nbytes:
             n = os.readv(fd, [view[pos:pos + _SPOOL_WRITE]])

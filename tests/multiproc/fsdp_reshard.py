@@ -99,6 +99,7 @@ def main() -> None:
             print(f"[rank {rank}] restored step {got}", flush=True)
             (out / f"read-rank{rank}.json").write_text(json.dumps({
                 "shard_bytes": ckpt.transport.shard_bytes, "requests": ckpt.transport.range_requests,
+                "lent": ckpt.transport.lent_ranges,
                 "new_shard_bytes": local_bytes(model, opt)}))
             sampler.set_epoch(0)
             for ids, _ in loader:  # the rest of epoch 0, dealt to the new ranks

@@ -36,8 +36,8 @@ def save(svc, run: str, out: Path, nproc: int) -> dict:
     return svc.get(f"/api/v1/checkpoints/{lg['id']}").json()  # the full view, with tensors
 
 
-def restore(svc, run: str, out: Path, nproc: int, step: int = 2):
-    res = torchrun(SCRIPT, ["restore", svc.url, run, str(out), str(step)], nproc=nproc)
+def restore(svc, run: str, out: Path, nproc: int, step: int = 2, spool: str = "1"):
+    res = torchrun(SCRIPT, ["restore", svc.url, run, str(out), str(step)], nproc=nproc, env={"LASTGOOD_SPOOL": spool})
     assert res.returncode == 0, why(res)
     return res
 
@@ -80,20 +80,22 @@ def bound(svc, ckpt: dict, rank: int, counted: dict) -> int:
     return counted["new_shard_bytes"] + replicated + headers + 2 * BLOCK * counted["requests"]
 
 
-@pytest.mark.parametrize("before,afters", [(4, (2, 3, 8)), (2, (4,))])
+@pytest.mark.parametrize("before,afters,spool", [(4, (2, 3, 8), "1"), (2, (4,), "0")])
 def test_fsdp2_restores_at_another_world_size_reading_only_its_ranges(make_service, run_name, tmp_path,
-                                                                       before, afters):
+                                                                       before, afters, spool):
+    """Ranges read from the service's spool (pread of a link, same host), and streamed."""
     svc = make_service(LASTGOOD_RANGE_BLOCK_BYTES=str(BLOCK))
     ckpt = save(svc, run_name, tmp_path / "save", before)
     total = sum(r["files"][0]["size"] for r in ckpt["manifest"]["ranks"])
     assert all("digests" in r["files"][0] for r in ckpt["manifest"]["ranks"])
     for after in afters:
         out = tmp_path / f"on{after}"
-        restore(svc, run_name, out, after)
+        restore(svc, run_name, out, after, spool=spool)
         assert_round_trip(tmp_path / "save", out, before, after)
         for rank in range(after):
             counted = read(out, rank)
             assert 0 < counted["shard_bytes"] <= bound(svc, ckpt, rank, counted) < total, (after, rank, counted)
+            assert (counted["lent"] == counted["requests"]) if spool == "1" else counted["lent"] == 0, counted
 
 
 def test_without_range_digests_files_are_read_whole_and_restore(make_service, run_name, tmp_path):

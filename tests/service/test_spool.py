@@ -287,8 +287,8 @@ def test_sweep_removes_only_abandoned_spool_files(tmp_path):
 
 def test_a_same_host_reader_gets_a_link_instead_of_a_stream(svc, cl, run_name, monkeypatch):
     """The read direction: GetShard with the spool's id answers with a hard link to the
-    blob in the spool; the client reads and hashes it into its buffer and removes the link.
-    Ranged reads, and readers without the spool, get chunks."""
+    blob in the spool; the client reads and hashes it into its buffer (or preads the range
+    it asked for) and removes the link. Readers without the spool get chunks."""
     from lastgood import transport as transport_mod
 
     spool, sid = spool_of(svc)
@@ -304,15 +304,22 @@ def test_a_same_host_reader_gets_a_link_instead_of_a_stream(svc, cl, run_name, m
         assert bytes(view) == data and digest == hash_bytes(data) and len(lent) == 1
         assert list((spool / ".out").iterdir()) == []  # the reader removed its link
         assert shard_blob(svc, cid, 0).read_bytes() == data and shard_blob(svc, cid, 0).stat().st_nlink == 1
+        # a range (a resharding restore, docs/resharding.md): a link too, of which it preads the range
+        part = bytearray(16)
+        t.read_range(cid, 0, shard_name(0), 8, part)
+        assert bytes(part) == data[8:24] and t.lent_ranges == 1 and list((spool / ".out").iterdir()) == []
         t.spool = None  # a reader elsewhere streams
         view, digest = t.read_file(cid, 0, shard_name(0), len(data))
         assert bytes(view) == data and digest == hash_bytes(data) and len(lent) == 1
+        t.read_range(cid, 0, shard_name(0), 8, part)
+        assert bytes(part) == data[8:24] and t.lent_ranges == 1
     finally:
         t.close()
-    # a ranged read with the spool id is streamed
-    msgs = list(cl.stub.GetShard(pb.GetShardRequest(checkpoint_id=cid, rank=0, file_name=shard_name(0),
-                                                     offset=8, length=16, spool_id=sid), timeout=30))
-    assert [m.spool_file for m in msgs] == [""] and b"".join(m.chunk for m in msgs) == data[8:24]
+    # a range outside the file is refused before anything is lent
+    with pytest.raises(grpc.RpcError) as e:
+        list(cl.stub.GetShard(pb.GetShardRequest(checkpoint_id=cid, rank=0, file_name=shard_name(0),
+                                                 offset=len(data) - 4, length=16, spool_id=sid), timeout=30))
+    assert e.value.code() == grpc.StatusCode.OUT_OF_RANGE and list((spool / ".out").iterdir()) == []
     # the whole file with the spool id: a link, which this test removes itself
     (only,) = list(cl.stub.GetShard(pb.GetShardRequest(checkpoint_id=cid, rank=0, file_name=shard_name(0),
                                                         spool_id=sid), timeout=30))

@@ -254,10 +254,11 @@ class Servicer(pb_grpc.CheckpointsServicer):
         principal, key = self._caller(context)
         self._allow(context, READER, checkpoint_id=request.checkpoint_id, principal=principal)
         sh = self.commits.shard_for_read(request.checkpoint_id, request.rank, request.file_name)
-        if (request.spool_id and self.spool is not None and request.spool_id == self.spool.id
-                and not request.offset and not request.length):
-            # the read direction of the same-host hand-over: a link instead of a stream
-            name = self.commits.lend_shard(sh, self.spool)
+        if request.spool_id and self.spool is not None and request.spool_id == self.spool.id:
+            # the read direction of the same-host hand-over: a link instead of a stream (for a
+            # range too: the reader preads it, docs/resharding.md)
+            self.commits.read_range(sh, request.offset, request.length or None, check_only=True)
+            name = self.commits.lend_shard(sh, self.spool, (request.length or sh.size - request.offset))
             if name is not None:
                 yield pb.GetShardResponse(spool_file=name).SerializeToString()
                 return

@@ -32,9 +32,11 @@ class CommitReads(CommitVerification):
                 raise NotFound(f"checkpoint {checkpoint_id} rank {rank} has no file {file_name!r}")
             return sh
 
-    def read_range(self, sh: Shard, offset: int, length: int | None):
+    def read_range(self, sh: Shard, offset: int, length: int | None, check_only: bool = False):
         if offset < 0 or offset > sh.size or (length is not None and (length < 0 or offset + length > sh.size)):
             raise OutOfRange(f"range offset={offset} length={length} is outside the file's {sh.size} bytes")
+        if check_only:  # a range lent through the spool: the bounds are all there is to check
+            return None
         try:
             chunks = self.blobs.get(sh.blob_key, offset, length)
         except FileNotFoundError:
@@ -43,12 +45,13 @@ class CommitReads(CommitVerification):
                            f"marks the checkpoint CORRUPT") from None
         return chunks  # counted by the meter (blobstore/metered.py)
 
-    def lend_shard(self, sh: Shard, spool) -> str | None:
-        """The whole shard as a link in the spool for a reader on this host, or None."""
+    def lend_shard(self, sh: Shard, spool, served: int | None = None) -> str | None:
+        """The whole shard as a link in the spool for a reader on this host, or None;
+        `served`: the bytes the reader takes from it (a range), counted as served."""
         path = capabilities.local_path(self.blobs, sh.blob_key)
         name = spool.lend(path) if path is not None else None
         if name is not None:  # served without a chunk through the meter
-            self.metrics.bytes_served.inc(sh.size)
+            self.metrics.bytes_served.inc(sh.size if served is None else served)
         return name
 
     def manifest_bytes(self, checkpoint_id: int) -> bytes:
