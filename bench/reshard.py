@@ -1,0 +1,154 @@
+"""Restores at another world size: what each rank reads, holds and takes (docs/resharding.md).
+
+    python -m bench.reshard [--layers 8] [--dim 1024] [--block 16KiB] [--out bench/results]
+
+An FSDP2 stack of `layers` Linear(dim, dim) with AdamW (bench/reshard_rank.py; 8 x 1024:
+96 MiB of weights and moments, tensors cut in rows across ranks) is saved by torchrun at
+one world size and restored at another, against one real service process (range digests
+every `--block` bytes), on gloo/CPU. Cases 8 -> 4, 4 -> 8, 4 -> 3, each beside the
+same-world-size restore at its new size (saved and restored by that many ranks), plus
+4 -> 3 of a checkpoint without range digests (every old file read whole, as before) and
+4 -> 3 at the default block (1 MiB). Per rank: bytes its transport received against the
+bytes of its own new shards, peak extra memory during restore() (VmHWM reset before it),
+restore() time. Then a projection to 1,024 -> 1,000 ranks from the measured costs.
+Writes bench/results/reshard.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+from bench.common import MiB, ROOT, Service, free_port, http_json, machine, parse_size
+
+def torchrun(nproc: int, args: list[str]) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={free_port()}", "-m", "bench.reshard_rank", *args]  # a module: bench/ off sys.path
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRPC_VERBOSITY": "ERROR", "LASTGOOD_HEARTBEAT_SECONDS": "0"}
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    if res.returncode != 0:
+        raise SystemExit(f"torchrun {args[:1]} on {nproc} failed:\n{res.stdout[-3000:]}\n{res.stderr[-6000:]}")
+
+
+def case(svc, work: Path, before: int, after: int, layers: int, dim: int) -> dict:
+    run = f"reshard-{before}-{after}-{uuid.uuid4().hex[:6]}"
+    out = work / run
+    model = [str(layers), str(dim)]
+    torchrun(before, ["save", svc.url, run, str(out), *model])
+    torchrun(after, ["restore", svc.url, run, str(out), *model])
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(after)]
+    lg = http_json(f"{svc.url}/api/v1/runs/{run}/last-good")
+    return {"before": before, "after": after, "checkpoint_bytes": lg["bytes"], "ranks": ranks}
+
+
+def summary(c: dict) -> dict:
+    rows = []
+    for r in c["ranks"]:
+        reads = r["reads"]
+        overhead = reads.get("replicated_bytes", 0) + reads.get("header_bytes", 0)
+        sharded = reads["bytes"] - overhead
+        rows.append({"rank": r["rank"], "bytes_read": reads["bytes"], "requests": reads["requests"],
+                     "old_files": c["before"], "tensors_per_file": reads.get("tensors_per_file"),
+                     "index_bytes": reads.get("index_bytes"),
+                     "new_shard_bytes": r["new_shard_bytes"], "replicated_bytes": reads.get("replicated_bytes"),
+                     "header_bytes": reads.get("header_bytes"),
+                     "sharded_ratio": round(sharded / r["new_shard_bytes"], 4),
+                     "peak_extra_mib": round(r["peak_extra"] / MiB, 1),
+                     "bound_mib": round((r["new_shard_bytes"] + overhead + reads.get("window", 0)) / MiB, 1),
+                     "restore_s": round(r["restore_s"], 3)})
+    return {"before": c["before"], "after": c["after"], "checkpoint_bytes": c["checkpoint_bytes"],
+            "checkpoint_mib": round(c["checkpoint_bytes"] / MiB, 1),
+            "max_sharded_ratio": max(x["sharded_ratio"] for x in rows),
+            "max_peak_extra_mib": max(x["peak_extra_mib"] for x in rows),
+            "restore_s": max(x["restore_s"] for x in rows), "per_rank": rows}
+
+
+def projection(cases: list[dict], same: list[dict], block: int) -> dict:
+    """1,024 -> 1,000 ranks, 1 GiB of state per old rank in 576 tensors (96 layers' weights
+    and biases with two moments each), from what the measured cases cost: seconds per byte
+    from the same-world-size restores (whole files), seconds per ranged request from the
+    resharding restores (their time less their bytes at that rate, over their requests),
+    header and index bytes per old file per tensor (measured: upper bounds, the fixed part
+    counted in)."""
+    from statistics import median
+
+    per_byte = median(r["restore_s"] / r["bytes_read"] for c in same for r in c["per_rank"])
+    per_req = median(max(r["restore_s"] - r["bytes_read"] * per_byte, 0.0) / r["requests"]
+                     for c in cases for r in c["per_rank"] if r["requests"])
+    ref = max(cases, key=lambda c: c["before"])["per_rank"][0]
+    old, new, state, tensors = 1024, 1000, 1024 * MiB, 576
+    header_per_tensor = ref["header_bytes"] / ref["old_files"] / ref["tensors_per_file"]
+    need = state * old / new
+    chunk = state / tensors  # a tensor's stored piece, on average
+    out = {"old_ranks": old, "new_ranks": new, "state_per_old_rank_gib": 1, "tensors_per_file": tensors,
+           "seconds_per_request": round(per_req, 5), "seconds_per_gib": round(per_byte * 1024 * MiB, 2),
+           "requests_per_rank_counted": "an index object and a header per old file, one range per piece",
+           "header_bytes_per_tensor": round(header_per_tensor, 1), "whole_files_read_per_rank_gib": old,
+           "by_block": []}
+    for b in sorted({block, 64 * 1024, 1 * MiB}):
+        pieces = tensors * 2  # a new shard overlaps two old ones (1,000 of 1,024 ranks' worth), nearly always
+        rounding = pieces * min(b, chunk) / 2  # at most one segment at the inner end of a piece; half on average
+        headers = old * tensors * header_per_tensor
+        index = old * (tensors * 78 + (state / b + tensors) * 36)  # 78 B a tensor (architecture.md), 36 a digest
+        total = need + rounding + headers + index
+        requests = old * 2 + pieces  # an index object and a header per old file, a range per piece
+        out["by_block"].append({
+            "block_bytes": b, "needed_mib": round(need / MiB), "rounding_mib": round(rounding / MiB, 1),
+            "headers_mib": round(headers / MiB, 1), "index_objects_mib": round(index / MiB, 1),
+            "ratio_to_needed": round(total / need, 3), "requests_per_rank": requests,
+            "store_requests_total": requests * new,
+            "seconds_per_rank": round(requests * per_req + total * per_byte, 1)})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--block", type=parse_size, default=16 * 1024)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
+    ap.add_argument("--smoke", action="store_true", help="4 -> 3 of a tiny model only, into --out as smoke.json")
+    a = ap.parse_args()
+    plans = ((("ranges", a.block, [(4, 3), (3, 3)]),) if a.smoke else
+             (("ranges", a.block, [(8, 4), (4, 8), (4, 3), (4, 4), (8, 8), (3, 3)]),
+              ("ranges, default block", 1 * MiB, [(4, 3)]),
+              ("whole files (no range digests)", 0, [(4, 3)])))
+    work = Path(tempfile.mkdtemp(prefix="lastgood-reshard-", dir=a.workdir))
+    result = {"machine": machine(), "layers": a.layers, "dim": a.dim, "block_bytes": a.block, "cases": []}
+    try:
+        env = {"LASTGOOD_GC_INTERVAL": "0", "LASTGOOD_LEASE_SECONDS": "120"}
+        for label, block, plan in plans:
+            svc = Service(work / f"svc-{block}", {**env, "LASTGOOD_RANGE_BLOCK_BYTES": str(block)}).start()
+            try:
+                for before, after in plan:
+                    s = summary(case(svc, work, before, after, a.layers, a.dim))
+                    s.update(label=label, block_bytes=block, layers=a.layers)
+                    result["cases"].append(s)
+                    print(f"{label:32} {before}->{after}: max sharded ratio {s['max_sharded_ratio']:.3f}, "
+                          f"peak extra {s['max_peak_extra_mib']} MiB, restore {s['restore_s']} s", flush=True)
+            finally:
+                svc.stop()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    same = {c["after"]: c["restore_s"] for c in result["cases"] if c["before"] == c["after"]}
+    for c in result["cases"]:
+        if c["before"] != c["after"] and c["after"] in same:
+            c["time_vs_same_world"] = round(c["restore_s"] / same[c["after"]], 2)
+    ranged = [c for c in result["cases"] if c["label"] == "ranges" and c["before"] != c["after"]]
+    result["projection"] = projection(ranged, [c for c in result["cases"] if c["before"] == c["after"]], a.block)
+    result["machine"]["loadavg_end"] = os.getloadavg()
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / ("smoke.json" if a.smoke else "reshard.json")).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result["projection"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
