@@ -10,10 +10,14 @@ Integers a client sends (ids, steps, ranks, sizes, offsets) are bounded here too
 that the REST models, the path parameters and the gRPC handlers refuse the same values
 before any of them reaches the catalog (SQLite and PostgreSQL integers are 64-bit signed).
 
-The spool's contract (the same-host hand-over, docs/architecture.md) is spelled here too,
-once for both sides: the id file that tells a client it sees the service's spool, the
-names of the files a client hands over, and the `.out/` directory of the links the service
-lends back.
+The hand-over contract is spelled here too, once for both sides. Two data paths hand a
+file over by name instead of streaming it, and share it: the spool (the same-host hand-over,
+docs/architecture.md) and direct-FS (a trainer that mounts the local store's directory
+writes its file in place, from any host: docs/dataplane.md). Each hand-over directory holds
+an id file that tells a client it sees the directory the service reads; the files a client
+hands over have one name pattern; the spool's `.out/` holds the links the service lends
+back; direct-FS's staging directory sits under the store's root, and a peer that checks
+another rank's file reads it at a store path the service names (`check_store_path`).
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ _RUN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 _ATTEMPT = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 SPOOL_ID_FILE = ".lastgood-spool"  # in the spool directory: the service's random id for it
+DIRECT_STAGING_DIR = "direct"  # under the local store's root: where direct-FS writers put their files
 SPOOL_OUT_DIR = ".out"  # in the spool directory: links to blobs the service lends to same-host readers
 _SPOOL_PATTERN = r"[0-9a-f]{32}\.part"
 _SPOOL = re.compile(_SPOOL_PATTERN)  # a file a client hands over in the spool
+_STORE_PATH = re.compile(r"[A-Za-z0-9._-]{1,200}(/[A-Za-z0-9._-]{1,200}){0,15}")  # a blob, relative to the store's root
 _LENT = re.compile(re.escape(SPOOL_OUT_DIR) + "/" + _SPOOL_PATTERN)  # a link the service lends, relative to the spool
 
 MAX_ID = 2**62      # checkpoint, lease and token ids; steps; byte offsets (headroom under int64)
@@ -77,6 +83,16 @@ def is_spool_name(value: object) -> bool:
 
 def is_lent_name(value: object) -> bool:
     return isinstance(value, str) and _LENT.fullmatch(value) is not None
+
+
+def check_store_path(value: object) -> str:
+    """A blob's path relative to a direct-FS mount, as the service names it for a peer
+    check: relative, no '..', no hidden component; it never leaves the mount."""
+    if (not isinstance(value, str) or not _STORE_PATH.fullmatch(value)
+            or any(part.startswith(".") for part in value.split("/"))):
+        raise InvalidName(f"invalid store path {str(value)[:80]!r}: relative, A-Z a-z 0-9 . _ - and '/', "
+                          f"no component starting with '.'")
+    return value
 
 
 def check_int(kind: str, value: object, high: int = MAX_ID, low: int = 0) -> int:

@@ -57,17 +57,20 @@ def _close_open_channels() -> None:
             pass
 
 
-def _find_spool(spec: dict | None) -> dict | None:
-    """The service's spool, if this process sees the same directory (its id file matches)
-    and may write there."""
+def _find_spool(spec: dict | None, local_dir: str | None = None) -> dict | None:
+    """A hand-over directory the service announced (its spool, or direct-FS's staging
+    directory), if this process sees the same directory - at `local_dir` when it mounts it
+    elsewhere than the service's path - (its id file matches) and may write there. The
+    answer names the directory as this process sees it."""
     if not spec:
         return None
     try:
-        with open(os.path.join(spec["dir"], names.SPOOL_ID_FILE)) as f:
+        where = local_dir or spec["dir"]
+        with open(os.path.join(where, names.SPOOL_ID_FILE)) as f:
             same = f.read().strip() == spec["id"]
     except (OSError, KeyError, TypeError):
         return None
-    return spec if same and os.access(spec["dir"], os.W_OK | os.X_OK) else None
+    return {**spec, "dir": where} if same and os.access(where, os.W_OK | os.X_OK) else None
 
 
 def _service_error(e: grpc.RpcError, what: str) -> ServiceError:
@@ -131,33 +134,40 @@ class Transport(RestClient):
             run=run, step=step, world_size=world_size, parent_id=parent_id or 0, attempt=attempt, rank=rank,
             generation=self.generation or 0, expected_bytes=expected_bytes))
 
-    def spool_write(self, data, hasher: StreamHasher | None = None) -> str | None:
+    def spool_write(self, data, hasher: StreamHasher | None = None, spool: dict | None = None,
+                    fsync: bool = False) -> str | None:
         """Write a shard into the service's spool (same host, see the service's
-        domain/spool.py) and return the file's name for put_shard(spooled=...); None when
-        there is no spool here or writing failed (the shard is then streamed). `hasher` is
-        fed each piece just before it is written, while it is in the CPU's cache (one pass
-        over the shard instead of two: 0.215 against 0.246 s for 1 GiB here)."""
-        if self.spool is None:
+        domain/spool.py) - or into another hand-over directory `spool` (direct-FS's staging
+        directory, directfs.py) - and return the file's name for put_shard(spooled=...);
+        None when there is no such directory here or writing failed (the shard is then
+        streamed). `hasher` is fed each piece just before it is written, while it is in the
+        CPU's cache (one pass over the shard instead of two: 0.215 against 0.246 s for 1 GiB
+        here). `fsync`: make the file durable before handing it over (a shared file system,
+        where the writer's host holds the dirty pages; the spool's service fsyncs itself)."""
+        spool = spool or self.spool
+        if spool is None:
             return None
         view = memoryview(data).cast("B")
         name = names.new_spool_name()
-        path = os.path.join(self.spool["dir"], name)
+        path = os.path.join(spool["dir"], name)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
                 off = 0
-                while off < view.nbytes:  # no fsync: the service fsyncs the file it adopts
+                while off < view.nbytes:
                     piece = view[off:off + _SPOOL_WRITE]
                     if hasher is not None:
                         hasher.update(piece)
                     while piece.nbytes:
                         n = os.write(fd, piece)
                         piece, off = piece[n:], off + n
+                if fsync:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
         except OSError as e:
-            log.warning("lastgood: writing to the spool %s failed (%s); streaming instead", self.spool["dir"], e)
-            self.spool_discard(name)
+            log.warning("lastgood: writing to %s failed (%s); streaming instead", spool["dir"], e)
+            self.spool_discard(name, spool)
             return None
         return name
 
@@ -171,8 +181,9 @@ class Transport(RestClient):
                 pass
 
     def put_shard(self, checkpoint_id: int, rank: int, file_name: str, data: memoryview,
-                  xxh3: str, spooled: str | None = None) -> pb.PutShardResponse:
-        """Stream the shard, or hand over the spool file `spooled` holding the same bytes.
+                  xxh3: str, spooled: str | None = None, spool: dict | None = None) -> pb.PutShardResponse:
+        """Stream the shard, or hand over the file `spooled` holding the same bytes, in the
+        spool (or the hand-over directory `spool`: direct-FS's staging directory).
         Whatever goes wrong with a hand-over, the bytes are streamed next, and that answer
         is final: a service that declines the spool (another host's, none configured) or
         no longer finds the file (a retry after a lost reply, a restart, a sweep) gets the
@@ -180,8 +191,8 @@ class Transport(RestClient):
         data = memoryview(data).cast("B")
         header = pb.ShardHeader(checkpoint_id=checkpoint_id, rank=rank, file_name=file_name, size=data.nbytes,
                                 xxh3_128=xxh3)
-        if spooled and self.spool is not None:
-            spool = self.spool
+        spool = spool or self.spool
+        if spooled and spool is not None:
             spooled_header = pb.ShardHeader()
             spooled_header.CopyFrom(header)
             spooled_header.spool_file, spooled_header.spool_id = spooled, spool["id"]
@@ -191,8 +202,10 @@ class Transport(RestClient):
                 raise
             except ServiceError as e:
                 log.warning("lastgood: the spooled hand-over of %s failed (%s); streaming it", file_name, e)
-                if isinstance(e, SpoolNotShared):
-                    self.spool = None  # this service does not read that directory: stream from now on
+                if isinstance(e, SpoolNotShared):  # this service does not read that directory: stream from now on
+                    spool["refused"] = True  # a hand-over directory other than the spool: its owner looks here
+                    if spool is self.spool:
+                        self.spool = None
             finally:
                 self.spool_discard(spooled, spool)
 

@@ -33,7 +33,9 @@ from .domain.health import Health
 from .domain.repair import Repair
 from .domain.errors import DomainError
 from .domain.retention import Retention
+from .domain.directfs import DirectFS
 from .domain.spool import Spool
+from .domain import verification_modes
 from .domain.tokens import TokenStore
 from .api.limits import BodyLimit
 from .metrics import Metrics
@@ -90,6 +92,9 @@ class Service:
         self.metrics.watch_catalog(txtimer.of(sessions))  # the commit path's engine (heartbeats have their own)
         admin = settings.admin_token.get_secret_value() if settings.admin_token else None
         self.tokens = TokenStore(sessions, required=settings.auth_required, bootstrap_admin=admin)
+        # direct-FS and the verification mode (docs/dataplane.md): a mode the store cannot provide stops the start
+        verification_modes.check_available(settings.verification, blobs)
+        self.direct_fs = DirectFS.open(blobs, settings.direct_fs)
         self.spool = None
         if spool_dir := settings.resolved_spool_dir():
             try:
@@ -109,7 +114,7 @@ class Service:
             log.error("%s", self.gate.reason)
         s = self.settings
         self.grpc_server, self.grpc_port = start_grpc_server(
-            Servicer(self.commits, self.queries, self.tokens, self.spool), s.grpc_host, s.grpc_port, s.grpc_workers,
+            Servicer(self.commits, self.queries, self.tokens, self.spool, self.direct_fs), s.grpc_host, s.grpc_port, s.grpc_workers,
             s.max_chunk_bytes, s.grpc_stream_window)
         threading.Thread(target=self._reaper, name="lease-reaper", daemon=True).start()
         if s.gc_interval > 0:
@@ -133,6 +138,8 @@ class Service:
                 try:  # files whose writer died before handing them over, links whose reader died
                     self.spool.sweep(max(self.settings.gc_grace_seconds, self.settings.lease_seconds))
                     self.spool.sweep_lent(max(self.settings.lease_seconds, SPOOL_SWEEP_INTERVAL))
+                    if self.direct_fs:  # direct-FS writers that died before handing over
+                        self.direct_fs.sweep(max(self.settings.gc_grace_seconds, self.settings.lease_seconds))
                 except Exception:
                     log.exception("spool sweep failed; will retry")
 
@@ -153,7 +160,7 @@ class Service:
     def app(self):
         return create_app(AppContext(self.commits, self.queries, self.grpc_target, self.curator, self.gc,
                                      self.tokens, self.metrics, self.spool,
-                                     self.health, self.outcomes))
+                                     self.health, self.outcomes, self.direct_fs))
 
     def stop(self) -> None:
         self._stop.set()
@@ -288,7 +295,10 @@ def main(argv: list[str] | None = None) -> None:
                  f"anyone who can reach it could read and overwrite checkpoints. Set LASTGOOD_AUTH_REQUIRED=true "
                  f"(and create tokens with `lastgood-service token create`), or bind to 127.0.0.1.")
     _limit_malloc_arenas(settings.malloc_arena_max)
-    service = Service(settings)
+    try:
+        service = Service(settings)
+    except verification_modes.ModeUnavailable as e:
+        sys.exit(f"lastgood-service: {e}")
     service.start()
     from sqlalchemy.engine import make_url
 

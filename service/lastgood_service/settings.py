@@ -81,6 +81,13 @@ class Settings(BaseSettings):
                                          "of a direct upload or read lasts")
     direct_s3_part_size: int = Field(64 * MiB, ge=5 * MiB, le=5 * 1024 * MiB, description="part size of a direct "
                                      "upload (S3: 5 MiB to 5 GiB; grown for files that would need over 10,000 parts)")
+    # data paths and verification (docs/dataplane.md; domain/verification_modes.py owns the modes)
+    verification: str = Field("service", pattern="^(service|peer|store)$", description="who hashes a file handed "
+                              "over by name (direct-FS): service (the service re-reads every byte), peer (another "
+                              "rank reads it back from the store before the commit), store (the store verified the "
+                              "declared checksums; refused at start by a store that cannot)")
+    direct_fs: bool = Field(True, description="trainers that mount a local store's directory may write their files "
+                            "in place (<blob root>/direct) and hand over only the name, from any host")
     max_request_bytes: int = Field(1024 * 1024, gt=0, description="largest REST request body")
     max_streams_per_client: int = Field(16, gt=0, description="concurrent PutShard/GetShard streams per caller: per "
                                         "token, or per connection when tokens are off")

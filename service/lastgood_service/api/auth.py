@@ -46,6 +46,8 @@ POLICY: dict[tuple[str, str], str | tuple[str, str]] = {
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/manifest"): (READER, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/outcome"): (READER, "checkpoint"),  # a voted rank waits here
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/ancestors"): (READER, "checkpoint"),
+    ("GET", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/peer-check"): (WRITER, "checkpoint"),  # a saving rank
+    ("POST", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/peer-check"): (WRITER, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/files/{file_name}"): (READER, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/index/{file_name}"): (READER, "checkpoint"),
     ("POST", "/api/v1/checkpoints/{checkpoint_id}/verify"): (READER, "checkpoint"),

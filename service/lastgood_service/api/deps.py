@@ -24,6 +24,7 @@ from ..domain.gc import GarbageCollector
 from ..domain.health import Health
 from ..domain.outcomes import OutcomeNotifier
 from ..domain.queries import MAX_PAGE, Queries
+from ..domain.directfs import DirectFS
 from ..domain.spool import Spool
 from ..domain.tokens import TokenStore
 from ..metrics import Metrics
@@ -42,6 +43,7 @@ class AppContext:
     spool: Spool | None = None
     health: Health | None = None
     outcomes: OutcomeNotifier | None = None  # GET .../outcome (routes/outcomes.py); one per process
+    direct_fs: DirectFS | None = None  # the direct-FS data path (domain/directfs.py), announced at /api/v1/info
 
 
 def context(request: Request) -> AppContext:

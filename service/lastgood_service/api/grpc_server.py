@@ -20,6 +20,7 @@ from ..domain.commit import CommitService
 from ..domain.commit.protocol import ShardHeader
 from ..domain.errors import DomainError, InvalidArgument, SpoolNotShared
 from ..domain.faults import as_domain_error
+from ..domain import verification_modes
 from ..domain.spool import Spool
 from ..domain.tokens import READER, WRITER, Principal, TokenStore
 from ..domain.queries import Queries
@@ -141,9 +142,10 @@ class Servicer(pb_grpc.CheckpointsServicer):
     against the run the call touches."""
 
     def __init__(self, commits: CommitService, queries: Queries, tokens: TokenStore,
-                 spool: Spool | None = None) -> None:
+                 spool: Spool | None = None, direct_fs=None) -> None:
         self.commits = commits
         self.spool = spool
+        self.direct_fs = direct_fs  # domain/directfs.py: its staging directory is a spool of its own
         self.queries = queries
         self.tokens = tokens
         settings = commits.settings
@@ -199,13 +201,17 @@ class Servicer(pb_grpc.CheckpointsServicer):
 
     def _put_spooled(self, h, header: ShardHeader, request_iterator):
         """The same-host hand-over (domain/spool.py): the bytes are in a file, not in chunks."""
-        if self.spool is None:
+        spool, hashed = self.spool, True
+        if self.direct_fs is not None and h.spool_id == self.direct_fs.id:  # direct-FS: hashed per the mode
+            spool, hashed = self.direct_fs.staging, verification_modes.service_hashes(self.commits.settings.verification)
+        if spool is None:
             raise SpoolNotShared("spool: this service takes no spooled files; stream the shard")
         if next(request_iterator, None) is not None:
             raise InvalidArgument("a spooled PutShard carries its header only, no chunks")
-        taken = self.spool.take(h.spool_file, h.spool_id, h.size)
+        taken = spool.take(h.spool_file, h.spool_id, h.size)
         try:
-            return self.commits.put_shard(header, taken.chunks(self.commits.settings.max_chunk_bytes), adopt=taken)
+            return self.commits.put_shard(header, taken.chunks(self.commits.settings.max_chunk_bytes), adopt=taken,
+                                          hashed=hashed)
         finally:
             taken.close()  # the file is gone if it was published (renamed into the store)
 

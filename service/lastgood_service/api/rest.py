@@ -20,14 +20,14 @@ from .contract import StrictJSONRoute, error_response, problem
 from .deps import AppContext
 from .errors import lookup
 from .routes import (checkpoints, gc, grants, health, launches, leases, lineage, ops, outcomes, page,
-                     retention, runs, tags, tokens)
+                     peer_checks, retention, runs, tags, tokens)
 
 log = logging.getLogger("lastgood.rest")
 
 __all__ = ["AppContext", "create_app"]
 
 ROUTERS = (ops, runs, tokens, lineage, tags, launches, leases, gc, health, retention, checkpoints, outcomes, page,
-           grants)
+           grants, peer_checks)
 
 
 def create_app(ctx: AppContext) -> FastAPI:

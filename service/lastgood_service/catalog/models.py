@@ -11,6 +11,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 PENDING, COMMITTED, ABANDONED, CORRUPT, DELETED = "PENDING", "COMMITTED", "ABANDONED", "CORRUPT", "DELETED"
 STATUSES = (PENDING, COMMITTED, ABANDONED, CORRUPT, DELETED)
 VERIFIED = "VERIFIED"
+DECLARED = "DECLARED"  # a shard handed over unhashed, until a peer checks it (domain/verification_modes.py)
 
 # tag kinds: a plain tag may name many checkpoints of a run; an alias names at most one and
 # moves when set again; a pin keeps a checkpoint from GC; system tags are set by lastgood

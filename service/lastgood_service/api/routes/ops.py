@@ -24,7 +24,8 @@ def info(ctx: Ctx):
     return {"service": "lastgood", "version": __version__, "grpc_target": ctx.grpc_target,
             "max_chunk_bytes": s.max_chunk_bytes, "max_shard_bytes": s.max_shard_bytes,
             "lease_seconds": s.lease_seconds, "spool": ctx.spool.info() if ctx.spool else None,
-            "direct_s3": DirectUploads(ctx.commits).info()}  # direct S3 uploads (domain/grants.py)
+            "direct_s3": DirectUploads(ctx.commits).info(),  # direct S3 uploads (domain/grants.py)
+            "verification": s.verification, "direct_fs": ctx.direct_fs.info() if ctx.direct_fs else None}
 
 
 @router.get("/metrics", include_in_schema=False)

@@ -37,11 +37,12 @@ from lastgood.hashing import StreamHasher, hash_bytes, is_valid_hex
 from lastgood.manifest import FileEntry, Manifest
 
 from ...catalog import txtimer
-from ...catalog.models import ABANDONED, COMMITTED, CORRUPT, PENDING, VERIFIED, Checkpoint, Run, Shard, Vote
+from ...catalog.models import (ABANDONED, COMMITTED, CORRUPT, DECLARED, PENDING, VERIFIED, Checkpoint, Run, Shard,
+                               Vote)
 from ...blobstore import capabilities
-from .. import fencing, keys, last_good
-from ..errors import (Conflict, FailedPrecondition, Fenced, HashMismatch, InvalidArgument, NotFound, StoreFull,
-                      TooLarge)
+from .. import fencing, keys, last_good, verification_modes
+from ..errors import (Conflict, FailedPrecondition, Fenced, HashMismatch, InvalidArgument, NotFound, SpoolRefused,
+                      StoreFull, TooLarge)
 from ..events import add_event
 from . import indexes
 from .core import CommitCore, key_prefix
@@ -174,12 +175,15 @@ class CommitProtocol(CommitCore):
 
     # ---------------------------------------------------------------- put
     @txtimer.label("put")
-    def put_shard(self, header: ShardHeader, chunks: Iterable[bytes], adopt=None) -> PutResult:
+    def put_shard(self, header: ShardHeader, chunks: Iterable[bytes], adopt=None, hashed: bool = True) -> PutResult:
         """Stream one shard file into a temporary blob, hashing as bytes arrive; publish it
         durably and record it VERIFIED only if size and hash match the client's.
 
         `adopt`: the chunks are read from this spooled shard (domain/spool.Taken); a blob
-        store that can make that very file the blob does so instead of copying it."""
+        store that can make that very file the blob does so instead of copying it.
+        `hashed=False` (an adopted direct-FS file outside the `service` verification mode,
+        domain/verification_modes.py): the file is published unread but for its header, and
+        recorded DECLARED; the commit waits until a peer has checked it."""
         self.gate.check()
         try:
             names.check_file_name(header.file_name)
@@ -217,6 +221,12 @@ class CommitProtocol(CommitCore):
         if adopt is None:
             self._require_room(header.size)
         writer = capabilities.adopt_writer(self.blobs, key, adopt) if adopt is not None else None
+        if not hashed and writer is None:
+            raise SpoolRefused("spool: this hand-over cannot be renamed into the store; stream the shard")
+        if not hashed:  # verification_modes.py: a peer checks the bytes; only the header is read here
+            hasher = verification_modes.Declared(header.size, header.xxh3_128)
+            chunks = verification_modes.header_chunks(adopt.fd, header.size, hasher, want_index,
+                                                      self.settings.max_chunk_bytes)
         with writer or self.blobs.open_writer(key) as w:
             for chunk in chunks:
                 if len(chunk) > self.settings.max_chunk_bytes:
@@ -259,7 +269,8 @@ class CommitProtocol(CommitCore):
                     self._require_pending(ck, "record the shard")
                     self._require_not_voted(s, header)
                     s.add(Shard(checkpoint_id=ck.id, rank=header.rank, file_name=header.file_name,
-                                size=header.size, xxh3_128=digest, blob_key=key, status=VERIFIED,
+                                size=header.size, xxh3_128=digest, blob_key=key,
+                                status=VERIFIED if hashed else DECLARED,
                                 index_json=index_json, created_at=self.clock()))
                     ck.lease_expires_at = self._lease()
             except IntegrityError:  # the same file arrived twice at once
@@ -373,6 +384,8 @@ class CommitProtocol(CommitCore):
                      s.scalars(select(Vote).where(Vote.checkpoint_id == checkpoint_id))}
             shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == checkpoint_id)))
             if set(votes) != set(range(ck.world_size)):
+                return False
+            if any(sh.status == DECLARED for sh in shards):  # a peer has yet to check it (verification_modes.py)
                 return False
             by_rank: dict[int, list[FileEntry]] = {r: [] for r in votes}
             pfx = key_prefix(s, ck)

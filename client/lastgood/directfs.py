@@ -1,0 +1,109 @@
+"""Direct-FS: ranks write their files straight into the store's file system, from any host.
+
+Where trainers mount the service's local store directory (NFS, Lustre, GPFS; a local path
+in tests), streaming every byte through the service only adds a hop. A rank instead
+writes its file in place, in the staging directory the service announces at
+GET /api/v1/info (`direct_fs`: the store's root as the service sees it, the staging
+directory's name, its id), hashing each piece as it writes it, fsyncs it, and hands over
+only the name, as the spool does on the service's own host (the same name contract,
+lastgood.names, and the same hand-over call, Transport.put_shard). The service renames
+the file into the store (same file system) and hashes it only in the `service`
+verification mode; in `peer` mode another rank reads it back (peer.py).
+
+The mount point as this host sees it may differ from the service's path
+(LASTGOOD_DIRECT_FS_MOUNT); the id file in the staging directory proves that both name the
+same directory. A host that does not see it (no mount, another store) streams, as does
+every rank after the service declined a hand-over.
+
+The three calls the save path makes, in order:
+    handle = direct.write(data, hasher)   # before begin: a long write never runs into the lease
+    direct.hand_over(cid, rank, file_name, data, digest, handle)
+    direct.discard(handle)                # when the save ends before the hand-over
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from . import names
+from .hashing import StreamHasher
+
+log = logging.getLogger("lastgood")
+
+
+@dataclass(frozen=True)
+class Handle:
+    """A rank's file written in the staging directory, not yet handed over."""
+    name: str     # its name there (lastgood.names' hand-over pattern)
+    size: int
+
+
+class DirectFS:
+    """This host's view of the service's direct-FS store: where it is mounted here, and
+    the staging directory's hand-over spec (Transport's spool dict)."""
+
+    def __init__(self, transport, mount: str, staging: dict, verification: str) -> None:
+        self.transport, self.mount, self.staging, self.verification = transport, mount, staging, verification
+
+    @classmethod
+    def find(cls, transport, mount: str | None) -> "DirectFS | None":
+        """The direct-FS data path, when this host mounts the store at `mount` (the client's
+        LASTGOOD_DIRECT_FS_MOUNT) and the id file there is the service's; else None, and
+        the save path streams (or uses the spool)."""
+        spec = transport.info.get("direct_fs")
+        if not mount:
+            return None
+        if not spec:
+            log.warning("lastgood: %s is set, but the service offers no direct-FS store (an object store, or "
+                        "LASTGOOD_DIRECT_FS=false); streaming", mount)
+            return None
+        try:
+            staging_name = spec["staging"]
+            if staging_name != names.DIRECT_STAGING_DIR:
+                raise ValueError(f"staging directory {str(staging_name)[:80]!r}")
+            local = os.path.join(mount, staging_name)
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("lastgood: the service's direct_fs announcement is malformed (%s); streaming", e)
+            return None
+        from .transport import _find_spool  # the spool's id-file check, with the directory as seen here
+
+        staging = _find_spool({"dir": spec.get("dir"), "id": spec.get("id")}, local)
+        if staging is None:
+            log.warning("lastgood: %s is not the service's store directory (its id file %s does not match, or it "
+                        "is not writable); streaming", mount, os.path.join(local, names.SPOOL_ID_FILE))
+            return None
+        return cls(transport, mount, staging, transport.info.get("verification", "service"))
+
+    @property
+    def usable(self) -> bool:
+        return not self.staging.get("refused")  # the service declined a hand-over: stream from then on
+
+    @property
+    def peer(self) -> bool:
+        """Do this service's ranks check each other's files (peer.py) before the commit?"""
+        return self.verification == "peer"
+
+    def write(self, data, hasher: StreamHasher | None = None) -> Handle | None:
+        """Write and fsync the rank's file in the staging directory, feeding `hasher` each
+        piece as it is written; None when it cannot be written (then stream)."""
+        if not self.usable:
+            return None
+        name = self.transport.spool_write(data, hasher, spool=self.staging, fsync=True)
+        return Handle(name, memoryview(data).nbytes) if name else None
+
+    def hand_over(self, checkpoint_id: int, rank: int, file_name: str, data, digest: str, handle: Handle | None):
+        """Hand the written file over by name (or stream `data`, the same bytes, when there is
+        no handle or the service declines it): Transport.put_shard's answer."""
+        return self.transport.put_shard(checkpoint_id, rank, file_name, data, digest,
+                                        spooled=handle.name if handle else None, spool=self.staging)
+
+    def discard(self, handle: Handle | None) -> None:
+        """Remove a written file that was never handed over (the service sweeps it otherwise)."""
+        if handle is not None:
+            self.transport.spool_discard(handle.name, self.staging)
+
+    def store_path(self, relative: str) -> str:
+        """A blob the service named (relative to the store's root) as this host sees it."""
+        return os.path.join(self.mount, names.check_store_path(relative))

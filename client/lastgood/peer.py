@@ -1,0 +1,81 @@
+"""Peer verification, the rank's half (the service's: domain/verification_modes.py).
+
+Under LASTGOOD_VERIFICATION=peer the service does not read the files ranks write in place
+on direct-FS (directfs.py); before the checkpoint may commit, each file is read back from
+the store by another rank - rank r checks rank (r + 1) mod world, a rule the service
+applies, so the rank just asks - and its xxh3-128 compared with what its writer declared.
+
+After its own vote a rank asks which files to check (the service names them, with their
+declared digest and their path under the store's root), reads and hashes each through
+its own mount, and reports the digests it got. It repeats until its peer has voted and
+nothing of the peer's is left unchecked, or the checkpoint is decided. A mismatch aborts
+the checkpoint on the service; the rank learns it from the answer, as every other rank
+learns it from its vote. A file it cannot read (no mount, a missing blob) is reported as
+unread, and the service hashes that one itself.
+
+`check(..., read=...)` takes the function that reads and hashes a file: a test passes one
+that does not read, to show what the check is for (tests/client/test_directfs.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+from .errors import SaveFailed
+from .hashing import StreamHasher
+
+log = logging.getLogger("lastgood")
+_PIECE = 8 * 1024 * 1024
+_POLL = 0.2  # seconds between asks while the peer has not voted yet
+
+
+def _path(checkpoint_id: int, rank: int) -> str:
+    return f"/api/v1/checkpoints/{int(checkpoint_id)}/ranks/{int(rank)}/peer-check"
+
+
+def read_and_hash(direct, entry: dict) -> str | None:
+    """The xxh3-128 of the stored file the service named, read through this host's mount;
+    None when it cannot be read whole (the service then hashes it itself)."""
+    if direct is None or not entry.get("path"):
+        return None
+    try:
+        fd = os.open(direct.store_path(entry["path"]), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (OSError, ValueError) as e:
+        log.warning("lastgood: peer check cannot open %s: %s", entry.get("path"), e)
+        return None
+    hasher = StreamHasher()
+    buf = bytearray(_PIECE)
+    view = memoryview(buf)
+    try:
+        while n := os.readv(fd, [view]):
+            hasher.update(view[:n])
+    finally:
+        os.close(fd)
+    return hasher.hexdigest() if hasher.size == entry.get("size") else None  # the service looks at it itself
+
+
+def check(transport, direct, checkpoint_id: int, rank: int, deadline: float,
+          read: Callable[[object, dict], str | None] = read_and_hash) -> str:
+    """Check this rank's peer's files until none is left; the checkpoint's status then.
+    Raises SaveFailed when a check found a mismatch (the checkpoint is aborted) or the
+    peer has not voted by `deadline` (time.monotonic)."""
+    path = _path(checkpoint_id, rank)
+    while True:
+        a = transport.get_json(path)
+        if a["status"] != "PENDING":
+            return a["status"]
+        if a["files"]:
+            got = [{"name": f["name"], "xxh3_128": read(direct, f)} for f in a["files"]]
+            r = transport.post_json(path, {"peer_rank": a["peer_rank"], "files": got})
+            if r.get("mismatched"):
+                raise SaveFailed(f"checkpoint {checkpoint_id}: {r.get('reason', 'peer check failed')}")
+            continue
+        if a["peer_voted"]:
+            return a["status"]
+        if time.monotonic() > deadline:
+            raise SaveFailed(f"checkpoint {checkpoint_id}: rank {a['peer_rank']} did not vote in time for its peer "
+                             f"check by rank {rank}")
+        time.sleep(_POLL)

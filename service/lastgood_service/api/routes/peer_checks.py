@@ -1,0 +1,48 @@
+"""Peer verification (domain/verification_modes.py): a rank asks which of its peer's files
+to read back from the store, and reports what it read. Writers only: the report decides
+whether a checkpoint may commit."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path
+from pydantic import BaseModel, Field
+
+from lastgood import names
+
+from ...domain.verification_modes import MAX_REPORT_FILES, PeerChecks
+from ..contract import StrictJSONRoute, answers
+from ..deps import CkptId, Ctx
+
+router = APIRouter(route_class=StrictJSONRoute, tags=["checkpoints"])
+
+Rank = Annotated[int, Path(ge=0, le=names.MAX_RANK)]
+
+
+class ReadFile(BaseModel):
+    name: str = Field(min_length=1, max_length=200)
+    xxh3_128: str | None = Field(None, pattern="^[0-9a-f]{32}$",
+                                 description="what the checker read; null: it could not read the file")
+
+
+class PeerReport(BaseModel):
+    peer_rank: int = Field(ge=0, le=names.MAX_RANK)
+    files: list[ReadFile] = Field(max_length=MAX_REPORT_FILES)
+
+
+def _checks(ctx) -> PeerChecks:
+    return PeerChecks(ctx.commits, ctx.direct_fs)
+
+
+@router.get("/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/peer-check", responses=answers(400, 404))
+def peer_assignment(checkpoint_id: CkptId, rank: Rank, ctx: Ctx):
+    """The files this rank is to read back and check: its peer's (rank + 1 mod world) files
+    not yet checked, with the declared xxh3-128 and the path under the store's root."""
+    return _checks(ctx).assignment(checkpoint_id, rank)
+
+
+@router.post("/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/peer-check", responses=answers(400, 404, 409))
+def peer_report(checkpoint_id: CkptId, rank: Rank, body: PeerReport, ctx: Ctx):
+    """What this rank read: a match verifies the file; a mismatch aborts the checkpoint."""
+    return _checks(ctx).report(checkpoint_id, rank, body.peer_rank, [f.model_dump() for f in body.files])

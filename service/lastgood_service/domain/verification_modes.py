@@ -1,0 +1,222 @@
+"""Who hashes the bytes of a file a rank handed over by name: LASTGOOD_VERIFICATION.
+
+"Every shard has arrived and been hashed" (I2) must stay true when the service no longer
+reads every byte. The mode says who reads the stored bytes and checks them against the
+xxh3-128 their writer declared, before the checkpoint may commit:
+
+  service  (default) the service re-reads every byte it adopts, as it always has.
+  peer     another rank reads the file back from the store and checks it; the service
+           reads only its header (the tensor index). The rule, one place: rank r checks the
+           files of rank (r + 1) mod world. Why a ring: every file gets exactly one checker,
+           the read load is one file per rank whatever the world size, and a rank never
+           checks its own bytes - unless it is alone (world 1), when reading its own file
+           back from the store still checks the stored bytes against the declared digest.
+  store    the store checked the declared checksums as it took the bytes (an S3 store with
+           per-part checksums). A store that cannot (a file system never does) is refused
+           at start (`check_available`).
+
+The mode governs the direct-FS hand-over (domain/directfs.py). Bytes the service receives
+anyway - a stream, the same-host spool - are hashed as they pass, whatever the mode.
+
+A peer-checked file is recorded DECLARED, published but not yet VERIFIED; the commit
+(protocol.try_commit) waits until no DECLARED file is left. A rank asks which files to
+check (`assignment`: the peer's DECLARED files, their declared digest and their path in
+the store) and reports what it read (`report`): a match makes the file VERIFIED; a
+mismatch records a hash_mismatch event and aborts the checkpoint (ABANDONED, with the
+reason); a file the checker could not read (it does not mount the store, the blob is
+missing) is hashed by the service itself, so a checker's trouble costs CPU, never the
+commit's correctness or its liveness.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from sqlalchemy import select
+
+from lastgood.errors import FormatError
+from lastgood.format import header_length
+from lastgood.hashing import StreamHasher
+
+from ..blobstore import capabilities
+from ..catalog.models import DECLARED, PENDING, VERIFIED, Shard, Vote
+from . import fencing
+from .errors import InvalidArgument
+from .events import add_event
+
+log = logging.getLogger("lastgood.commit")
+
+SERVICE, PEER, STORE = "service", "peer", "store"
+MODES = (SERVICE, PEER, STORE)
+MAX_REPORT_FILES = 1000
+
+
+class ModeUnavailable(ValueError):
+    """The configured verification mode cannot be provided by this deployment."""
+
+
+def check_available(mode: str, store) -> None:
+    """Refuse, at start, a mode the blob store cannot provide."""
+    if mode not in MODES:
+        raise ModeUnavailable(f"LASTGOOD_VERIFICATION must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == STORE and not capabilities.verifies_checksums(store):
+        raise ModeUnavailable(
+            f"LASTGOOD_VERIFICATION=store: the blob store ({type(store).__name__}) does not verify the checksums "
+            f"writers declare (a file system never does), so nothing would have hashed a handed-over file; "
+            f"use `service` (the service hashes every byte) or `peer` (ranks check each other's files)")
+
+
+def service_hashes(mode: str) -> bool:
+    """Does the service hash a file handed over by name (direct-FS) in this mode?"""
+    return mode == SERVICE
+
+
+def peer_of(rank: int, world_size: int) -> int:
+    """The rank whose files `rank` checks."""
+    return (rank + 1) % world_size
+
+
+class Declared:
+    """Stands in for the hasher of put_shard when the service does not read the bytes:
+    it counts the header bytes it is shown, and the rest of the file is vouched for by its
+    size (the hand-over checked it with fstat) until a peer hashes it."""
+
+    def __init__(self, size: int, xxh3_128: str) -> None:
+        self.size, self._total, self._digest = 0, size, xxh3_128
+
+    def update(self, data) -> None:
+        self.size += len(data)
+
+    def vouch(self) -> None:
+        self.size = self._total
+
+    def hexdigest(self) -> str:
+        return self._digest
+
+
+def header_chunks(fd: int, size: int, declared: Declared, want_header: bool, piece: int):
+    """The safetensors header of the file behind `fd` (for its tensor index), in pieces of
+    at most `piece` bytes; then the rest is vouched for (Declared.vouch)."""
+    if want_header:
+        head = os.pread(fd, min(8, size), 0)
+        try:
+            want = min(header_length(head), size)
+        except FormatError:
+            want = len(head)  # too short: the index parser says so
+        pos = 0
+        while pos < want:
+            b = os.pread(fd, min(piece, want - pos), pos)
+            if not b:
+                break
+            yield b
+            pos += len(b)
+    declared.vouch()
+
+
+class PeerChecks:
+    """The service's half of peer verification, over the commit service's catalog and store."""
+
+    def __init__(self, commits, directfs=None) -> None:
+        self.commits, self.directfs = commits, directfs
+
+    @property
+    def mode(self) -> str:
+        return self.commits.settings.verification
+
+    def assignment(self, checkpoint_id: int, rank: int) -> dict:
+        """What `rank` checks now: its peer's DECLARED files, with digest, size and store path."""
+        c = self.commits
+        with c.sessions() as s, s.begin():
+            ck = c._get_checkpoint(s, checkpoint_id)
+            c._check_rank(ck, rank)
+            peer = peer_of(rank, ck.world_size)
+            voted = s.get(Vote, (checkpoint_id, peer)) is not None
+            shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == checkpoint_id, Shard.rank == peer,
+                                                        Shard.status == DECLARED).order_by(Shard.file_name)))
+            status = ck.status
+        files = [{"name": sh.file_name, "size": sh.size, "xxh3_128": sh.xxh3_128,
+                  "path": self.directfs.path_of(sh.blob_key) if self.directfs else None} for sh in shards]
+        return {"verification": self.mode, "status": status, "peer_rank": peer, "peer_voted": voted,
+                "files": files if status == PENDING else []}
+
+    def report(self, checkpoint_id: int, rank: int, peer_rank: int, files: list[dict]) -> dict:
+        """What `rank` read of its peer's files: {"name", "xxh3_128"} each, xxh3_128 None when
+        it could not read the file. Idempotent: files already checked are passed over."""
+        c = self.commits
+        c.gate.check()
+        if len(files) > MAX_REPORT_FILES:
+            raise InvalidArgument(f"a report names at most {MAX_REPORT_FILES} files")
+        with c.sessions() as s, s.begin():
+            ck = c._get_checkpoint(s, checkpoint_id, lock=True)  # serialises with votes and commits
+            c._check_rank(ck, rank)
+            fencing.check(s, ck.run_id, ck.generation, f"peer check on checkpoint {ck.id}")
+            if peer_rank != peer_of(rank, ck.world_size):
+                raise InvalidArgument(f"rank {rank} checks the files of rank {peer_of(rank, ck.world_size)}, "
+                                      f"not of rank {peer_rank}")
+            if ck.status != PENDING:
+                return {"status": ck.status, "verified": [], "mismatched": []}
+            declared = {sh.file_name: sh for sh in s.scalars(select(Shard).where(
+                Shard.checkpoint_id == checkpoint_id, Shard.rank == peer_rank, Shard.status == DECLARED))}
+            verified, bad, unread = [], [], []
+            for f in files:
+                sh = declared.get(f.get("name"))
+                if sh is None:
+                    continue  # checked already (a retried report), or never declared
+                got = f.get("xxh3_128")
+                if got is None:
+                    unread.append((sh.file_name, sh.blob_key, sh.size, sh.xxh3_128))
+                elif got == sh.xxh3_128:
+                    sh.status = VERIFIED
+                    verified.append(sh.file_name)
+                else:
+                    bad.append((sh.file_name, sh.xxh3_128, got, f"rank {rank} read it back from the store"))
+            if verified:
+                add_event(s, "peer_verified", ck.run_id, ck.id, rank=peer_rank, checked_by=rank, files=verified)
+        for name, key, size, want in unread:  # the checker could not read it: the service hashes it
+            got = self._hash_blob(key, size)
+            if got == want:
+                self._mark_verified(checkpoint_id, peer_rank, name)
+                verified.append(name)
+            else:
+                bad.append((name, want, got, f"rank {rank} could not read it; the service hashed it"))
+        if bad:
+            return self._refuse(checkpoint_id, rank, peer_rank, bad, verified)
+        c.try_commit(checkpoint_id)
+        with c.sessions() as s, s.begin():
+            status = c._get_checkpoint(s, checkpoint_id).status
+        return {"status": status, "verified": verified, "mismatched": []}
+
+    def _hash_blob(self, key: str, size: int) -> str | None:
+        hasher = StreamHasher()
+        try:
+            for chunk in self.commits.blobs.get(key):
+                hasher.update(chunk)
+        except FileNotFoundError:
+            return None
+        return hasher.hexdigest() if hasher.size == size else None
+
+    def _mark_verified(self, checkpoint_id: int, rank: int, name: str) -> None:
+        with self.commits.sessions() as s, s.begin():
+            sh = s.scalar(select(Shard).where(Shard.checkpoint_id == checkpoint_id, Shard.rank == rank,
+                                              Shard.file_name == name, Shard.status == DECLARED))
+            if sh is not None:
+                sh.status = VERIFIED
+
+    def _refuse(self, checkpoint_id: int, rank: int, peer_rank: int, bad: list, verified: list) -> dict:
+        """A file whose stored bytes are not what its writer declared: the checkpoint never commits."""
+        from .commit.protocol import ShardHeader
+
+        c = self.commits
+        for name, want, got, how in bad:
+            c._record_mismatch(ShardHeader(checkpoint_id, peer_rank, name, 0, want), got or "unreadable")
+        name, want, got, how = bad[0]
+        reason = (f"peer check: rank {peer_rank}'s {name} in the store has xxh3-128 {got or '(unreadable)'}, "
+                  f"its writer declared {want} ({how}); the checkpoint is not committed")
+        try:
+            status = c.abort(checkpoint_id, reason, rank)
+        except Exception:  # committed or expired meanwhile: say what it is
+            with c.sessions() as s, s.begin():
+                status = c._get_checkpoint(s, checkpoint_id).status
+        log.warning("checkpoint %s: %s", checkpoint_id, reason)
+        return {"status": status, "verified": verified, "mismatched": [b[0] for b in bad], "reason": reason}

@@ -1,0 +1,202 @@
+"""Direct-FS and the verification modes (docs/dataplane.md): a trainer that mounts the store's
+directory - here under another path, a symlink, as another host would - writes its file in
+place and hands over only the name; the service renames that very file into the store.
+In `peer` mode another rank's read-back is what lets the checkpoint commit: a file changed
+after its digest was computed never commits (control: the same file, with the peer's read
+skipped, does commit; and in `service` mode the service's own hash refuses it). A mode the
+store cannot provide is refused at start."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lastgood
+from lastgood import peer
+from lastgood.directfs import DirectFS
+from lastgood.errors import SaveFailed
+from lastgood.hashing import StreamHasher
+from lastgood.transport import Transport
+
+from ..conftest import FAST, ServiceProc
+from .helpers import checkpoint, events, last_good_id, make_shard, shard_blob, shard_name
+
+
+@pytest.fixture(scope="module")
+def peer_svc(tmp_path_factory):
+    s = ServiceProc(tmp_path_factory.mktemp("peer"), {**FAST, "LASTGOOD_LEASE_SECONDS": "60",
+                                                      "LASTGOOD_VERIFICATION": "peer"}).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def hashing_svc(tmp_path_factory):
+    s = ServiceProc(tmp_path_factory.mktemp("service"), {**FAST, "LASTGOOD_LEASE_SECONDS": "60"}).start()
+    yield s
+    s.stop()
+
+
+def mount_of(svc, tmp_path: Path) -> Path:
+    """The store's directory under another path, as a trainer on another host mounts it."""
+    mount = tmp_path / "mnt" / "lastgood"
+    mount.parent.mkdir(parents=True, exist_ok=True)
+    if not mount.exists():
+        mount.symlink_to(svc.blob_root)
+    return mount
+
+
+def staging_files(svc) -> list[str]:
+    return sorted(p.name for p in (svc.blob_root / "direct").iterdir() if not p.name.startswith("."))
+
+
+def written(svc, tmp_path, data: bytes, *, change_after_hashing: bool = False):
+    """A transport that does not see the spool, its DirectFS, the file written, its digest."""
+    t = Transport(svc.url, spool=False)
+    direct = DirectFS.find(t, str(mount_of(svc, tmp_path)))
+    assert direct is not None and direct.staging["dir"].startswith(str(tmp_path))
+    hasher = StreamHasher()
+    handle = direct.write(data, hasher)
+    assert handle is not None
+    if change_after_hashing:  # a byte of the tensor data changes after the digest was computed
+        path = Path(direct.staging["dir"]) / handle.name
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0xFF
+        path.write_bytes(bytes(raw))
+    return t, direct, handle, hasher.hexdigest()
+
+
+def handed_over(svc, tmp_path, run: str, data: bytes, **kw):
+    t, direct, handle, digest = written(svc, tmp_path, data, **kw)
+    cid = t.begin(run, 1, 1, None, "a1", 0).checkpoint_id
+    return t, direct, handle, digest, cid
+
+
+@pytest.mark.parametrize("mode", ["service", "peer"])
+def test_a_direct_fs_save_restores_bitwise_and_its_blob_is_the_file_written(mode, peer_svc, hashing_svc, run_name,
+                                                                            tmp_path, monkeypatch):
+    svc = peer_svc if mode == "peer" else hashing_svc
+    monkeypatch.setenv("LASTGOOD_SPOOL", "0")  # not the same-host spool: direct-FS, as from another host
+    monkeypatch.setenv("LASTGOOD_DIRECT_FS_MOUNT", str(mount_of(svc, tmp_path)))
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 8))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    inodes = []
+    with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
+        assert ckpt._direct is not None and ckpt.transport.spool is None
+        write = ckpt._direct.write
+
+        def observed(data, hasher=None):  # the real write; remember the inode it made
+            handle = write(data, hasher)
+            inodes.append((Path(ckpt._direct.staging["dir"]) / handle.name).stat().st_ino)
+            return handle
+
+        ckpt._direct.write = observed
+        ckpt.save(5, lastgood.TrainState(model=model, optimizer=opt))
+        ckpt.wait()
+        cid = ckpt.last_saved.checkpoint_id
+    assert checkpoint(svc, cid)["status"] == "COMMITTED"
+    assert shard_blob(svc, cid, 0).stat().st_ino == inodes[0]  # renamed into the store, not copied
+    assert staging_files(svc) == []
+    checked = [e for e in events(svc, run_name) if e["kind"] == "peer_verified"]
+    assert len(checked) == (1 if mode == "peer" else 0), checked  # peer mode: a rank read it back
+
+    model2 = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 8))
+    opt2 = torch.optim.AdamW(model2.parameters())
+    with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
+        assert ckpt.restore(lastgood.TrainState(model=model2, optimizer=opt2)) == 5
+    for k, v in want.items():
+        assert torch.equal(model2.state_dict()[k], v), k
+    assert opt2.state_dict()["state"][0]["exp_avg"].equal(opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_peer_mode_a_file_changed_after_its_digest_never_commits(peer_svc, run_name, tmp_path):
+    data = make_shard(0, seed=11)
+    t, direct, handle, digest, cid = handed_over(peer_svc, tmp_path, run_name, data, change_after_hashing=True)
+    try:
+        direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)  # the service does not read it
+        assert t.commit_rank(cid, 0, [shard_name(0)], wait=0).status == "PENDING"  # voted; not checked yet
+        with pytest.raises(SaveFailed, match="peer check: rank 0's .* in the store has xxh3-128 .*, its writer declared"):
+            peer.check(t, direct, cid, 0, deadline=float("inf"))
+    finally:
+        t.close()
+    ck = checkpoint(peer_svc, cid)
+    assert ck["status"] == "ABANDONED"
+    kinds = [e["kind"] for e in events(peer_svc, run_name)]
+    assert "hash_mismatch" in kinds and "commit" not in kinds
+    assert last_good_id(peer_svc, run_name) is None
+
+
+def test_control_without_the_peer_read_the_changed_file_would_commit(peer_svc, run_name, tmp_path):
+    """The same changed file, with the peer's read replaced by a check that trusts the digest
+    it is told: the service commits it - the read-back is what stopped it above."""
+    data = make_shard(0, seed=11)
+    t, direct, handle, digest, cid = handed_over(peer_svc, tmp_path, run_name, data, change_after_hashing=True)
+    try:
+        direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
+        t.commit_rank(cid, 0, [shard_name(0)], wait=0)
+        assert peer.check(t, direct, cid, 0, deadline=float("inf"), read=lambda _d, f: f["xxh3_128"]) in ("PENDING", "COMMITTED")
+        assert t.commit_rank(cid, 0, [shard_name(0)], wait=5).status == "COMMITTED"
+    finally:
+        t.close()
+    assert shard_blob(peer_svc, cid, 0).read_bytes() != data  # the bad bytes committed
+
+
+def test_service_mode_refuses_the_changed_file_and_stores_the_declared_bytes(hashing_svc, run_name, tmp_path):
+    """In `service` mode the service hashes the handed-over file: it refuses the changed one,
+    and the client streams the bytes it declared instead (Transport.put_shard's fallback)."""
+    data = make_shard(0, seed=11)
+    t, direct, handle, digest, cid = handed_over(hashing_svc, tmp_path, run_name, data, change_after_hashing=True)
+    try:
+        direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
+        assert t.commit_rank(cid, 0, [shard_name(0)], wait=5).status == "COMMITTED"
+    finally:
+        t.close()
+    assert shard_blob(hashing_svc, cid, 0).read_bytes() == data  # the declared bytes, not the changed file
+    assert "hash_mismatch" in [e["kind"] for e in events(hashing_svc, run_name)]
+    assert staging_files(hashing_svc) == []
+
+
+def test_a_peer_report_for_the_wrong_rank_is_refused_and_changes_nothing(peer_svc, run_name, tmp_path):
+    data = make_shard(0, seed=2)
+    t, direct, handle, digest, cid = handed_over(peer_svc, tmp_path, run_name, data)
+    try:
+        direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
+        t.commit_rank(cid, 0, [shard_name(0)], wait=0)
+        r = peer_svc.post(f"/api/v1/checkpoints/{cid}/ranks/0/peer-check",
+                          json={"peer_rank": 3, "files": [{"name": shard_name(0), "xxh3_128": digest}]})
+        assert r.status_code == 400 and "checks the files of rank 0" in r.text, r.text
+        assert checkpoint(peer_svc, cid)["status"] == "PENDING"
+        assert peer.check(t, direct, cid, 0, deadline=float("inf")) in ("PENDING", "COMMITTED")  # the real check
+        assert t.commit_rank(cid, 0, [shard_name(0)], wait=5).status == "COMMITTED"
+    finally:
+        t.close()
+
+
+def test_a_file_the_checker_cannot_read_is_hashed_by_the_service(peer_svc, run_name, tmp_path):
+    data = make_shard(0, seed=5)
+    t, direct, handle, digest, cid = handed_over(peer_svc, tmp_path, run_name, data)
+    try:
+        direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
+        t.commit_rank(cid, 0, [shard_name(0)], wait=0)
+        peer.check(t, None, cid, 0, deadline=float("inf"))  # no mount on this rank: reported unread
+        assert t.commit_rank(cid, 0, [shard_name(0)], wait=5).status == "COMMITTED"
+    finally:
+        t.close()
+
+
+def test_store_mode_is_refused_at_start_by_a_file_store(tmp_path):
+    env = {**os.environ, "LASTGOOD_VERIFICATION": "store", "LASTGOOD_DATA_DIR": str(tmp_path / "d"),
+           "LASTGOOD_PORT": "0", "LASTGOOD_GRPC_PORT": "0"}
+    res = subprocess.run([sys.executable, "-m", "lastgood_service.main"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode != 0
+    assert "LASTGOOD_VERIFICATION=store: the blob store (LocalBlobStore) does not verify the checksums" in res.stderr
