@@ -27,7 +27,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from . import names
+from . import config, names
 from .hashing import StreamHasher
 
 log = logging.getLogger("lastgood")
@@ -56,8 +56,8 @@ class DirectFS:
         if not mount:
             return None
         if not spec:
-            log.warning("lastgood: %s is set, but the service offers no direct-FS store (an object store, or "
-                        "LASTGOOD_DIRECT_FS=false); streaming", mount)
+            log.warning("lastgood: %s is set to %s, but the service offers no direct-FS store (an object store, "
+                        "or the service turned it off); streaming", config.ENV_DIRECT_FS_MOUNT, mount)
             return None
         try:
             staging_name = spec["staging"]

@@ -88,6 +88,8 @@ SPEC = {
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/manifest"): (R, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/outcome"): (R, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/ancestors"): (R, "checkpoint"),
+    ("GET", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/peer-check"): (W, "checkpoint"),  # a saving rank
+    ("POST", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/peer-check"): (W, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/files/{file_name}"): (R, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/index/{file_name}"): (R, "checkpoint"),
     ("POST", "/api/v1/checkpoints/{checkpoint_id}/verify"): (R, "checkpoint"),
@@ -172,6 +174,8 @@ def _concrete(world, method, path):
     elif path.endswith("/direct-files"):
         body = {"file_name": "f.bin", "size": 1, "xxh3_128": "0" * 32, "upload_id": "u",
                 "parts": [{"number": 1, "etag": "e", "crc32": "AAAAAA=="}]}
+    elif path.endswith("/peer-check") and method == "POST":
+        body = {"peer_rank": 0, "files": []}
     elif path == "/api/v1/tokens" and method == "POST":
         body = {"name": "made-in-matrix", "role": "reader"}
     url = re.sub(r"\{(\w+)\}", lambda m: values[m.group(1)], path)

@@ -42,7 +42,7 @@ def peer_assignment(checkpoint_id: CkptId, rank: Rank, ctx: Ctx):
     return _checks(ctx).assignment(checkpoint_id, rank)
 
 
-@router.post("/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/peer-check", responses=answers(400, 404, 409))
+@router.post("/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/peer-check", responses=answers(400, 404, 409, 413))
 def peer_report(checkpoint_id: CkptId, rank: Rank, body: PeerReport, ctx: Ctx):
     """What this rank read: a match verifies the file; a mismatch aborts the checkpoint."""
     return _checks(ctx).report(checkpoint_id, rank, body.peer_rank, [f.model_dump() for f in body.files])
