@@ -1,0 +1,237 @@
+"""The data paths against each other (docs/dataplane.md): what a committed GiB costs the
+service, and what direct-FS delivers with many ranks at once.
+
+    .venv/bin/python -m bench.dataplane                 # 256 MiB files, 16 ranks
+    .venv/bin/python -m bench.dataplane --size 64M      # smaller (a loaded 2-core machine)
+
+1. Service CPU seconds per GiB committed, read from /proc/<service pid>/stat (utime +
+   stime) around saves of `--saves` files of `--size` each, one rank, on this host:
+   streamed (gRPC chunks, hashed and written by the service), spool (written by the client
+   into the service's spool; the service re-reads and hashes it, renames it), direct-FS in
+   `service` mode (the same from a mount of the store under another path), direct-FS in
+   `peer` mode (the service reads the header only; the rank reads its file back: the
+   client's read is the peer's cost, not the service's).
+2. `--ranks` (16) processes, each saving `--size` (256 MiB) through direct-FS into one
+   checkpoint of that world size (`peer` mode: write + fsync, hand over, vote, read back
+   the next rank's file, commit), against the same processes' raw write + fsync of the
+   same bytes to their own files in the same directory, alternating, `--reps` times in the
+   same run. Each rank's bytes are made before a start barrier; the figure is the
+   aggregate bytes over the time from the barrier to the last rank's COMMITTED (or its
+   fsync returning). Target: direct-FS >= 0.8x raw.
+
+Results: bench/results/dataplane.json (`--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import GiB, MiB, ROOT, ServiceProcess, settle
+from bench.control_plane import cpu_seconds
+
+FILE = "shard.bin"  # not .safetensors: the service reads no header, the bytes are the whole cost
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1024, "M": MiB, "G": GiB}
+    t = text.strip().upper().rstrip("B").rstrip("I")
+    return int(float(t[:-1]) * units[t[-1]]) if t[-1] in units else int(t)
+
+
+# ---------------------------------------------------------------------------- one rank's save
+def save_one(url: str, run: str, step: int, data: bytes, path: str, *, mount: str | None = None,
+             world: int = 1, rank: int = 0, attempt: str = "a1", transport=None) -> None:
+    """One rank's save of `data` through `path` (streamed, spool, direct), to COMMITTED."""
+    from lastgood import peer
+    from lastgood.directfs import DirectFS
+    from lastgood.hashing import StreamHasher, hash_bytes
+    from lastgood.transport import Transport
+
+    t = transport or Transport(url, spool=(path == "spool"))
+    try:
+        hasher, handle, spooled, direct = StreamHasher(), None, None, None
+        if path == "direct":
+            direct = DirectFS.find(t, mount)
+            assert direct is not None, f"{mount} is not the service's direct-FS store"
+            handle = direct.write(data, hasher)
+        elif path == "spool":
+            assert t.spool is not None, "no spool on this host"
+            spooled = t.spool_write(data, hasher)
+        digest = hasher.hexdigest() if (handle or spooled) else hash_bytes(data)
+        cid = t.begin(run, step, world, None, attempt, rank).checkpoint_id
+        if direct is not None:
+            direct.hand_over(cid, rank, FILE, data, digest, handle)
+            assert direct.usable, "the service declined the direct-FS hand-over"
+        else:
+            t.put_shard(cid, rank, FILE, memoryview(data), digest, spooled=spooled)
+        status = t.commit_rank(cid, rank, [FILE], wait=0).status
+        if t.info.get("verification") == "peer" and status == "PENDING":
+            peer.check(t, direct, cid, rank, time.monotonic() + 600)
+        deadline = time.monotonic() + 600
+        while status == "PENDING" and time.monotonic() < deadline:
+            status = t.outcome(cid, wait=10)["status"]
+        assert status == "COMMITTED", f"checkpoint {cid} is {status}"
+    finally:
+        if transport is None:
+            t.close()
+
+
+# ---------------------------------------------------------------------------- 1. CPU per GiB
+def cpu_per_gib(work: Path, size: int, saves: int) -> list[dict]:
+    rows = []
+    for mode, paths in (("service", ("streamed", "spool", "direct")), ("peer", ("direct",))):
+        svc = ServiceProcess(work / f"cpu-{mode}", {"LASTGOOD_VERIFICATION": mode, "LASTGOOD_GC_INTERVAL": "0",
+                                                     "LASTGOOD_HEALTH_INTERVAL": "0"}).start()
+        mount = work / f"mnt-{mode}"
+        mount.symlink_to(svc.data_dir / "blobs")  # the store under another path, as another host mounts it
+        try:
+            for path in paths:
+                data = os.urandom(size)
+                save_one(svc.url, f"warm-{path}", 0, data, path, mount=str(mount))  # connections, imports
+                settle()
+                cpu0, t0 = cpu_seconds(svc.pid), time.perf_counter()
+                for i in range(saves):
+                    save_one(svc.url, f"cpu-{path}", i + 1, data, path, mount=str(mount))
+                wall, cpu = time.perf_counter() - t0, cpu_seconds(svc.pid) - cpu0
+                gib = saves * size / GiB
+                label = path if path != "direct" else f"direct-FS ({mode} mode)"
+                rows.append({"path": label, "bytes": saves * size, "service_cpu_s": round(cpu, 3),
+                             "service_cpu_s_per_gib": round(cpu / gib, 3), "wall_s": round(wall, 3)})
+                print(f"  {label:26} service CPU {cpu / gib:7.3f} s/GiB   wall {wall:6.2f} s", flush=True)
+        finally:
+            svc.stop()
+    streamed = next(r for r in rows if r["path"] == "streamed")["service_cpu_s_per_gib"]
+    for r in rows:
+        r["vs_streamed"] = round(r["service_cpu_s_per_gib"] / streamed, 4) if streamed else None
+    return rows
+
+
+# ---------------------------------------------------------------------------- 2. many ranks
+def _worker(args) -> None:
+    """A rank process: make its bytes, say ready, wait for go, save (or raw-write), report."""
+    data = os.urandom(args.size)
+    work = Path(args.work)
+    transport = None
+    if args.case == "direct":  # a trainer's transport lives across saves: made before the barrier
+        from lastgood.transport import Transport
+
+        transport = Transport(args.url, spool=False)
+        import grpc
+
+        grpc.channel_ready_future(transport._channel).result(timeout=120)  # connected, as a running trainer is
+    (work / f"ready-{args.rank}").touch()
+    while not (work / "go").exists():
+        time.sleep(0.001)
+    if args.case == "raw":
+        fd = os.open(work / "raw" / f"rank{args.rank}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        view, off = memoryview(data), 0
+        while off < len(data):
+            off += os.write(fd, view[off:off + 8 * MiB])
+        os.fsync(fd)
+        os.close(fd)
+    else:
+        save_one(args.url, args.run, args.step, data, "direct", mount=args.mount, world=args.world, rank=args.rank,
+                 attempt=args.attempt, transport=transport)
+    (work / f"done-{args.rank}").write_text(repr(time.time()))
+    if transport is not None:
+        transport.close()
+
+
+def _one_round(case: str, ranks: int, size: int, work: Path, url: str, mount: str, step: int) -> float:
+    """Aggregate bytes/s of `ranks` processes doing `case` at once, from the barrier to the last."""
+    for p in work.glob("ready-*"):
+        p.unlink()
+    for p in work.glob("done-*"):
+        p.unlink()
+    (work / "go").unlink(missing_ok=True)
+    shutil.rmtree(work / "raw", ignore_errors=True)
+    (work / "raw").mkdir()
+    procs = [subprocess.Popen([sys.executable, "-m", "bench.dataplane", "--worker", case, "--rank", str(r),
+                               "--world", str(ranks), "--size", str(size), "--work", str(work), "--url", url,
+                               "--mount", mount, "--run", "ranks", "--step", str(step), "--attempt", f"s{step}"],
+                              cwd=ROOT) for r in range(ranks)]
+    while len(list(work.glob("ready-*"))) < ranks:
+        if any(p.poll() not in (None, 0) for p in procs):
+            raise RuntimeError("a rank process failed before the barrier")
+        time.sleep(0.01)
+    settle()
+    t0 = time.time()
+    (work / "go").touch()
+    for p in procs:
+        if p.wait(900) != 0:
+            raise RuntimeError(f"a rank process of the {case} case failed")
+    end = max(float((work / f"done-{r}").read_text()) for r in range(ranks))
+    shutil.rmtree(work / "raw", ignore_errors=True)
+    return ranks * size / (end - t0)
+
+
+def many_ranks(work: Path, ranks: int, size: int, reps: int) -> dict:
+    svc = ServiceProcess(work / "ranks-svc", {"LASTGOOD_VERIFICATION": "peer", "LASTGOOD_GC_INTERVAL": "0",
+                                              "LASTGOOD_HEALTH_INTERVAL": "0", "LASTGOOD_LEASE_SECONDS": "300"}).start()
+    mount = work / "mnt-ranks"
+    mount.symlink_to(svc.data_dir / "blobs")
+    rounds = work / "rounds"
+    rounds.mkdir()
+    direct, raw = [], []
+    try:
+        for rep in range(reps):
+            raw.append(_one_round("raw", ranks, size, rounds, svc.url, str(mount), rep + 1))
+            direct.append(_one_round("direct", ranks, size, rounds, svc.url, str(mount), rep + 1))
+            print(f"  rep {rep + 1}: raw write+fsync {raw[-1] / MiB:8.1f} MiB/s   direct-FS save "
+                  f"{direct[-1] / MiB:8.1f} MiB/s   ratio {direct[-1] / raw[-1]:.2f}", flush=True)
+    finally:
+        svc.stop()
+    ratios = [d / r for d, r in zip(direct, raw)]
+    return {"ranks": ranks, "bytes_per_rank": size, "verification": "peer",
+            "raw_mib_s": [round(x / MiB, 1) for x in raw], "direct_mib_s": [round(x / MiB, 1) for x in direct],
+            "ratio_per_rep": [round(x, 3) for x in ratios], "ratio_median": round(statistics.median(ratios), 3),
+            "target": 0.8}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="256M", help="bytes per file (256M, 64M, ...)")
+    ap.add_argument("--ranks", type=int, default=16)
+    ap.add_argument("--saves", type=int, default=4, help="saves per data path in the CPU comparison")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "dataplane.json"))
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--skip-cpu", action="store_true")
+    # a rank process (internal)
+    ap.add_argument("--worker", choices=["raw", "direct"])
+    for flag in ("--rank", "--world", "--step"):
+        ap.add_argument(flag, type=int, default=0)
+    for flag in ("--work", "--url", "--mount", "--run", "--attempt"):
+        ap.add_argument(flag)
+    args = ap.parse_args(argv)
+    if args.worker:
+        args.case, args.size = args.worker, parse_size(args.size)
+        return _worker(args)
+    size = parse_size(args.size)
+    work = Path(tempfile.mkdtemp(prefix="lastgood-dataplane-", dir=args.workdir))
+    try:
+        out = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpus": os.cpu_count(),
+               "loadavg_start": os.getloadavg(), "size": size, "saves": args.saves}
+        if not args.skip_cpu:
+            print(f"service CPU per GiB committed ({args.saves} saves of {size / MiB:.0f} MiB each):", flush=True)
+            out["cpu_per_gib"] = cpu_per_gib(work, size, args.saves)
+        print(f"{args.ranks} ranks x {size / MiB:.0f} MiB, direct-FS (peer mode) vs raw write + fsync:", flush=True)
+        out["many_ranks"] = many_ranks(work, args.ranks, size, args.reps)
+        out["loadavg_end"] = os.getloadavg()
+        Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
