@@ -10,7 +10,10 @@ service, and what direct-FS delivers with many ranks at once.
    into the service's spool; the service re-reads and hashes it, renames it), direct-FS in
    `service` mode (the same from a mount of the store under another path), direct-FS in
    `peer` mode (the service reads the header only; the rank reads its file back: the
-   client's read is the peer's cost, not the service's).
+   client's read is the peer's cost, not the service's). The same number of saves of a
+   4 KiB file gives what a save costs the service whatever its size (the control plane),
+   and the difference what its bytes cost; the idle service's background CPU per second
+   (reaper, notifier: 10 ms clock ticks) is taken out of both.
 2. `--ranks` (16) processes, each saving `--size` (256 MiB) through direct-FS into one
    checkpoint of that world size (`peer` mode: write + fsync, hand over, vote, read back
    the next rank's file, commit), against the same processes' raw write + fsync of the
@@ -39,6 +42,8 @@ from bench.common import GiB, MiB, ROOT, ServiceProcess, settle
 from bench.control_plane import cpu_seconds
 
 FILE = "shard.bin"  # not .safetensors: the service reads no header, the bytes are the whole cost
+IDLE_S = 3.0  # seconds the idle service's background CPU is measured over
+TINY = 4096  # bytes of the saves that measure what a save costs whatever its size
 
 
 def parse_size(text: str) -> int:
@@ -49,14 +54,16 @@ def parse_size(text: str) -> int:
 
 # ---------------------------------------------------------------------------- one rank's save
 def save_one(url: str, run: str, step: int, data: bytes, path: str, *, mount: str | None = None,
-             world: int = 1, rank: int = 0, attempt: str = "a1", transport=None) -> None:
-    """One rank's save of `data` through `path` (streamed, spool, direct), to COMMITTED."""
+             world: int = 1, rank: int = 0, attempt: str = "a1", transport=None) -> dict:
+    """One rank's save of `data` through `path` (streamed, spool, direct), to COMMITTED; the
+    time.time() at which each phase ended (written, voted, checked, committed)."""
     from lastgood import peer
     from lastgood.directfs import DirectFS
     from lastgood.hashing import StreamHasher, hash_bytes
     from lastgood.transport import Transport
 
     t = transport or Transport(url, spool=(path == "spool"))
+    phases = {"start": time.time()}
     try:
         hasher, handle, spooled, direct = StreamHasher(), None, None, None
         if path == "direct":
@@ -67,6 +74,7 @@ def save_one(url: str, run: str, step: int, data: bytes, path: str, *, mount: st
             assert t.spool is not None, "no spool on this host"
             spooled = t.spool_write(data, hasher)
         digest = hasher.hexdigest() if (handle or spooled) else hash_bytes(data)
+        phases["written"] = time.time()
         cid = t.begin(run, step, world, None, attempt, rank).checkpoint_id
         if direct is not None:
             direct.hand_over(cid, rank, FILE, data, digest, handle)
@@ -74,12 +82,16 @@ def save_one(url: str, run: str, step: int, data: bytes, path: str, *, mount: st
         else:
             t.put_shard(cid, rank, FILE, memoryview(data), digest, spooled=spooled)
         status = t.commit_rank(cid, rank, [FILE], wait=0).status
+        phases["voted"] = time.time()
         if t.info.get("verification") == "peer" and status == "PENDING":
             peer.check(t, direct, cid, rank, time.monotonic() + 600)
+        phases["checked"] = time.time()
         deadline = time.monotonic() + 600
         while status == "PENDING" and time.monotonic() < deadline:
             status = t.outcome(cid, wait=10)["status"]
         assert status == "COMMITTED", f"checkpoint {cid} is {status}"
+        phases["committed"] = time.time()
+        return phases
     finally:
         if transport is None:
             t.close()
@@ -97,6 +109,16 @@ def cpu_per_gib(work: Path, size: int, saves: int) -> list[dict]:
             for path in paths:
                 data = os.urandom(size)
                 save_one(svc.url, f"warm-{path}", 0, data, path, mount=str(mount))  # connections, imports
+                # the service's own background (reaper, notifier) per second of wall time,
+                # and the same number of saves of a tiny file: what a save costs the service
+                # whatever its size (begin, vote, commit, the checks' calls); both taken out below
+                cpu0 = cpu_seconds(svc.pid)
+                time.sleep(IDLE_S)
+                idle = (cpu_seconds(svc.pid) - cpu0) / IDLE_S
+                cpu0, t0 = cpu_seconds(svc.pid), time.perf_counter()
+                for i in range(saves):
+                    save_one(svc.url, f"fixed-{path}", i + 1, data[:TINY], path, mount=str(mount))
+                fixed = cpu_seconds(svc.pid) - cpu0 - idle * (time.perf_counter() - t0)
                 settle()
                 cpu0, t0 = cpu_seconds(svc.pid), time.perf_counter()
                 for i in range(saves):
@@ -104,14 +126,23 @@ def cpu_per_gib(work: Path, size: int, saves: int) -> list[dict]:
                 wall, cpu = time.perf_counter() - t0, cpu_seconds(svc.pid) - cpu0
                 gib = saves * size / GiB
                 label = path if path != "direct" else f"direct-FS ({mode} mode)"
+                per_byte = max(cpu - idle * wall - fixed, 0.0) / gib
                 rows.append({"path": label, "bytes": saves * size, "service_cpu_s": round(cpu, 3),
-                             "service_cpu_s_per_gib": round(cpu / gib, 3), "wall_s": round(wall, 3)})
-                print(f"  {label:26} service CPU {cpu / gib:7.3f} s/GiB   wall {wall:6.2f} s", flush=True)
+                             "service_cpu_s_per_gib": round(cpu / gib, 3),
+                             "service_cpu_s_per_save_fixed": round(fixed / saves, 4),
+                             "service_cpu_s_per_gib_bytes_only": round(per_byte, 3), "wall_s": round(wall, 3),
+                             "service_idle_cpu_s_per_s": round(idle, 4)})
+                print(f"  {label:26} service CPU {cpu / gib:7.3f} s/GiB (of which per save, any size: "
+                      f"{fixed / saves * 1000:5.1f} ms; per byte: {per_byte:6.3f} s/GiB)   wall {wall:6.2f} s",
+                      flush=True)
         finally:
             svc.stop()
     streamed = next(r for r in rows if r["path"] == "streamed")["service_cpu_s_per_gib"]
+    streamed_bytes = next(r for r in rows if r["path"] == "streamed")["service_cpu_s_per_gib_bytes_only"]
     for r in rows:
         r["vs_streamed"] = round(r["service_cpu_s_per_gib"] / streamed, 4) if streamed else None
+        r["bytes_only_vs_streamed"] = (round(r["service_cpu_s_per_gib_bytes_only"] / streamed_bytes, 4)
+                                       if streamed_bytes else None)
     return rows
 
 
@@ -131,6 +162,7 @@ def _worker(args) -> None:
     (work / f"ready-{args.rank}").touch()
     while not (work / "go").exists():
         time.sleep(0.001)
+    phases = {"start": time.time()}
     if args.case == "raw":
         fd = os.open(work / "raw" / f"rank{args.rank}.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         view, off = memoryview(data), 0
@@ -138,16 +170,19 @@ def _worker(args) -> None:
             off += os.write(fd, view[off:off + 8 * MiB])
         os.fsync(fd)
         os.close(fd)
+        phases["written"] = time.time()
     else:
-        save_one(args.url, args.run, args.step, data, "direct", mount=args.mount, world=args.world, rank=args.rank,
-                 attempt=args.attempt, transport=transport)
-    (work / f"done-{args.rank}").write_text(repr(time.time()))
+        phases = save_one(args.url, args.run, args.step, data, "direct", mount=args.mount, world=args.world,
+                          rank=args.rank, attempt=args.attempt, transport=transport)
+    phases["end"] = time.time()
+    (work / f"done-{args.rank}").write_text(json.dumps(phases))
     if transport is not None:
         transport.close()
 
 
-def _one_round(case: str, ranks: int, size: int, work: Path, url: str, mount: str, step: int) -> float:
-    """Aggregate bytes/s of `ranks` processes doing `case` at once, from the barrier to the last."""
+def _one_round(case: str, ranks: int, size: int, work: Path, url: str, mount: str, step: int) -> tuple[float, dict]:
+    """Aggregate bytes/s of `ranks` processes doing `case` at once, from the barrier to the
+    last; and the median seconds from the barrier to the end of each phase."""
     for p in work.glob("ready-*"):
         p.unlink()
     for p in work.glob("done-*"):
@@ -169,9 +204,11 @@ def _one_round(case: str, ranks: int, size: int, work: Path, url: str, mount: st
     for p in procs:
         if p.wait(900) != 0:
             raise RuntimeError(f"a rank process of the {case} case failed")
-    end = max(float((work / f"done-{r}").read_text()) for r in range(ranks))
+    done = [json.loads((work / f"done-{r}").read_text()) for r in range(ranks)]
+    end = max(d["end"] for d in done)
     shutil.rmtree(work / "raw", ignore_errors=True)
-    return ranks * size / (end - t0)
+    phases = {k: round(statistics.median(d[k] - t0 for d in done), 3) for k in done[0] if k != "start"}
+    return ranks * size / (end - t0), phases
 
 
 def many_ranks(work: Path, ranks: int, size: int, reps: int) -> dict:
@@ -181,19 +218,22 @@ def many_ranks(work: Path, ranks: int, size: int, reps: int) -> dict:
     mount.symlink_to(svc.data_dir / "blobs")
     rounds = work / "rounds"
     rounds.mkdir()
-    direct, raw = [], []
+    direct, raw, phases = [], [], []
     try:
         for rep in range(reps):
-            raw.append(_one_round("raw", ranks, size, rounds, svc.url, str(mount), rep + 1))
-            direct.append(_one_round("direct", ranks, size, rounds, svc.url, str(mount), rep + 1))
+            raw.append(_one_round("raw", ranks, size, rounds, svc.url, str(mount), rep + 1)[0])
+            rate, ph = _one_round("direct", ranks, size, rounds, svc.url, str(mount), rep + 1)
+            direct.append(rate)
+            phases.append(ph)
             print(f"  rep {rep + 1}: raw write+fsync {raw[-1] / MiB:8.1f} MiB/s   direct-FS save "
-                  f"{direct[-1] / MiB:8.1f} MiB/s   ratio {direct[-1] / raw[-1]:.2f}", flush=True)
+                  f"{direct[-1] / MiB:8.1f} MiB/s   ratio {direct[-1] / raw[-1]:.2f}   direct-FS phases, median s "
+                  f"from the barrier: {ph}", flush=True)
     finally:
         svc.stop()
     ratios = [d / r for d, r in zip(direct, raw)]
     return {"ranks": ranks, "bytes_per_rank": size, "verification": "peer",
             "raw_mib_s": [round(x / MiB, 1) for x in raw], "direct_mib_s": [round(x / MiB, 1) for x in direct],
-            "ratio_per_rep": [round(x, 3) for x in ratios], "ratio_median": round(statistics.median(ratios), 3),
+            "ratio_per_rep": [round(x, 3) for x in ratios], "direct_phases_per_rep": phases, "ratio_median": round(statistics.median(ratios), 3),
             "target": 0.8}
 
 
@@ -201,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="256M", help="bytes per file (256M, 64M, ...)")
     ap.add_argument("--ranks", type=int, default=16)
-    ap.add_argument("--saves", type=int, default=4, help="saves per data path in the CPU comparison")
+    ap.add_argument("--saves", type=int, default=8, help="saves per data path in the CPU comparison")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "dataplane.json"))
     ap.add_argument("--workdir", default=None)
