@@ -15,10 +15,11 @@ The mount point as this host sees it may differ from the service's path
 same directory. A host that does not see it (no mount, another store) streams, as does
 every rank after the service declined a hand-over.
 
-The three calls the save path makes, in order:
-    handle = direct.write(data, hasher)   # before begin: a long write never runs into the lease
-    direct.hand_over(cid, rank, file_name, data, digest, handle)
-    direct.discard(handle)                # when the save ends before the hand-over
+The save session reaches it as one more data path (`DirectFSPath`, chosen by
+save/paths.default_path when this host mounts the store), with the three calls of every
+path: prepare (write, hash and fsync before begin: a long write never runs into the
+lease), send (hand the name over), discard (remove a file never handed over). Underneath,
+`DirectFS` keeps those steps as plain calls (`write`, `hand_over`, `discard`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import os
 from dataclasses import dataclass
 
 from . import config, names
-from .hashing import StreamHasher
+from .hashing import StreamHasher, hash_bytes
+from .save.paths import Prepared, StreamPath
 
 log = logging.getLogger("lastgood")
 
@@ -107,3 +109,50 @@ class DirectFS:
     def store_path(self, relative: str) -> str:
         """A blob the service named (relative to the store's root) as this host sees it."""
         return os.path.join(self.mount, names.check_store_path(relative))
+
+
+_NOT_FOUND = object()
+
+
+def of(transport) -> DirectFS | None:
+    """The direct-FS data path of this transport's host (looked for once per transport, at
+    its LASTGOOD_DIRECT_FS_MOUNT), or None."""
+    found = getattr(transport, "_direct_fs", _NOT_FOUND)
+    if found is _NOT_FOUND:
+        found = DirectFS.find(transport, getattr(transport, "direct_fs_mount", None))
+        transport._direct_fs = found
+    return found if found is not None and found.usable else None
+
+
+class DirectFSPath(StreamPath):
+    """The save session's data path for direct-FS (save/paths.py): the file written in place
+    before begin, its name handed over after; streamed whenever that is not possible."""
+
+    name = "direct-fs"
+
+    def __init__(self, transport, direct: DirectFS) -> None:
+        super().__init__(transport)
+        self.direct = direct
+
+    def prepare(self, name: str, data) -> Prepared:
+        data = memoryview(data).cast("B")
+        hasher = StreamHasher()  # fed as the file is written: one pass over the bytes
+        handle = self.direct.write(data, hasher)
+        if handle is None:  # not writable here: streamed
+            return super().prepare(name, data)
+        digest = hasher.hexdigest() if hasher.size == data.nbytes else hash_bytes(data)
+        return Prepared(name, data, digest, expected_bytes=0, token=handle)
+
+    def send(self, checkpoint_id: int, rank: int, handle: Prepared) -> None:
+        if handle.token is None:
+            return super().send(checkpoint_id, rank, handle)
+        try:  # a hand-over that fails for any reason is streamed (Transport.put_shard)
+            self.direct.hand_over(checkpoint_id, rank, handle.name, handle.data, handle.digest, handle.token)
+        finally:
+            self.direct.discard(handle.token)  # gone already when the service took it
+        handle.token = None
+
+    def discard(self, handle: Prepared) -> None:
+        if handle.token is not None:
+            self.direct.discard(handle.token)
+        handle.token = None

@@ -36,6 +36,11 @@ def _path(checkpoint_id: int, rank: int) -> str:
     return f"/api/v1/checkpoints/{int(checkpoint_id)}/ranks/{int(rank)}/peer-check"
 
 
+def wanted(transport) -> bool:
+    """Does this service want its ranks to check each other's files (LASTGOOD_VERIFICATION=peer)?"""
+    return (getattr(transport, "info", None) or {}).get("verification") == "peer"
+
+
 def read_and_hash(direct, entry: dict) -> str | None:
     """The xxh3-128 of the stored file the service named, read through this host's mount;
     None when it cannot be read whole (the service then hashes it itself)."""

@@ -82,14 +82,17 @@ def _service_error(e: grpc.RpcError, what: str) -> ServiceError:
 
 class Transport(RestClient):
     def __init__(self, base_url: str, timeout: float = 30.0, token: str | None = None,
-                 retry: RetryPolicy | None = None, *, spool: bool | None = None) -> None:
-        """`retry` and `spool` (hand shards over through the service's spool when this host
-        sees it) default to the environment's (config.ClientConfig)."""
-        if retry is None or spool is None:
+                 retry: RetryPolicy | None = None, *, spool: bool | None = None,
+                 direct_fs_mount: str | None = None) -> None:
+        """`retry`, `spool` (hand shards over through the service's spool when this host
+        sees it) and `direct_fs_mount` (where this host mounts the service's local store:
+        directfs.py) default to the environment's (config.ClientConfig)."""
+        if retry is None or spool is None or direct_fs_mount is None:
             from .config import ClientConfig
 
-            cfg = ClientConfig.resolve(retry=retry, spool=spool)
-            retry, spool = cfg.retry, cfg.spool
+            cfg = ClientConfig.resolve(retry=retry, spool=spool, direct_fs_mount=direct_fs_mount)
+            retry, spool, direct_fs_mount = cfg.retry, cfg.spool, cfg.direct_fs_mount
+        self.direct_fs_mount = direct_fs_mount  # directfs.of() looks there, once
         # a service that is starting (or restarting) is waited for, up to the policy's deadline
         super().__init__(base_url, timeout, token, retry)
         # the same bearer token on every gRPC call, as call metadata

@@ -93,7 +93,7 @@ class Service:
         admin = settings.admin_token.get_secret_value() if settings.admin_token else None
         self.tokens = TokenStore(sessions, required=settings.auth_required, bootstrap_admin=admin)
         # direct-FS and the verification mode (docs/dataplane.md): a mode the store cannot provide stops the start
-        verification_modes.check_available(settings.verification, blobs)
+        verification_modes.check_available(settings.verification, blobs, settings.direct_s3)
         self.direct_fs = DirectFS.open(blobs, settings.direct_fs)
         self.spool = None
         if spool_dir := settings.resolved_spool_dir():

@@ -85,7 +85,7 @@ class Settings(BaseSettings):
     verification: str = Field("service", pattern="^(service|peer|store)$", description="who hashes a file handed "
                               "over by name (direct-FS): service (the service re-reads every byte), peer (another "
                               "rank reads it back from the store before the commit), store (the store verified the "
-                              "declared checksums; refused at start by a store that cannot)")
+                              "declared checksums: direct S3 uploads; refused at start without them)")
     direct_fs: bool = Field(True, description="trainers that mount a local store's directory may write their files "
                             "in place (<blob root>/direct) and hand over only the name, from any host")
     max_request_bytes: int = Field(1024 * 1024, gt=0, description="largest REST request body")

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import lastgood
+from lastgood import directfs
 
 
 def build():
@@ -35,7 +36,7 @@ def main() -> None:
     model, opt = build()
     state = lastgood.TrainState(model=model, optimizer=opt)
     with lastgood.Checkpointer(url, run=run) as ckpt:
-        assert ckpt._direct is not None and ckpt.transport.spool is None, "direct-FS expected, no spool"
+        assert directfs.of(ckpt.transport) is not None and ckpt.transport.spool is None, "direct-FS, no spool"
         if mode == "save":
             torch.manual_seed(100 + rank)
             for _ in range(3):

@@ -17,10 +17,11 @@ import pytest
 import torch
 
 import lastgood
-from lastgood import peer
+from lastgood import directfs, peer
 from lastgood.directfs import DirectFS
 from lastgood.errors import SaveFailed
 from lastgood.hashing import StreamHasher
+from lastgood.save import default_path
 from lastgood.transport import Transport
 
 from ..conftest import FAST, ServiceProc
@@ -91,15 +92,17 @@ def test_a_direct_fs_save_restores_bitwise_and_its_blob_is_the_file_written(mode
     want = {k: v.clone() for k, v in model.state_dict().items()}
     inodes = []
     with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
-        assert ckpt._direct is not None and ckpt.transport.spool is None
-        write = ckpt._direct.write
+        direct = directfs.of(ckpt.transport)  # the data path the save session chooses (save/paths.py)
+        assert direct is not None and ckpt.transport.spool is None
+        assert isinstance(default_path(ckpt.transport), directfs.DirectFSPath)
+        write = direct.write
 
         def observed(data, hasher=None):  # the real write; remember the inode it made
             handle = write(data, hasher)
-            inodes.append((Path(ckpt._direct.staging["dir"]) / handle.name).stat().st_ino)
+            inodes.append((Path(direct.staging["dir"]) / handle.name).stat().st_ino)
             return handle
 
-        ckpt._direct.write = observed
+        direct.write = observed
         ckpt.save(5, lastgood.TrainState(model=model, optimizer=opt))
         ckpt.wait()
         cid = ckpt.last_saved.checkpoint_id
@@ -194,6 +197,8 @@ def test_a_file_the_checker_cannot_read_is_hashed_by_the_service(peer_svc, run_n
 
 
 def test_store_mode_is_refused_at_start_by_a_file_store(tmp_path):
+    """`store` needs a store that verifies declared checksums (direct S3 uploads); the
+    control that the same start succeeds with `peer` is the peer_svc fixture."""
     env = {**os.environ, "LASTGOOD_VERIFICATION": "store", "LASTGOOD_DATA_DIR": str(tmp_path / "d"),
            "LASTGOOD_PORT": "0", "LASTGOOD_GRPC_PORT": "0"}
     res = subprocess.run([sys.executable, "-m", "lastgood_service.main"], env=env, capture_output=True, text=True,

@@ -122,11 +122,14 @@ class SpoolPath(StreamPath):
 
 
 def default_path(transport) -> DataPath:
-    """Direct to the S3 store when the service offers it (directs3.py), else the spool
+    """Direct to the S3 store when the service offers it (directs3.py), else in place on
+    the store's file system where this host mounts it (directfs.py), else the spool
     where this process sees the service's (checked once per Transport, and dropped when the
     service says it does not read it), else the stream."""
-    from .. import directs3  # direct S3 uploads: the service's GET /api/v1/info offers them
+    from .. import directfs, directs3  # direct S3 uploads: the service's GET /api/v1/info offers them
 
     if terms := directs3.offered(transport):
         return directs3.DirectS3Path(transport, terms)
+    if direct := directfs.of(transport):  # this host mounts the service's local store (LASTGOOD_DIRECT_FS_MOUNT)
+        return directfs.DirectFSPath(transport, direct)
     return SpoolPath(transport) if transport.spool is not None else StreamPath(transport)

@@ -7,8 +7,6 @@ small protocol of its own, checked by the caller at the point of use.
   ReportsFreeSpace the store can tell how many bytes it has left (a local file system)
   GrantsDirectAccess trainers may upload and read blobs straight from the store through
                    presigned URLs the service signs (S3; blobstore/s3direct.py, domain/grants.py)
-  VerifiesChecksums the store itself checks the checksums a writer declares, and refuses
-                   bytes that do not match them (LASTGOOD_VERIFICATION=store needs it)
 
 A store without a capability is asked nothing: the helpers below answer what the caller
 does then (None: copy the file through a writer; stream the chunks; the room is unknown).
@@ -45,13 +43,6 @@ class ReportsFreeSpace(Protocol):
         """Room left for new blobs; None when it cannot tell."""
 
 
-@runtime_checkable
-class VerifiesChecksums(Protocol):
-    def verifies_checksums(self) -> bool:
-        """True when every object written through the direct data path was checked by the
-        store against the checksum its writer declared (bytes that differ are refused)."""
-
-
 def adopt_writer(store: BlobStore, key: str, taken) -> BlobWriter | None:
     return store.adopt_writer(key, taken) if isinstance(store, AdoptsFiles) else None
 
@@ -74,7 +65,3 @@ class GrantsDirectAccess(Protocol):
 def direct(store: BlobStore, public_endpoint: str | None = None):
     """The store's direct access, or None when it has none (the data goes through the service)."""
     return store.direct(public_endpoint) if isinstance(store, GrantsDirectAccess) else None
-
-
-def verifies_checksums(store: BlobStore) -> bool:
-    return isinstance(store, VerifiesChecksums) and store.verifies_checksums()

@@ -11,8 +11,9 @@ xxh3-128 their writer declared, before the checkpoint may commit:
            the read load is one file per rank whatever the world size, and a rank never
            checks its own bytes - unless it is alone (world 1), when reading its own file
            back from the store still checks the stored bytes against the declared digest.
-  store    the store checked the declared checksums as it took the bytes (an S3 store with
-           per-part checksums). A store that cannot (a file system never does) is refused
+  store    the store checked the declared checksums as it took the bytes (direct S3
+           uploads, whose parts carry a CRC32 the store verifies: domain/grants.py). A
+           deployment that cannot (a file system never does; direct uploads off) is refused
            at start (`check_available`).
 
 The mode governs the direct-FS hand-over (domain/directfs.py). Bytes the service receives
@@ -56,14 +57,19 @@ class ModeUnavailable(ValueError):
     """The configured verification mode cannot be provided by this deployment."""
 
 
-def check_available(mode: str, store) -> None:
-    """Refuse, at start, a mode the blob store cannot provide."""
+def check_available(mode: str, store, direct_s3: bool) -> None:
+    """Refuse, at start, a mode the data paths cannot provide. `store` needs the direct S3
+    uploads (domain/grants.py), where the store verifies each part's declared CRC32 as it
+    takes it: a store that grants no direct access, or a service with them off, has
+    nothing that would verify a file it does not hash."""
     if mode not in MODES:
         raise ModeUnavailable(f"LASTGOOD_VERIFICATION must be one of {', '.join(MODES)}, got {mode!r}")
-    if mode == STORE and not capabilities.verifies_checksums(store):
+    if mode == STORE and not (direct_s3 and isinstance(store, capabilities.GrantsDirectAccess)):
+        why = ("direct uploads are off (LASTGOOD_DIRECT_S3)" if isinstance(store, capabilities.GrantsDirectAccess)
+               else f"the blob store ({type(store).__name__}) does not verify the checksums writers declare (a file "
+                    f"system never does)")
         raise ModeUnavailable(
-            f"LASTGOOD_VERIFICATION=store: the blob store ({type(store).__name__}) does not verify the checksums "
-            f"writers declare (a file system never does), so nothing would have hashed a handed-over file; "
+            f"LASTGOOD_VERIFICATION=store: {why}, so nothing would verify a file the service does not hash; "
             f"use `service` (the service hashes every byte) or `peer` (ranks check each other's files)")
 
 
