@@ -21,6 +21,7 @@ from lastgood import directfs, peer
 from lastgood.directfs import DirectFS
 from lastgood.errors import SaveFailed
 from lastgood.hashing import StreamHasher
+from lastgood.checkpointer import shard_file_name as ckpt_file_name
 from lastgood.save import default_path
 from lastgood.transport import Transport
 
@@ -111,6 +112,10 @@ def test_a_direct_fs_save_restores_bitwise_and_its_blob_is_the_file_written(mode
     assert staging_files(svc) == []
     checked = [e for e in events(svc, run_name) if e["kind"] == "peer_verified"]
     assert len(checked) == (1 if mode == "peer" else 0), checked  # peer mode: a rank read it back
+    # range digests come from the service's own read: none for a file it read only the header
+    # of (peer mode; such a file is read whole at another world size), the service's otherwise
+    index = svc.get(f"/api/v1/checkpoints/{cid}/ranks/0/index/{ckpt_file_name(0)}").json()
+    assert ("digests" in index) == (mode == "service"), sorted(index)
 
     model2 = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 8))
     opt2 = torch.optim.AdamW(model2.parameters())

@@ -257,6 +257,8 @@ class CommitProtocol(CommitCore):
                 raise HashMismatch(f"xxh3-128 of the received bytes is {digest}, the client declared "
                                    f"{header.xxh3_128}: shard rejected")
             w.publish()
+        if not hashed:  # the service read only the header: no range digests (read whole at another world size)
+            segments = None
         if index_json is not None:  # the file's tensor index, as an object of its own (indexes.py)
             index_json = indexes.store(self.blobs, pfx, header.rank, header.file_name, *index_json,
                                        segments.digests() if segments is not None else None)
