@@ -29,7 +29,7 @@ from tests.localstack import running
 
 MiB = 1024 * 1024
 IDLE_S = 10.0
-MODES = {"stream": {"LASTGOOD_SPOOL": "false"}, "spool": {}, "direct": {"LASTGOOD_DIRECT_S3": "true"}}
+MODES = {"stream": {"LASTGOOD_SPOOL": "false"}, "spool": {}, "direct": {"LASTGOOD_DIRECT_S3": "true", "LASTGOOD_VERIFICATION": "store"}}
 
 
 def cpu_seconds(pid: int) -> float:

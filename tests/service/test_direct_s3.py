@@ -23,7 +23,7 @@ from lastgood_service.domain import keys
 pytestmark = pytest.mark.slow  # a LocalStack of its own for the session, a service per test
 
 MiB = 1024 * 1024
-DIRECT = {"LASTGOOD_DIRECT_S3": "true", "LASTGOOD_DIRECT_S3_PART_SIZE": str(5 * MiB),
+DIRECT = {"LASTGOOD_DIRECT_S3": "true", "LASTGOOD_VERIFICATION": "store", "LASTGOOD_DIRECT_S3_PART_SIZE": str(5 * MiB),
           "LASTGOOD_LEASE_SECONDS": "20"}
 
 

@@ -64,6 +64,14 @@ def check_available(mode: str, store, direct_s3: bool) -> None:
     nothing that would verify a file it does not hash."""
     if mode not in MODES:
         raise ModeUnavailable(f"LASTGOOD_VERIFICATION must be one of {', '.join(MODES)}, got {mode!r}")
+    if direct_s3 and mode != STORE:
+        # the service never sees the bytes of a direct upload, and reading every object back
+        # (service) or having ranks fetch each other's objects (peer, not built for S3) would
+        # undo what the path is for: the store's own checksum check is the verification
+        raise ModeUnavailable(
+            f"LASTGOOD_DIRECT_S3=true needs LASTGOOD_VERIFICATION=store, not {mode!r}: the ranks' bytes go "
+            f"straight to the store, which verifies each part's CRC32 as it takes it, and the service reads "
+            f"none of them back")
     if mode == STORE and not (direct_s3 and isinstance(store, capabilities.GrantsDirectAccess)):
         why = ("direct uploads are off (LASTGOOD_DIRECT_S3)" if isinstance(store, capabilities.GrantsDirectAccess)
                else f"the blob store ({type(store).__name__}) does not verify the checksums writers declare (a file "
