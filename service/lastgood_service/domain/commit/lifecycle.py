@@ -43,8 +43,11 @@ class CommitLifecycle(CommitProtocol):
         """Mark PENDING checkpoints whose lease ran out ABANDONED (a rank died)."""
         now = self.clock()
         with self.sessions() as s, s.begin():
+            # updated (row-locked) in id order, as vote batches lock them: in any other order
+            # a batch and this pass could deadlock, and PostgreSQL would fail the whole batch
             due = list(s.scalars(select(Checkpoint).where(Checkpoint.status == PENDING,
-                                                          Checkpoint.lease_expires_at < now)))
+                                                          Checkpoint.lease_expires_at < now)
+                                 .order_by(Checkpoint.id)))
             expired = []
             for ck in due:
                 if s.execute(update(Checkpoint)
