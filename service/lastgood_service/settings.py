@@ -131,7 +131,8 @@ class Settings(BaseSettings):
                           "exit abruptly at that point of a commit; lose_commit_reply fails every "
                           "CommitRank reply after the commit happened; vote_batch_fails_once fails the "
                           "first vote batch's transaction after its rows were written; blob_eio fails every blob write "
-                          "with EIO")
+                          "with EIO; hold_manifest holds every commit before its manifest write until the file "
+                          "<data_dir>/hold_manifest.release exists")
 
     @model_validator(mode="after")
     def _streams_leave_workers(self) -> "Settings":

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import TimeoutError as FuturesTimeout
 
 import grpc
 
@@ -34,3 +35,45 @@ def test_a_vote_batch_whose_transaction_fails_writes_nothing_and_its_voters_can_
         results = [c.vote(cid, r, [shard_name(r)]).status for r in range(RANKS)]
     assert results == ["PENDING"] * (RANKS - 1) + ["COMMITTED"]
     assert http(svc).get(f"/api/v1/checkpoints/{cid}").json()["status"] == "COMMITTED"
+
+
+def test_voters_of_a_completing_batch_are_answered_while_its_commit_is_held(make_service, run_name):
+    """The failpoint holds every commit before its manifest write until the test releases
+    it (a slow S3 PUT). The four votes arrive in one batch, which completes the checkpoint:
+    one voter commits and is held; the other three asked to wait 0 s and are answered
+    PENDING while the commit is still held, and so is a vote sent again meanwhile (it does
+    not become a second committer). Released, the committer answers COMMITTED."""
+    ranks = 4
+    svc = make_service(LASTGOOD_FAILPOINT="hold_manifest", LASTGOOD_VOTE_BATCH_WINDOW="1.0",
+                       LASTGOOD_LEASE_SECONDS="60")
+    release = svc.data_dir / "hold_manifest.release"
+    pool = ThreadPoolExecutor(ranks)
+    try:
+        with Client(svc.grpc_target) as c:
+            cid = c.begin(run_name, world_size=ranks).checkpoint_id
+            for r in range(ranks):
+                c.put(cid, r, shard_name(r), make_shard(r))
+            votes = [pool.submit(c.vote, cid, r, [shard_name(r)]) for r in range(ranks)]
+            answered = []
+            try:
+                for f in as_completed(votes, timeout=60):  # a hang guard, not a timing assert
+                    answered.append(f.exception() or f.result())
+                    if len(answered) == ranks - 1:
+                        break
+            except FuturesTimeout:
+                pass
+            assert not release.exists()  # the commit is still held
+            replies = [(a.code().name, a.details()) if isinstance(a, grpc.RpcError) else (a.status, list(a.missing_ranks))
+                       for a in answered]
+            assert replies == [("PENDING", [])] * (ranks - 1), "voters waited for a commit they did not wait for"
+            held = [f for f in votes if not f.done()]
+            assert len(held) == 1  # the committer
+            again = c.vote(cid, 0, [shard_name(0)])  # sent again while the manifest is written
+            assert (again.status, list(again.missing_ranks)) == ("PENDING", [])
+            assert http(svc).get(f"/api/v1/checkpoints/{cid}").json()["status"] == "PENDING"
+            release.touch()
+            assert held[0].result(timeout=60).status == "COMMITTED"
+            assert c.vote(cid, 1, [shard_name(1)]).status == "COMMITTED"
+    finally:
+        release.touch()
+        pool.shutdown(wait=True)

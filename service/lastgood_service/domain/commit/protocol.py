@@ -94,8 +94,14 @@ class CommitProtocol(CommitCore):
                       .values(lease_expires_at=self._lease()))
 
     def _failpoint(self, name: str) -> None:
-        """Crash the process here when the (testing-only) failpoint setting names this point."""
-        if self.settings.failpoint == name:
+        """Crash the process here when the (testing-only) failpoint setting names this point;
+        a hold_* point instead blocks until the file <data_dir>/<name>.release exists (a test
+        holds a commit right there, to see what other calls do meanwhile)."""
+        if self.settings.failpoint == name and name.startswith("hold_"):
+            log.warning("failpoint %s: holding until %s.release exists", name, name)
+            while not (self.settings.data_dir / f"{name}.release").exists():
+                time.sleep(0.05)
+        elif self.settings.failpoint == name:
             log.critical("failpoint %s: exiting abruptly", name)
             os._exit(77)
 
@@ -406,6 +412,7 @@ class CommitProtocol(CommitCore):
         if stored is None or self.blobs.read_all(key) != body:
             if recovering:
                 return False
+            self._failpoint("hold_manifest")  # testing only: a slow manifest write, held by the test
             self.blobs.put_bytes(key, body)
         self._failpoint("crash_after_manifest")
         with self.sessions() as s, s.begin():
