@@ -18,15 +18,20 @@ batch was being written, and within `vote_batch_window` seconds after - and writ
   to that voter alone and writes nothing; the others in the batch are written;
 - a batch whose transaction fails (a catalog error, a lost connection) has written nothing
   (rolled back as a whole) and every voter in it hears Unavailable: vote again;
-- the batch that completes a checkpoint names one of its voters to commit it (the
-  protocol's try_commit, as the completing vote always did); the others of that batch wait
-  for that commit and answer with its outcome.
+- the batch that completes a checkpoint has one of its voters commit it (the protocol's
+  try_commit, as the completing vote always did), unless a commit of that checkpoint is
+  already under way in this process (a vote sent again while the manifest is written);
+  the others answer PENDING at once, with no missing ranks, like any vote of an incomplete
+  checkpoint: the caller waits for the outcome as its wait_seconds allows (protocol.vote,
+  bounded by commit_wait_max and the gRPC waiters' limit), never for a slow manifest write
+  it did not ask to wait for.
 
 The protocol's checks and invariants are protocol.py's (I1-I3); this module only groups.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -44,15 +49,6 @@ from ..faults import as_domain_error
 log = logging.getLogger("lastgood.commit")
 
 MAX_BATCH = 2048  # votes a transaction writes at most (bounds its IN lists and its length)
-COMMIT_WAIT = 120.0  # a voter of a completing batch waits this long for its committer at most
-
-
-class _Commit:
-    """The commit a completing batch owes one checkpoint: one voter runs it, the others wait."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.result = None  # the committer's VoteResult, when it had one
 
 
 @dataclass(eq=False)
@@ -64,8 +60,7 @@ class _Ask:
     error: BaseException | None = None
     status: str = PENDING
     missing: list[int] = field(default_factory=list)
-    commit: _Commit | None = None
-    commits: bool = False  # this voter runs `commit`
+    completes: bool = False  # its batch completed the checkpoint: someone must commit it
 
 
 class VoteBatcher:
@@ -79,6 +74,7 @@ class VoteBatcher:
         self._queue: list[_Ask] = []
         self._writing = False
         self._fail_next = failpoint == "vote_batch_fails_once"  # testing only (settings.failpoint)
+        self._committing: set[int] = set()  # checkpoints a voter of this process is committing
         self.batches = 0  # transactions written, for tests and the benchmark
 
     def vote(self, checkpoint_id: int, rank: int, files: list[str]):
@@ -89,19 +85,26 @@ class VoteBatcher:
         ask = _Ask(checkpoint_id, rank, list(files))
         self._submit(ask)
         if ask.error is not None:
-            raise ask.error
-        if ask.commit is None:
-            return VoteResult(checkpoint_id, ask.status, ask.missing)
-        if ask.commits:
-            try:
-                self.core.try_commit(checkpoint_id)
-                ask.commit.result = self.core.wait_for(checkpoint_id, 0.0)
-                return ask.commit.result
-            finally:
-                ask.commit.done.set()
-        ask.commit.done.wait(COMMIT_WAIT)
-        # the committer's outcome; if it failed, still PENDING: the rank waits for the outcome
-        return ask.commit.result or VoteResult(checkpoint_id, PENDING, [])
+            # the error object may be shared by the whole batch: each voter raises its own
+            # copy (one exception raised in many threads would share one traceback)
+            raise copy.copy(ask.error)
+        result = VoteResult(checkpoint_id, ask.status, ask.missing)
+        if not ask.completes:
+            return result
+        with self._cv:
+            if checkpoint_id in self._committing:
+                return result  # a voter is committing it: PENDING now, the caller waits as it may
+            self._committing.add(checkpoint_id)
+        try:
+            self.core.try_commit(checkpoint_id)
+            return self.core.wait_for(checkpoint_id, 0.0)
+        except Exception as e:
+            log.warning("commit of checkpoint %s by rank %s's vote failed (its batch's other voters "
+                        "heard PENDING): %s", checkpoint_id, rank, e, extra={"checkpoint_id": checkpoint_id})
+            raise
+        finally:
+            with self._cv:
+                self._committing.discard(checkpoint_id)
 
     # ------------------------------------------------------------------ the queue
     def _submit(self, ask: _Ask) -> None:
@@ -127,8 +130,8 @@ class VoteBatcher:
                     self._cv.acquire()
                     for a in batch:
                         if not written:  # interrupted: whether it committed is unknown, say so
-                            a.error, a.commit = Unavailable("vote interrupted before its batch was answered: "
-                                                            "vote again"), None
+                            a.error, a.completes = Unavailable("vote interrupted before its batch was answered: "
+                                                               "vote again"), False
                         a.done = True
                     self._writing = False
                     self._cv.notify_all()
@@ -144,13 +147,13 @@ class VoteBatcher:
                 f"vote not recorded: the catalog transaction of its batch of {len(batch)} votes failed "
                 f"({type(e).__name__}); nothing of it was written: vote again")
             for a in batch:
-                a.error, a.commit, a.commits = err, None, False
+                a.error, a.completes = err, False
 
     # ------------------------------------------------------------------ the transaction
     def _record(self, batch: list[_Ask]) -> None:
         by_checkpoint: dict[int, list[_Ask]] = defaultdict(list)
         for a in batch:
-            a.error, a.commit, a.commits = None, None, False
+            a.error, a.completes = None, False
             by_checkpoint[a.checkpoint_id].append(a)
         with self.core.sessions() as s, s.begin():
             for cid in sorted(by_checkpoint):  # row locks in id order: batches of two replicas cannot deadlock
@@ -219,8 +222,6 @@ class VoteBatcher:
             for a in accepted:
                 a.error = FailedPrecondition(f"checkpoint {cid} is {ck.status}")
             return
-        commit = _Commit() if ck.status == PENDING and not missing_ranks else None
+        completes = ck.status == PENDING and not missing_ranks
         for a in accepted:
-            a.status, a.missing, a.commit = ck.status, missing_ranks, commit
-        if commit is not None:
-            accepted[0].commits = True
+            a.status, a.missing, a.completes = ck.status, missing_ranks, completes
