@@ -39,7 +39,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from ...catalog.models import ABANDONED, CORRUPT, PENDING, Shard, Vote
 from .. import fencing
@@ -74,6 +74,8 @@ class VoteBatcher:
         self._queue: list[_Ask] = []
         self._writing = False
         self._fail_next = failpoint == "vote_batch_fails_once"  # testing only (settings.failpoint)
+        fails_on = "vote_fails_on_checkpoint_"  # testing only: an SQL error in that checkpoint's part
+        self._fail_checkpoint = int(failpoint[len(fails_on):]) if (failpoint or "").startswith(fails_on) else None
         self._committing: set[int] = set()  # checkpoints a voter of this process is committing
         self.batches = 0  # transactions written, for tests and the benchmark
 
@@ -158,6 +160,8 @@ class VoteBatcher:
         with self.core.sessions() as s, s.begin():
             for cid in sorted(by_checkpoint):  # row locks in id order: batches of two replicas cannot deadlock
                 self._record_checkpoint(s, cid, by_checkpoint[cid])
+                if cid == self._fail_checkpoint:
+                    s.execute(text("SELECT no_such_column FROM checkpoints"))  # a real SQL error, after its votes
             if self._fail_next:
                 self._fail_next = False
                 s.flush()  # the votes are in the transaction: the rollback must take them all back
