@@ -16,6 +16,9 @@ batch was being written, and within `vote_batch_window` seconds after - and writ
   durable when acknowledged, as before);
 - a vote the protocol refuses (wrong files, a checkpoint not PENDING, fenced) is refused
   to that voter alone and writes nothing; the others in the batch are written;
+- each checkpoint's part of the batch runs under its own SAVEPOINT: an SQL error in it (a
+  deadlock, a lock timeout) rolls back that part only, and only its voters hear
+  Unavailable: vote again;
 - a batch whose transaction fails (a catalog error, a lost connection) has written nothing
   (rolled back as a whole) and every voter in it hears Unavailable: vote again;
 - the batch that completes a checkpoint has one of its voters commit it (the protocol's
@@ -40,6 +43,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from sqlalchemy import select, text
+from sqlalchemy.exc import SQLAlchemyError
 
 from ...catalog.models import ABANDONED, CORRUPT, PENDING, Shard, Vote
 from .. import fencing
@@ -143,13 +147,17 @@ class VoteBatcher:
             self._record(batch)
             self.batches += 1
         except Exception as e:  # noqa: BLE001 - the transaction rolled back: nothing of the batch is written
-            known = as_domain_error(e)
             log.warning("a batch of %d votes was not recorded (rolled back): %s", len(batch), e)
-            err = known if known is not None and not isinstance(known, FailedPrecondition) else Unavailable(
-                f"vote not recorded: the catalog transaction of its batch of {len(batch)} votes failed "
-                f"({type(e).__name__}); nothing of it was written: vote again")
-            for a in batch:
-                a.error, a.completes = err, False
+            self._fail(batch, e, f"the catalog transaction of its batch of {len(batch)} votes failed")
+
+    @staticmethod
+    def _fail(asks: list[_Ask], e: Exception, what: str) -> None:
+        """Answer these voters with what the failure means: vote again, nothing of theirs is written."""
+        known = as_domain_error(e)
+        err = known if known is not None and not isinstance(known, FailedPrecondition) else Unavailable(
+            f"vote not recorded: {what} ({type(e).__name__}); nothing of it was written: vote again")
+        for a in asks:
+            a.error, a.completes = err, False
 
     # ------------------------------------------------------------------ the transaction
     def _record(self, batch: list[_Ask]) -> None:
@@ -159,9 +167,18 @@ class VoteBatcher:
             by_checkpoint[a.checkpoint_id].append(a)
         with self.core.sessions() as s, s.begin():
             for cid in sorted(by_checkpoint):  # row locks in id order: batches of two replicas cannot deadlock
-                self._record_checkpoint(s, cid, by_checkpoint[cid])
-                if cid == self._fail_checkpoint:
-                    s.execute(text("SELECT no_such_column FROM checkpoints"))  # a real SQL error, after its votes
+                asks = by_checkpoint[cid]
+                try:
+                    # a SAVEPOINT per checkpoint: an SQL error in its part (a deadlock, a lock
+                    # timeout) takes back that part only and fails its voters, not the batch's others
+                    with s.begin_nested():
+                        self._record_checkpoint(s, cid, asks)
+                        if cid == self._fail_checkpoint:
+                            s.execute(text("SELECT no_such_column FROM checkpoints"))  # a real SQL error
+                except SQLAlchemyError as e:
+                    log.warning("the %d votes on checkpoint %s in a batch were not recorded (rolled back to "
+                                "its savepoint): %s", len(asks), cid, e, extra={"checkpoint_id": cid})
+                    self._fail(asks, e, f"the catalog failed on checkpoint {cid}'s part of its batch")
             if self._fail_next:
                 self._fail_next = False
                 s.flush()  # the votes are in the transaction: the rollback must take them all back
