@@ -15,7 +15,7 @@ from sqlalchemy import select
 
 from lastgood_service.catalog.models import Vote
 from lastgood_service.domain.commit import CommitService
-from lastgood_service.domain.errors import Unavailable
+from lastgood_service.domain.errors import Conflict, FailedPrecondition, Unavailable
 from lastgood_service.settings import Settings
 from tests.service.helpers import make_shard, shard_name
 
@@ -43,3 +43,33 @@ def test_an_sql_error_in_one_checkpoint_of_a_batch_fails_only_its_voters(session
         assert list(s.scalars(select(Vote.rank).where(Vote.checkpoint_id == bad))) == []  # nothing of its part
     # control: the failing checkpoint's voter votes again, through a service without the failpoint
     assert plain.vote(bad, 0, [shard_name(0)]).status == "COMMITTED"
+
+
+def test_one_batch_commits_two_checkpoints_and_its_refusals_stay_with_their_voters(sessions, blobs, clock):
+    """One batch: the last vote of checkpoint a, rank 0 of a again with other files
+    (Conflict), the only vote of checkpoint b, and a vote on c for a file never uploaded
+    (FailedPrecondition). a and b commit; each refusal reaches its own voter alone and
+    writes nothing."""
+    commits = CommitService(Settings(lease_seconds=60, commit_wait_max=0, vote_batch_window=1.0),
+                            sessions, blobs, clock=clock)
+    a = commits.begin("run-a", 1, 2, None, ATTEMPT).id
+    b = commits.begin("run-b", 1, 1, None, ATTEMPT).id
+    c = commits.begin("run-c", 1, 1, None, ATTEMPT).id
+    for cid, rank in [(a, 0), (a, 1), (b, 0), (c, 0)]:
+        put(commits, cid, rank, make_shard(rank))
+    assert commits.vote(a, 0, [shard_name(0)]).status == "PENDING"
+    before = commits.vote_batches.batches
+    voters = [(a, 1, [shard_name(1)]), (a, 0, [shard_name(0), "other.safetensors"]), (b, 0, [shard_name(0)]),
+              (c, 0, ["never-uploaded.safetensors"])]
+    with ThreadPoolExecutor(len(voters)) as pool:
+        futures = [pool.submit(commits.vote, *v) for v in voters]
+        outcomes = [f.exception() or f.result() for f in futures]
+    assert commits.vote_batches.batches == before + 1  # one batch
+    assert outcomes[0].status == "COMMITTED" and outcomes[2].status == "COMMITTED", outcomes
+    assert isinstance(outcomes[1], Conflict) and "already voted" in str(outcomes[1]), outcomes[1]
+    assert isinstance(outcomes[3], FailedPrecondition) and "not verified" in str(outcomes[3]), outcomes[3]
+    assert (status(sessions, a), status(sessions, b), status(sessions, c)) == ("COMMITTED", "COMMITTED", "PENDING")
+    with sessions() as s:
+        assert list(s.scalars(select(Vote.files_json).where(Vote.checkpoint_id == a, Vote.rank == 0))) == [
+            f'["{shard_name(0)}"]']  # the first vote stands
+        assert list(s.scalars(select(Vote.rank).where(Vote.checkpoint_id == c))) == []
