@@ -86,6 +86,7 @@ class Service:
         self.gc = GarbageCollector(sessions, blobs, Retention.parse(settings.retention), settings.gc_grace_seconds,
                                    metrics=self.metrics, gate=self.gate, ballast=self.ballast,
                                    batch_size=settings.gc_batch_size, full_every=settings.gc_full_every,
+                                   batch_seconds=settings.gc_batch_seconds,
                                    event_retention_seconds=settings.event_retention_seconds,
                                    read_sessions=self.queries.sessions)
         self.metrics.watch_free_bytes(lambda: capabilities.free_bytes(blobs))

@@ -121,6 +121,8 @@ class Settings(BaseSettings):
                                          "(a hang, its kill, the relaunch) count as one failure")
     gc_batch_size: int = Field(100, ge=1, le=10_000, description="checkpoints GC marks DELETED per transaction: "
                                "short transactions let commits run between GC's batches")
+    gc_batch_seconds: float = Field(0.02, gt=0, le=10, description="how long one GC batch should hold the catalog: "
+                                    "batch sizes adapt to it, between a tenth of gc_batch_size and gc_batch_size")
     gc_full_every: int = Field(24, ge=1, description="every Nth scheduled GC pass (and the first after a start) "
                                "plans every run and lists the whole blob store for orphans; the others plan only "
                                "runs where something changed")

@@ -29,6 +29,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.orm import Session, sessionmaker
@@ -110,6 +111,21 @@ class _Row:
     deleted_at: dt.datetime | None
     manifest_key: str | None
 
+    @property
+    def was_committed(self) -> bool:
+        return self.committed_at is not None
+
+
+class _ViewRow(NamedTuple):
+    """What the policies need of a checkpoint: no times, so a batch's re-read of the run
+    decodes no datetimes (on PostgreSQL every batch re-reads the run: see _kept)."""
+
+    id: int
+    parent_id: int | None
+    status: str
+    step: int
+    was_committed: bool
+
 
 class _Collected(list):
     """Stands in for a session to add_event: keeps the Event rows for one bulk insert."""
@@ -118,6 +134,27 @@ class _Collected(list):
 
 
 _EVENT_COLUMNS = ("run_id", "checkpoint_id", "kind", "at", "data_json")
+
+
+def _gc_event(run_id: int, d: PlannedDeletion, now: dt.datetime) -> dict:
+    """The `gc_delete` event of one planned deletion, as a row for a bulk insert (the
+    same row add_event would add)."""
+    rows = _Collected()
+    add_event(rows, "gc_delete", run_id, d.checkpoint_id, step=d.step, reason=d.reason, bytes=d.bytes, was=d.status)
+    return {c: getattr(rows[0], c) for c in _EVENT_COLUMNS}
+
+
+def next_batch_size(size: int, held: float, target: float, cap: int) -> int:
+    """The next batch's size from how long this one held the catalog: scaled towards
+    `target` seconds (at most doubling, so one quick batch does not jump to the cap),
+    between a tenth of `cap` and `cap`. A batch's cost per checkpoint depends on the run
+    (its size, on PostgreSQL) and on the machine's load, so a fixed count cannot bound
+    its time; a batch also has a fixed cost (its statements, re-reading the run), which
+    the floor keeps from being paid once per checkpoint."""
+    floor = max(1, cap // 10)
+    if held <= 0:
+        return min(cap, size * 2)
+    return max(floor, min(cap, size * 2, int(size * target / held)))
 
 
 def _chunks(items: list, n: int = CHUNK) -> Iterator[list]:
@@ -130,7 +167,7 @@ class GarbageCollector:
                  grace_seconds: float, clock: Callable[[], dt.datetime] = utcnow, metrics: Metrics | None = None,
                  gate: CatalogGate | None = None, ballast: Ballast | None = None, batch_size: int = 100,
                  full_every: int = 24, event_retention_seconds: float = 30 * 24 * 3600.0,
-                 read_sessions: sessionmaker[Session] | None = None) -> None:
+                 read_sessions: sessionmaker[Session] | None = None, batch_seconds: float = 0.02) -> None:
         self.sessions = sessions
         self.read_sessions = read_sessions or sessions  # planning only reads (catalog/db.py)
         self.ballast = ballast or Ballast(None, 0)
@@ -140,7 +177,9 @@ class GarbageCollector:
         self.grace = dt.timedelta(seconds=grace_seconds)
         self.clock = clock
         self.metrics = metrics or Metrics()  # a private registry when the caller keeps none
-        self.batch_size = batch_size
+        self.batch_size = batch_size  # the most checkpoints a batch marks
+        self.batch_seconds = batch_seconds  # what a batch should hold the catalog for: sizes adapt to it
+        self._next_batch = batch_size
         self.full_every = full_every
         self.event_retention = dt.timedelta(seconds=event_retention_seconds) if event_retention_seconds else None
         self.passes = 0
@@ -169,9 +208,17 @@ class GarbageCollector:
             .where(Checkpoint.run_id == run_id).order_by(Checkpoint.id))]
 
     @staticmethod
-    def _view(s: Session, run_id: int, last_good_id: int | None, rows: list[_Row]) -> tuple[RunView, set[int]]:
+    def _view_rows(s: Session, run_id: int) -> list[_ViewRow]:
+        return [_ViewRow(*r) for r in s.execute(
+            select(Checkpoint.id, Checkpoint.parent_id, Checkpoint.status, Checkpoint.step,
+                   Checkpoint.committed_at.is_not(None))
+            .where(Checkpoint.run_id == run_id).order_by(Checkpoint.id))]
+
+    @staticmethod
+    def _view(s: Session, run_id: int, last_good_id: int | None,
+              rows: list[_Row] | list[_ViewRow]) -> tuple[RunView, set[int]]:
         """What the policies see of the run, and the checkpoints a user's tag or pin protects."""
-        branches = assign_branches([(r.id, r.parent_id, r.committed_at is not None) for r in rows])
+        branches = assign_branches([(r.id, r.parent_id, r.was_committed) for r in rows])
         heads: dict[int, tuple[int, int]] = {}
         for r in rows:
             if r.status == COMMITTED:
@@ -329,7 +376,8 @@ class GarbageCollector:
         return owner is not None and keys.belongs_to(parsed, parsed.checkpoint_id, *owner[:3])
 
     # ---------------------------------------------------------------- execute
-    def _kept(self, s: Session, run: Run) -> tuple[set[int], set[int]]:
+    def _kept(self, s: Session, run_id: int, last_good_id: int | None,
+              retention: str | None) -> tuple[set[int], set[int]]:
         """What the run's policy keeps now, and what a user's tag protects. Every change that
         could alter either (a commit, a corruption, a rollback, a tag, a pin, a policy, a
         rebuild) writes an event of the run in its own transaction. On SQLite, whose single
@@ -337,28 +385,37 @@ class GarbageCollector:
         run has no event newer than the one it saw but GC's own `gc_delete`s (deleting what
         no policy keeps changes what the policies keep: nothing). PostgreSQL hands out ids
         before commit, in any order, so there every batch reads the run again."""
-        cached = self._kept_cache.get(run.id) if self._ids_commit_ordered(s) else None
-        if cached and cached[1] == run.retention and not s.scalar(select(Event.id).where(
-                Event.run_id == run.id, Event.id > cached[0], Event.kind != "gc_delete").limit(1)):
+        cached = self._kept_cache.get(run_id) if self._ids_commit_ordered(s) else None
+        if cached and cached[1] == retention and not s.scalar(select(Event.id).where(
+                Event.run_id == run_id, Event.id > cached[0], Event.kind != "gc_delete").limit(1)):
             return cached[2], cached[3]
-        newest = s.scalar(select(func.max(Event.id)).where(Event.run_id == run.id)) or 0
-        view, protected = self._view(s, run.id, run.last_good_id, self._rows(s, run.id))
-        kept = self.policy_of(run.retention).keep(view)
-        self._kept_cache[run.id] = (newest, run.retention, kept, protected)
+        newest = s.scalar(select(func.max(Event.id)).where(Event.run_id == run_id)) or 0
+        view, protected = self._view(s, run_id, last_good_id, self._view_rows(s, run_id))
+        kept = self.policy_of(retention).keep(view)
+        self._kept_cache[run_id] = (newest, retention, kept, protected)
         return kept, protected
 
     @staticmethod
     def _ids_commit_ordered(s: Session) -> bool:
         return s.get_bind().dialect.name == "sqlite"
 
-    def _mark_batch(self, run_id: int, batch: list[PlannedDeletion], now: dt.datetime) -> list[PlannedDeletion]:
+    def _mark_batch(self, run_id: int, batch: list[PlannedDeletion],
+                    now: dt.datetime) -> tuple[list[PlannedDeletion], float]:
         """Re-check a batch of one run's planned deletions under row locks, with the run's
-        policy as it is now, and mark DELETED those still deletable: one short transaction."""
+        policy as it is now, and mark DELETED those still deletable: one short transaction.
+        What does not need the catalog (the `gc_delete` events' JSON) is built before it
+        begins, and the rows are read as plain tuples of the columns the checks use: a
+        batch's hold is its statements, not Python building ORM objects under the lock.
+        Returns what it marked and how long it held the catalog."""
+        events = {d.checkpoint_id: _gc_event(run_id, d, now) for d in batch}
         with self._tx() as s:
-            locked = {ck.id: ck for ck in s.scalars(select(Checkpoint).where(
-                Checkpoint.id.in_([d.checkpoint_id for d in batch])).with_for_update())}
-            run = s.get(Run, run_id)
-            kept, protected = self._kept(s, run)
+            began = time.perf_counter()
+            locked = {r.id: r for r in s.execute(
+                select(Checkpoint.id, Checkpoint.run_id, Checkpoint.status, Checkpoint.committed_at,
+                       Checkpoint.lease_expires_at, Checkpoint.created_at)
+                .where(Checkpoint.id.in_(list(events))).with_for_update())}
+            last_good_id, retention = s.execute(select(Run.last_good_id, Run.retention).where(Run.id == run_id)).one()
+            kept, protected = self._kept(s, run_id, last_good_id, retention)
             leased = self._leases(s, list(locked), now)
             marked = []
             for d in batch:
@@ -374,12 +431,9 @@ class GarbageCollector:
                         Checkpoint.id.in_([d.checkpoint_id for d in marked if d.status == status]),
                         Checkpoint.status == status).values(status=DELETED, deleted_at=now)
                         .execution_options(synchronize_session=False))
-                events = _Collected()  # add_event's rows, inserted in one statement
-                for d in marked:
-                    add_event(events, "gc_delete", run_id, d.checkpoint_id, step=d.step, reason=d.reason,
-                              bytes=d.bytes, was=d.status)
-                s.execute(insert(Event), [{c: getattr(e, c) for c in _EVENT_COLUMNS} for e in events])
-            return marked
+                s.execute(insert(Event), [events[d.checkpoint_id] for d in marked])
+            held = time.perf_counter() - began  # to COMMIT, as the engine's TxTimer counts a hold
+        return marked, held
 
     def _retrying(self, fn, *args):
         try:
@@ -403,9 +457,13 @@ class GarbageCollector:
         unsettled: set[str] = set()  # runs with a skip: planned again next pass
         for run, planned in by_run.items():
             run_id = run_ids.get(run) or self._run_id(run)
-            for i in range(0, len(planned), self.batch_size):
-                batch = planned[i:i + self.batch_size]
-                marked, r = self._retrying(self._mark_batch, run_id, batch, now) if run_id else ([], False)
+            i = 0
+            while i < len(planned):
+                batch = planned[i:i + self._next_batch]
+                i += len(batch)
+                (marked, held), r = self._retrying(self._mark_batch, run_id, batch, now) if run_id else (([], 0), False)
+                if run_id:
+                    self._next_batch = next_batch_size(len(batch), held, self.batch_seconds, self.batch_size)
                 released |= r
                 done = {d.checkpoint_id for d in marked}
                 if len(done) < len(batch):
