@@ -60,9 +60,8 @@ def full_scans(plan: str, dialect: str) -> list[str]:
 
 
 VIEWS = {
-    "runs list": (lambda q: q.list_runs(limit=100), ["ix_checkpoints_run_status_bytes"]),
-    "overview": (lambda q: q.overview(limit=100), ["ix_checkpoints_run_status_bytes", "ix_events_run_id",
-                                                   "ix_events_run_kind_at"]),
+    "runs list": (lambda q: q.list_runs(limit=100), ["run_stats"]),
+    "overview": (lambda q: q.overview(limit=100), ["run_stats", "ix_events_run_id", "ix_events_run_kind_at"]),
     "lineage page": (lambda q: q.lineage("plan-00002", limit=100, offset=50), ["ix_checkpoints_run_id"]),
     "events by kind": (lambda q: q.events("plan-00002", kinds=["spike", "rollback", "restart"]),
                        ["ix_events_run_kind_at"]),
@@ -92,6 +91,21 @@ def test_the_page_and_cli_queries_use_indexes(seeded, sessions, view):
     if engine.dialect.name == "sqlite":  # PostgreSQL picks among the run_id-led indexes by cost
         used = "\n".join(plans)
         assert all(ix in used for ix in intended), (intended, used)
+
+
+@pytest.mark.parametrize("view", ["runs list", "overview"])
+def test_runs_list_and_overview_read_checkpoints_by_primary_key_only(seeded, sessions, view):
+    """Their counts come from run_stats (migration 0007), O(runs) rows: the only
+    checkpoints they read are the runs' last-good, by id, never a run's checkpoints."""
+    engine = seeded
+    with Captured(engine) as cap:
+        VIEWS[view][0](Queries(sessions))
+    for st, params in cap.statements:
+        if " checkpoints" not in st.split("FROM", 1)[-1]:
+            continue
+        plan = explain(engine, st, params)
+        by_id = "checkpoints.id IN" in st or "checkpoints.id =" in st
+        assert by_id and "run_id" not in st.split("WHERE", 1)[-1], (st, plan)
 
 
 def test_control_a_scan_is_seen(seeded, sessions):

@@ -223,3 +223,24 @@ class Heartbeat(Base):
     progress_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())  # the step or the phase last changed
     outlier_since: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     verdict: Mapped[str] = mapped_column(String(16), default="ok")   # as last recorded (events on change)
+
+
+class RunStats(Base):
+    """A run's counters, O(1) rows a run for the runs list and the overview: its
+    checkpoints by status, the bytes of those not DELETED, the newest step begun. Kept by
+    triggers on `checkpoints` (migration 0007) in the transaction of each change, so no
+    domain code writes them and none can forget to; read-only here."""
+
+    __tablename__ = "run_stats"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    pending: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    committed: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    abandoned: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    corrupt: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    deleted: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    bytes_stored: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    newest_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+
+    def by_status(self) -> dict[str, int]:
+        return {PENDING: self.pending, COMMITTED: self.committed, ABANDONED: self.abandoned, CORRUPT: self.corrupt,
+                DELETED: self.deleted}
