@@ -81,6 +81,9 @@ class Checkpoint(Base):
         Index("ix_checkpoints_run_status_bytes", "run_id", "status", "bytes"),
         # a run's checkpoints in creation order: the lineage and its pages, GC's view of a run
         Index("ix_checkpoints_run_id", "run_id", "id"),
+        # stored branches (domain/branches.py): a parent's children, a run's highest branch
+        Index("ix_checkpoints_run_parent", "run_id", "parent_id"),
+        Index("ix_checkpoints_run_branch", "run_id", "branch"),
     )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id"))
@@ -98,6 +101,8 @@ class Checkpoint(Base):
     deleted_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     # the generation of the launch that began it; 0: a client that did not register (never fenced)
     generation: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    # its branch in the run's lineage, stored by domain/branches.py (the rule: lineage.assign_branches)
+    branch: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class Launch(Base):

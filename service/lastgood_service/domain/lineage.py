@@ -1,13 +1,15 @@
 """A run's lineage: the tree of checkpoints by parent pointer, with branches.
 
-Branches are derived, not stored: walking checkpoints in creation order, a committed
+Branches follow one rule (assign_branches): walking checkpoints in creation order, a committed
 checkpoint continues its parent's branch if it is the parent's first committed child,
 and starts a new branch otherwise (the trainer restored an older checkpoint and saved
 again: a rollback or a restart from further back). Pending and abandoned checkpoints
 stay on their parent's branch without claiming it, so a retried save after a crash is not
 mistaken for a branch. Whether a row claims is whether it was ever committed
 (`committed_at`), not its status now: GC turns committed and abandoned checkpoints alike
-into DELETED, and only the first kind continued its parent's branch.
+into DELETED, and only the first kind continued its parent's branch. Each checkpoint's
+branch is stored when it is begun or committed (domain/branches.py applies this rule to
+the rows a change can affect), so a lineage page reads its own rows, not the whole run.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections import defaultdict
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ..catalog.models import LAST_GOOD, SYSTEM, Checkpoint, Run, Tag, Vote
+from ..catalog.models import LAST_GOOD, SYSTEM, Checkpoint, Run, RunStats, Tag, Vote
 
 
 def assign_branches(rows: list[tuple[int, int | None, bool]]) -> dict[int, int]:
@@ -56,9 +58,12 @@ def _seconds(a, b):
 
 
 def lineage(s: Session, run: Run, limit: int, offset: int) -> dict:
-    rows = list(s.execute(select(Checkpoint.id, Checkpoint.parent_id, Checkpoint.committed_at)
-                          .where(Checkpoint.run_id == run.id).order_by(Checkpoint.id)))
-    branches = assign_branches([(r.id, r.parent_id, r.committed_at is not None) for r in rows])
+    """One page of the run's lineage in creation order: an index range of the run's
+    checkpoints with their stored branches; the total and the branch count come from the
+    run's counters and the (run_id, branch) index, so a page costs its own rows."""
+    stats = s.get(RunStats, run.id)
+    total = sum(stats.by_status().values()) if stats is not None else 0
+    top = s.scalar(select(func.max(Checkpoint.branch)).where(Checkpoint.run_id == run.id))
     page = list(s.scalars(select(Checkpoint).where(Checkpoint.run_id == run.id)
                           .order_by(Checkpoint.id).limit(limit).offset(offset)))
     ids = [c.id for c in page]
@@ -66,7 +71,7 @@ def lineage(s: Session, run: Run, limit: int, offset: int) -> dict:
                                 .where(Vote.checkpoint_id.in_(ids)).group_by(Vote.checkpoint_id)).all())
     tags = tags_by_checkpoint(s, run, ids)
     nodes = [{
-        "id": c.id, "step": c.step, "status": c.status, "parent_id": c.parent_id, "branch": branches[c.id],
+        "id": c.id, "step": c.step, "status": c.status, "parent_id": c.parent_id, "branch": c.branch,
         "tags": tags.get(c.id, []), "bytes": c.bytes, "world_size": c.world_size, "attempt": c.attempt,
         "last_good": run.last_good_id == c.id,
         "created_at": c.created_at.isoformat(), "committed_at": c.committed_at.isoformat() if c.committed_at else None,
@@ -76,7 +81,7 @@ def lineage(s: Session, run: Run, limit: int, offset: int) -> dict:
     } for c in page]
     edges = [{"from": c.parent_id, "to": c.id} for c in page if c.parent_id is not None]
     return {"run": run.name, "last_good_id": run.last_good_id, "nodes": nodes, "edges": edges,
-            "branches": max(branches.values(), default=-1) + 1, "total": len(rows),
+            "branches": top + 1 if top is not None else 0, "total": total,
             "limit": limit, "offset": offset}
 
 

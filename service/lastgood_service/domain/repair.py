@@ -32,6 +32,7 @@ from ..blobstore import BlobStore
 from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, DELETED, PENDING, VERIFIED, Checkpoint, Run, Shard, Vote,
                               utcnow)
 from . import keys, last_good
+from . import branches
 from .commit import indexes
 from .fencing import GENERATION_GAP
 from .events import add_event
@@ -226,6 +227,7 @@ class Repair:
                 ck.lease_expires_at, ck.committed_at = now, now
                 ck.manifest_key, ck.manifest_hash = key, hash_bytes(body)
                 s.flush()
+                branches.settle(s, run.id, ck.id)  # rebuilt as committed: stored branches from it on
                 for r, files in m.ranks.items():
                     for f in files:
                         # /2: the reference to its index object; /1: the index itself (indexes.py reads both)

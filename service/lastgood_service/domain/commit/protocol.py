@@ -41,6 +41,7 @@ from ...catalog.models import (ABANDONED, COMMITTED, CORRUPT, DECLARED, PENDING,
                                Vote)
 from ...blobstore import capabilities
 from .. import fencing, keys, last_good, verification_modes
+from .. import branches  # stored branches (catalog)
 from ..errors import (Conflict, FailedPrecondition, Fenced, HashMismatch, InvalidArgument, NotFound, SpoolRefused,
                       StoreFull, TooLarge)
 from ..events import add_event
@@ -176,6 +177,7 @@ class CommitProtocol(CommitCore):
                             created_at=now, generation=generation)
             s.add(ck)
             s.flush()
+            branches.settle(s, run.id, ck.id)  # its stored branch (domain/branches.py)
             add_event(s, "begin", run.id, ck.id, step=step, world_size=world_size, attempt=attempt, rank=rank)
             return ck
 
@@ -429,6 +431,7 @@ class CommitProtocol(CommitCore):
             if won:
                 ck = s.get(Checkpoint, checkpoint_id)
                 s.refresh(ck)
+                branches.settle(s, ck.run_id, ck.id)  # committed: its stored branch and later ones'
                 moved = last_good.advance(s, ck)
                 add_event(s, "commit", ck.run_id, ck.id, step=ck.step, bytes=ck.bytes, last_good=moved,
                           recovered=recovering)

@@ -1,4 +1,10 @@
-"""run_stats: per-run counters kept by the catalog itself
+"""run_stats: per-run counters kept by the catalog itself; stored branches
+
+Stored branches: `checkpoints.branch`, written by domain/branches.py when a checkpoint is
+begun, committed or rebuilt, so a lineage page reads an index range of the run instead of
+the whole run; indexes on (run_id, parent_id) and (run_id, branch) serve it. Existing
+catalogs get theirs computed here, run by run, by the rule's one owner
+(lineage.assign_branches).
 
 One row per run: its checkpoints by status, the bytes of those not DELETED, and the
 newest step begun. The runs list and the overview read these O(runs) rows instead of
@@ -84,7 +90,23 @@ BACKFILL = """INSERT INTO run_stats (run_id, pending, committed, abandoned, corr
     counts=", ".join(f"count(CASE WHEN c.status = '{s}' THEN 1 END)" for s in STATUSES))
 
 
+def _backfill_branches() -> None:
+    from lastgood_service.domain.lineage import assign_branches  # the rule's one owner
+
+    conn = op.get_bind()
+    for (run_id,) in conn.execute(sa.text("SELECT id FROM runs")).all():
+        rows = conn.execute(sa.text("SELECT id, parent_id, committed_at IS NOT NULL FROM checkpoints "
+                                    "WHERE run_id = :r ORDER BY id"), {"r": run_id}).all()
+        changed = [{"i": cid, "b": b} for cid, b in assign_branches([(i, p, bool(c)) for i, p, c in rows]).items() if b]
+        if changed:
+            conn.execute(sa.text("UPDATE checkpoints SET branch = :b WHERE id = :i"), changed)
+
+
 def upgrade() -> None:
+    op.add_column('checkpoints', sa.Column('branch', sa.Integer(), server_default='0', nullable=False))
+    op.create_index('ix_checkpoints_run_parent', 'checkpoints', ['run_id', 'parent_id'])
+    op.create_index('ix_checkpoints_run_branch', 'checkpoints', ['run_id', 'branch'])
+    _backfill_branches()
     op.create_table('run_stats',
     sa.Column('run_id', sa.Integer(), nullable=False),
     *[sa.Column(c, sa.BigInteger(), server_default='0', nullable=False) for c in COLUMNS],
@@ -110,3 +132,7 @@ def downgrade() -> None:
                      "trg_run_stats_run_insert"):
             op.execute(f"DROP TRIGGER {name}")
     op.drop_table('run_stats')
+    op.drop_index('ix_checkpoints_run_branch', table_name='checkpoints')
+    op.drop_index('ix_checkpoints_run_parent', table_name='checkpoints')
+    with op.batch_alter_table('checkpoints', schema=None) as batch_op:
+        batch_op.drop_column('branch')
