@@ -15,6 +15,12 @@ PostgreSQL the trigger is a deferred constraint trigger, so a transaction takes 
 run's counter row lock only at COMMIT, after every checkpoint row lock it takes: the
 counters add no lock-order deadlock and no wait while the transaction runs.
 
+`changes` counts every change that can alter what a retention policy keeps: a checkpoint
+begun or changing status (but to DELETED: deleting what no policy keeps changes nothing
+they keep), a tag, pin or alias set or removed, last-good moved. GC reads a run's view
+once, outside its write transactions, and re-reads it under the lock only if `changes`
+moved (domain/gc.py).
+
 A later migration that rebuilds `checkpoints` or `runs` on SQLite (batch_alter_table
 copies the table) drops these triggers with it and must create them again
 (tests/catalog/test_run_stats.py checks they exist at head).
@@ -46,14 +52,24 @@ SQLITE = [
     """CREATE TRIGGER trg_run_stats_run_insert AFTER INSERT ON runs
        BEGIN INSERT INTO run_stats (run_id) VALUES (NEW.id); END""",
     f"""CREATE TRIGGER trg_run_stats_ck_insert AFTER INSERT ON checkpoints
-       BEGIN UPDATE run_stats SET {_delta('NEW', '+', '({})')},
+       BEGIN UPDATE run_stats SET {_delta('NEW', '+', '({})')}, changes = changes + 1,
              newest_step = max(coalesce(newest_step, NEW.step), NEW.step) WHERE run_id = NEW.run_id; END""",
     f"""CREATE TRIGGER trg_run_stats_ck_update AFTER UPDATE OF status, bytes, step, run_id ON checkpoints
        WHEN OLD.status IS NOT NEW.status OR OLD.bytes IS NOT NEW.bytes OR OLD.step IS NOT NEW.step
             OR OLD.run_id IS NOT NEW.run_id
        BEGIN UPDATE run_stats SET {_delta('OLD', '-', '({})')} WHERE run_id = OLD.run_id;
              UPDATE run_stats SET {_delta('NEW', '+', '({})')},
+             changes = changes + (NEW.status <> 'DELETED' AND OLD.status IS NOT NEW.status),
              newest_step = max(coalesce(newest_step, NEW.step), NEW.step) WHERE run_id = NEW.run_id; END""",
+    """CREATE TRIGGER trg_run_stats_tag_insert AFTER INSERT ON tags
+       BEGIN UPDATE run_stats SET changes = changes + 1 WHERE run_id = NEW.run_id; END""",
+    """CREATE TRIGGER trg_run_stats_tag_update AFTER UPDATE ON tags
+       BEGIN UPDATE run_stats SET changes = changes + 1 WHERE run_id IN (OLD.run_id, NEW.run_id); END""",
+    """CREATE TRIGGER trg_run_stats_tag_delete AFTER DELETE ON tags
+       BEGIN UPDATE run_stats SET changes = changes + 1 WHERE run_id = OLD.run_id; END""",
+    """CREATE TRIGGER trg_run_stats_last_good AFTER UPDATE OF last_good_id ON runs
+       WHEN OLD.last_good_id IS NOT NEW.last_good_id
+       BEGIN UPDATE run_stats SET changes = changes + 1 WHERE run_id = NEW.id; END""",
     f"""CREATE TRIGGER trg_run_stats_ck_delete AFTER DELETE ON checkpoints
        BEGIN UPDATE run_stats SET {_delta('OLD', '-', '({})')} WHERE run_id = OLD.run_id; END""",
 ]
@@ -70,12 +86,30 @@ POSTGRES = [
          END IF;
          IF TG_OP IN ('INSERT', 'UPDATE') THEN
            UPDATE run_stats SET {_delta('NEW', '+', '({})::int')},
+             changes = changes + (NEW.status <> 'DELETED'
+                                  AND (TG_OP = 'INSERT' OR OLD.status IS DISTINCT FROM NEW.status))::int,
              newest_step = greatest(newest_step, NEW.step) WHERE run_id = NEW.run_id;
          END IF;
          RETURN NULL;
        END $$""",
     """CREATE CONSTRAINT TRIGGER trg_run_stats_ck_insert_delete AFTER INSERT OR DELETE ON checkpoints
        DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION lastgood_run_stats_ck()""",
+    """CREATE FUNCTION lastgood_run_stats_changed() RETURNS trigger LANGUAGE plpgsql AS $$
+       BEGIN
+         IF TG_TABLE_NAME = 'runs' THEN
+           UPDATE run_stats SET changes = changes + 1 WHERE run_id = NEW.id;
+         ELSIF TG_OP = 'DELETE' THEN
+           UPDATE run_stats SET changes = changes + 1 WHERE run_id = OLD.run_id;
+         ELSE
+           UPDATE run_stats SET changes = changes + 1 WHERE run_id = NEW.run_id;
+         END IF;
+         RETURN NULL;
+       END $$""",
+    """CREATE CONSTRAINT TRIGGER trg_run_stats_tags AFTER INSERT OR UPDATE OR DELETE ON tags
+       DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION lastgood_run_stats_changed()""",
+    """CREATE CONSTRAINT TRIGGER trg_run_stats_last_good AFTER UPDATE OF last_good_id ON runs
+       DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (OLD.last_good_id IS DISTINCT FROM NEW.last_good_id)
+       EXECUTE FUNCTION lastgood_run_stats_changed()""",
     """CREATE CONSTRAINT TRIGGER trg_run_stats_ck_update AFTER UPDATE OF status, bytes, step, run_id ON checkpoints
        DEFERRABLE INITIALLY DEFERRED FOR EACH ROW
        WHEN (OLD.status IS DISTINCT FROM NEW.status OR OLD.bytes IS DISTINCT FROM NEW.bytes
@@ -112,6 +146,7 @@ def upgrade() -> None:
     *[sa.Column(c, sa.BigInteger(), server_default='0', nullable=False) for c in COLUMNS],
     sa.Column('bytes_stored', sa.BigInteger(), server_default='0', nullable=False),
     sa.Column('newest_step', sa.BigInteger(), nullable=True),
+    sa.Column('changes', sa.BigInteger(), server_default='0', nullable=False),
     sa.ForeignKeyConstraint(['run_id'], ['runs.id'], name=op.f('fk_run_stats_run_id_runs'), ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('run_id', name=op.f('pk_run_stats'))
     )
@@ -122,13 +157,17 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     if op.get_bind().dialect.name == "postgresql":
+        op.execute("DROP TRIGGER trg_run_stats_last_good ON runs")
+        op.execute("DROP TRIGGER trg_run_stats_tags ON tags")
+        op.execute("DROP FUNCTION lastgood_run_stats_changed()")
         op.execute("DROP TRIGGER trg_run_stats_ck_update ON checkpoints")
         op.execute("DROP TRIGGER trg_run_stats_ck_insert_delete ON checkpoints")
         op.execute("DROP TRIGGER trg_run_stats_run_insert ON runs")
         op.execute("DROP FUNCTION lastgood_run_stats_ck()")
         op.execute("DROP FUNCTION lastgood_run_stats_run()")
     else:
-        for name in ("trg_run_stats_ck_delete", "trg_run_stats_ck_update", "trg_run_stats_ck_insert",
+        for name in ("trg_run_stats_last_good", "trg_run_stats_tag_delete", "trg_run_stats_tag_update",
+                     "trg_run_stats_tag_insert", "trg_run_stats_ck_delete", "trg_run_stats_ck_update", "trg_run_stats_ck_insert",
                      "trg_run_stats_run_insert"):
             op.execute(f"DROP TRIGGER {name}")
     op.drop_table('run_stats')

@@ -245,6 +245,8 @@ class RunStats(Base):
     deleted: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     bytes_stored: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     newest_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    # every change that may alter what a retention policy keeps (domain/gc.py reads it)
+    changes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
     def by_status(self) -> dict[str, int]:
         return {PENDING: self.pending, COMMITTED: self.committed, ABANDONED: self.abandoned, CORRUPT: self.corrupt,
