@@ -133,7 +133,8 @@ class Settings(BaseSettings):
                           "first vote batch's transaction after its rows were written; blob_eio fails every blob write "
                           "with EIO; hold_manifest holds every commit before its manifest write until the file "
                           "<data_dir>/hold_manifest.release exists; vote_fails_on_checkpoint_<id> makes the part of every vote "
-                          "batch on that checkpoint fail with an SQL error")
+                          "batch on that checkpoint fail with an SQL error; crash_after_direct_complete exits "
+                          "after a direct upload's completion, before the file is recorded")
 
     @model_validator(mode="after")
     def _streams_leave_workers(self) -> "Settings":

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 import torch
 from torch import nn
@@ -269,4 +270,41 @@ def test_direct_uploads_are_off_by_default(make_service, tmp_path, localstack, l
     r = svc.post(f"/api/v1/checkpoints/{cid}/ranks/0/grants",
                  json={"file_name": "rank00000.bin", "size": 1, "xxh3_128": "0" * 32, "crc32": ["AAAAAA=="]})
     assert r.status_code == 409 and "direct uploads are off" in r.json()["error"]["message"]
+    t.close()
+
+
+@pytest.mark.parametrize("tampered", [False, True], ids=["retried", "control-other-parts"])
+def test_a_hand_over_retried_after_the_upload_was_completed(make_service, tmp_path, localstack, ls_bucket, run_name,
+                                                            tampered):
+    """The service dies after it completed the upload and before it recorded the file (the
+    failpoint): the upload id is gone, yet the rank's retried hand-over is confirmed from the
+    completed object and commits. The control: a retry naming other parts is refused."""
+    lease = {"LASTGOOD_LEASE_SECONDS": "60"}  # a restart under load must not expire the checkpoint
+    crashing = direct_service(make_service, tmp_path, localstack, ls_bucket,
+                              LASTGOOD_FAILPOINT="crash_after_direct_complete", **lease)
+    t, cid, data, prepared = upload_corrupted(crashing, run_name, corrupt=False)
+    handle = directs3.upload(t, cid, 0, "rank00000.bin", data, prepared)
+    body = {"file_name": "rank00000.bin", "size": len(data), "xxh3_128": prepared.xxh3_128,
+            "upload_id": handle.upload_id, "parts": handle.parts}
+    with pytest.raises(httpx.HTTPError):  # the process exits before it answers
+        crashing.post(f"/api/v1/checkpoints/{cid}/ranks/0/direct-files", json=body)
+    t.close()
+    assert localstack.uploads(ls_bucket) == []  # completed: the upload id is gone
+
+    svc = direct_service(make_service, tmp_path, localstack, ls_bucket, **lease)
+    if tampered:
+        body["parts"] = [dict(p, crc32=handle.parts[0]["crc32"]) for p in handle.parts]
+    r = svc.post(f"/api/v1/checkpoints/{cid}/ranks/0/direct-files", json=body)
+    t = Transport(svc.url)
+    if tampered:
+        assert r.status_code == 422, r.text
+        with pytest.raises(FailedPrecondition, match="not verified"):
+            t.commit_rank(cid, 0, ["rank00000.bin"], wait=0)
+    else:
+        assert r.status_code == 200 and r.json()["already_present"] is False, r.text
+        assert t.commit_rank(cid, 0, ["rank00000.bin"], wait=5).status == "COMMITTED"
+        view, digest = t.read_file(cid, 0, "rank00000.bin", len(data))
+        assert bytes(view) == bytes(data) and digest == prepared.xxh3_128
+        # and once more: the file is recorded, so the hand-over is a no-op
+        assert svc.post(f"/api/v1/checkpoints/{cid}/ranks/0/direct-files", json=body).json()["already_present"]
     t.close()

@@ -22,10 +22,13 @@ import datetime as dt
 import hashlib
 import hmac
 import xml.etree.ElementTree as ET
+import zlib
 from dataclasses import dataclass
 from urllib.parse import quote, urlparse
 
 from minio.error import S3Error
+
+from .s3 import _not_found
 
 _NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
 CHECKSUM_HEADER = "x-amz-checksum-crc32"
@@ -48,6 +51,15 @@ class StoredPart:
     size: int
     etag: str
     crc32: str | None  # what the store computed and kept; None: it keeps none
+
+
+def composite(etags: list[str], crc32s: list[str]) -> tuple[str, str]:
+    """The ETag and CRC32 S3 gives the object a multipart upload of these parts completes
+    into: MD5 of the parts' binary MD5s, CRC32 of their binary CRC32s, each with `-<parts>`."""
+    n = len(etags)
+    etag = hashlib.md5(b"".join(bytes.fromhex(e.strip('"')) for e in etags)).hexdigest()
+    crc = zlib.crc32(b"".join(base64.b64decode(c) for c in crc32s))
+    return f"{etag}-{n}", f"{base64.b64encode(crc.to_bytes(4, 'big')).decode()}-{n}"
 
 
 def _sign(key: bytes, msg: str) -> bytes:
@@ -142,6 +154,19 @@ class S3Direct:
         if root is not None and root.tag in ("Error", f"{_NS}Error"):
             raise RuntimeError(f"completing the upload of {key} failed: {root.findtext('Code')} "
                                f"{root.findtext('Message')}")
+
+    def completed(self, key: str) -> tuple[int, str, str | None] | None:
+        """(size, ETag, CRC32) of the object at `key` as the store reports them (HEAD, no
+        byte read), or None when there is none. A multipart object's ETag and CRC32 are
+        composite (`...-N`): of its parts' ETags and CRC32s, which `composite` recomputes."""
+        try:
+            r = self._call("HEAD", key, {}, headers={"x-amz-checksum-mode": "ENABLED"})
+        except S3Error as e:
+            if _not_found(e) or e.code == "ResourceNotFound":
+                return None
+            raise
+        return (int(r.headers.get("Content-Length", -1)), (r.headers.get("ETag") or "").strip('"'),
+                r.headers.get(CHECKSUM_HEADER))
 
     def abort_upload(self, key_or_name: str, upload_id: str, *, named: bool = False) -> None:
         """Abort one upload; one already gone counts as aborted."""

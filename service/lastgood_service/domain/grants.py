@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from minio.error import S3Error
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 
 from lastgood import names
 from lastgood.directs3 import MAX_PARTS, part_layout  # the part layout: one rule, both sides
@@ -44,7 +45,7 @@ from lastgood.format import header_length
 from lastgood.hashing import is_valid_hex
 
 from ..blobstore import capabilities
-from ..blobstore.s3direct import StoredPart
+from ..blobstore.s3direct import StoredPart, composite
 from ..catalog.models import PENDING, VERIFIED, Checkpoint, Shard
 from . import fencing, keys
 from .commit import indexes
@@ -157,14 +158,17 @@ class DirectUploads:
         try:
             stored = d.list_parts(key, upload_id)
         except S3Error as e:
-            if e.code == "NoSuchUpload":
-                raise FailedPrecondition(f"no upload {upload_id!r} of rank {h.rank}'s {h.file_name!r} is open "
-                                         f"(aborted, completed, or never granted for this file)") from None
-            raise
-        problem = self._compare(h, n, part_size, stored, uploaded)
-        if problem:
-            self._refuse(d, h, key, upload_id, problem)
-        d.complete(key, upload_id, stored)
+            if e.code != "NoSuchUpload":
+                raise
+            stored = None
+        if stored is None:  # completed by an earlier hand-over that did not get to record it?
+            self._completed_before(d, h, key, upload_id, n, uploaded)
+        else:
+            problem = self._compare(h, n, part_size, stored, uploaded)
+            if problem:
+                self._refuse(d, h, key, upload_id, problem)
+            d.complete(key, upload_id, stored)
+            self.commits._failpoint("crash_after_direct_complete")
         info = self.commits.store.stat(key)
         if info is None or info.size != h.size:
             self.commits.store.delete(key)  # a whole object of other bytes: never left under the file's key
@@ -175,6 +179,35 @@ class DirectUploads:
                 d.abort_upload(key, other)
         index_json = self._index(key, h, pfx)
         return self._record(h, key, index_json)
+
+    def _completed_before(self, d, h: ShardHeader, key: str, upload_id: str, n: int,
+                          uploaded: list[UploadedPart]) -> None:
+        """A hand-over whose upload is gone: a retry after the service completed it and then
+        failed (a restart, a 5xx, the client's timeout) must still record the file, so the
+        object at the key is confirmed from what the store reports of it, without reading a
+        byte: its size, and its composite ETag and CRC32 against the parts the rank names
+        (the first hand-over confirmed those parts from the store's listing)."""
+        gone = FailedPrecondition(f"no upload {upload_id!r} of rank {h.rank}'s {h.file_name!r} is open, and no "
+                                  f"completed object of it is stored (aborted, or never granted for this file)")
+        found = d.completed(key)
+        if found is None:
+            raise gone
+        size, etag, crc = found
+        mine = sorted(uploaded, key=lambda p: p.number)
+        if [p.number for p in mine] != list(range(1, n + 1)):
+            self._refuse(d, h, key, upload_id, f"the hand-over names parts {[p.number for p in mine][:20]}, "
+                                               f"a file of {h.size} bytes has 1..{n}")
+        want_etag, want_crc = composite([p.etag for p in mine], [p.crc32 for p in mine])
+        if crc is None:
+            problem = "the store reports no CRC32 of the completed object, so it cannot vouch for its bytes"
+        elif size != h.size:
+            problem = f"the completed object has {size} bytes, not {h.size}"
+        elif crc != want_crc or (etag.endswith(f"-{n}") and etag != want_etag):
+            problem = (f"the completed object (ETag {etag}, CRC32 {crc}) is not the parts the hand-over names "
+                       f"(ETag {want_etag}, CRC32 {want_crc})")
+        else:
+            return
+        self._refuse(d, h, key, upload_id, problem)  # the object stays: it may be another hand-over's
 
     @staticmethod
     def _compare(h: ShardHeader, n: int, part_size: int, stored: list[StoredPart],
@@ -230,18 +263,24 @@ class DirectUploads:
 
     def _record(self, h: ShardHeader, key: str, index_json: str | None) -> PutResult:
         c = self.commits
-        with c.sessions() as s, s.begin():
-            ck = c._get_checkpoint(s, h.checkpoint_id, lock=True)  # serialises with votes
-            fencing.check(s, ck.run_id, ck.generation, f"upload to checkpoint {ck.id}")
-            existing = c._find_shard(s, h)
-            if existing is not None:
-                return c._same_or_conflict(existing, h)
-            c._require_pending(ck, "record the shard")
-            c._require_not_voted(s, h)
-            s.add(Shard(checkpoint_id=ck.id, rank=h.rank, file_name=h.file_name, size=h.size, xxh3_128=h.xxh3_128,
-                        blob_key=key, status=VERIFIED, index_json=index_json, created_at=c.clock()))
-            ck.lease_expires_at = c._lease()
-            add_event(s, "direct_upload", ck.run_id, ck.id, rank=h.rank, file=h.file_name, bytes=h.size)
+        with c.sessions() as s:
+            try:
+                with s.begin():
+                    ck = c._get_checkpoint(s, h.checkpoint_id, lock=True)  # serialises with votes
+                    fencing.check(s, ck.run_id, ck.generation, f"upload to checkpoint {ck.id}")
+                    existing = c._find_shard(s, h)
+                    if existing is not None:
+                        return c._same_or_conflict(existing, h)
+                    c._require_pending(ck, "record the shard")
+                    c._require_not_voted(s, h)
+                    s.add(Shard(checkpoint_id=ck.id, rank=h.rank, file_name=h.file_name, size=h.size,
+                                xxh3_128=h.xxh3_128, blob_key=key, status=VERIFIED, index_json=index_json,
+                                created_at=c.clock()))
+                    ck.lease_expires_at = c._lease()
+                    add_event(s, "direct_upload", ck.run_id, ck.id, rank=h.rank, file=h.file_name, bytes=h.size)
+            except IntegrityError:  # two hand-overs of the same file at once, as put_shard
+                with s.begin():
+                    return c._same_or_conflict(c._find_shard(s, h), h)
         return PutResult(False, h.size, h.xxh3_128)
 
     # ------------------------------------------------------------ reads
