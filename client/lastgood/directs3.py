@@ -226,7 +226,9 @@ def discard(handle: Handle | None) -> None:
 def read_file(transport, checkpoint_id: int, rank: int, file_name: str, size: int,
               into=None) -> tuple[memoryview, str]:
     """The whole file through a presigned GET, into `into`, and the xxh3-128 of what arrived
-    (the caller compares it with the manifest's, as for a streamed read)."""
+    (the caller compares it with the manifest's, as for a streamed read). A committed file
+    the store no longer holds (404), or holds with another size, raises CorruptCheckpoint:
+    the restore treats the checkpoint as damaged and falls back to an ancestor."""
     view = memoryview(bytearray(size) if into is None else into).cast("B")
     if view.nbytes < size:
         raise ValueError(f"read_file: a buffer of {view.nbytes} bytes cannot hold {size}")
@@ -235,7 +237,12 @@ def read_file(transport, checkpoint_id: int, rank: int, file_name: str, size: in
 
     def once() -> str:  # a retry asks for a fresh URL and starts over
         g = transport.get_json(f"/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/read-grants/{file_name}")
-        resp, conn = _request("GET", g["url"], what=what)
+        try:
+            resp, conn = _request("GET", g["url"], what=what)
+        except StoreRefused as e:
+            if e.status == 404 or e.store_code == "NoSuchKey":  # a committed file gone from the store:
+                raise CorruptCheckpoint(f"{what}: the store has no such object ({e.store_code})") from None
+            raise                                            # damage, as a missing blob is when streamed
         hasher, pos = StreamHasher(), 0
         try:
             while pos < size:

@@ -308,3 +308,25 @@ def test_a_hand_over_retried_after_the_upload_was_completed(make_service, tmp_pa
         # and once more: the file is recorded, so the hand-over is a no-op
         assert svc.post(f"/api/v1/checkpoints/{cid}/ranks/0/direct-files", json=body).json()["already_present"]
     t.close()
+
+
+def test_a_direct_restore_of_a_checkpoint_whose_object_is_gone_falls_back_to_its_parent(
+        make_service, tmp_path, localstack, ls_bucket, run_name):
+    """The store answers 404 for a committed file's object: that is damage, as a missing blob
+    is on the streamed path, so the restore falls back to the parent (the round trip above is
+    the control that restores the newest)."""
+    svc = direct_service(make_service, tmp_path, localstack, ls_bucket)
+    model, opt = training(0)
+    with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, lastgood.TrainState(model=model, optimizer=opt))
+            ckpt.wait()
+    lg = svc.get(f"/api/v1/runs/{run_name}/last-good", params={"manifest": "true"}).json()
+    assert lg["step"] == 2
+    entry = lg["manifest"]["ranks"][0]["files"][0]
+    key = keys.shard_key(keys.prefix(lg["id"], run_name, 2, lg["attempt"]), 0, entry["xxh3_128"])
+    localstack.client().remove_object(bucket_name=ls_bucket, object_name=key)
+    model2, opt2 = training(1)
+    with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
+        assert ckpt.restore(lastgood.TrainState(model=model2, optimizer=opt2)) == 1
+    assert svc.get(f"/api/v1/checkpoints/{lg['id']}").json()["status"] == "CORRUPT"
