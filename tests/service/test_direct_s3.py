@@ -330,3 +330,47 @@ def test_a_direct_restore_of_a_checkpoint_whose_object_is_gone_falls_back_to_its
     with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
         assert ckpt.restore(lastgood.TrainState(model=model2, optimizer=opt2)) == 1
     assert svc.get(f"/api/v1/checkpoints/{lg['id']}").json()["status"] == "CORRUPT"
+
+
+def test_a_service_restarted_with_direct_uploads_off_gets_the_stream(make_service, tmp_path, localstack, ls_bucket,
+                                                                     run_name):
+    """The client learned the direct terms when it connected; the service restarts with
+    them off. The next save is refused its grant (direct_off), so the client refreshes the
+    service's info and streams that save; a restore reads through the service too. The
+    first save, direct, is the control."""
+    svc = direct_service(make_service, tmp_path, localstack, ls_bucket)
+    model, opt = training(0)
+    with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
+        ckpt.save(1, lastgood.TrainState(model=model, optimizer=opt))
+        ckpt.wait()
+        assert metric(svc, "lastgood_bytes_ingested_total") == 0  # direct
+        svc.env["LASTGOOD_DIRECT_S3"] = "false"
+        svc.restart()
+        assert svc.info["direct_s3"] is None
+        model.state_dict()["0.bias"].add_(1)
+        ckpt.save(2, lastgood.TrainState(model=model, optimizer=opt))
+        ckpt.wait()
+        assert metric(svc, "lastgood_bytes_ingested_total") > 0  # streamed
+        model2, opt2 = training(1)
+        assert ckpt.restore(lastgood.TrainState(model=model2, optimizer=opt2)) == 2
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, model2.state_dict()[k]), k
+
+
+def test_a_rank_that_checksummed_with_another_part_size_is_still_granted(make_service, tmp_path, localstack,
+                                                                         ls_bucket, run_name):
+    """The service's part size changed since the rank learned its terms (5 MiB here, 6 MiB
+    there: 3 parts against 2 for 12 MiB). The rank's part size travels with the grant and
+    the hand-over, so the upload is laid out as the rank checksummed it and commits."""
+    svc = direct_service(make_service, tmp_path, localstack, ls_bucket,
+                         LASTGOOD_DIRECT_S3_PART_SIZE=str(6 * MiB))
+    t, cid, data, prepared = upload_corrupted(svc, run_name, corrupt=False)  # checksummed at 5 MiB
+    handle = directs3.upload(t, cid, 0, "rank00000.bin", data, prepared)
+    assert [p["number"] for p in handle.parts] == [1, 2, 3]
+    directs3.hand_over(t, cid, 0, "rank00000.bin", handle)
+    assert t.commit_rank(cid, 0, ["rank00000.bin"], wait=5).status == "COMMITTED"
+    r = svc.post(f"/api/v1/checkpoints/{cid}/ranks/0/grants",  # out of S3's bounds: a clear 422
+                 json={"file_name": "rank00001.bin", "size": 1, "xxh3_128": "0" * 32, "crc32": ["AAAAAA=="],
+                       "part_size": MiB})
+    assert r.status_code == 422 and "part_size" in r.text, r.text
+    t.close()

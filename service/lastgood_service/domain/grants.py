@@ -39,7 +39,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from lastgood import names
-from lastgood.directs3 import MAX_PARTS, part_layout  # the part layout: one rule, both sides
+from lastgood.directs3 import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, part_layout  # one rule, both sides
 from lastgood.errors import FormatError
 from lastgood.format import header_length
 from lastgood.hashing import is_valid_hex
@@ -51,7 +51,7 @@ from . import fencing, keys
 from .commit import indexes
 from .commit.core import key_prefix
 from .commit.protocol import PutResult, ShardHeader
-from .errors import FailedPrecondition, HashMismatch, InvalidArgument, TooLarge
+from .errors import DirectOff, FailedPrecondition, HashMismatch, InvalidArgument, TooLarge
 from .events import add_event
 
 log = logging.getLogger("lastgood.grants")
@@ -83,8 +83,8 @@ class DirectUploads:
         d = capabilities.direct(self.commits.store, self.settings.s3_public_endpoint) \
             if self.settings.direct_s3 else None
         if d is None:
-            raise FailedPrecondition("direct uploads are off: they need an s3:// blob store and "
-                                     "LASTGOOD_DIRECT_S3=true; stream the file instead")
+            raise DirectOff("direct uploads are off: they need an s3:// blob store and "
+                            "LASTGOOD_DIRECT_S3=true; stream the file instead")
         return d
 
     def info(self) -> dict | None:
@@ -123,11 +123,13 @@ class DirectUploads:
             pfx = key_prefix(s, ck)
             return keys.shard_key(pfx, h.rank, h.xxh3_128), None, pfx
 
-    def grant(self, h: ShardHeader, crc32s: list[str]) -> dict:
+    def grant(self, h: ShardHeader, crc32s: list[str], part_size: int | None = None) -> dict:
         """Start the file's multipart upload; one presigned UploadPart URL a part, each
-        signing that part's CRC32. A file recorded already needs no grant."""
+        signing that part's CRC32. A file recorded already needs no grant. `part_size`:
+        the one the rank checksummed with (any within S3's bounds; the route checks them),
+        so a rank that learned the terms before the setting changed is not refused."""
         d = self._direct()
-        part_size, n = part_layout(h.size, self.settings.direct_s3_part_size)
+        part_size, n = part_layout(h.size, part_size or self.settings.direct_s3_part_size)
         if len(crc32s) != n:
             raise InvalidArgument(f"a file of {h.size} bytes has {n} parts of {part_size} bytes; "
                                   f"{len(crc32s)} CRC32s were given")
@@ -144,7 +146,8 @@ class DirectUploads:
                 "checksum_header": "x-amz-checksum-crc32", "parts": parts}
 
     # ------------------------------------------------------------ hand-over
-    def hand_over(self, h: ShardHeader, upload_id: str, uploaded: list[UploadedPart]) -> PutResult:
+    def hand_over(self, h: ShardHeader, upload_id: str, uploaded: list[UploadedPart],
+                  part_size: int | None = None) -> PutResult:
         """Confirm the upload from the store's metadata, complete it, record the file VERIFIED."""
         d = self._direct()
         if not upload_id or len(upload_id) > 1024:
@@ -154,7 +157,7 @@ class DirectUploads:
         key, present, pfx = self._file(h, for_what="record the upload")
         if present is not None:
             return present
-        part_size, n = part_layout(h.size, self.settings.direct_s3_part_size)
+        part_size, n = part_layout(h.size, part_size or self.settings.direct_s3_part_size)
         try:
             stored = d.list_parts(key, upload_id)
         except S3Error as e:
