@@ -37,12 +37,23 @@ MAX_EXPIRES = 7 * 24 * 3600  # SigV4's limit on a presigned URL
 
 def parse_endpoint(value: str, secure: bool = True) -> tuple[str, str]:
     """(scheme, host[:port]) of an endpoint written `scheme://host[:port]` or `host[:port]`
-    (then https unless `secure` is false). Settings check LASTGOOD_S3_PUBLIC_ENDPOINT with it."""
+    (then https unless `secure` is false). Settings check LASTGOOD_S3_PUBLIC_ENDPOINT with it.
+    The scheme's default port (https 443, http 80) is dropped: HTTP clients leave it out of
+    the Host header they send, and the signature covers that header, so a URL signed for
+    `host:443` would fail the store's check (SignatureDoesNotMatch)."""
     ep = value if "://" in value else f"{'https' if secure else 'http'}://{value}"
     p = urlparse(ep)
-    if p.scheme not in ("http", "https") or not p.hostname or p.path not in ("", "/") or p.query or p.username:
+    try:
+        port = p.port
+    except ValueError:
+        port = -1
+    if (p.scheme not in ("http", "https") or not p.hostname or p.path not in ("", "/") or p.query or p.username
+            or port == -1):
         raise ValueError(f"an S3 endpoint is scheme://host[:port], got {value!r}")
-    return p.scheme, p.netloc
+    netloc = p.netloc
+    if port == {"http": 80, "https": 443}[p.scheme]:
+        netloc = netloc[:netloc.rfind(":")]
+    return p.scheme, netloc
 
 
 @dataclass(frozen=True)
