@@ -344,7 +344,7 @@ def test_a_service_restarted_with_direct_uploads_off_gets_the_stream(make_servic
         ckpt.save(1, lastgood.TrainState(model=model, optimizer=opt))
         ckpt.wait()
         assert metric(svc, "lastgood_bytes_ingested_total") == 0  # direct
-        svc.env["LASTGOOD_DIRECT_S3"] = "false"
+        svc.env.update(LASTGOOD_DIRECT_S3="false", LASTGOOD_VERIFICATION="service")  # the service hashes again
         svc.restart()
         assert svc.info["direct_s3"] is None
         model.state_dict()["0.bias"].add_(1)
@@ -373,4 +373,29 @@ def test_a_rank_that_checksummed_with_another_part_size_is_still_granted(make_se
                  json={"file_name": "rank00001.bin", "size": 1, "xxh3_128": "0" * 32, "crc32": ["AAAAAA=="],
                        "part_size": MiB})
     assert r.status_code == 422 and "part_size" in r.text, r.text
+    t.close()
+
+
+@pytest.mark.parametrize("same_bytes", [False, True], ids=["other-bytes", "control-same-bytes"])
+def test_a_file_claiming_another_files_hash_cannot_overwrite_its_object(make_service, tmp_path, localstack, ls_bucket,
+                                                                      run_name, same_bytes):
+    """Two files of one rank that claim one xxh3-128 share one key. The service cannot
+    check the claim (it reads no byte), so a second file with other bytes is refused
+    rather than completed over the first's object; the same bytes are recorded on it."""
+    svc = direct_service(make_service, tmp_path, localstack, ls_bucket)
+    t, cid, data, prepared = upload_corrupted(svc, run_name, corrupt=False)
+    directs3.hand_over(t, cid, 0, "a.bin", directs3.upload(t, cid, 0, "a.bin", data, prepared))
+    other = data if same_bytes else shard(len(data), seed=1)
+    claimed = directs3.Parts(len(other), prepared.xxh3_128, prepared.part_size,
+                             directs3.prepare(other, 5 * MiB).crc32)  # the first file's hash, claimed
+    body = {"file_name": "b.bin", "size": len(other), "xxh3_128": claimed.xxh3_128, "crc32": claimed.crc32}
+    r = svc.post(f"/api/v1/checkpoints/{cid}/ranks/0/grants", json=body)
+    if same_bytes:
+        assert r.status_code == 200 and r.json()["already_present"], r.text
+        assert t.commit_rank(cid, 0, ["a.bin", "b.bin"], wait=5).status == "COMMITTED"
+    else:
+        assert r.status_code == 409 and "'a.bin'" in r.json()["error"]["message"], r.text
+        assert t.commit_rank(cid, 0, ["a.bin"], wait=5).status == "COMMITTED"
+    view, digest = t.read_file(cid, 0, "a.bin", len(data))
+    assert bytes(view) == bytes(data) and digest == prepared.xxh3_128
     t.close()

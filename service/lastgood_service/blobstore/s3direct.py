@@ -67,7 +67,7 @@ class StoredPart:
 def composite(etags: list[str], crc32s: list[str]) -> tuple[str, str]:
     """The ETag and CRC32 S3 gives the object a multipart upload of these parts completes
     into: MD5 of the parts' binary MD5s, CRC32 of their binary CRC32s, each with `-<parts>`."""
-    n = len(etags)
+    n = len(crc32s)
     etag = hashlib.md5(b"".join(bytes.fromhex(e.strip('"')) for e in etags)).hexdigest()
     crc = zlib.crc32(b"".join(base64.b64decode(c) for c in crc32s))
     return f"{etag}-{n}", f"{base64.b64encode(crc.to_bytes(4, 'big')).decode()}-{n}"

@@ -51,7 +51,7 @@ from . import fencing, keys
 from .commit import indexes
 from .commit.core import key_prefix
 from .commit.protocol import PutResult, ShardHeader
-from .errors import DirectOff, FailedPrecondition, HashMismatch, InvalidArgument, TooLarge
+from .errors import Conflict, DirectOff, FailedPrecondition, HashMismatch, InvalidArgument, TooLarge
 from .events import add_event
 
 log = logging.getLogger("lastgood.grants")
@@ -135,7 +135,9 @@ class DirectUploads:
                                   f"{len(crc32s)} CRC32s were given")
         for i, crc in enumerate(crc32s):
             _check_crc(crc, f"part {i + 1}")
-        key, present, _pfx = self._file(h, for_what="grant an upload")
+        key, present, pfx = self._file(h, for_what="grant an upload")
+        if present is None and self._shared(d, h, key, crc32s):
+            present = self._record(h, key, self._index(key, h, pfx))
         if present is not None:
             return {"already_present": True, "part_size": part_size, "parts": []}
         upload_id = d.create_upload(key)
@@ -158,6 +160,15 @@ class DirectUploads:
         if present is not None:
             return present
         part_size, n = part_layout(h.size, part_size or self.settings.direct_s3_part_size)
+        mine = sorted(uploaded, key=lambda p: p.number)
+        try:
+            shared = self._shared(d, h, key, [p.crc32 for p in mine])
+        except Conflict:
+            d.abort_upload(key, upload_id)
+            raise
+        if shared:  # granted before the other file was recorded: never completed over it
+            d.abort_upload(key, upload_id)
+            return self._record(h, key, self._index(key, h, pfx))
         try:
             stored = d.list_parts(key, upload_id)
         except S3Error as e:
@@ -182,6 +193,26 @@ class DirectUploads:
                 d.abort_upload(key, other)
         index_json = self._index(key, h, pfx)
         return self._record(h, key, index_json)
+
+    def _shared(self, d, h: ShardHeader, key: str, crc32s: list[str]) -> bool:
+        """Whether another file of the checkpoint is recorded under this key already (the
+        same rank, the same claimed xxh3-128) with the same bytes: then this file is recorded
+        on that object, with no upload. A completion under the key would overwrite that
+        file's object, so other bytes (another size, another composite CRC32 of the parts)
+        are refused."""
+        with self.commits.sessions() as s:
+            other = s.execute(select(Shard.file_name, Shard.size).where(
+                Shard.checkpoint_id == h.checkpoint_id, Shard.blob_key == key,
+                Shard.file_name != h.file_name).limit(1)).first()
+        if other is None:
+            return False
+        found = d.completed(key)
+        if other.size == h.size and found is not None and found[0] == h.size \
+                and found[2] == composite([], crc32s)[1]:
+            return True
+        raise Conflict(f"rank {h.rank}'s {other.file_name!r} of checkpoint {h.checkpoint_id} is stored under the "
+                       f"xxh3-128 {h.xxh3_128} that {h.file_name!r} claims, with other bytes: refused, so that "
+                       f"its object is not overwritten")
 
     def _completed_before(self, d, h: ShardHeader, key: str, upload_id: str, n: int,
                           uploaded: list[UploadedPart]) -> None:
