@@ -399,3 +399,16 @@ def test_a_file_claiming_another_files_hash_cannot_overwrite_its_object(make_ser
     view, digest = t.read_file(cid, 0, "a.bin", len(data))
     assert bytes(view) == bytes(data) and digest == prepared.xxh3_128
     t.close()
+
+
+def test_gc_aborts_an_upload_whose_checkpoint_row_is_gone(make_service, tmp_path, localstack, ls_bucket, run_name):
+    """An upload under a checkpoint this catalog has no row for (a row purged, a catalog
+    rebuilt or restored from a backup) is aborted by GC once it is older than a grant can
+    live; before, an unknown checkpoint counted as PENDING and its upload stayed forever."""
+    svc = direct_service(make_service, tmp_path, localstack, ls_bucket, LASTGOOD_DIRECT_S3_GRANT_SECONDS="1")
+    key = keys.shard_key(keys.prefix(987654, run_name, 1, "a1"), 0, "f" * 32)
+    localstack.store(ls_bucket).direct().create_upload(key)
+    assert len(localstack.uploads(ls_bucket)) == 1
+    time.sleep(2.5)  # older than the grant lifetime
+    assert svc.post("/api/v1/gc").status_code == 200
+    assert localstack.uploads(ls_bucket) == []

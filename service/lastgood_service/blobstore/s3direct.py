@@ -193,3 +193,8 @@ class S3Direct:
         """(key, upload id) of the uploads not completed or aborted under `key_prefix`."""
         n = len(self.store.prefix)
         return [(name[n:], uid) for name, uid in self.store.incomplete_uploads(key_prefix)]
+
+    def uploads_since(self, key_prefix: str) -> list[tuple[str, str, dt.datetime | None]]:
+        """(key, upload id, when it began) of the same uploads."""
+        n = len(self.store.prefix)
+        return [(name[n:], uid, t) for name, uid, t in self.store.incomplete_uploads(key_prefix, initiated=True)]

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import datetime as dt
 import logging
 from dataclasses import dataclass
 
@@ -46,7 +47,7 @@ from lastgood.hashing import is_valid_hex
 
 from ..blobstore import capabilities
 from ..blobstore.s3direct import StoredPart, composite
-from ..catalog.models import PENDING, VERIFIED, Checkpoint, Shard
+from ..catalog.models import PENDING, VERIFIED, Checkpoint, Run, Shard
 from . import fencing, keys
 from .commit import indexes
 from .commit.core import key_prefix
@@ -347,24 +348,34 @@ class DirectUploads:
         return n
 
 
-def sweep(sessions, store) -> int:
+def sweep(sessions, store, now: dt.datetime, grant_seconds: float) -> int:
     """Abort every open upload under ckpt/ whose checkpoint is no longer PENDING: GC's
-    backstop (gc.py) for an abort or expiry whose own `end` did not get through. Never
-    raises: a store that cannot list uploads must not stop GC's deletions."""
+    backstop (gc.py) for an abort or expiry whose own `end` did not get through. An upload
+    of a checkpoint this catalog has no row for (the row purged, the catalog rebuilt or
+    restored) is aborted once it is older than a grant lives (`grant_seconds`): nobody can
+    upload to it or hand it over any more. Never raises: a store that cannot list uploads
+    must not stop GC's deletions."""
     d = capabilities.direct(store)
     if d is None:
         return 0
     n = 0
     try:
-        open_ = [(keys.parse(k), k, u) for k, u in d.uploads(keys.ROOT)]
-        ids = sorted({p.checkpoint_id for p, _, _ in open_ if p})
+        open_ = [(keys.parse(k), k, u, t) for k, u, t in d.uploads_since(keys.ROOT)]
+        ids = sorted({p.checkpoint_id for p, _, _, _ in open_ if p})
         with sessions() as s, s.begin():
-            status = dict(s.execute(select(Checkpoint.id, Checkpoint.status)
-                                    .where(Checkpoint.id.in_(ids))).tuples().all()) if ids else {}
-        for p, key, upload_id in open_:
-            # a key this catalog does not own is left alone, as GC leaves such blobs
-            if p is None or status.get(p.checkpoint_id, PENDING) == PENDING:
+            q = (select(Checkpoint.id, Checkpoint.status, Run.name, Checkpoint.step, Checkpoint.attempt)
+                 .join(Run, Run.id == Checkpoint.run_id).where(Checkpoint.id.in_(ids)))
+            rows = {r[0]: r[1:] for r in s.execute(q).all()} if ids else {}
+        for p, key, upload_id, began in open_:
+            if p is None:  # a key lastgood did not write is left alone, as GC leaves such blobs
                 continue
+            row = rows.get(p.checkpoint_id)
+            if row is not None and keys.belongs_to(p, p.checkpoint_id, *row[1:]):
+                if row[0] == PENDING:
+                    continue
+            elif began is None or (now - began.replace(tzinfo=began.tzinfo or dt.timezone.utc)
+                                   ).total_seconds() <= grant_seconds:
+                continue  # no row of ours: aborted only once no grant of it can be alive
             d.abort_upload(key, upload_id)
             n += 1
     except Exception:  # noqa: BLE001
