@@ -39,12 +39,14 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from .errors import CorruptCheckpoint, Refused, Unavailable
+from .errors import CorruptCheckpoint, DirectOff, Refused, Unavailable
 from .hashing import StreamHasher
 
 log = logging.getLogger("lastgood")
 
 MAX_PARTS = 10_000       # S3's limit
+MIN_PART_SIZE = 5 * 1024 * 1024      # S3's limits on a part (but the last)
+MAX_PART_SIZE = 5 * 1024 * 1024 * 1024
 THREADS = 4              # parts in flight per file: enough to fill a link, few enough to share it
 _PIECE = 8 * 1024 * 1024  # hashing granularity: each piece is hashed while it is in the CPU's cache
 _TIMEOUT = 300.0
@@ -167,7 +169,7 @@ def upload(transport, checkpoint_id: int, rank: int, file_name: str, data, prepa
     of a direct upload, so the checkpoint's lease is kept alive by the uploader."""
     g = transport.post_json(f"/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/grants",
                             {"file_name": file_name, "size": prepared.size, "xxh3_128": prepared.xxh3_128,
-                             "crc32": prepared.crc32})
+                             "crc32": prepared.crc32, "part_size": prepared.part_size})
     handle = Handle(prepared, g.get("upload_id"), already_present=bool(g["already_present"]))
     if handle.already_present:
         return handle
@@ -211,7 +213,15 @@ def hand_over(transport, checkpoint_id: int, rank: int, file_name: str, handle: 
         return {"already_present": True, "size": p.size, "xxh3_128": p.xxh3_128}
     return transport.post_json(f"/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/direct-files",
                                {"file_name": file_name, "size": p.size, "xxh3_128": p.xxh3_128,
-                                "upload_id": handle.upload_id, "parts": handle.parts})
+                                "part_size": p.part_size, "upload_id": handle.upload_id, "parts": handle.parts})
+
+
+def turned_off(transport, e: DirectOff) -> None:
+    """The service refused a direct upload or read because it offers none any more (it
+    restarted with them off): learn its terms anew, so this file and every later save and
+    read go through the service, as a refused spool hand-over falls back to the stream."""
+    log.warning("lastgood: the service no longer offers direct uploads (%s); sending through it", e.detail)
+    transport.info = transport.service_info()
 
 
 def discard(handle: Handle | None) -> None:
@@ -226,7 +236,9 @@ def discard(handle: Handle | None) -> None:
 def read_file(transport, checkpoint_id: int, rank: int, file_name: str, size: int,
               into=None) -> tuple[memoryview, str]:
     """The whole file through a presigned GET, into `into`, and the xxh3-128 of what arrived
-    (the caller compares it with the manifest's, as for a streamed read)."""
+    (the caller compares it with the manifest's, as for a streamed read). A committed file
+    the store no longer holds (404), or holds with another size, raises CorruptCheckpoint:
+    the restore treats the checkpoint as damaged and falls back to an ancestor."""
     view = memoryview(bytearray(size) if into is None else into).cast("B")
     if view.nbytes < size:
         raise ValueError(f"read_file: a buffer of {view.nbytes} bytes cannot hold {size}")
@@ -235,7 +247,12 @@ def read_file(transport, checkpoint_id: int, rank: int, file_name: str, size: in
 
     def once() -> str:  # a retry asks for a fresh URL and starts over
         g = transport.get_json(f"/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/read-grants/{file_name}")
-        resp, conn = _request("GET", g["url"], what=what)
+        try:
+            resp, conn = _request("GET", g["url"], what=what)
+        except StoreRefused as e:
+            if e.status == 404 or e.store_code == "NoSuchKey":  # a committed file gone from the store:
+                raise CorruptCheckpoint(f"{what}: the store has no such object ({e.store_code})") from None
+            raise                                            # damage, as a missing blob is when streamed
         hasher, pos = StreamHasher(), 0
         try:
             while pos < size:
@@ -259,7 +276,10 @@ def read_file(transport, checkpoint_id: int, rank: int, file_name: str, size: in
 
 class DirectS3Path:
     """The save session's data path (save/paths.py) for direct uploads: `prepare` hashes and
-    checksums before begin, `send` uploads and hands over, `discard` has nothing to undo."""
+    checksums before begin, `send` uploads and hands over, `discard` has nothing to undo.
+    The part size the file was checksummed with travels with its grant and hand-over, so a
+    service whose setting changed since still lays the parts out the same; a service that
+    turned direct uploads off since gets the file streamed (`turned_off`)."""
 
     name = "direct-s3"
 
@@ -274,10 +294,14 @@ class DirectS3Path:
         return Prepared(name, data, parts.xxh3_128, expected_bytes=0, token=parts)  # the store's room, not ours
 
     def send(self, checkpoint_id: int, rank: int, handle) -> None:
-        up = upload(self.transport, checkpoint_id, rank, handle.name, handle.data, handle.token,
-                    renew=self._renewer(checkpoint_id, rank),
-                    renew_every=float(self.transport.info.get("lease_seconds", 60)) / 4)
-        hand_over(self.transport, checkpoint_id, rank, handle.name, up)
+        try:
+            up = upload(self.transport, checkpoint_id, rank, handle.name, handle.data, handle.token,
+                        renew=self._renewer(checkpoint_id, rank),
+                        renew_every=float(self.transport.info.get("lease_seconds", 60)) / 4)
+            hand_over(self.transport, checkpoint_id, rank, handle.name, up)
+        except DirectOff as e:  # the service turned them off since: this file goes through it
+            turned_off(self.transport, e)  # (an upload left open is aborted by GC's sweep)
+            self.transport.put_shard(checkpoint_id, rank, handle.name, handle.data, handle.digest)
 
     def discard(self, handle) -> None:
         discard(None)

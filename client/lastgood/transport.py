@@ -239,7 +239,10 @@ class Transport(RestClient):
         into `into` (a writable buffer of at least `size` bytes; by default a new one). On
         the service's host it may come as a link in the spool instead of a stream."""
         if self.info.get("direct_s3"):  # straight from the S3 store, through a presigned GET (directs3.py)
-            return directs3.read_file(self, checkpoint_id, rank, file_name, size, into)
+            try:
+                return directs3.read_file(self, checkpoint_id, rank, file_name, size, into)
+            except errors.DirectOff as e:  # turned off since we connected: through the service
+                directs3.turned_off(self, e)
         view = memoryview(bytearray(size) if into is None else into).cast("B")
         if view.nbytes < size:
             raise ValueError(f"read_file: a buffer of {view.nbytes} bytes cannot hold {size}")

@@ -88,7 +88,8 @@ class Service:
                                    batch_size=settings.gc_batch_size, full_every=settings.gc_full_every,
                                    batch_seconds=settings.gc_batch_seconds,
                                    event_retention_seconds=settings.event_retention_seconds,
-                                   read_sessions=self.queries.sessions)
+                                   read_sessions=self.queries.sessions,
+                                   grant_seconds=settings.direct_s3_grant_seconds)
         self.metrics.watch_free_bytes(lambda: capabilities.free_bytes(blobs))
         self.metrics.watch_catalog(txtimer.of(sessions))  # the commit path's engine (heartbeats have their own)
         admin = settings.admin_token.get_secret_value() if settings.admin_token else None

@@ -7,6 +7,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from lastgood.directs3 import MAX_PART_SIZE, MIN_PART_SIZE  # S3's bounds, one place
+
 MiB = 1024 * 1024
 
 
@@ -79,7 +81,7 @@ class Settings(BaseSettings):
                                            "are signed for this host)")
     direct_s3_grant_seconds: int = Field(3600, ge=1, le=7 * 24 * 3600, description="how long a presigned URL "
                                          "of a direct upload or read lasts")
-    direct_s3_part_size: int = Field(64 * MiB, ge=5 * MiB, le=5 * 1024 * MiB, description="part size of a direct "
+    direct_s3_part_size: int = Field(64 * MiB, ge=MIN_PART_SIZE, le=MAX_PART_SIZE, description="part size of a direct "
                                      "upload (S3: 5 MiB to 5 GiB; grown for files that would need over 10,000 parts)")
     # data paths and verification (docs/dataplane.md; domain/verification_modes.py owns the modes)
     verification: str = Field("service", pattern="^(service|peer|store)$", description="who hashes a file handed "
@@ -135,7 +137,8 @@ class Settings(BaseSettings):
                           "first vote batch's transaction after its rows were written; blob_eio fails every blob write "
                           "with EIO; hold_manifest holds every commit before its manifest write until the file "
                           "<data_dir>/hold_manifest.release exists; vote_fails_on_checkpoint_<id> makes the part of every vote "
-                          "batch on that checkpoint fail with an SQL error")
+                          "batch on that checkpoint fail with an SQL error; crash_after_direct_complete exits "
+                          "after a direct upload's completion, before the file is recorded")
 
     @model_validator(mode="after")
     def _streams_leave_workers(self) -> "Settings":

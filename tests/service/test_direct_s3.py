@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 import torch
 from torch import nn
@@ -270,3 +271,144 @@ def test_direct_uploads_are_off_by_default(make_service, tmp_path, localstack, l
                  json={"file_name": "rank00000.bin", "size": 1, "xxh3_128": "0" * 32, "crc32": ["AAAAAA=="]})
     assert r.status_code == 409 and "direct uploads are off" in r.json()["error"]["message"]
     t.close()
+
+
+@pytest.mark.parametrize("tampered", [False, True], ids=["retried", "control-other-parts"])
+def test_a_hand_over_retried_after_the_upload_was_completed(make_service, tmp_path, localstack, ls_bucket, run_name,
+                                                            tampered):
+    """The service dies after it completed the upload and before it recorded the file (the
+    failpoint): the upload id is gone, yet the rank's retried hand-over is confirmed from the
+    completed object and commits. The control: a retry naming other parts is refused."""
+    lease = {"LASTGOOD_LEASE_SECONDS": "60"}  # a restart under load must not expire the checkpoint
+    crashing = direct_service(make_service, tmp_path, localstack, ls_bucket,
+                              LASTGOOD_FAILPOINT="crash_after_direct_complete", **lease)
+    t, cid, data, prepared = upload_corrupted(crashing, run_name, corrupt=False)
+    handle = directs3.upload(t, cid, 0, "rank00000.bin", data, prepared)
+    body = {"file_name": "rank00000.bin", "size": len(data), "xxh3_128": prepared.xxh3_128,
+            "upload_id": handle.upload_id, "parts": handle.parts}
+    with pytest.raises(httpx.HTTPError):  # the process exits before it answers
+        crashing.post(f"/api/v1/checkpoints/{cid}/ranks/0/direct-files", json=body)
+    t.close()
+    assert localstack.uploads(ls_bucket) == []  # completed: the upload id is gone
+
+    svc = direct_service(make_service, tmp_path, localstack, ls_bucket, **lease)
+    if tampered:
+        body["parts"] = [dict(p, crc32=handle.parts[0]["crc32"]) for p in handle.parts]
+    r = svc.post(f"/api/v1/checkpoints/{cid}/ranks/0/direct-files", json=body)
+    t = Transport(svc.url)
+    if tampered:
+        assert r.status_code == 422, r.text
+        with pytest.raises(FailedPrecondition, match="not verified"):
+            t.commit_rank(cid, 0, ["rank00000.bin"], wait=0)
+    else:
+        assert r.status_code == 200 and r.json()["already_present"] is False, r.text
+        assert t.commit_rank(cid, 0, ["rank00000.bin"], wait=5).status == "COMMITTED"
+        view, digest = t.read_file(cid, 0, "rank00000.bin", len(data))
+        assert bytes(view) == bytes(data) and digest == prepared.xxh3_128
+        # and once more: the file is recorded, so the hand-over is a no-op
+        assert svc.post(f"/api/v1/checkpoints/{cid}/ranks/0/direct-files", json=body).json()["already_present"]
+    t.close()
+
+
+def test_a_direct_restore_of_a_checkpoint_whose_object_is_gone_falls_back_to_its_parent(
+        make_service, tmp_path, localstack, ls_bucket, run_name):
+    """The store answers 404 for a committed file's object: that is damage, as a missing blob
+    is on the streamed path, so the restore falls back to the parent (the round trip above is
+    the control that restores the newest)."""
+    svc = direct_service(make_service, tmp_path, localstack, ls_bucket)
+    model, opt = training(0)
+    with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, lastgood.TrainState(model=model, optimizer=opt))
+            ckpt.wait()
+    lg = svc.get(f"/api/v1/runs/{run_name}/last-good", params={"manifest": "true"}).json()
+    assert lg["step"] == 2
+    entry = lg["manifest"]["ranks"][0]["files"][0]
+    key = keys.shard_key(keys.prefix(lg["id"], run_name, 2, lg["attempt"]), 0, entry["xxh3_128"])
+    localstack.client().remove_object(bucket_name=ls_bucket, object_name=key)
+    model2, opt2 = training(1)
+    with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
+        assert ckpt.restore(lastgood.TrainState(model=model2, optimizer=opt2)) == 1
+    assert svc.get(f"/api/v1/checkpoints/{lg['id']}").json()["status"] == "CORRUPT"
+
+
+def test_a_service_restarted_with_direct_uploads_off_gets_the_stream(make_service, tmp_path, localstack, ls_bucket,
+                                                                     run_name):
+    """The client learned the direct terms when it connected; the service restarts with
+    them off. The next save is refused its grant (direct_off), so the client refreshes the
+    service's info and streams that save; a restore reads through the service too. The
+    first save, direct, is the control."""
+    svc = direct_service(make_service, tmp_path, localstack, ls_bucket)
+    model, opt = training(0)
+    with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
+        ckpt.save(1, lastgood.TrainState(model=model, optimizer=opt))
+        ckpt.wait()
+        assert metric(svc, "lastgood_bytes_ingested_total") == 0  # direct
+        svc.env.update(LASTGOOD_DIRECT_S3="false", LASTGOOD_VERIFICATION="service")  # the service hashes again
+        svc.restart()
+        assert svc.info["direct_s3"] is None
+        model.state_dict()["0.bias"].add_(1)
+        ckpt.save(2, lastgood.TrainState(model=model, optimizer=opt))
+        ckpt.wait()
+        assert metric(svc, "lastgood_bytes_ingested_total") > 0  # streamed
+        model2, opt2 = training(1)
+        assert ckpt.restore(lastgood.TrainState(model=model2, optimizer=opt2)) == 2
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, model2.state_dict()[k]), k
+
+
+def test_a_rank_that_checksummed_with_another_part_size_is_still_granted(make_service, tmp_path, localstack,
+                                                                         ls_bucket, run_name):
+    """The service's part size changed since the rank learned its terms (5 MiB here, 6 MiB
+    there: 3 parts against 2 for 12 MiB). The rank's part size travels with the grant and
+    the hand-over, so the upload is laid out as the rank checksummed it and commits."""
+    svc = direct_service(make_service, tmp_path, localstack, ls_bucket,
+                         LASTGOOD_DIRECT_S3_PART_SIZE=str(6 * MiB))
+    t, cid, data, prepared = upload_corrupted(svc, run_name, corrupt=False)  # checksummed at 5 MiB
+    handle = directs3.upload(t, cid, 0, "rank00000.bin", data, prepared)
+    assert [p["number"] for p in handle.parts] == [1, 2, 3]
+    directs3.hand_over(t, cid, 0, "rank00000.bin", handle)
+    assert t.commit_rank(cid, 0, ["rank00000.bin"], wait=5).status == "COMMITTED"
+    r = svc.post(f"/api/v1/checkpoints/{cid}/ranks/0/grants",  # out of S3's bounds: a clear 422
+                 json={"file_name": "rank00001.bin", "size": 1, "xxh3_128": "0" * 32, "crc32": ["AAAAAA=="],
+                       "part_size": MiB})
+    assert r.status_code == 422 and "part_size" in r.text, r.text
+    t.close()
+
+
+@pytest.mark.parametrize("same_bytes", [False, True], ids=["other-bytes", "control-same-bytes"])
+def test_a_file_claiming_another_files_hash_cannot_overwrite_its_object(make_service, tmp_path, localstack, ls_bucket,
+                                                                      run_name, same_bytes):
+    """Two files of one rank that claim one xxh3-128 share one key. The service cannot
+    check the claim (it reads no byte), so a second file with other bytes is refused
+    rather than completed over the first's object; the same bytes are recorded on it."""
+    svc = direct_service(make_service, tmp_path, localstack, ls_bucket)
+    t, cid, data, prepared = upload_corrupted(svc, run_name, corrupt=False)
+    directs3.hand_over(t, cid, 0, "a.bin", directs3.upload(t, cid, 0, "a.bin", data, prepared))
+    other = data if same_bytes else shard(len(data), seed=1)
+    claimed = directs3.Parts(len(other), prepared.xxh3_128, prepared.part_size,
+                             directs3.prepare(other, 5 * MiB).crc32)  # the first file's hash, claimed
+    body = {"file_name": "b.bin", "size": len(other), "xxh3_128": claimed.xxh3_128, "crc32": claimed.crc32}
+    r = svc.post(f"/api/v1/checkpoints/{cid}/ranks/0/grants", json=body)
+    if same_bytes:
+        assert r.status_code == 200 and r.json()["already_present"], r.text
+        assert t.commit_rank(cid, 0, ["a.bin", "b.bin"], wait=5).status == "COMMITTED"
+    else:
+        assert r.status_code == 409 and "'a.bin'" in r.json()["error"]["message"], r.text
+        assert t.commit_rank(cid, 0, ["a.bin"], wait=5).status == "COMMITTED"
+    view, digest = t.read_file(cid, 0, "a.bin", len(data))
+    assert bytes(view) == bytes(data) and digest == prepared.xxh3_128
+    t.close()
+
+
+def test_gc_aborts_an_upload_whose_checkpoint_row_is_gone(make_service, tmp_path, localstack, ls_bucket, run_name):
+    """An upload under a checkpoint this catalog has no row for (a row purged, a catalog
+    rebuilt or restored from a backup) is aborted by GC once it is older than a grant can
+    live; before, an unknown checkpoint counted as PENDING and its upload stayed forever."""
+    svc = direct_service(make_service, tmp_path, localstack, ls_bucket, LASTGOOD_DIRECT_S3_GRANT_SECONDS="1")
+    key = keys.shard_key(keys.prefix(987654, run_name, 1, "a1"), 0, "f" * 32)
+    localstack.store(ls_bucket).direct().create_upload(key)
+    assert len(localstack.uploads(ls_bucket)) == 1
+    time.sleep(2.5)  # older than the grant lifetime
+    assert svc.post("/api/v1/gc").status_code == 200
+    assert localstack.uploads(ls_bucket) == []

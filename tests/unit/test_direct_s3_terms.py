@@ -4,6 +4,7 @@ LocalStack in tests/service/test_direct_s3.py."""
 
 from __future__ import annotations
 
+import datetime as dt
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
@@ -43,3 +44,18 @@ def test_urls_are_signed_for_the_public_endpoint_with_the_part_checksum():
 def test_a_bad_public_endpoint_stops_the_service_at_start(bad):
     with pytest.raises(ValidationError, match="scheme://host"):
         Settings(s3_public_endpoint=bad)
+
+
+@pytest.mark.parametrize("endpoint,plain", [("https://s3.example.org:443", "https://s3.example.org"),
+                                            ("http://s3.example.org:80", "http://s3.example.org"),
+                                            ("http://[::1]:80", "http://[::1]")])
+def test_a_default_port_is_not_signed(endpoint, plain):
+    """http.client leaves the scheme's default port out of the Host header it sends, so a
+    URL signed for `host:443` fails the store's signature check (SignatureDoesNotMatch):
+    the default port is dropped before signing. The control: 9443 stays (above)."""
+    store = S3BlobStore(bucket="b", endpoint="minio:9000", access_key="k", secret_key="s", secure=False,
+                        region="us-east-1", check_bucket=False)
+    now = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+    with_port = store.direct(endpoint).presign("GET", "ckpt/1/r0/x", 60, now=now)
+    assert with_port == store.direct(plain).presign("GET", "ckpt/1/r0/x", 60, now=now)
+    assert urlsplit(with_port).netloc == urlsplit(plain).netloc

@@ -255,17 +255,18 @@ class S3BlobStore(BlobStore):
 
         return S3Direct(self, public_endpoint)
 
-    def incomplete_uploads(self, key_prefix: str = "") -> list[tuple[str, str]]:
+    def incomplete_uploads(self, key_prefix: str = "", initiated: bool = False) -> list[tuple]:
         """(object name, upload id) of every multipart upload under this store's prefix (and
-        `key_prefix` under it) not yet completed or aborted. For operators, tests and the
+        `key_prefix` under it) not yet completed or aborted, and when it began if `initiated`
+        (a datetime, None where the store does not say). For operators, tests and the
         direct uploads' sweep (domain/grants.py): after publish or abort there is none."""
-        out: list[tuple[str, str]] = []
+        out: list[tuple] = []
         key_marker = upload_marker = None
         while True:
             res = self.client._list_multipart_uploads(  # minio 7 has no public call for this
                 bucket_name=self.bucket, prefix=self.prefix + key_prefix, key_marker=key_marker,
                 upload_id_marker=upload_marker)
-            out += [(u.object_name, u.upload_id) for u in res.uploads]
+            out += [(u.object_name, u.upload_id, *((u.initiated_time,) if initiated else ())) for u in res.uploads]
             if not res.is_truncated:
                 return out
             key_marker, upload_marker = res.next_key_marker, res.next_upload_id_marker

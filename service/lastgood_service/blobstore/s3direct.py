@@ -22,10 +22,13 @@ import datetime as dt
 import hashlib
 import hmac
 import xml.etree.ElementTree as ET
+import zlib
 from dataclasses import dataclass
 from urllib.parse import quote, urlparse
 
 from minio.error import S3Error
+
+from .s3 import _not_found
 
 _NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
 CHECKSUM_HEADER = "x-amz-checksum-crc32"
@@ -34,12 +37,23 @@ MAX_EXPIRES = 7 * 24 * 3600  # SigV4's limit on a presigned URL
 
 def parse_endpoint(value: str, secure: bool = True) -> tuple[str, str]:
     """(scheme, host[:port]) of an endpoint written `scheme://host[:port]` or `host[:port]`
-    (then https unless `secure` is false). Settings check LASTGOOD_S3_PUBLIC_ENDPOINT with it."""
+    (then https unless `secure` is false). Settings check LASTGOOD_S3_PUBLIC_ENDPOINT with it.
+    The scheme's default port (https 443, http 80) is dropped: HTTP clients leave it out of
+    the Host header they send, and the signature covers that header, so a URL signed for
+    `host:443` would fail the store's check (SignatureDoesNotMatch)."""
     ep = value if "://" in value else f"{'https' if secure else 'http'}://{value}"
     p = urlparse(ep)
-    if p.scheme not in ("http", "https") or not p.hostname or p.path not in ("", "/") or p.query or p.username:
+    try:
+        port = p.port
+    except ValueError:
+        port = -1
+    if (p.scheme not in ("http", "https") or not p.hostname or p.path not in ("", "/") or p.query or p.username
+            or port == -1):
         raise ValueError(f"an S3 endpoint is scheme://host[:port], got {value!r}")
-    return p.scheme, p.netloc
+    netloc = p.netloc
+    if port == {"http": 80, "https": 443}[p.scheme]:
+        netloc = netloc[:netloc.rfind(":")]
+    return p.scheme, netloc
 
 
 @dataclass(frozen=True)
@@ -48,6 +62,15 @@ class StoredPart:
     size: int
     etag: str
     crc32: str | None  # what the store computed and kept; None: it keeps none
+
+
+def composite(etags: list[str], crc32s: list[str]) -> tuple[str, str]:
+    """The ETag and CRC32 S3 gives the object a multipart upload of these parts completes
+    into: MD5 of the parts' binary MD5s, CRC32 of their binary CRC32s, each with `-<parts>`."""
+    n = len(crc32s)
+    etag = hashlib.md5(b"".join(bytes.fromhex(e.strip('"')) for e in etags)).hexdigest()
+    crc = zlib.crc32(b"".join(base64.b64decode(c) for c in crc32s))
+    return f"{etag}-{n}", f"{base64.b64encode(crc.to_bytes(4, 'big')).decode()}-{n}"
 
 
 def _sign(key: bytes, msg: str) -> bytes:
@@ -143,6 +166,19 @@ class S3Direct:
             raise RuntimeError(f"completing the upload of {key} failed: {root.findtext('Code')} "
                                f"{root.findtext('Message')}")
 
+    def completed(self, key: str) -> tuple[int, str, str | None] | None:
+        """(size, ETag, CRC32) of the object at `key` as the store reports them (HEAD, no
+        byte read), or None when there is none. A multipart object's ETag and CRC32 are
+        composite (`...-N`): of its parts' ETags and CRC32s, which `composite` recomputes."""
+        try:
+            r = self._call("HEAD", key, {}, headers={"x-amz-checksum-mode": "ENABLED"})
+        except S3Error as e:
+            if _not_found(e) or e.code == "ResourceNotFound":
+                return None
+            raise
+        return (int(r.headers.get("Content-Length", -1)), (r.headers.get("ETag") or "").strip('"'),
+                r.headers.get(CHECKSUM_HEADER))
+
     def abort_upload(self, key_or_name: str, upload_id: str, *, named: bool = False) -> None:
         """Abort one upload; one already gone counts as aborted."""
         name = key_or_name if named else self.store._name(key_or_name)
@@ -157,3 +193,8 @@ class S3Direct:
         """(key, upload id) of the uploads not completed or aborted under `key_prefix`."""
         n = len(self.store.prefix)
         return [(name[n:], uid) for name, uid in self.store.incomplete_uploads(key_prefix)]
+
+    def uploads_since(self, key_prefix: str) -> list[tuple[str, str, dt.datetime | None]]:
+        """(key, upload id, when it began) of the same uploads."""
+        n = len(self.store.prefix)
+        return [(name[n:], uid, t) for name, uid, t in self.store.incomplete_uploads(key_prefix, initiated=True)]

@@ -37,6 +37,11 @@ class SpoolNotShared(SpoolRefused):
     or it takes none): the client streams from now on."""
 
 
+class DirectOff(FailedPrecondition):
+    """A grant or read grant of a direct upload asked of a service that offers none (any
+    more): the client refreshes the service's info and streams instead (domain/grants.py)."""
+
+
 class HashMismatch(DomainError):
     pass
 

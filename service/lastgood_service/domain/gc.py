@@ -168,8 +168,10 @@ class GarbageCollector:
                  grace_seconds: float, clock: Callable[[], dt.datetime] = utcnow, metrics: Metrics | None = None,
                  gate: CatalogGate | None = None, ballast: Ballast | None = None, batch_size: int = 100,
                  full_every: int = 24, event_retention_seconds: float = 30 * 24 * 3600.0,
-                 read_sessions: sessionmaker[Session] | None = None, batch_seconds: float = 0.02) -> None:
+                 read_sessions: sessionmaker[Session] | None = None, batch_seconds: float = 0.02,
+                 grant_seconds: float = 3600.0) -> None:
         self.sessions = sessions
+        self.grant_seconds = grant_seconds  # direct uploads: how long a grant lives (grants.sweep)
         self.read_sessions = read_sessions or sessions  # planning only reads (catalog/db.py)
         self.ballast = ballast or Ballast(None, 0)
         self.gate = gate or CatalogGate()  # closed: the blobs of lost commits look deletable
@@ -475,7 +477,7 @@ class GarbageCollector:
                     deleted.append(d.checkpoint_id)
                     freed += d.bytes
         orphans_done = self._delete_orphans(plan.orphans)
-        grants.sweep(self.sessions, self.blobs)  # direct S3 uploads of ended checkpoints (domain/grants.py)
+        grants.sweep(self.sessions, self.blobs, now, self.grant_seconds)  # direct S3 uploads (domain/grants.py)
         freed += sum(n for _, n in orphans_done)
         events_pruned = self._prune_events(plan.events_of, now)
         self._write_marks([m for m in plan.runs if m.run not in unsettled])

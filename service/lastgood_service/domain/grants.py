@@ -31,26 +31,28 @@ from __future__ import annotations
 
 import base64
 import binascii
+import datetime as dt
 import logging
 from dataclasses import dataclass
 
 from minio.error import S3Error
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 
 from lastgood import names
-from lastgood.directs3 import MAX_PARTS, part_layout  # the part layout: one rule, both sides
+from lastgood.directs3 import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, part_layout  # one rule, both sides
 from lastgood.errors import FormatError
 from lastgood.format import header_length
 from lastgood.hashing import is_valid_hex
 
 from ..blobstore import capabilities
-from ..blobstore.s3direct import StoredPart
-from ..catalog.models import PENDING, VERIFIED, Checkpoint, Shard
+from ..blobstore.s3direct import StoredPart, composite
+from ..catalog.models import PENDING, VERIFIED, Checkpoint, Run, Shard
 from . import fencing, keys
 from .commit import indexes
 from .commit.core import key_prefix
 from .commit.protocol import PutResult, ShardHeader
-from .errors import FailedPrecondition, HashMismatch, InvalidArgument, TooLarge
+from .errors import Conflict, DirectOff, FailedPrecondition, HashMismatch, InvalidArgument, TooLarge
 from .events import add_event
 
 log = logging.getLogger("lastgood.grants")
@@ -82,8 +84,8 @@ class DirectUploads:
         d = capabilities.direct(self.commits.store, self.settings.s3_public_endpoint) \
             if self.settings.direct_s3 else None
         if d is None:
-            raise FailedPrecondition("direct uploads are off: they need an s3:// blob store and "
-                                     "LASTGOOD_DIRECT_S3=true; stream the file instead")
+            raise DirectOff("direct uploads are off: they need an s3:// blob store and "
+                            "LASTGOOD_DIRECT_S3=true; stream the file instead")
         return d
 
     def info(self) -> dict | None:
@@ -122,17 +124,21 @@ class DirectUploads:
             pfx = key_prefix(s, ck)
             return keys.shard_key(pfx, h.rank, h.xxh3_128), None, pfx
 
-    def grant(self, h: ShardHeader, crc32s: list[str]) -> dict:
+    def grant(self, h: ShardHeader, crc32s: list[str], part_size: int | None = None) -> dict:
         """Start the file's multipart upload; one presigned UploadPart URL a part, each
-        signing that part's CRC32. A file recorded already needs no grant."""
+        signing that part's CRC32. A file recorded already needs no grant. `part_size`:
+        the one the rank checksummed with (any within S3's bounds; the route checks them),
+        so a rank that learned the terms before the setting changed is not refused."""
         d = self._direct()
-        part_size, n = part_layout(h.size, self.settings.direct_s3_part_size)
+        part_size, n = part_layout(h.size, part_size or self.settings.direct_s3_part_size)
         if len(crc32s) != n:
             raise InvalidArgument(f"a file of {h.size} bytes has {n} parts of {part_size} bytes; "
                                   f"{len(crc32s)} CRC32s were given")
         for i, crc in enumerate(crc32s):
             _check_crc(crc, f"part {i + 1}")
-        key, present, _pfx = self._file(h, for_what="grant an upload")
+        key, present, pfx = self._file(h, for_what="grant an upload")
+        if present is None and self._shared(d, h, key, crc32s):
+            present = self._record(h, key, self._index(key, h, pfx))
         if present is not None:
             return {"already_present": True, "part_size": part_size, "parts": []}
         upload_id = d.create_upload(key)
@@ -143,7 +149,8 @@ class DirectUploads:
                 "checksum_header": "x-amz-checksum-crc32", "parts": parts}
 
     # ------------------------------------------------------------ hand-over
-    def hand_over(self, h: ShardHeader, upload_id: str, uploaded: list[UploadedPart]) -> PutResult:
+    def hand_over(self, h: ShardHeader, upload_id: str, uploaded: list[UploadedPart],
+                  part_size: int | None = None) -> PutResult:
         """Confirm the upload from the store's metadata, complete it, record the file VERIFIED."""
         d = self._direct()
         if not upload_id or len(upload_id) > 1024:
@@ -153,18 +160,30 @@ class DirectUploads:
         key, present, pfx = self._file(h, for_what="record the upload")
         if present is not None:
             return present
-        part_size, n = part_layout(h.size, self.settings.direct_s3_part_size)
+        part_size, n = part_layout(h.size, part_size or self.settings.direct_s3_part_size)
+        mine = sorted(uploaded, key=lambda p: p.number)
+        try:
+            shared = self._shared(d, h, key, [p.crc32 for p in mine])
+        except Conflict:
+            d.abort_upload(key, upload_id)
+            raise
+        if shared:  # granted before the other file was recorded: never completed over it
+            d.abort_upload(key, upload_id)
+            return self._record(h, key, self._index(key, h, pfx))
         try:
             stored = d.list_parts(key, upload_id)
         except S3Error as e:
-            if e.code == "NoSuchUpload":
-                raise FailedPrecondition(f"no upload {upload_id!r} of rank {h.rank}'s {h.file_name!r} is open "
-                                         f"(aborted, completed, or never granted for this file)") from None
-            raise
-        problem = self._compare(h, n, part_size, stored, uploaded)
-        if problem:
-            self._refuse(d, h, key, upload_id, problem)
-        d.complete(key, upload_id, stored)
+            if e.code != "NoSuchUpload":
+                raise
+            stored = None
+        if stored is None:  # completed by an earlier hand-over that did not get to record it?
+            self._completed_before(d, h, key, upload_id, n, uploaded)
+        else:
+            problem = self._compare(h, n, part_size, stored, uploaded)
+            if problem:
+                self._refuse(d, h, key, upload_id, problem)
+            d.complete(key, upload_id, stored)
+            self.commits._failpoint("crash_after_direct_complete")
         info = self.commits.store.stat(key)
         if info is None or info.size != h.size:
             self.commits.store.delete(key)  # a whole object of other bytes: never left under the file's key
@@ -175,6 +194,55 @@ class DirectUploads:
                 d.abort_upload(key, other)
         index_json = self._index(key, h, pfx)
         return self._record(h, key, index_json)
+
+    def _shared(self, d, h: ShardHeader, key: str, crc32s: list[str]) -> bool:
+        """Whether another file of the checkpoint is recorded under this key already (the
+        same rank, the same claimed xxh3-128) with the same bytes: then this file is recorded
+        on that object, with no upload. A completion under the key would overwrite that
+        file's object, so other bytes (another size, another composite CRC32 of the parts)
+        are refused."""
+        with self.commits.sessions() as s:
+            other = s.execute(select(Shard.file_name, Shard.size).where(
+                Shard.checkpoint_id == h.checkpoint_id, Shard.blob_key == key,
+                Shard.file_name != h.file_name).limit(1)).first()
+        if other is None:
+            return False
+        found = d.completed(key)
+        if other.size == h.size and found is not None and found[0] == h.size \
+                and found[2] == composite([], crc32s)[1]:
+            return True
+        raise Conflict(f"rank {h.rank}'s {other.file_name!r} of checkpoint {h.checkpoint_id} is stored under the "
+                       f"xxh3-128 {h.xxh3_128} that {h.file_name!r} claims, with other bytes: refused, so that "
+                       f"its object is not overwritten")
+
+    def _completed_before(self, d, h: ShardHeader, key: str, upload_id: str, n: int,
+                          uploaded: list[UploadedPart]) -> None:
+        """A hand-over whose upload is gone: a retry after the service completed it and then
+        failed (a restart, a 5xx, the client's timeout) must still record the file, so the
+        object at the key is confirmed from what the store reports of it, without reading a
+        byte: its size, and its composite ETag and CRC32 against the parts the rank names
+        (the first hand-over confirmed those parts from the store's listing)."""
+        gone = FailedPrecondition(f"no upload {upload_id!r} of rank {h.rank}'s {h.file_name!r} is open, and no "
+                                  f"completed object of it is stored (aborted, or never granted for this file)")
+        found = d.completed(key)
+        if found is None:
+            raise gone
+        size, etag, crc = found
+        mine = sorted(uploaded, key=lambda p: p.number)
+        if [p.number for p in mine] != list(range(1, n + 1)):
+            self._refuse(d, h, key, upload_id, f"the hand-over names parts {[p.number for p in mine][:20]}, "
+                                               f"a file of {h.size} bytes has 1..{n}")
+        want_etag, want_crc = composite([p.etag for p in mine], [p.crc32 for p in mine])
+        if crc is None:
+            problem = "the store reports no CRC32 of the completed object, so it cannot vouch for its bytes"
+        elif size != h.size:
+            problem = f"the completed object has {size} bytes, not {h.size}"
+        elif crc != want_crc or (etag.endswith(f"-{n}") and etag != want_etag):
+            problem = (f"the completed object (ETag {etag}, CRC32 {crc}) is not the parts the hand-over names "
+                       f"(ETag {want_etag}, CRC32 {want_crc})")
+        else:
+            return
+        self._refuse(d, h, key, upload_id, problem)  # the object stays: it may be another hand-over's
 
     @staticmethod
     def _compare(h: ShardHeader, n: int, part_size: int, stored: list[StoredPart],
@@ -230,18 +298,24 @@ class DirectUploads:
 
     def _record(self, h: ShardHeader, key: str, index_json: str | None) -> PutResult:
         c = self.commits
-        with c.sessions() as s, s.begin():
-            ck = c._get_checkpoint(s, h.checkpoint_id, lock=True)  # serialises with votes
-            fencing.check(s, ck.run_id, ck.generation, f"upload to checkpoint {ck.id}")
-            existing = c._find_shard(s, h)
-            if existing is not None:
-                return c._same_or_conflict(existing, h)
-            c._require_pending(ck, "record the shard")
-            c._require_not_voted(s, h)
-            s.add(Shard(checkpoint_id=ck.id, rank=h.rank, file_name=h.file_name, size=h.size, xxh3_128=h.xxh3_128,
-                        blob_key=key, status=VERIFIED, index_json=index_json, created_at=c.clock()))
-            ck.lease_expires_at = c._lease()
-            add_event(s, "direct_upload", ck.run_id, ck.id, rank=h.rank, file=h.file_name, bytes=h.size)
+        with c.sessions() as s:
+            try:
+                with s.begin():
+                    ck = c._get_checkpoint(s, h.checkpoint_id, lock=True)  # serialises with votes
+                    fencing.check(s, ck.run_id, ck.generation, f"upload to checkpoint {ck.id}")
+                    existing = c._find_shard(s, h)
+                    if existing is not None:
+                        return c._same_or_conflict(existing, h)
+                    c._require_pending(ck, "record the shard")
+                    c._require_not_voted(s, h)
+                    s.add(Shard(checkpoint_id=ck.id, rank=h.rank, file_name=h.file_name, size=h.size,
+                                xxh3_128=h.xxh3_128, blob_key=key, status=VERIFIED, index_json=index_json,
+                                created_at=c.clock()))
+                    ck.lease_expires_at = c._lease()
+                    add_event(s, "direct_upload", ck.run_id, ck.id, rank=h.rank, file=h.file_name, bytes=h.size)
+            except IntegrityError:  # two hand-overs of the same file at once, as put_shard
+                with s.begin():
+                    return c._same_or_conflict(c._find_shard(s, h), h)
         return PutResult(False, h.size, h.xxh3_128)
 
     # ------------------------------------------------------------ reads
@@ -274,24 +348,34 @@ class DirectUploads:
         return n
 
 
-def sweep(sessions, store) -> int:
+def sweep(sessions, store, now: dt.datetime, grant_seconds: float) -> int:
     """Abort every open upload under ckpt/ whose checkpoint is no longer PENDING: GC's
-    backstop (gc.py) for an abort or expiry whose own `end` did not get through. Never
-    raises: a store that cannot list uploads must not stop GC's deletions."""
+    backstop (gc.py) for an abort or expiry whose own `end` did not get through. An upload
+    of a checkpoint this catalog has no row for (the row purged, the catalog rebuilt or
+    restored) is aborted once it is older than a grant lives (`grant_seconds`): nobody can
+    upload to it or hand it over any more. Never raises: a store that cannot list uploads
+    must not stop GC's deletions."""
     d = capabilities.direct(store)
     if d is None:
         return 0
     n = 0
     try:
-        open_ = [(keys.parse(k), k, u) for k, u in d.uploads(keys.ROOT)]
-        ids = sorted({p.checkpoint_id for p, _, _ in open_ if p})
+        open_ = [(keys.parse(k), k, u, t) for k, u, t in d.uploads_since(keys.ROOT)]
+        ids = sorted({p.checkpoint_id for p, _, _, _ in open_ if p})
         with sessions() as s, s.begin():
-            status = dict(s.execute(select(Checkpoint.id, Checkpoint.status)
-                                    .where(Checkpoint.id.in_(ids))).tuples().all()) if ids else {}
-        for p, key, upload_id in open_:
-            # a key this catalog does not own is left alone, as GC leaves such blobs
-            if p is None or status.get(p.checkpoint_id, PENDING) == PENDING:
+            q = (select(Checkpoint.id, Checkpoint.status, Run.name, Checkpoint.step, Checkpoint.attempt)
+                 .join(Run, Run.id == Checkpoint.run_id).where(Checkpoint.id.in_(ids)))
+            rows = {r[0]: r[1:] for r in s.execute(q).all()} if ids else {}
+        for p, key, upload_id, began in open_:
+            if p is None:  # a key lastgood did not write is left alone, as GC leaves such blobs
                 continue
+            row = rows.get(p.checkpoint_id)
+            if row is not None and keys.belongs_to(p, p.checkpoint_id, *row[1:]):
+                if row[0] == PENDING:
+                    continue
+            elif began is None or (now - began.replace(tzinfo=began.tzinfo or dt.timezone.utc)
+                                   ).total_seconds() <= grant_seconds:
+                continue  # no row of ours: aborted only once no grant of it can be alive
             d.abort_upload(key, upload_id)
             n += 1
     except Exception:  # noqa: BLE001

@@ -13,7 +13,7 @@ from lastgood import names
 
 from ...domain.commit.protocol import ShardHeader
 from ...domain.errors import InvalidArgument
-from ...domain.grants import MAX_PARTS, DirectUploads, UploadedPart
+from ...domain.grants import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, DirectUploads, UploadedPart
 from ..contract import StrictJSONRoute, answers
 from ..deps import CkptId, CommitsDep
 
@@ -35,6 +35,8 @@ class FileBody(BaseModel):
     file_name: str = Field(min_length=1, max_length=255)
     size: int = Field(ge=0, le=names.MAX_ID)
     xxh3_128: str = Field(min_length=32, max_length=32)
+    part_size: int | None = Field(None, ge=MIN_PART_SIZE, le=MAX_PART_SIZE,
+                                  description="the part size the rank checksummed with (default: the service's)")
 
 
 class GrantBody(FileBody):
@@ -60,7 +62,7 @@ def _header(checkpoint_id: int, rank: int, body: FileBody) -> ShardHeader:
 @router.post("/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/grants", responses=answers(400, 404, 409, 413))
 def grant(checkpoint_id: CkptId, rank: Rank, body: GrantBody, direct: DirectDep):
     """Start the upload of one of the rank's files: presigned UploadPart URLs, one a part."""
-    return direct.grant(_header(checkpoint_id, rank, body), body.crc32)
+    return direct.grant(_header(checkpoint_id, rank, body), body.crc32, body.part_size)
 
 
 @router.post("/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/direct-files",
@@ -68,7 +70,7 @@ def grant(checkpoint_id: CkptId, rank: Rank, body: GrantBody, direct: DirectDep)
 def hand_over(checkpoint_id: CkptId, rank: Rank, body: HandOverBody, direct: DirectDep):
     """The rank's file is uploaded: confirmed from the store's metadata, completed, recorded."""
     r = direct.hand_over(_header(checkpoint_id, rank, body), body.upload_id,
-                         [UploadedPart(p.number, p.etag, p.crc32) for p in body.parts])
+                         [UploadedPart(p.number, p.etag, p.crc32) for p in body.parts], body.part_size)
     return {"already_present": r.already_present, "size": r.size, "xxh3_128": r.xxh3_128}
 
 
