@@ -416,7 +416,8 @@ class GarbageCollector:
             locked = {r.id: r for r in s.execute(
                 select(Checkpoint.id, Checkpoint.run_id, Checkpoint.status, Checkpoint.committed_at,
                        Checkpoint.lease_expires_at, Checkpoint.created_at)
-                .where(Checkpoint.id.in_(list(events))).with_for_update())}
+                # in id order, as vote batches and lease expiry lock them: no deadlock between them
+                .where(Checkpoint.id.in_(list(events))).order_by(Checkpoint.id).with_for_update())}
             kept, protected = self._kept(s, run_id)  # after the row locks: sees what committed before them
             leased = self._leases(s, list(locked), now)
             marked = []
