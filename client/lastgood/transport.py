@@ -253,18 +253,12 @@ class Transport(RestClient):
             pos = 0
             spool = self.spool
             try:
-                for raw in self._get_shard(pb.GetShardRequest(checkpoint_id=checkpoint_id, rank=rank,
-                                                              file_name=file_name, spool_id=spool["id"] if spool else ""),
-                                           timeout=max(self.timeout, 3600.0), metadata=self._md):
-                    chunk = wire.unframe(raw, wire.GET_CHUNK)
-                    if chunk is None:
-                        msg = pb.GetShardResponse.FromString(raw)
-                        if msg.spool_file:
-                            if pos or spool is None:
-                                raise ServiceError(f"GetShard answered with a spool file mid-stream for {file_name}")
-                            pos = _read_lent(spool["dir"], msg.spool_file, view, hasher)
-                            continue
-                        chunk = msg.chunk
+                for lent, chunk in self._shard_messages(pb.GetShardRequest(
+                        checkpoint_id=checkpoint_id, rank=rank, file_name=file_name,
+                        spool_id=spool["id"] if spool else ""), spool, pos):
+                    if lent:
+                        pos = _read_lent(spool["dir"], lent, view, hasher)
+                        continue
                     n = len(chunk)
                     if pos + n > size:
                         raise CorruptCheckpoint(f"checkpoint {checkpoint_id} rank {rank} {file_name}: the stored file is "
@@ -282,6 +276,25 @@ class Transport(RestClient):
 
         return view, self._retrying(once, f"GetShard {checkpoint_id}/{rank}/{file_name}")
 
+    def _shard_messages(self, request, spool: dict | None, pos: int):
+        """The messages of one GetShard answer, as (lent, chunk): a chunk of bytes, or the
+        name of a link the service lent in its spool instead (only as the first message,
+        and only to a client that named its spool; `pos`: bytes received before it)."""
+        started = pos > 0
+        for raw in self._get_shard(request, timeout=max(self.timeout, 3600.0), metadata=self._md):
+            chunk = wire.unframe(raw, wire.GET_CHUNK)
+            if chunk is None:
+                msg = pb.GetShardResponse.FromString(raw)
+                if msg.spool_file:
+                    if started or spool is None:
+                        raise ServiceError(f"GetShard answered with a spool file mid-stream for {request.file_name}")
+                    started = True
+                    yield msg.spool_file, None
+                    continue
+                chunk = msg.chunk
+            started = started or len(chunk) > 0
+            yield None, chunk
+
     def read_range(self, checkpoint_id: int, rank: int, file_name: str, offset: int, into) -> None:
         """Bytes [offset, offset + len(into)) of a stored file into `into` (the caller
         verifies them: readplan.py): streamed, or on the service's host read (pread) from a
@@ -293,21 +306,14 @@ class Transport(RestClient):
             pos = 0
             spool = self.spool
             try:
-                for raw in self._get_shard(pb.GetShardRequest(checkpoint_id=checkpoint_id, rank=rank,
-                                                              file_name=file_name, offset=offset, length=length,
-                                                              spool_id=spool["id"] if spool else ""),
-                                           timeout=max(self.timeout, 3600.0), metadata=self._md):
-                    chunk = wire.unframe(raw, wire.GET_CHUNK)
-                    if chunk is None:
-                        msg = pb.GetShardResponse.FromString(raw)
-                        if msg.spool_file:
-                            if pos or spool is None:
-                                raise ServiceError(f"GetShard answered with a spool file mid-stream for {file_name}")
-                            pos = _pread_lent(spool["dir"], msg.spool_file, view, offset)
-                            self.shard_bytes += pos
-                            self.lent_ranges += 1
-                            continue
-                        chunk = msg.chunk
+                for lent, chunk in self._shard_messages(pb.GetShardRequest(
+                        checkpoint_id=checkpoint_id, rank=rank, file_name=file_name, offset=offset, length=length,
+                        spool_id=spool["id"] if spool else ""), spool, pos):
+                    if lent:
+                        pos = _pread_lent(spool["dir"], lent, view, offset)
+                        self.shard_bytes += pos
+                        self.lent_ranges += 1
+                        continue
                     n = len(chunk)
                     self.shard_bytes += n
                     if pos + n > length:

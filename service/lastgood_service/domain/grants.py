@@ -39,11 +39,9 @@ from minio.error import S3Error
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from lastgood import names
-from lastgood.directs3 import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, part_layout  # one rule, both sides
+from lastgood.directs3 import MAX_PARTS, part_layout  # one rule, both sides
 from lastgood.errors import FormatError
 from lastgood.format import header_length
-from lastgood.hashing import is_valid_hex
 
 from ..blobstore import capabilities
 from ..blobstore.s3direct import StoredPart, composite
@@ -52,7 +50,7 @@ from . import fencing, keys
 from .commit import indexes
 from .commit.core import key_prefix
 from .commit.protocol import PutResult, ShardHeader
-from .errors import Conflict, DirectOff, FailedPrecondition, HashMismatch, InvalidArgument, TooLarge
+from .errors import Conflict, DirectOff, FailedPrecondition, HashMismatch, InvalidArgument
 from .events import add_event
 
 log = logging.getLogger("lastgood.grants")
@@ -100,17 +98,7 @@ class DirectUploads:
         """Check the file's header and the checkpoint; its key, and the stored shard if the
         file is recorded already."""
         c = self.commits
-        c.gate.check()
-        try:
-            names.check_file_name(h.file_name)
-        except names.InvalidName as e:
-            raise InvalidArgument(str(e)) from None
-        if not is_valid_hex(h.xxh3_128):
-            raise InvalidArgument("xxh3_128 must be 32 lowercase hex digits")
-        if h.size < 0:
-            raise InvalidArgument(f"size must be >= 0, got {h.size}")
-        if h.size > self.settings.max_shard_bytes:
-            raise TooLarge(f"shard of {h.size} bytes exceeds the limit of {self.settings.max_shard_bytes}")
+        c.check_header(h)
         with c.sessions() as s, s.begin():
             ck = c._get_checkpoint(s, h.checkpoint_id)
             c._check_rank(ck, h.rank)

@@ -10,10 +10,11 @@ from fastapi import APIRouter, Depends, Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from lastgood import names
+from lastgood.directs3 import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE
 
 from ...domain.commit.protocol import ShardHeader
 from ...domain.errors import InvalidArgument
-from ...domain.grants import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, DirectUploads, UploadedPart
+from ...domain.grants import DirectUploads, UploadedPart
 from ..contract import StrictJSONRoute, answers
 from ..deps import CkptId, CommitsDep
 

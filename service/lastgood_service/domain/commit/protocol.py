@@ -182,16 +182,10 @@ class CommitProtocol(CommitCore):
             return ck
 
     # ---------------------------------------------------------------- put
-    @txtimer.label("put")
-    def put_shard(self, header: ShardHeader, chunks: Iterable[bytes], adopt=None, hashed: bool = True) -> PutResult:
-        """Stream one shard file into a temporary blob, hashing as bytes arrive; publish it
-        durably and record it VERIFIED only if size and hash match the client's.
-
-        `adopt`: the chunks are read from this spooled shard (domain/spool.Taken); a blob
-        store that can make that very file the blob does so instead of copying it.
-        `hashed=False` (an adopted direct-FS file outside the `service` verification mode,
-        domain/verification_modes.py): the file is published unread but for its header, and
-        recorded DECLARED; the commit waits until a peer has checked it."""
+    def check_header(self, header: ShardHeader) -> None:
+        """What a file's header must be before anything is read or granted for it (every
+        data path: the stream, the spool, direct uploads): the catalog open for writes, a
+        valid name, a digest, a size within the limit."""
         self.gate.check()
         try:
             names.check_file_name(header.file_name)
@@ -203,6 +197,18 @@ class CommitProtocol(CommitCore):
             raise InvalidArgument(f"size must be >= 0, got {header.size}")
         if header.size > self.settings.max_shard_bytes:
             raise TooLarge(f"shard of {header.size} bytes exceeds the limit of {self.settings.max_shard_bytes}")
+
+    @txtimer.label("put")
+    def put_shard(self, header: ShardHeader, chunks: Iterable[bytes], adopt=None, hashed: bool = True) -> PutResult:
+        """Stream one shard file into a temporary blob, hashing as bytes arrive; publish it
+        durably and record it VERIFIED only if size and hash match the client's.
+
+        `adopt`: the chunks are read from this spooled shard (domain/spool.Taken); a blob
+        store that can make that very file the blob does so instead of copying it.
+        `hashed=False` (an adopted direct-FS file outside the `service` verification mode,
+        domain/verification_modes.py): the file is published unread but for its header, and
+        recorded DECLARED; the commit waits until a peer has checked it."""
+        self.check_header(header)
         with self.sessions() as s, s.begin():
             ck = self._get_checkpoint(s, header.checkpoint_id)
             self._check_rank(ck, header.rank)
