@@ -22,6 +22,7 @@ from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
 from ..catalog.models import Checkpoint
+from .lineage import assign_branches
 
 
 def settle(s: Session, run_id: int, from_id: int) -> int:
@@ -44,19 +45,9 @@ def settle(s: Session, run_id: int, from_id: int) -> int:
         claimed.add(None)
     top = s.scalar(select(ck.branch).where(ck.run_id == run_id, ck.id < from_id)
                    .order_by(ck.branch.desc()).limit(1))
-    next_branch = (top or 0) + 1
-    changed = []
-    for cid, parent, was_committed, stored in suffix:  # lineage.assign_branches, from a known state
-        parent = parent if parent in branch else None
-        if not was_committed:
-            branch[cid] = branch[parent]
-        elif parent not in claimed:
-            claimed.add(parent)
-            branch[cid] = branch[parent]
-        else:
-            branch[cid], next_branch = next_branch, next_branch + 1
-        if branch[cid] != stored:
-            changed.append({"cid": cid, "b": branch[cid]})
+    assigned = assign_branches([(cid, parent, committed) for cid, parent, committed, _ in suffix],
+                               branch, claimed, (top or 0) + 1)
+    changed = [{"cid": cid, "b": assigned[cid]} for cid, _, _, stored in suffix if assigned[cid] != stored]
     if changed:  # one executemany, through the Core table (not an ORM bulk update)
         t = ck.__table__
         s.connection().execute(update(t).where(t.c.id == bindparam("cid")).values(branch=bindparam("b")), changed)

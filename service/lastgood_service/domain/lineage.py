@@ -22,12 +22,14 @@ from sqlalchemy.orm import Session
 from ..catalog.models import LAST_GOOD, SYSTEM, Checkpoint, Run, RunStats, Tag, Vote
 
 
-def assign_branches(rows: list[tuple[int, int | None, bool]]) -> dict[int, int]:
+def assign_branches(rows: list[tuple[int, int | None, bool]], branch: dict[int | None, int] | None = None,
+                    claimed: set[int | None] | None = None, next_branch: int = 1) -> dict[int, int]:
     """rows: (id, parent_id, was_committed) in creation order -> id -> branch number (0 first).
-    Roots hang off one virtual root (None), so a second committed root is a branch too."""
-    branch: dict[int | None, int] = {None: 0}
-    claimed: set[int | None] = set()  # parents whose branch a committed child continued
-    next_branch = 1
+    Roots hang off one virtual root (None), so a second committed root is a branch too.
+    `branch`, `claimed`, `next_branch`: the state after the rows before these (domain/
+    branches.py continues a run from the middle); by default the run's start."""
+    branch = {None: 0} if branch is None else {None: 0, **branch}
+    claimed = set() if claimed is None else claimed  # parents whose branch a committed child continued
     for cid, parent, was_committed in rows:
         parent = parent if parent in branch else None
         if not was_committed:
