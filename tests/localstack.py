@@ -17,14 +17,13 @@ import signal
 import subprocess
 import time
 import urllib.request
-import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from .s3 import REGION, S3Server
+from .s3 import S3Server
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = ROOT / ".venv-localstack" / "bin" / "python"
@@ -36,26 +35,8 @@ SECRET_KEY = "test"
 class LocalStack(S3Server):
     """The same helpers as the moto server's, with LocalStack's credentials."""
 
-    def client(self):
-        from minio import Minio
-
-        return Minio(endpoint=self.endpoint, access_key=ACCESS_KEY, secret_key=SECRET_KEY, secure=False,
-                     region=REGION)
-
-    def make_bucket(self, stem: str = "lg") -> str:
-        name = f"{stem}-{uuid.uuid4().hex[:12]}"
-        self.client().make_bucket(bucket_name=name)
-        return name
-
-    def env(self, bucket: str) -> dict[str, str]:
-        return {"LASTGOOD_BLOB_URL": self.url(bucket), "LASTGOOD_S3_ACCESS_KEY": ACCESS_KEY,
-                "LASTGOOD_S3_SECRET_KEY": SECRET_KEY}
-
-    def store(self, bucket: str, **kw):
-        from lastgood_service.blobstore.s3 import S3BlobStore
-
-        return S3BlobStore(bucket=bucket, endpoint=self.endpoint, access_key=ACCESS_KEY, secret_key=SECRET_KEY,
-                           secure=False, region=REGION, **kw)
+    access_key = ACCESS_KEY
+    secret_key = SECRET_KEY
 
     def uploads(self, bucket: str) -> list[tuple[str, str]]:
         """(object name, upload id) of every multipart upload open in the bucket."""

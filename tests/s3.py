@@ -23,11 +23,13 @@ REGION = "us-east-1"
 @dataclass(frozen=True)
 class S3Server:
     endpoint: str  # host:port
+    access_key = ACCESS_KEY  # class attributes: a server with other credentials overrides them
+    secret_key = SECRET_KEY
 
     def client(self):
         from minio import Minio
 
-        return Minio(endpoint=self.endpoint, access_key=ACCESS_KEY, secret_key=SECRET_KEY, secure=False,
+        return Minio(endpoint=self.endpoint, access_key=self.access_key, secret_key=self.secret_key, secure=False,
                      region=REGION)
 
     def make_bucket(self, stem: str = "lg") -> str:
@@ -41,13 +43,13 @@ class S3Server:
 
     def env(self, bucket: str) -> dict[str, str]:
         """The service's settings for a blob store in `bucket`."""
-        return {"LASTGOOD_BLOB_URL": self.url(bucket), "LASTGOOD_S3_ACCESS_KEY": ACCESS_KEY,
-                "LASTGOOD_S3_SECRET_KEY": SECRET_KEY}
+        return {"LASTGOOD_BLOB_URL": self.url(bucket), "LASTGOOD_S3_ACCESS_KEY": self.access_key,
+                "LASTGOOD_S3_SECRET_KEY": self.secret_key}
 
     def store(self, bucket: str, **kw):
         from lastgood_service.blobstore.s3 import S3BlobStore
 
-        return S3BlobStore(bucket=bucket, endpoint=self.endpoint, access_key=ACCESS_KEY, secret_key=SECRET_KEY,
+        return S3BlobStore(bucket=bucket, endpoint=self.endpoint, access_key=self.access_key, secret_key=self.secret_key,
                            secure=False, region=REGION, **kw)
 
     def empty_bucket(self, bucket: str) -> None:
