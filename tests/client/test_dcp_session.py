@@ -135,6 +135,7 @@ def test_a_dcp_save_whose_commit_spans_a_service_restart_commits(make_service, r
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.slow
 def test_a_dcp_file_written_longer_than_the_lease_still_commits(make_service, run_name, monkeypatch):
     """A rank writes its file before it begins the checkpoint (as the Checkpointer does), so
     a long write (a big shard into the spool, telling the service nothing meanwhile) cannot

@@ -16,6 +16,8 @@ import lastgood
 from lastgood.health import Heartbeat, SAVING, TRAIN
 from lastgood.interval import PROBE_STEPS
 
+pytestmark = pytest.mark.slow  # checkpointers beating for seconds to be judged hung, slow or saving
+
 # fast verdicts: a 1 s floor, a 0.3 s sweep; the save allowance is long, so that a test can
 # see a saving rank stay ok well past the steady timeout
 FAST_HEALTH = {"LASTGOOD_HEALTH_INTERVAL": "0.3", "LASTGOOD_HANG_FLOOR_SECONDS": "1",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import httpx
+import pytest
 
 from lastgood.supervisor import Launch, Policy, Supervisor
 from lastgood.rest import RestClient
@@ -29,6 +30,7 @@ def supervisor(url: str, run: str, hang_timeout: float | None, said: list[str]) 
                       Policy(hang_timeout=hang_timeout), say=said.append)
 
 
+@pytest.mark.slow
 def test_a_hang_of_this_launch_ends_it_and_older_beats_do_not(service, run_name):
     u = service.url
     gen = httpx.post(f"{u}/api/v1/runs/{run_name}/launches", json={"attempt": "a", "world_size": 2}).json()["generation"]

@@ -201,6 +201,7 @@ def test_a_file_the_checker_cannot_read_is_hashed_by_the_service(peer_svc, run_n
         t.close()
 
 
+@pytest.mark.slow
 def test_store_mode_is_refused_at_start_by_a_file_store(tmp_path):
     """`store` needs a store that verifies declared checksums (direct S3 uploads); the
     control that the same start succeeds with `peer` is the peer_svc fixture."""

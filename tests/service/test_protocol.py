@@ -7,6 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import pytest
 import numpy as np
 from safetensors.numpy import load as st_load
 
@@ -206,6 +207,7 @@ def test_hash_mismatch_is_rejected_and_never_commits(service, client, run_name):
     assert client.read(cid, 0, shard_name(0)) == data
 
 
+@pytest.mark.slow
 def test_lease_expiry_abandons_and_keeps_last_good(service, client, run_name):
     # CONTROL: both ranks vote -> committed (and it stays committed while the reaper runs)
     good, _ = client.save(run_name, step=1, world_size=2)

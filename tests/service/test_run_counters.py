@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import sqlite3
 
+import pytest
+
 from tests.service.helpers import Client, http, shard_blob, wait_status
+
+pytestmark = pytest.mark.slow  # a mixed workload with lease expiry and GC
 
 STATUSES = ("PENDING", "COMMITTED", "ABANDONED", "CORRUPT", "DELETED")
 RECOUNT = """SELECT runs.name, c.status, count(c.id), coalesce(sum(c.bytes), 0), max(c.step)

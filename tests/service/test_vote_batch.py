@@ -6,8 +6,11 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from concurrent.futures import TimeoutError as FuturesTimeout
 
 import grpc
+import pytest
 
 from tests.service.helpers import Client, http, make_shard, rpc_error, shard_name
+
+pytestmark = pytest.mark.slow  # a service of its own per test, armed with failpoints
 
 RANKS = 3
 
