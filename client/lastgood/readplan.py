@@ -149,9 +149,10 @@ class RangedFile:
         hold every old file's until apply). Ranges whose covering segments touch or overlap
         are read as one request of at most one window (the bytes between them would be read
         for the rounding anyway), so a rank that takes whole stored shards reads each old
-        file in a few requests; each range of such a request is then copied out into a
-        buffer of its own size and the request's buffer freed, so what is kept is exactly
-        the planned bytes, however small the pieces and however many of them touch."""
+        file in a few requests. Unless every byte of such a request is kept, each range is
+        then copied out into a buffer of its own size and the request's buffer freed, so
+        what is kept is exactly the planned bytes, however small the pieces and however
+        many of them touch."""
         wants = sorted((w for w in self._wants if w[1] > w[0]), key=lambda w: w[0])
         for w in self._wants:
             if w[1] == w[0]:
@@ -168,8 +169,13 @@ class RangedFile:
                 j += 1
             buf = torch.empty(b - a, dtype=torch.uint8)  # uninitialised: every byte is read
             self._reader.read(self.rank, self.entry, self.digests, a, b, buf.numpy())
-            if j == i + 1:
-                wants[i][2](buf, a)  # exactly this range's bytes
+            covered, end = 0, a
+            for lo, hi, _ in wants[i:j]:  # sorted by lo: the bytes of the union of the ranges
+                covered += max(0, hi - max(lo, end))
+                end = max(end, hi)
+            if covered == b - a:  # every byte is kept (adjacent whole tensors): views, no copy
+                for lo, _, place in wants[i:j]:
+                    place(buf, a)
             else:
                 for lo, hi, place in wants[i:j]:
                     place(buf[lo - a:hi - a].clone(), lo)

@@ -55,3 +55,16 @@ def test_pieces_smaller_than_a_block_are_kept_without_the_rest_of_the_file():
     assert all(torch.equal(p, torch.full((1, 16), float(i))) for i, p in enumerate(pieces))
     assert held(pieces) == planned == 64 * 64  # not the ~128 KiB of the file's data
     assert max(transport.requested) <= 64 * 1024  # no request beyond one window
+
+
+def test_adjacent_whole_tensors_are_kept_as_read_without_a_copy():
+    """A request every byte of which is kept (whole stored shards side by side, as at
+    8 -> 4) is kept as it was read: one buffer per request, of exactly the planned bytes."""
+    data, entry = stored_file(rows=32)
+    transport = Bytes(data)
+    f = RangedFile(0, entry, RangeReader(transport, 1, window=64 * 1024))
+    planned = f.want_whole([f"t{i}" for i in range(64)])
+    f.read_planned()
+    kept = [f.resolve(f"t{i}", None, copy=False) for i in range(64)]
+    assert all(torch.equal(t, torch.full((32, 16), float(i))) for i, t in enumerate(kept))
+    assert held(kept) == planned == 64 * 2048 and len(transport.requested) == 1 + 2  # the header, two windows
