@@ -77,6 +77,19 @@ def new_spool_name() -> str:
     return f"{secrets.token_hex(16)}.part"
 
 
+def new_lent_name(now: float) -> str:
+    """A name of the spool's pattern for a link the service lends, saying when: the first
+    12 hex digits are the second it was made, the rest random. The link's inode is the
+    blob's, whose ctime every other link or unlink of the same blob moves, so only the
+    name can age it (lent_at)."""
+    return f"{int(now):012x}{secrets.token_hex(10)}.part"
+
+
+def lent_at(name: str) -> int | None:
+    """When a link named by new_lent_name was made (seconds); None for another name."""
+    return int(name[:12], 16) if is_spool_name(name) else None
+
+
 def is_spool_name(value: object) -> bool:
     return isinstance(value, str) and _SPOOL.fullmatch(value) is not None
 

@@ -15,12 +15,15 @@ each range read whole-segment by whole-segment through a bounded window and chec
 against its digest before a byte of it is kept (RangeReader). A mismatch is
 CorruptCheckpoint, which makes the checkpoint unusable on every rank and falls back, as
 any damage does (docs/recovery.md). What is kept is exactly the new shards' bytes and the
-replicated state; the window (WINDOW) is the only other buffer. docs/resharding.md.
+replicated state; while reading, one request's buffer and the window buffer (each at most
+max(WINDOW, block)) and each old file's header and compact digests (dropped once its
+ranges are read). docs/resharding.md, "Memory".
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -86,8 +89,9 @@ class RangedFile:
     restore uses it as it uses a whole sharding.StoredFile (piece, resolve, array)."""
 
     def __init__(self, rank: int, entry: FileEntry, reader: RangeReader) -> None:
-        self.rank, self.entry, self._reader = rank, entry, reader
-        self.digests = RangeDigests(entry.data_start, entry.tensors, entry.digests)
+        self.rank, self._reader = rank, reader
+        self.digests: RangeDigests | None = RangeDigests(entry.data_start, entry.tensors, entry.digests)
+        self.entry = replace(entry, digests=None)  # the compact RangeDigests replace the index object's hex
         head = bytearray(entry.data_start)
         reader.read(rank, entry, self.digests, 0, entry.data_start, head)
         self.tensors, self.start, self.state = read_header(memoryview(head), entry.size)
@@ -141,27 +145,44 @@ class RangedFile:
         return total
 
     def read_planned(self) -> None:
-        """Read every planned range; ranges whose covering segments touch or overlap are
-        read as one (the bytes between them would be read for the rounding anyway), so a
-        rank that takes whole stored shards reads each old file in a few requests."""
+        """Read every planned range, then drop this file's digests (a rank would otherwise
+        hold every old file's until apply). Ranges whose covering segments touch or overlap
+        are read as one request of at most one window (the bytes between them would be read
+        for the rounding anyway), so a rank that takes whole stored shards reads each old
+        file in a few requests. Unless every byte of such a request is kept, each range is
+        then copied out into a buffer of its own size and the request's buffer freed, so
+        what is kept is exactly the planned bytes, however small the pieces and however
+        many of them touch."""
         wants = sorted((w for w in self._wants if w[1] > w[0]), key=lambda w: w[0])
         for w in self._wants:
             if w[1] == w[0]:
                 w[2](torch.empty(0, dtype=torch.uint8), w[0])
+        window = self._reader.window
+        cov = self.digests.covering if wants else None
         i = 0
         while i < len(wants):
             a, b = wants[i][0], wants[i][1]
             j = i + 1
-            cov = self.digests.covering
-            while j < len(wants) and cov(wants[j][0], wants[j][0] + 1)[0][0].start <= cov(b - 1, b)[-1][0].end:
+            while (j < len(wants) and max(b, wants[j][1]) - a <= window
+                   and cov(wants[j][0], wants[j][0] + 1)[0][0].start <= cov(b - 1, b)[-1][0].end):
                 b = max(b, wants[j][1])
                 j += 1
             buf = torch.empty(b - a, dtype=torch.uint8)  # uninitialised: every byte is read
             self._reader.read(self.rank, self.entry, self.digests, a, b, buf.numpy())
-            for lo, _, place in wants[i:j]:
-                place(buf, a)
+            covered, end = 0, a
+            for lo, hi, _ in wants[i:j]:  # sorted by lo: the bytes of the union of the ranges
+                covered += max(0, hi - max(lo, end))
+                end = max(end, hi)
+            if covered == b - a:  # every byte is kept (adjacent whole tensors): views, no copy
+                for lo, _, place in wants[i:j]:
+                    place(buf, a)
+            else:
+                for lo, hi, place in wants[i:j]:
+                    place(buf[lo - a:hi - a].clone(), lo)
+            del buf
             i = j
         self._wants = []
+        self.digests = None
 
     def piece(self, name: str, offsets, lengths) -> torch.Tensor:
         t = self._pieces.get((name, tuple(offsets), tuple(lengths)))
@@ -203,18 +224,17 @@ def fetch(transport, state, manifest: Manifest, rank: int, file_name) -> tuple[l
     (files, source rank, counts), or None when a file has no range digests (written
     before them: the caller reads whole files, as before)."""
     cid, old_world = manifest.checkpoint_id, manifest.world_size
+    reader = RangeReader(transport, cid)
     try:
-        full = _indexed(transport, manifest, file_name)
+        files = _indexed(transport, manifest, file_name, reader)
     except IndexMismatch as e:
         raise CorruptCheckpoint(f"checkpoint {cid}: {e}") from None
-    if full is None:
+    if files is None:
         return None
-    reader = RangeReader(transport, cid)
-    files = [RangedFile(r, full[r], reader) for r in range(old_world)]
     source = files[min(rank, old_world - 1)]
     index = ShardIndex(files)
     counts = {"pieces": 0, "piece_bytes": 0, "replicated_bytes": 0, "header_bytes": sum(f.start for f in files),
-              "index_bytes": sum(full[r].index["size"] for r in full), "tensors_per_file": len(source.tensors),
+              "index_bytes": sum(f.entry.index["size"] for f in files), "tensors_per_file": len(source.tensors),
               "window": reader.window}
     saved = source.state.get("components", {})
     for name, live in state.sharded_live().items():
@@ -223,6 +243,8 @@ def fetch(transport, state, manifest: Manifest, rank: int, file_name) -> tuple[l
         pairs: list = []
         _refs(decode(saved[name]["state"], lambda n, d: None, lambda n: None), live, pairs)
         for ref, target in pairs:
+            if tuple(target.shape) != ref.shape:
+                return None  # a factored moment, or a model that does not match: whole files, apply() says which
             for f, item in index.read_items(ref, target):
                 counts["piece_bytes"] += f.want_piece(ref.name, item.storage_offsets, item.lengths)
                 counts["pieces"] += 1
@@ -232,10 +254,11 @@ def fetch(transport, state, manifest: Manifest, rank: int, file_name) -> tuple[l
     return files, source.rank, counts
 
 
-def _indexed(transport, manifest: Manifest, file_name) -> dict[int, FileEntry] | None:
-    """Each old rank's shard file entry with its tensor index and digests (one index
-    object per old rank, checked against the root); None if one has no digests."""
-    out = {}
+def _indexed(transport, manifest: Manifest, file_name, reader: RangeReader) -> list[RangedFile] | None:
+    """Each old rank's file, its header read, from its tensor index and digests (one index
+    object per old rank, checked against the root, parsed one at a time: only its compact
+    RangeDigests is kept); None if one has no digests."""
+    out = []
     for r in range(manifest.world_size):
         entry = next((f for f in manifest.files(r) if f.name == file_name(r)), None)
         if entry is None:
@@ -245,5 +268,5 @@ def _indexed(transport, manifest: Manifest, file_name) -> dict[int, FileEntry] |
         entry = entry.with_index(r, transport.index_bytes(manifest.checkpoint_id, r, entry.name))
         if entry.digests is None:
             return None
-        out[r] = entry
+        out.append(RangedFile(r, entry, reader))
     return out

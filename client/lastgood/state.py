@@ -176,17 +176,22 @@ class TrainState:
     def sharded_live(self) -> dict:
         """Component -> its live state dict, for each FSDP2 module and each optimizer over
         one: the DTensors a restore at another world size plans its reads against
-        (readplan.py). A fresh optimizer gets its moments first, as apply() gives them."""
-        from torch.distributed.checkpoint.state_dict import (_init_optim_state, get_model_state_dict,
-                                                             get_optimizer_state_dict)
+        (readplan.py). An optimizer's moments are planned against its parameters, whose
+        placements they mirror: the optimizer itself is not touched. Giving a fresh one its
+        moments takes an optimizer step, which may issue collectives (a hang while another
+        rank has already failed) and must not happen before the ranks agree to apply: a
+        restore that ends in NoUsableCheckpoint leaves the optimizer as it found it. A
+        stored moment of another shape than its parameter (a factored one) is not planned
+        (readplan.fetch then reads whole files)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
         out = {}
         for name in self._order():
             kind = self._kind(name)
             if kind == "sharded_module":
                 out[name] = get_model_state_dict(_unwrap(self.components[name]))
             elif kind == "sharded_optimizer":
-                _init_optim_state(self.components[name])
-                out[name] = get_optimizer_state_dict(self._owner[name], self.components[name])
+                params = get_model_state_dict(self._owner[name])  # keyed by parameter name, as the optimizer's
+                out[name] = {"state": {fqn: _Moments(p) for fqn, p in params.items()}}
         return out
 
     def aliases(self, buf: torch.Tensor) -> bool:
@@ -319,3 +324,16 @@ def array_from_buffer(buf, spec: dict, data_start: int) -> np.ndarray:
     a, b = spec["data_offsets"]
     return np.frombuffer(buf, dtype=dtype, count=(b - a) // dtype.itemsize,
                          offset=data_start + a).reshape(spec["shape"]).copy()
+
+
+class _Moments(dict):
+    """The live target of one parameter's optimizer state in a read plan: every key is the
+    parameter itself (the moments have its shape and placements; readplan.fetch checks
+    the shape), so planning needs no optimizer step (TrainState.sharded_live)."""
+
+    def __init__(self, param) -> None:
+        super().__init__()
+        self.param = param
+
+    def get(self, key, default=None):
+        return self.param

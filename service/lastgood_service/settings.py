@@ -55,7 +55,9 @@ class Settings(BaseSettings):
     range_block_bytes: int = Field(1 * MiB, ge=0, le=64 * MiB, description="tensors are cut into blocks of this "
                                    "many bytes, each hashed on upload, so a reader can verify a byte range "
                                    "without reading the whole file (lastgood/ranges.py, docs/resharding.md); "
-                                   "0: none (files are then read whole by a restore at another world size)")
+                                   "0: none (files are then read whole by a restore at another world size); "
+                                   "at least 4 KiB otherwise (smaller blocks cost more in digests, kept in "
+                                   "memory while a file streams in, than they save in reads)")
 
     migrations_dir: Path = Field(default_factory=_default_migrations_dir)
     auto_migrate: bool = Field(True, description="run `alembic upgrade head` at start")
@@ -151,6 +153,15 @@ class Settings(BaseSettings):
                              f"would leave no worker for unary RPCs; at most "
                              f"{self.grpc_workers - self.grpc_workers // 4 - 1}")
         return self
+
+    @field_validator("range_block_bytes")
+    @classmethod
+    def _range_block_floor(cls, value: int) -> int:
+        from lastgood.ranges import MIN_BLOCK
+
+        if 0 < value < MIN_BLOCK:  # 36 B of digest per block: 1-byte blocks would hold 36x the file
+            raise ValueError(f"range_block_bytes must be 0 (no range digests) or at least {MIN_BLOCK}, got {value}")
+        return value
 
     @field_validator("s3_public_endpoint")
     @classmethod

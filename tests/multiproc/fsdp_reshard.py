@@ -3,7 +3,8 @@
     save    URL RUN OUT        train 3 steps on a plain DataLoader over ResumableDistributedSampler,
                                save steps 1 and 2
     restore URL RUN OUT [STEP] a fresh, differently initialised model: restore (expecting STEP,
-                               default 2), then finish the epoch
+                               default 2), then finish the epoch; STEP 0: expect NoUsableCheckpoint
+                               and print the size of the optimizer's state
 
 Both write OUT/full-<phase>.safetensors (rank 0: every full tensor, weights and Adam
 moments, gathered with full_state_dict) and OUT/ids-<phase>-rank<R>.json (samples seen);
@@ -29,18 +30,21 @@ from torch.utils.data import DataLoader
 import lastgood
 
 
+IN = 1024  # layer 0's weight: 120 KiB, several 4 KiB range-digest blocks per stored shard
+
+
 class Points(torch.utils.data.Dataset):
     def __len__(self):
         return 48
 
     def __getitem__(self, i):
         g = torch.Generator().manual_seed(i)
-        return i, torch.randn(16, generator=g)
+        return i, torch.randn(IN, generator=g)
 
 
 def build(seed: int):
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(16, 30), nn.ReLU(), nn.Linear(30, 7))  # 30 and 7 split unevenly
+    model = nn.Sequential(nn.Linear(IN, 30), nn.ReLU(), nn.Linear(30, 7))  # 30 and 7 split unevenly
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in model:
         if isinstance(layer, nn.Linear):
@@ -94,6 +98,15 @@ def main() -> None:
             ckpt.wait()
         else:
             want = int(sys.argv[5]) if len(sys.argv) > 5 else 2
+            if want == 0:  # every checkpoint damaged: nothing restored, nothing changed
+                try:
+                    ckpt.restore(state)
+                except lastgood.NoUsableCheckpoint:
+                    print(f"[rank {rank}] no usable checkpoint; optimizer state: {len(opt.state)}", flush=True)
+                    dist.barrier()
+                    dist.destroy_process_group()
+                    return
+                raise AssertionError("restored a damaged checkpoint")
             got = ckpt.restore(state)
             assert got == want, f"restored step {got}, expected {want}"
             print(f"[rank {rank}] restored step {got}", flush=True)

@@ -15,12 +15,13 @@ import torch
 from safetensors import safe_open
 
 from lastgood.format import header_length, parse_header, parse_state
+from lastgood.ranges import MIN_BLOCK
 
 from tests.multiproc.launch import torchrun, why
 from tests.service.helpers import shard_blob, wait_status
 
 SCRIPT = Path(__file__).with_name("fsdp_reshard.py")
-BLOCK = 64  # bytes: small enough that ranges cut through these tiny tensors
+BLOCK = MIN_BLOCK  # the smallest the service accepts: ranges cut through the stored shards of layer 0
 
 
 def full(path: Path) -> dict[str, torch.Tensor]:
@@ -134,12 +135,29 @@ def test_a_damaged_range_one_rank_reads_falls_back_on_every_rank(make_service, r
     assert svc.get(f"/api/v1/runs/{run_name}/last-good").json()["step"] == 1
 
 
+def test_a_restore_that_finds_nothing_usable_leaves_the_optimizer_untouched(make_service, run_name, tmp_path):
+    """Both checkpoints damaged in a range new rank 1 reads: the restore ends in
+    NoUsableCheckpoint on both ranks, and neither rank's fresh optimizer took a step (its
+    state is still empty: planning the reads must not give it moments before the ranks agree)."""
+    svc = make_service(LASTGOOD_RANGE_BLOCK_BYTES=str(BLOCK))
+    ckpt = save(svc, run_name, tmp_path / "save", 4)
+    for cid in (ckpt["id"], ckpt["manifest"]["parent_id"]):
+        f = svc.get(f"/api/v1/checkpoints/{cid}").json()["manifest"]["ranks"][3]["files"][0]
+        blob = shard_blob(svc, cid, 3)
+        data = bytearray(blob.read_bytes())
+        data[f["data_start"] + f["tensors"]["model.0.weight"]["offsets"][1] - 1] ^= 0x01
+        blob.write_bytes(bytes(data))
+    res = restore(svc, run_name, tmp_path / "on2", 2, step=0)
+    for rank in range(2):
+        assert f"[rank {rank}] no usable checkpoint; optimizer state: 0" in res.stdout, why(res)
+
+
 def test_control_each_rank_stores_only_its_own_shard(service, run_name, tmp_path):
     saved = torchrun(SCRIPT, ["save", service.url, run_name, str(tmp_path)], nproc=2)
     assert saved.returncode == 0, why(saved)
     lg = service.get(f"/api/v1/runs/{run_name}/last-good").json()
     manifest = service.get(f"/api/v1/checkpoints/{lg['id']}").json()["manifest"]  # the full view, with tensors
     shapes = [{name: t["shape"] for name, t in r["files"][0]["tensors"].items()} for r in manifest["ranks"]]
-    # layer 0's weight is 30x16 in full: each rank holds 15 rows, not all 30
-    assert shapes[0]["model.0.weight"] == [15, 16] and shapes[1]["model.0.weight"] == [15, 16]
-    assert shapes[0]["optimizer.state.0.weight.exp_avg"] == [15, 16]
+    # layer 0's weight is 30x1024 in full: each rank holds 15 rows, not all 30
+    assert shapes[0]["model.0.weight"] == [15, 1024] and shapes[1]["model.0.weight"] == [15, 1024]
+    assert shapes[0]["optimizer.state.0.weight.exp_avg"] == [15, 1024]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import lastgood
+from lastgood import names
 from lastgood.hashing import hash_bytes
 from lastgood.transport import Transport
 from lastgood.v1 import lastgood_pb2 as pb
@@ -283,6 +284,22 @@ def test_sweep_removes_only_abandoned_spool_files(tmp_path):
     (again.out_dir / ("e" * 32 + ".part")).write_bytes(b"x")
     assert again.sweep_lent(3600) == 0 and again.sweep_lent(0) == 1
     assert oct((tmp_path / "spool").stat().st_mode & 0o777) == "0o700"
+
+
+def test_a_lent_link_ages_by_its_name_not_by_its_blobs_inode(tmp_path):
+    """A link lent two hours ago whose blob was lent again just now (a new link: the shared
+    inode's ctime is now) is swept as two hours old; the new link stays. By ctime, the
+    stale one would live as long as the blob keeps being read."""
+    from lastgood_service.domain.spool import Spool
+
+    spool = Spool(tmp_path / "spool")
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"x" * 10)
+    old = spool.out_dir / names.new_lent_name(time.time() - 7200)
+    os.link(blob, old)
+    fresh = spool.dir / spool.lend(blob)
+    assert spool.sweep_lent(3600) == 1
+    assert not old.exists() and fresh.exists() and blob.exists()
 
 
 def test_a_same_host_reader_gets_a_link_instead_of_a_stream(svc, cl, run_name, monkeypatch):

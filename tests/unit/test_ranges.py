@@ -64,3 +64,26 @@ def test_a_stream_longer_or_shorter_than_its_segments_is_refused():
     h.update(FILE[-1:])
     with pytest.raises(FormatError):
         h.update(b"x")
+
+
+class CountedName(str):
+    """A tensor name that counts how often it is compared with another name."""
+
+    compares = 0
+
+    def __eq__(self, other):
+        CountedName.compares += 1
+        return str.__eq__(self, other)
+
+    __hash__ = str.__hash__
+
+
+def test_checking_a_large_digest_table_is_linear_in_its_segments():
+    """Every rank checks every old file's table: 4,000 one-block tensors must cost a few
+    name comparisons each, not one per segment of the file (quadratic: 16 million)."""
+    n = 4000
+    tensors = {CountedName(f"t{i}"): {"offsets": [8 * i, 8 * i + 8]} for i in range(n)}
+    table = {"block": 8, "header": hash_bytes(b"h"), "tensors": {str(k): [hash_bytes(b"x")] for k in tensors}}
+    CountedName.compares = 0
+    RangeDigests(DATA_START, tensors, table)
+    assert CountedName.compares < 10 * n, CountedName.compares

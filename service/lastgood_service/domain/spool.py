@@ -134,7 +134,7 @@ class Spool:
         A hard link is the blob's own inode, so its mode is the blob's: the local store
         publishes blobs read-only (0444), and a blob published before it did so is made
         read-only here - the blob itself, which nothing writes after publishing anyway."""
-        name = names.new_spool_name()
+        name = names.new_lent_name(time.time())
         link = self.out_dir / name
         try:
             os.link(blob, link)
@@ -147,11 +147,17 @@ class Spool:
         return f"{names.SPOOL_OUT_DIR}/{name}"
 
     def sweep_lent(self, max_age_seconds: float) -> int:
-        """Remove links whose reader did not remove them (it died) older than max_age."""
+        """Remove links whose reader did not remove them (it died) older than max_age, aged
+        by the time in their name (names.new_lent_name), not by the inode's ctime: that is
+        the blob's, moved by every later link of it, so a link lent again and again would
+        never age. A name that holds no past time (not ours) falls back to the ctime."""
         now, n = time.time(), 0
         for p in self.out_dir.iterdir():
             try:
-                if now - p.lstat().st_ctime >= max_age_seconds:
+                made = names.lent_at(p.name)
+                if made is None or made > now + 60:
+                    made = p.lstat().st_ctime
+                if now - made >= max_age_seconds:
                     _remove(p)
                     n += 1
             except FileNotFoundError:

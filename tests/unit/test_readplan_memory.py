@@ -1,0 +1,70 @@
+"""A resharding restore keeps exactly the bytes of what it planned (lastgood/readplan.py):
+ranges read as one request are copied out of the request's buffer, which is then freed,
+so a rank never holds a whole old file when its pieces are smaller than a block."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import save
+
+from lastgood.format import META_STATE, header_length, parse_header, tensor_index
+from lastgood.hashing import hash_bytes
+from lastgood.manifest import FileEntry
+from lastgood.ranges import RangeHasher
+from lastgood.readplan import RangedFile, RangeReader
+
+BLOCK = 4096
+
+
+class Bytes:
+    """read_range over a file held in memory (the bytes the service would send)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.requested = data, []
+
+    def read_range(self, checkpoint_id, rank, file_name, offset, into) -> None:
+        view = memoryview(into).cast("B")
+        view[:] = self.data[offset:offset + view.nbytes]
+        self.requested.append(view.nbytes)
+
+
+def stored_file(rows: int) -> tuple[bytes, FileEntry]:
+    tensors = {f"t{i}": torch.full((rows, 16), float(i)) for i in range(64)}  # 64 x rows x 64 B
+    data = save(tensors, metadata={META_STATE: json.dumps({"components": {}})})
+    start = header_length(data)
+    index = tensor_index(parse_header(data[:start])[0])
+    h = RangeHasher(start, index, BLOCK)
+    h.update(data)
+    return data, FileEntry("f", len(data), hash_bytes(data), data_start=start, tensors=index, digests=h.digests())
+
+
+def held(tensors) -> int:
+    """Bytes of the distinct buffers these tensors keep alive."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def test_pieces_smaller_than_a_block_are_kept_without_the_rest_of_the_file():
+    data, entry = stored_file(rows=32)  # 2 KiB tensors: 2 per block, every file range touches the next
+    transport = Bytes(data)
+    f = RangedFile(0, entry, RangeReader(transport, 1, window=64 * 1024))
+    planned = sum(f.want_piece(f"t{i}", [0, 0], [1, 16]) for i in range(64))  # one row of each tensor
+    f.read_planned()
+    pieces = [f.piece(f"t{i}", (0, 0), (1, 16)) for i in range(64)]
+    assert all(torch.equal(p, torch.full((1, 16), float(i))) for i, p in enumerate(pieces))
+    assert held(pieces) == planned == 64 * 64  # not the ~128 KiB of the file's data
+    assert max(transport.requested) <= 64 * 1024  # no request beyond one window
+
+
+def test_adjacent_whole_tensors_are_kept_as_read_without_a_copy():
+    """A request every byte of which is kept (whole stored shards side by side, as at
+    8 -> 4) is kept as it was read: one buffer per request, of exactly the planned bytes."""
+    data, entry = stored_file(rows=32)
+    transport = Bytes(data)
+    f = RangedFile(0, entry, RangeReader(transport, 1, window=64 * 1024))
+    planned = f.want_whole([f"t{i}" for i in range(64)])
+    f.read_planned()
+    kept = [f.resolve(f"t{i}", None, copy=False) for i in range(64)]
+    assert all(torch.equal(t, torch.full((32, 16), float(i))) for i, t in enumerate(kept))
+    assert held(kept) == planned == 64 * 2048 and len(transport.requested) == 1 + 2  # the header, two windows
