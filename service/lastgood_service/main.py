@@ -35,7 +35,7 @@ from .domain.errors import DomainError
 from .domain.retention import Retention
 from .domain.directfs import DirectFS
 from .domain.spool import Spool
-from .domain import verification_modes
+from .domain import peer_fallback, verification_modes
 from .domain.tokens import TokenStore
 from .api.limits import BodyLimit
 from .metrics import Metrics
@@ -131,6 +131,10 @@ class Service:
     def _reaper(self) -> None:
         swept = float("-inf")  # the first pass sweeps the spool: a service that restarts often still cleans it
         while not self._stop.wait(self.settings.reaper_interval):
+            try:  # peer verification's liveness rule: unchecked files of fully voted checkpoints
+                peer_fallback.of(self.commits).sweep()
+            except Exception:
+                log.exception("peer-check fallback pass failed; will retry")
             try:
                 self.commits.expire_leases()
             except Exception:

@@ -90,6 +90,10 @@ class Settings(BaseSettings):
                               "over by name (direct-FS): service (the service re-reads every byte), peer (another "
                               "rank reads it back from the store before the commit), store (the store verified the "
                               "declared checksums: direct S3 uploads; refused at start without them)")
+    peer_check_grace_seconds: float | None = Field(None, ge=0, description="peer mode: once every rank has voted, "
+                                                   "a file no rank reported checking within this long is hashed by the "
+                                                   "service itself (domain/peer_fallback.py); default half the lease; "
+                                                   "at or past the lease: never (the lease then abandons it)")
     direct_fs: bool = Field(True, description="trainers that mount a local store's directory may write their files "
                             "in place (<blob root>/direct) and hand over only the name, from any host")
     max_request_bytes: int = Field(1024 * 1024, gt=0, description="largest REST request body")

@@ -25,28 +25,26 @@ check (`assignment`: the peer's DECLARED files, their declared digest and their 
 the store) and reports what it read (`report`): a match makes the file VERIFIED; a
 mismatch records a hash_mismatch event and aborts the checkpoint (ABANDONED, with the
 reason); a file the checker could not read (it does not mount the store, the blob is
-missing) is hashed by the service itself, so a checker's trouble costs CPU, never the
-commit's correctness or its liveness.
+missing) is hashed by the service itself, and so is a file no checker reported within a
+grace once every rank has voted (domain/peer_fallback.py, the liveness rule), so a
+checker's trouble costs CPU, never the commit's correctness or its liveness.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 
 from sqlalchemy import select
 
 from lastgood.errors import FormatError
 from lastgood.format import header_length
-from lastgood.hashing import StreamHasher
 
 from ..blobstore import capabilities
 from ..catalog.models import DECLARED, PENDING, VERIFIED, Shard, Vote
-from . import fencing
+from . import fencing, peer_fallback
 from .errors import InvalidArgument
 from .events import add_event
 
-log = logging.getLogger("lastgood.commit")
 
 SERVICE, PEER, STORE = "service", "peer", "store"
 MODES = (SERVICE, PEER, STORE)
@@ -149,8 +147,10 @@ class PeerChecks:
             shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == checkpoint_id, Shard.rank == peer,
                                                         Shard.status == DECLARED).order_by(Shard.file_name)))
             status = ck.status
+        hashing = peer_fallback.of(c)  # files the service hashes itself are nobody's to check
         files = [{"name": sh.file_name, "size": sh.size, "xxh3_128": sh.xxh3_128,
-                  "path": self.directfs.path_of(sh.blob_key) if self.directfs else None} for sh in shards]
+                  "path": self.directfs.path_of(sh.blob_key) if self.directfs else None} for sh in shards
+                 if not hashing.hashing(checkpoint_id, peer, sh.file_name)]
         return {"verification": self.mode, "status": status, "peer_rank": peer, "peer_voted": voted,
                 "files": files if status == PENDING else []}
 
@@ -170,6 +170,7 @@ class PeerChecks:
                                       f"not of rank {peer_rank}")
             if ck.status != PENDING:
                 return {"status": ck.status, "verified": [], "mismatched": []}
+            ck.lease_expires_at = c._lease()  # a check is progressing: the checkpoint is alive
             declared = {sh.file_name: sh for sh in s.scalars(select(Shard).where(
                 Shard.checkpoint_id == checkpoint_id, Shard.rank == peer_rank, Shard.status == DECLARED))}
             verified, bad, unread = [], [], []
@@ -179,7 +180,7 @@ class PeerChecks:
                     continue  # checked already (a retried report), or never declared
                 got = f.get("xxh3_128")
                 if got is None:
-                    unread.append((sh.file_name, sh.blob_key, sh.size, sh.xxh3_128))
+                    unread.append((peer_rank, sh.file_name))
                 elif got == sh.xxh3_128:
                     sh.status = VERIFIED
                     verified.append(sh.file_name)
@@ -187,13 +188,8 @@ class PeerChecks:
                     bad.append((sh.file_name, sh.xxh3_128, got, f"rank {rank} read it back from the store"))
             if verified:
                 add_event(s, "peer_verified", ck.run_id, ck.id, rank=peer_rank, checked_by=rank, files=verified)
-        for name, key, size, want in unread:  # the checker could not read it: the service hashes it
-            got = self._hash_blob(key, size)
-            if got == want:
-                self._mark_verified(checkpoint_id, peer_rank, name)
-                verified.append(name)
-            else:
-                bad.append((name, want, got, f"rank {rank} could not read it; the service hashed it"))
+        if unread:  # the checker could not read them: the service hashes them, on its own thread
+            peer_fallback.of(c).start(checkpoint_id, unread, f"rank {rank} could not read it")
         if bad:
             return self._refuse(checkpoint_id, rank, peer_rank, bad, verified)
         c.try_commit(checkpoint_id)
@@ -201,36 +197,8 @@ class PeerChecks:
             status = c._get_checkpoint(s, checkpoint_id).status
         return {"status": status, "verified": verified, "mismatched": []}
 
-    def _hash_blob(self, key: str, size: int) -> str | None:
-        hasher = StreamHasher()
-        try:
-            for chunk in self.commits.blobs.get(key):
-                hasher.update(chunk)
-        except FileNotFoundError:
-            return None
-        return hasher.hexdigest() if hasher.size == size else None
-
-    def _mark_verified(self, checkpoint_id: int, rank: int, name: str) -> None:
-        with self.commits.sessions() as s, s.begin():
-            sh = s.scalar(select(Shard).where(Shard.checkpoint_id == checkpoint_id, Shard.rank == rank,
-                                              Shard.file_name == name, Shard.status == DECLARED))
-            if sh is not None:
-                sh.status = VERIFIED
-
     def _refuse(self, checkpoint_id: int, rank: int, peer_rank: int, bad: list, verified: list) -> dict:
         """A file whose stored bytes are not what its writer declared: the checkpoint never commits."""
-        from .commit.protocol import ShardHeader
-
-        c = self.commits
-        for name, want, got, how in bad:
-            c._record_mismatch(ShardHeader(checkpoint_id, peer_rank, name, 0, want), got or "unreadable")
-        name, want, got, how = bad[0]
-        reason = (f"peer check: rank {peer_rank}'s {name} in the store has xxh3-128 {got or '(unreadable)'}, "
-                  f"its writer declared {want} ({how}); the checkpoint is not committed")
-        try:
-            status = c.abort(checkpoint_id, reason, rank)
-        except Exception:  # committed or expired meanwhile: say what it is
-            with c.sessions() as s, s.begin():
-                status = c._get_checkpoint(s, checkpoint_id).status
-        log.warning("checkpoint %s: %s", checkpoint_id, reason)
+        status, reason = peer_fallback.refuse(self.commits, checkpoint_id,
+                                              [(peer_rank, *b) for b in bad], rank)
         return {"status": status, "verified": verified, "mismatched": [b[0] for b in bad], "reason": reason}

@@ -1,0 +1,178 @@
+"""The liveness rule of peer verification (domain/verification_modes.py), one place.
+
+A peer-checked file is DECLARED until a rank reads it back and reports its digest. Ranks
+can fail to: a checker crashed after its vote, a rank that does not wait for the outcome
+(DCP's non-coordinators) checks only what is there when it votes, a client started before
+the service was switched to `peer` never checks at all, a checker could not read the file.
+None of that may cost the commit, so:
+
+  once every rank of a checkpoint has voted, a DECLARED file no checker has reported
+  within `peer_check_grace_seconds` (default: half the lease) is hashed by the service
+  itself, in the background, and the checkpoint's lease is renewed while it does.
+
+The grace is shorter than the lease, and the last vote renewed the lease, so a fully voted
+checkpoint never expires waiting for a check: either a rank reports in time or the service
+takes over before the lease is out. A file a checker reports unread is handed over at
+once. The hash runs on a thread of this module, never inside a request (a multi-GB file
+would outlast the client's timeout, and each retry would start another hash); a file
+already being hashed is not hashed again, and ranks are not asked to check it. A grace at
+or past the lease turns the rule off: such checkpoints end ABANDONED when their lease
+runs out (the control in tests/service/test_peer_liveness.py).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+import time
+
+from sqlalchemy import func, select
+
+from lastgood.hashing import StreamHasher
+
+from ..catalog.models import DECLARED, PENDING, VERIFIED, Checkpoint, Shard, Vote
+
+log = logging.getLogger("lastgood.commit")
+
+
+def grace_seconds(settings) -> float:
+    """How long after the last vote a DECLARED file waits for its checker."""
+    g = settings.peer_check_grace_seconds
+    return settings.lease_seconds / 2 if g is None else g
+
+
+class PeerFallback:
+    """The service's own hash of DECLARED files nobody checked (one per commit service)."""
+
+    def __init__(self, commits) -> None:
+        self.commits = commits
+        self._lock = threading.Lock()
+        self._hashing: set[tuple[int, int, str]] = set()  # (checkpoint, rank, file) being hashed here
+
+    def hashing(self, checkpoint_id: int, rank: int, name: str) -> bool:
+        with self._lock:
+            return (checkpoint_id, rank, name) in self._hashing
+
+    def sweep(self) -> list[int]:
+        """One pass (the lease reaper's): start hashing the fully voted checkpoints' DECLARED
+        files whose grace is over. Returns the checkpoints it started on."""
+        c = self.commits
+        grace = grace_seconds(c.settings)
+        if grace >= c.settings.lease_seconds:
+            return []  # the rule is off: the lease decides
+        due = c.clock() - dt.timedelta(seconds=grace)
+        with c.sessions() as s, s.begin():
+            pending = {ck_id: world for ck_id, world in s.execute(
+                select(Checkpoint.id, Checkpoint.world_size).where(Checkpoint.status == PENDING))}
+            if not pending:
+                return []
+            declared = list(s.execute(select(Shard.checkpoint_id, Shard.rank, Shard.file_name).where(
+                Shard.checkpoint_id.in_(pending), Shard.status == DECLARED)))
+            ids = sorted({cid for cid, _r, _n in declared})
+            votes = {cid: (n, last) for cid, n, last in s.execute(
+                select(Vote.checkpoint_id, func.count(), func.max(Vote.created_at))
+                .where(Vote.checkpoint_id.in_(ids)).group_by(Vote.checkpoint_id))} if ids else {}
+        started = []
+        for cid in ids:
+            n, last = votes.get(cid, (0, None))
+            if n == pending[cid] and last is not None and last <= due:
+                files = [(r, name) for c_id, r, name in declared if c_id == cid]
+                if self.start(cid, files, "no checker reported it within the grace"):
+                    started.append(cid)
+        return started
+
+    def start(self, checkpoint_id: int, files: list[tuple[int, str]], why: str) -> bool:
+        """Hash these (rank, file) of the checkpoint on a thread, unless already hashing them."""
+        with self._lock:
+            todo = [(r, n) for r, n in files if (checkpoint_id, r, n) not in self._hashing]
+            self._hashing.update((checkpoint_id, r, n) for r, n in todo)
+        if not todo:
+            return False
+        threading.Thread(target=self._run, args=(checkpoint_id, todo, why), daemon=True,
+                         name=f"peer-fallback-{checkpoint_id}").start()
+        return True
+
+    def _run(self, checkpoint_id: int, files: list[tuple[int, str]], why: str) -> None:
+        c = self.commits
+        try:
+            bad = []
+            for rank, name in files:
+                with c.sessions() as s, s.begin():
+                    sh = s.scalar(select(Shard).where(Shard.checkpoint_id == checkpoint_id, Shard.rank == rank,
+                                                      Shard.file_name == name, Shard.status == DECLARED))
+                    ck = s.get(Checkpoint, checkpoint_id)
+                    if sh is None or ck is None or ck.status != PENDING:
+                        continue  # a checker reported it meanwhile, or the checkpoint is decided
+                    key, size, want = sh.blob_key, sh.size, sh.xxh3_128
+                got = self._hash(checkpoint_id, key, size)
+                if got == want:
+                    self._mark_verified(checkpoint_id, rank, name)
+                    log.info("checkpoint %s: the service hashed rank %s's %s (%s)", checkpoint_id, rank, name, why)
+                else:
+                    bad.append((rank, name, want, got))
+            if bad:
+                refuse(c, checkpoint_id, [(r, n, w, g, f"the service hashed it: {why}") for r, n, w, g in bad])
+            else:
+                c.try_commit(checkpoint_id)
+        except Exception:  # the next sweep starts over on what is still DECLARED
+            log.exception("checkpoint %s: the service's hash of unchecked files failed; will retry", checkpoint_id)
+        finally:
+            with self._lock:
+                self._hashing.difference_update((checkpoint_id, r, n) for r, n in files)
+
+    def _hash(self, checkpoint_id: int, key: str, size: int) -> str | None:
+        """The blob's xxh3-128, renewing the lease as it reads; None if it cannot be read whole."""
+        c = self.commits
+        hasher = StreamHasher()
+        renewed = time.monotonic()
+        try:
+            for chunk in c.blobs.get(key):
+                hasher.update(chunk)
+                if time.monotonic() - renewed > c.settings.lease_seconds / 4:
+                    c._renew(checkpoint_id)
+                    renewed = time.monotonic()
+        except OSError as e:  # missing, or EIO: the stored file is not what was declared
+            log.warning("checkpoint %s: cannot read %s: %s", checkpoint_id, key, e)
+            return None
+        return hasher.hexdigest() if hasher.size == size else None
+
+    def _mark_verified(self, checkpoint_id: int, rank: int, name: str) -> None:
+        with self.commits.sessions() as s, s.begin():
+            sh = s.scalar(select(Shard).where(Shard.checkpoint_id == checkpoint_id, Shard.rank == rank,
+                                              Shard.file_name == name, Shard.status == DECLARED))
+            if sh is not None:
+                sh.status = VERIFIED
+
+
+def refuse(commits, checkpoint_id: int, bad: list, rank: int | None = None) -> tuple[str, str]:
+    """Files whose stored bytes are not what their writer declared - (rank, file, declared,
+    read or None, how it was read) each: a hash_mismatch event each, and the checkpoint is
+    aborted. Returns its status then and the reason."""
+    from .commit.protocol import ShardHeader
+
+    c = commits
+    for r, name, want, got, _how in bad:
+        c._record_mismatch(ShardHeader(checkpoint_id, r, name, 0, want), got or "unreadable")
+    r, name, want, got, how = bad[0]
+    reason = (f"peer check: rank {r}'s {name} in the store has xxh3-128 {got or '(unreadable)'}, its writer "
+              f"declared {want} ({how}); the checkpoint is not committed")
+    try:
+        status = c.abort(checkpoint_id, reason, r if rank is None else rank)
+    except Exception:  # noqa: BLE001 - committed or expired meanwhile: say what it is
+        with c.sessions() as s, s.begin():
+            status = c._get_checkpoint(s, checkpoint_id).status
+    log.warning("checkpoint %s: %s", checkpoint_id, reason)
+    return status, reason
+
+
+_lock = threading.Lock()
+
+
+def of(commits) -> PeerFallback:
+    """The one PeerFallback of this commit service (the reaper's and the requests')."""
+    with _lock:
+        fb = getattr(commits, "_peer_fallback", None)
+        if fb is None:
+            fb = commits._peer_fallback = PeerFallback(commits)
+        return fb
