@@ -11,7 +11,8 @@ its own mount, and reports the digests it got. It repeats until its peer has vot
 nothing of the peer's is left unchecked, or the checkpoint is decided. A mismatch aborts
 the checkpoint on the service; the rank learns it from the answer, as every other rank
 learns it from its vote. A file it cannot read (no mount, a missing blob) is reported as
-unread, and the service hashes that one itself.
+unread, and the service hashes that one itself; so it does a file no rank reported
+within a grace after the last vote (a checker that died, a rank that does not wait).
 
 `check(..., read=...)` takes the function that reads and hashes a file: a test passes one
 that does not read, to show what the check is for (tests/client/test_directfs.py).
@@ -55,18 +56,30 @@ def read_and_hash(direct, entry: dict) -> str | None:
     buf = bytearray(_PIECE)
     view = memoryview(buf)
     try:
+        # read what the store holds, not what this host's page cache kept of the writer's
+        # pages (a peer on the writer's host): cached pages of the file are dropped first
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         while n := os.readv(fd, [view]):
             hasher.update(view[:n])
+    except OSError as e:  # EIO and the like mid-read: unread, and the service hashes it itself
+        log.warning("lastgood: peer check cannot read %s: %s", entry.get("path"), e)
+        return None
     finally:
         os.close(fd)
     return hasher.hexdigest() if hasher.size == entry.get("size") else None  # the service looks at it itself
 
 
 def check(transport, direct, checkpoint_id: int, rank: int, deadline: float,
-          read: Callable[[object, dict], str | None] = read_and_hash) -> str:
+          read: Callable[[object, dict], str | None] = read_and_hash, *, wait_for_peer: bool = True) -> str:
     """Check this rank's peer's files until none is left; the checkpoint's status then.
     Raises SaveFailed when a check found a mismatch (the checkpoint is aborted) or the
-    peer has not voted by `deadline` (time.monotonic)."""
+    peer has not voted by `deadline` (time.monotonic).
+
+    `wait_for_peer=False` (a rank that does not wait for the outcome: DCP's non-coordinators)
+    checks what its peer has handed over so far and returns: its peer may vote only after
+    this rank returns (DCP's coordinator votes last), so waiting for it could deadlock; the
+    files it leaves are hashed by the service once the grace is over (domain/peer_fallback.py)."""
     path = _path(checkpoint_id, rank)
     while True:
         a = transport.get_json(path)
@@ -78,7 +91,7 @@ def check(transport, direct, checkpoint_id: int, rank: int, deadline: float,
             if r.get("mismatched"):
                 raise SaveFailed(f"checkpoint {checkpoint_id}: {r.get('reason', 'peer check failed')}")
             continue
-        if a["peer_voted"]:
+        if a["peer_voted"] or not wait_for_peer:
             return a["status"]
         if time.monotonic() > deadline:
             raise SaveFailed(f"checkpoint {checkpoint_id}: rank {a['peer_rank']} did not vote in time for its peer "

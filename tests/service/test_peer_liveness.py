@@ -7,11 +7,19 @@ ABANDONED when its lease runs out. The service's hash still refuses a changed fi
 
 from __future__ import annotations
 
+import errno
+import os
+
 import pytest
 
+from lastgood import directfs, peer
+from lastgood.errors import SaveFailed
+from lastgood.save.session import SaveSession
+from lastgood.transport import Transport
+
 from ..conftest import FAST, ServiceProc
-from .helpers import events, make_shard, shard_name, wait_status
-from .test_directfs import handed_over
+from .helpers import checkpoint, events, make_shard, shard_name, wait_status
+from .test_directfs import handed_over, mount_of
 
 GRACE = "2"
 
@@ -66,3 +74,62 @@ def test_the_services_own_hash_refuses_a_changed_file_nobody_checked(fb_svc, run
     wait_status(fb_svc, cid, "ABANDONED", timeout=60)
     kinds = [e["kind"] for e in events(fb_svc, run_name)]
     assert "hash_mismatch" in kinds and "commit" not in kinds and "expired" not in kinds
+
+
+def test_a_rank_that_does_not_wait_for_the_outcome_does_not_wait_for_its_peers_vote(fb_svc, run_name, tmp_path,
+                                                                                     monkeypatch):
+    """DCP's non-coordinators vote with commit(wait=False) in write_data, before the
+    coordinator (rank 0) votes in finish(): rank 1 checks rank 0's files, so waiting for
+    rank 0's vote there would deadlock. Rank 1 returns at once; rank 0's file, which nobody
+    checked, is hashed by the service, and the checkpoint commits."""
+    monkeypatch.setenv("LASTGOOD_DIRECT_FS_MOUNT", str(mount_of(fb_svc, tmp_path)))
+    t = Transport(fb_svc.url, spool=False)
+    try:
+        direct = directfs.of(t)
+        assert direct is not None
+        ups = [SaveSession(t, run_name, r, commit_timeout=t_out, path=directfs.DirectFSPath(t, direct)).checkpoint(7)
+               for r, t_out in ((0, 120.0), (1, 5.0))]  # rank 1 gives up on rank 0 after 5 s if it waits
+        for r, up in enumerate(ups):
+            up.add(shard_name(r), make_shard(r, seed=30 + r))
+        cid = ups[0].begin(2, "a1")
+        assert ups[1].begin(2, "a1") == cid
+        ups[1].commit(wait=False)  # before the fix: SaveFailed, "rank 0 did not vote in time"
+        assert checkpoint(fb_svc, cid)["status"] == "PENDING"
+        ups[0].commit()  # votes, checks rank 1's file, waits: rank 0's own file is the service's to hash
+    finally:
+        t.close()
+    assert checkpoint(fb_svc, cid)["status"] == "COMMITTED"
+    checked = [e.get("data", e) for e in events(fb_svc, run_name) if e["kind"] == "peer_verified"]
+    assert [(c["rank"], c["checked_by"]) for c in checked] == [(1, 0)], checked
+
+
+def test_an_error_part_way_through_the_read_back_is_reported_unread(fb_svc, run_name, tmp_path, monkeypatch):
+    """EIO after the first piece: the checker reports the file unread (the service hashes
+    it) instead of failing the save with the error."""
+    data = make_shard(0, seed=23, n=2_000_000)  # several of the checker's 8 MiB pieces
+    t, direct, handle, digest, cid = handed_over(fb_svc, tmp_path, run_name, data)
+    reads = []
+    real = os.readv
+
+    def failing(fd, bufs):
+        reads.append(fd)
+        if len(reads) > 1:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, bufs)
+
+    try:
+        direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
+        t.commit_rank(cid, 0, [shard_name(0)], wait=0)
+        monkeypatch.setattr(peer.os, "readv", failing)
+        try:
+            peer.check(t, direct, cid, 0, deadline=float("inf"))
+        except OSError as e:  # before the fix
+            raise AssertionError(f"the read error escaped the peer check: {e!r}") from e
+        except SaveFailed:
+            raise
+        monkeypatch.undo()
+        assert len(reads) == 2  # it did fail part-way
+        assert t.commit_rank(cid, 0, [shard_name(0)], wait=5).status in ("PENDING", "COMMITTED")
+    finally:
+        t.close()
+    wait_status(fb_svc, cid, "COMMITTED", timeout=60)

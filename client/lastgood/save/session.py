@@ -231,7 +231,7 @@ class Upload:
         if res.status == "PENDING" and peer.wanted(self.transport):  # peer.py: read back another rank's files
             from .. import directfs
 
-            peer.check(self.transport, directfs.of(self.transport), cid, self.rank, deadline)
+            peer.check(self.transport, directfs.of(self.transport), cid, self.rank, deadline, wait_for_peer=wait)
         if not wait:
             return
         status, missing = res.status, list(res.missing_ranks)
