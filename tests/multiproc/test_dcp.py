@@ -48,3 +48,29 @@ def test_rank_killed_during_a_dcp_save_leaves_nothing_visible(service, run_name)
         assert time.monotonic() < deadline
         time.sleep(0.2)
     assert service.get(f"/api/v1/checkpoints/{listing[0]['id']}").json()["status"] == "ABANDONED"
+
+
+@pytest.mark.slow  # a service of its own
+def test_dcp_save_in_peer_mode_through_direct_fs_commits(make_service, run_name, tmp_path):
+    """Peer verification with DCP: rank 1 votes in write_data without waiting, and its peer
+    is rank 0, DCP's coordinator, which votes only in finish() - after rank 1 returned. Rank 1
+    must not wait for that vote (it did: the save hung until the lease abandoned it); the
+    file it leaves unchecked is hashed by the service after the grace (domain/peer_fallback.py)."""
+    svc = make_service(LASTGOOD_VERIFICATION="peer", LASTGOOD_LEASE_SECONDS="30",
+                       LASTGOOD_PEER_CHECK_GRACE_SECONDS="2")
+    mount = tmp_path / "mnt" / "store"
+    mount.parent.mkdir()
+    mount.symlink_to(svc.blob_root)
+    res = torchrun(SCRIPT, ["sync", svc.url, run_name], env={"LASTGOOD_SPOOL": "0",
+                                                             "LASTGOOD_DIRECT_FS_MOUNT": str(mount)}, timeout=240)
+    assert res.returncode == 0, why(res)
+    assert f"[rank 0] {EXACT}" in res.stdout
+    lg = svc.get(f"/api/v1/runs/{run_name}/last-good").json()
+    assert lg["step"] == 5 and lg["status"] == "COMMITTED"
+    evs = svc.get(f"/api/v1/runs/{run_name}/events", params={"limit": 1000}).json()["items"]
+    assert "expired" not in [e["kind"] for e in evs]
+    checked = [e.get("data", e) for e in evs if e["kind"] == "peer_verified"]
+    pairs = sorted((c["rank"], c["checked_by"]) for c in checked)
+    # rank 0 (waiting) checked rank 1's file; rank 1 checked rank 0's only if it was handed over
+    # before rank 1 voted, else the service hashed it
+    assert (1, 0) in pairs and set(pairs) <= {(0, 1), (1, 0)}, checked
