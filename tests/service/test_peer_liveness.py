@@ -133,3 +133,21 @@ def test_an_error_part_way_through_the_read_back_is_reported_unread(fb_svc, run_
     finally:
         t.close()
     wait_status(fb_svc, cid, "COMMITTED", timeout=60)
+
+
+def test_a_file_reported_unread_is_hashed_after_the_report_not_inside_it(fb_svc, run_name, tmp_path):
+    """The report answers before the service hashes the file (a multi-GB hash inside the
+    POST outlasted the client's timeout, and each retry started another): the answer does
+    not list it as verified; the service's own hash then does, and the checkpoint commits."""
+    data = make_shard(0, seed=24)
+    t, direct, handle, digest, cid = handed_over(fb_svc, tmp_path, run_name, data)
+    try:
+        direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
+        t.commit_rank(cid, 0, [shard_name(0)], wait=0)
+        r = fb_svc.post(f"/api/v1/checkpoints/{cid}/ranks/0/peer-check",
+                        json={"peer_rank": 0, "files": [{"name": shard_name(0), "xxh3_128": None}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["verified"] == [], r.json()  # before the fix: hashed in the request, and listed
+    finally:
+        t.close()
+    wait_status(fb_svc, cid, "COMMITTED", timeout=60)
