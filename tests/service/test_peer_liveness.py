@@ -151,3 +151,26 @@ def test_a_file_reported_unread_is_hashed_after_the_report_not_inside_it(fb_svc,
     finally:
         t.close()
     wait_status(fb_svc, cid, "COMMITTED", timeout=60)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise here")
+def test_the_checker_drops_the_files_cached_pages_before_reading_it(fb_svc, run_name, tmp_path, monkeypatch):
+    """A checker on the writer's host (torchrun's rank r + 1, mostly) would otherwise read
+    the writer's pages from memory, not what the file system stored."""
+    data = make_shard(0, seed=25)
+    t, direct, handle, digest, cid = handed_over(fb_svc, tmp_path, run_name, data)
+    calls = []
+    real_fadvise, real_readv = os.posix_fadvise, os.readv
+    monkeypatch.setattr(peer.os, "posix_fadvise", lambda fd, off, n, advice: (calls.append(("fadvise", advice)),
+                                                                              real_fadvise(fd, off, n, advice))[1])
+    monkeypatch.setattr(peer.os, "readv", lambda fd, bufs: (calls.append(("readv", None)), real_readv(fd, bufs))[1])
+    try:
+        direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
+        t.commit_rank(cid, 0, [shard_name(0)], wait=0)
+        assert peer.check(t, direct, cid, 0, deadline=float("inf")) in ("PENDING", "COMMITTED")
+    finally:
+        monkeypatch.undo()
+        t.close()
+    assert calls and calls[0] == ("fadvise", os.POSIX_FADV_DONTNEED), calls[:3]
+    assert ("readv", None) in calls
+    wait_status(fb_svc, cid, "COMMITTED", timeout=60)
