@@ -38,7 +38,7 @@ test: $(DEV_STAMP) $(LOCALSTACK_STAMP)
 	$(BIN)/python -m pytest
 
 # the inner loop: everything but torchrun, the browser, the bench smoke and single slow tests
-# (markers in pytest.ini): 383 of 483 tests, about 65 s of CPU
+# (markers in pytest.ini): 781 of 1,084 tests, 109 s on two cores with a CI install beside it
 test-fast: $(DEV_STAMP)
 	$(BIN)/python -m pytest -m "not multiproc and not ui and not slow and not bench"
 
