@@ -20,6 +20,7 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 import httpx
+import pytest
 
 from lastgood.hashing import hash_bytes
 
