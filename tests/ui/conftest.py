@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from ..conftest import ROOT, ServiceProc
 from ..service.helpers import Client
@@ -171,27 +170,11 @@ def graph_version(page) -> int:
     return page.evaluate("() => window.lastgoodGraph.version()")
 
 
-def click_node(page, key: str, opens: str | None = None) -> None:
+def click_node(page, key: str) -> None:
     """A real mouse click where cytoscape drew the element, once the drawing holds still:
     a resize the page is still going through (the detail panel opening, the runs list
     filling in) refits the graph and moves every node, and a click computed before it
-    lands beside the node (seen once in CI, on the first click of a fresh page). `opens`: a
-    selector the click must make visible; a click that landed beside the node while the
-    drawing still moved (seen again on a loaded CI machine) is measured and made again,
-    three times at most, as a user would click again."""
-    for attempt in range(3):
-        _click_drawn(page, key)
-        if opens is None:
-            return
-        try:
-            page.wait_for_selector(opens, timeout=5000 if attempt < 2 else 15000)
-            return
-        except PlaywrightTimeout:
-            if attempt == 2:
-                raise
-
-
-def _click_drawn(page, key: str) -> None:
+    lands beside the node (seen once in CI, on the first click of a fresh page)."""
     def where():
         # after two frames, so that a resize the last action caused is drawn
         pos = page.evaluate("(k) => new Promise((done) => requestAnimationFrame(() => requestAnimationFrame("

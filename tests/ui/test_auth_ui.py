@@ -64,7 +64,8 @@ def test_the_page_asks_for_a_token_and_sends_it_on_every_call(open_page, secured
     assert [n["id"] for n in snap["nodes"]] == [c1, c2]
     assert page.evaluate("() => sessionStorage.getItem('lastgood.token')") == reader
 
-    click_node(page, f"c{c2}", opens="#detail-files table")
+    click_node(page, f"c{c2}")
+    page.wait_for_selector("#detail-files table")
     page.wait_for_selector("#restore-curl")
     curl = page.locator("#restore-curl").inner_text()
     assert '-H "Authorization: Bearer $LASTGOOD_TOKEN"' in curl and reader not in curl  # never the token itself

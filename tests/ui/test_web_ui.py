@@ -143,7 +143,8 @@ def test_clicking_a_node_opens_its_detail(open_page, ui_service, world, tmp_path
     page, _ = open_page(page_url(ui_service, run=world.alpha))
     wait_graph(page, world.alpha)
 
-    click_node(page, f"c{ids['c9']}", opens=f'#detail[data-checkpoint="{ids["c9"]}"]')
+    click_node(page, f"c{ids['c9']}")
+    page.wait_for_selector(f'#detail[data-checkpoint="{ids["c9"]}"]')
     assert page.locator("#detail-title").inner_text() == f"Checkpoint {ids['c9']} · step 600"
     info = page.locator("#detail-info").inner_text()
     assert "corrupt" in info and f"checkpoint {ids['c7']}" in info and "attempt-3" in info
@@ -153,7 +154,8 @@ def test_clicking_a_node_opens_its_detail(open_page, ui_service, world, tmp_path
     assert row[0] == "0" and row[1] == shards[0]["files"][0]["name"] and row[3] == shards[0]["files"][0]["xxh3_128"]
     assert "Not restorable" in page.locator("#detail-restore").inner_text()
 
-    click_node(page, f"c{ids['c7']}", opens=f'#detail[data-checkpoint="{ids["c7"]}"]')
+    click_node(page, f"c{ids['c7']}")
+    page.wait_for_selector(f'#detail[data-checkpoint="{ids["c7"]}"]')
     page.wait_for_selector("#restore-curl")
     manifest = rest(ui_service, f"/api/v1/checkpoints/{ids['c7']}")["manifest"]
     entry = manifest["ranks"][0]["files"][0]
@@ -214,7 +216,8 @@ def test_tag_alias_pin_and_unpin_from_the_page(open_page, ui_service, grpc_clien
     page, watch = open_page(page_url(ui_service, run=run))
     watch.allow(r"status of 400")  # the refused tag at the end
     wait_graph(page, run)
-    click_node(page, f"c{c1}", opens=f'#detail[data-checkpoint="{c1}"]')
+    click_node(page, f"c{c1}")
+    page.wait_for_selector(f'#detail[data-checkpoint="{c1}"]')
 
     def tags() -> set[tuple[str, str]]:
         return {(t["name"], t["kind"]) for t in rest(ui_service, f"/api/v1/checkpoints/{c1}")["tags"]}
@@ -254,10 +257,12 @@ def test_tag_alias_pin_and_unpin_from_the_page(open_page, ui_service, grpc_clien
 def test_hostile_tags_and_event_data_render_as_text(open_page, ui_service, world):
     page, _ = open_page(page_url(ui_service, run=world.alpha))
     wait_graph(page, world.alpha)
-    click_node(page, f"c{world.ids['c7']}", opens=f'#detail[data-checkpoint="{world.ids["c7"]}"]')
+    click_node(page, f"c{world.ids['c7']}")
+    page.wait_for_selector(f'#detail[data-checkpoint="{world.ids["c7"]}"]')
     tags = page.locator("#detail-tags").inner_text()
     assert seed.XSS_TAG_IMG in tags and seed.XSS_TAG_SCRIPT in tags
-    click_node(page, f"c{world.ids['c6']}", opens=f'#detail[data-checkpoint="{world.ids["c6"]}"]')
+    click_node(page, f"c{world.ids['c6']}")
+    page.wait_for_selector(f'#detail[data-checkpoint="{world.ids["c6"]}"]')
     assert seed.XSS_ALIAS in page.locator("#detail-tags").inner_text()
     events = page.locator("#events").inner_text()
     for payload in (seed.XSS_NOTE, seed.XSS_REASON, seed.XSS_ABORT):
