@@ -135,9 +135,26 @@ def test_lineage_graph_shows_nodes_edges_statuses_branches_and_last_good(open_pa
     page.screenshot(path=str(ARTIFACTS / "lineage-alpha.png"))
 
 
-@pytest.mark.xfail(strict=False, reason="open defect: in both clean whole-suite runs of 2026-11-30 the detail of "
-                   "the corrupt checkpoint c9 never opened within 15 s, while tests/ui alone passes; "
-                   "under investigation, see the closing note")
+def test_a_click_lands_on_its_node_after_the_graph_moved_down_the_page(open_page, ui_service, world):
+    """The page fills in above the graph after it is drawn (the health line, the runs list),
+    which moves the graph down without resizing it. cytoscape caches where its container
+    is on the screen, so without the page telling it, every click after such a move landed
+    that far above where it was aimed: under load, the c9 click below missed in whole-suite
+    runs. Here the move is made on purpose, after the pointer has been over the graph."""
+    ids = world.ids
+    page, _ = open_page(page_url(ui_service, run=world.alpha))
+    wait_graph(page, world.alpha)
+    box = page.locator("#graph").bounding_box()
+    page.mouse.move(box["x"] + 5, box["y"] + 5)  # cytoscape reads its container's place now
+    page.evaluate("""() => { const spacer = document.createElement('div');
+        spacer.id = 'test-spacer'; spacer.textContent = 'moved'; spacer.style.height = '80px';
+        const graph = document.querySelector('#graph'); graph.parentNode.insertBefore(spacer, graph); }""")
+    moved = page.locator("#graph").bounding_box()
+    assert moved["y"] >= box["y"] + 80 and moved["height"] == box["height"]
+    click_node(page, f"c{ids['c9']}")
+    page.wait_for_selector(f'#detail[data-checkpoint="{ids["c9"]}"]')
+
+
 def test_clicking_a_node_opens_its_detail(open_page, ui_service, world, tmp_path):
     ids = world.ids
     page, _ = open_page(page_url(ui_service, run=world.alpha))

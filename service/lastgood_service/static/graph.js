@@ -309,6 +309,19 @@ export class LineageGraph {
       this.cy.resize();
       if (this.autoFit) this.fit();
     }).observe(container);
+    // cytoscape caches where its container is on the screen and maps every pointer event
+    // through it; content filling in above the graph moves the container without resizing
+    // it, and clicks then landed beside their node. Before cytoscape sees a pointer event
+    // (capture phase), tell it the container moved, if it did.
+    let placed = null;
+    const recheck = () => {
+      const { left, top } = container.getBoundingClientRect();
+      if (!placed || placed.left !== left || placed.top !== top) this.cy.resize();
+      placed = { left, top };
+    };
+    for (const type of ['mouseover', 'mousemove', 'mousedown', 'touchstart', 'wheel']) {
+      container.addEventListener(type, recheck, { capture: true, passive: true });
+    }
   }
 
   render(model) {
