@@ -246,6 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "dataplane.json"))
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--skip-cpu", action="store_true")
+    ap.add_argument("--skip-many", action="store_true", help="only the CPU comparison")
     # a rank process (internal)
     ap.add_argument("--worker", choices=["raw", "direct"])
     for flag in ("--rank", "--world", "--step"):
@@ -264,8 +265,9 @@ def main(argv: list[str] | None = None) -> None:
         if not args.skip_cpu:
             print(f"service CPU per GiB committed ({args.saves} saves of {size / MiB:.0f} MiB each):", flush=True)
             out["cpu_per_gib"] = cpu_per_gib(work, size, args.saves)
-        print(f"{args.ranks} ranks x {size / MiB:.0f} MiB, direct-FS (peer mode) vs raw write + fsync:", flush=True)
-        out["many_ranks"] = many_ranks(work, args.ranks, size, args.reps)
+        if not args.skip_many:
+            print(f"{args.ranks} ranks x {size / MiB:.0f} MiB, direct-FS (peer mode) vs raw write + fsync:", flush=True)
+            out["many_ranks"] = many_ranks(work, args.ranks, size, args.reps)
         out["loadavg_end"] = os.getloadavg()
         Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
         print(f"wrote {args.out}")
