@@ -6,13 +6,21 @@ check them. Each file's tensor index object therefore also records the xxh3-128 
 *segment* of the file:
 
   - the header, [0, data_start): one segment (at most format.MAX_HEADER_BYTES);
-  - each tensor, cut into blocks of `block` bytes from the tensor's own start (the last
-    one shorter); a tensor of `block` bytes or less is one segment.
+  - each tensor, cut into blocks from the tensor's own start (the last one shorter); a
+    tensor no larger than its block is one segment. A tensor's block follows from its
+    size (block_for): about 1/32 of it, a power of two, at least FLOOR and at most the
+    service's `block` (its cap). Index objects written before that rule have one block
+    for every tensor (no "split" in their digests) and are read as such.
 
 Why per tensor *and* per block: segments never straddle two tensors, so reading one
 tensor (the replicated state, a whole stored shard) reads exactly its bytes, while a
 huge tensor still costs at most one block of extra bytes at each end of a range within
-it. A reader verifies a range [a, b) by reading the segments that cover it, whole, and
+it. Why the block follows the tensor's size: a fixed block larger than a rank's stored
+piece of a tensor (1 MiB blocks, 256 KiB pieces) made every partly needed piece a whole
+read (1.5x the bytes needed at 4 -> 3 ranks); a block of at most 1/32 of its tensor
+bounds the rounding to ~3 % of the tensor at each cut end, at any size, while the floor
+bounds the digests: at most 1 GiB / FLOOR (+1 a tensor) segments per GiB of tensors.
+A reader verifies a range [a, b) by reading the segments that cover it, whole, and
 checking each against its digest: at most 2 x `block` bytes more than the range.
 
 The service computes them (RangeHasher) from the stream it already hashes and checks
@@ -34,6 +42,8 @@ MiB = 1024 * 1024
 DEFAULT_BLOCK = 1 * MiB  # 1 GiB of tensors: 1,024 digests, ~35 KB in the index object
 MIN_BLOCK = 4 * 1024  # below this the digests outweigh the bytes they save reading (36 B per block)
 MAX_BLOCK = 64 * MiB
+SPLIT = 32           # a tensor's block is at most 1/SPLIT of it (above FLOOR): rounding <= ~3 % a cut end
+FLOOR = 16 * 1024    # ...and at least this: <= 65,536 digests (2.3 MB of index JSON) per GiB of tensors
 HEADER = ""  # the header's segment name (no tensor has an empty name: names come from state paths)
 
 
@@ -52,6 +62,48 @@ def check_block(block: int) -> int:
     return block
 
 
+def block_for(nbytes: int, cap: int, split: int | None = SPLIT, floor: int = FLOOR) -> int:
+    """The block of a tensor of `nbytes` bytes: the largest power of two <= nbytes / split,
+    at least `floor`, at most `cap` (the cap wins over the floor: a service set to 4 KiB
+    blocks gets 4 KiB blocks). Powers of two, so that the even row splits of FSDP2 at
+    power-of-two world sizes fall on block edges. `split` None: every tensor `cap` (index
+    objects written before this rule). The one place the rule is computed."""
+    if split is None:
+        return cap
+    want = nbytes // split
+    return min(cap, max(floor, 1 << (want.bit_length() - 1) if want else 1))
+
+
+@dataclass(frozen=True, slots=True)
+class Blocks:
+    """The block rule of one file's digests, as its index object records it."""
+
+    cap: int
+    split: int | None = SPLIT
+    floor: int = FLOOR
+
+    def of(self, nbytes: int) -> int:
+        return block_for(nbytes, self.cap, self.split, self.floor)
+
+    def record(self) -> dict:
+        return {"block": self.cap, **({"split": self.split, "floor": self.floor} if self.split else {})}
+
+    @classmethod
+    def read(cls, digests: dict) -> "Blocks":
+        """From an index object's digests: adaptive when they name a split, fixed before."""
+        cap = check_block(digests["block"])
+        if "split" not in digests:
+            return cls(cap, None)
+        split, floor = digests["split"], digests["floor"]
+        if type(split) is not int or not 1 <= split <= 1 << 20 or type(floor) is not int or not 1 <= floor <= MAX_BLOCK:
+            raise ValueError(f"range digest rule split={split!r} floor={floor!r} is out of bounds")
+        return cls(cap, split, floor)
+
+
+def _blocks(block) -> Blocks:
+    return block if isinstance(block, Blocks) else Blocks(check_block(block), None)
+
+
 def _spans(data_start: int, tensors: dict) -> list[tuple[int, int, str]]:
     """(start, end, name) of the header and each non-empty tensor, absolute, in file order."""
     out = [(0, data_start, HEADER)]
@@ -66,28 +118,35 @@ def _count(a: int, b: int, block: int) -> int:
     return -(-(b - a) // block)
 
 
-def iter_segments(data_start: int, tensors: dict, block: int):
+def iter_segments(data_start: int, tensors: dict, block):
     """Every segment of a file, in file order, made as they are asked for (a file of many
     small blocks never has them all in memory); `tensors` as in the tensor index (name ->
-    {"offsets": [a, b]} relative to the data section). Empty tensors have none."""
+    {"offsets": [a, b]} relative to the data section); `block` a Blocks rule, or one
+    block for every tensor. Empty tensors have none."""
+    rule = _blocks(block)
     spans = _spans(data_start, tensors)
     yield Segment(HEADER, 0, data_start)
     for a, b, name in spans[1:]:
-        for s in range(a, b, block):
-            yield Segment(name, s, min(s + block, b))
+        step = rule.of(b - a)
+        for s in range(a, b, step):
+            yield Segment(name, s, min(s + step, b))
 
 
-def segments(data_start: int, tensors: dict, block: int) -> list[Segment]:
+def segments(data_start: int, tensors: dict, block) -> list[Segment]:
     return list(iter_segments(data_start, tensors, block))
 
 
 class RangeHasher:
-    """Fed a file's bytes in order (any chunking), yields the digests of its segments."""
+    """Fed a file's bytes in order (any chunking), yields the digests of its segments.
+    `block` is the cap of the adaptive rule (block_for); `split=None` writes one block for
+    every tensor, as before the rule (for tests of old index objects)."""
 
-    def __init__(self, data_start: int, tensors: dict, block: int) -> None:
-        self.block = check_block(block)
-        self._n = 1 + sum(_count(a, b, block) for a, b, _ in _spans(data_start, tensors)[1:])
-        self._segs = iter_segments(data_start, tensors, block)
+    def __init__(self, data_start: int, tensors: dict, block: int, split: int | None = SPLIT,
+                 floor: int = FLOOR) -> None:
+        self.rule = Blocks(check_block(block), split, floor)
+        self.block = self.rule.cap
+        self._n = 1 + sum(_count(a, b, self.rule.of(b - a)) for a, b, _ in _spans(data_start, tensors)[1:])
+        self._segs = iter_segments(data_start, tensors, self.rule)
         self._seg = next(self._segs)
         self._i, self._pos = 0, 0
         self._h = StreamHasher()
@@ -111,29 +170,32 @@ class RangeHasher:
                 self._seg = next(self._segs, None)
 
     def digests(self) -> dict:
-        """The index object's "digests": {"block", "header", "tensors": {name: [hex, ...]}}."""
+        """The index object's "digests": {"block", "split", "floor", "header", "tensors":
+        {name: [hex, ...]}} ("block" alone, no "split": one block for every tensor)."""
         if self._i != self._n:
             raise FormatError(f"the file ended inside segment {self._i} of {self._n}")
-        return {"block": self.block, "header": self._header, "tensors": self._tensors}
+        return {**self.rule.record(), "header": self._header, "tensors": self._tensors}
 
 
 class RangeDigests:
     """One file's segment digests, checked for shape against its tensor index: which
     segments cover a byte range, and what each must hash to.
 
-    Kept small, since a rank holds one per old file it reads from: the bounds of each
-    tensor (the segments follow from the block) and the digests as 16 raw bytes each,
+    Kept small, since a rank holds one per old file it reads from: the bounds and block
+    of each tensor (the segments follow from them) and the digests as 16 raw bytes each,
     not Segment objects and hex strings (~120 B per segment more)."""
 
     def __init__(self, data_start: int, tensors: dict, digests: dict) -> None:
         try:
-            block = check_block(digests["block"])
+            rule = Blocks.read(digests)
             spans = _spans(data_start, tensors)
             per = digests["tensors"]
             hexes = [digests["header"]]
             firsts = [0]
+            steps = [max(data_start, 1)]  # the header: one segment
             for a, b, name in spans[1:]:  # one pass: a count per tensor, not per segment
-                want = _count(a, b, block)
+                steps.append(rule.of(b - a))
+                want = _count(a, b, steps[-1])
                 if len(per[name]) != want:
                     raise ValueError(f"tensor {name!r}: {len(per[name])} digests for {want} segments")
                 firsts.append(len(hexes))
@@ -143,7 +205,8 @@ class RangeDigests:
                               f"{str(e)[:200]}") from None
         if not all(is_valid_hex(h) for h in hexes):
             raise FormatError("the file's range digests are not xxh3-128 hex digests")
-        self.block = block
+        self.rule = rule
+        self._steps = steps
         self._spans = spans
         self._starts = [a for a, _, _ in spans]
         self._firsts = firsts
@@ -160,7 +223,7 @@ class RangeDigests:
         out = []
         while i < len(self._spans) and self._spans[i][0] < b:
             ta, tb, name = self._spans[i]
-            step = tb - ta if name == HEADER else self.block
+            step = self._steps[i]
             k = max(a - ta, 0) // step if tb > ta else 0
             while ta + k * step < min(b, tb):
                 s = ta + k * step

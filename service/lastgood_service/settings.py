@@ -52,8 +52,8 @@ class Settings(BaseSettings):
     max_shard_bytes: int = Field(256 * 1024**3, gt=0, description="largest shard file accepted")
     max_chunk_bytes: int = Field(4 * MiB, gt=0, description="largest chunk in one PutShard message")
     max_world_size: int = Field(65536, gt=0)
-    range_block_bytes: int = Field(1 * MiB, ge=0, le=64 * MiB, description="tensors are cut into blocks of this "
-                                   "many bytes, each hashed on upload, so a reader can verify a byte range "
+    range_block_bytes: int = Field(1 * MiB, ge=0, le=64 * MiB, description="tensors are cut into blocks of at "
+                                   "most this many bytes (each tensor's ~1/32 of it, at least 16 KiB), each hashed on upload, so a reader can verify a byte range "
                                    "without reading the whole file (lastgood/ranges.py, docs/resharding.md); "
                                    "0: none (files are then read whole by a restore at another world size); "
                                    "at least 4 KiB otherwise (smaller blocks cost more in digests, kept in "

@@ -87,3 +87,50 @@ def test_checking_a_large_digest_table_is_linear_in_its_segments():
     CountedName.compares = 0
     RangeDigests(DATA_START, tensors, table)
     assert CountedName.compares < 10 * n, CountedName.compares
+
+
+def test_a_tensors_block_is_about_a_32nd_of_it_within_the_floor_and_the_cap():
+    """The rule (block_for): the largest power of two <= size / 32, at least FLOOR, at most
+    the cap; the cap wins over the floor (a service set to 4 KiB blocks gets 4 KiB)."""
+    from lastgood.ranges import DEFAULT_BLOCK, FLOOR, MiB, block_for
+
+    assert block_for(1 * MiB, DEFAULT_BLOCK) == 32 * 1024
+    assert block_for(1 * MiB - 1, DEFAULT_BLOCK) == 16 * 1024
+    assert block_for(100, DEFAULT_BLOCK) == FLOOR
+    assert block_for(1024 * MiB, DEFAULT_BLOCK) == DEFAULT_BLOCK
+    assert block_for(1 * MiB, 4096) == 4096 and block_for(1 * MiB, 8, None) == 8
+    for size in (FLOOR * 32, 3 * MiB + 5, 32 * MiB, 33 * MiB):
+        b = block_for(size, DEFAULT_BLOCK)
+        assert b <= size // 32 and b & (b - 1) == 0 and (b == DEFAULT_BLOCK or 2 * b > size // 32)
+
+
+@pytest.mark.parametrize("stored", [256 * 1024, 1024 * 1024, 3 * 1024 * 1024 + 4])
+def test_at_the_default_a_range_inside_a_tensor_reads_at_most_a_32nd_more_at_each_cut_end(stored):
+    """The bound the read plan's 1.1x rests on: a rank's stored piece of a tensor, smaller
+    than the default cap (1 MiB), is not read whole for a part of it (at 4 -> 3 ranks it
+    was: 1.5x the bytes needed)."""
+    from lastgood.ranges import DEFAULT_BLOCK
+
+    tensors = {"w": {"offsets": [0, stored]}}
+    h = RangeHasher(DATA_START, tensors, DEFAULT_BLOCK)
+    h.update(bytes(DATA_START + stored))
+    rd = RangeDigests(DATA_START, tensors, h.digests())
+    a, b = DATA_START + stored // 3, DATA_START + stored - 1000  # both ends cut inside the tensor
+    segs = rd.covering(a, b)
+    extra = (segs[-1][0].end - segs[0][0].start) - (b - a)
+    assert extra <= 2 * max(16 * 1024, stored // 32), (stored, extra)
+
+
+def test_index_objects_of_one_fixed_block_still_verify():
+    """Digests written before the rule (one block for every tensor, no "split") are read
+    with that block; the same bytes under the rule make other segments."""
+    h = RangeHasher(DATA_START, TENSORS, 8, split=None)
+    h.update(FILE)
+    d = h.digests()
+    assert "split" not in d and d["block"] == 8
+    rd = RangeDigests(DATA_START, TENSORS, d)
+    assert [(s.start, s.end) for s, _ in rd.covering(30, 36)] == [(26, 34), (34, 42)]
+    for seg, want in rd.covering(0, len(FILE)):
+        assert hash_bytes(FILE[seg.start:seg.end]) == want
+    with pytest.raises(FormatError):
+        RangeDigests(DATA_START, TENSORS, {**d, "split": 4, "floor": 2})  # the same digests under a rule: misfit
