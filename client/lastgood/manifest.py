@@ -45,9 +45,12 @@ def index_bytes(rank: int, file_name: str, data_start: int, tensors: dict, diges
                        "tensors": tensors, **({"digests": digests} if digests is not None else {})})
 
 
-def index_ref(body: bytes, tensors: int) -> dict:
-    """What the root says of an index object: enough to fetch it and to check it."""
-    return {"xxh3_128": hash_bytes(body), "size": len(body), "tensors": tensors}
+def index_ref(body: bytes, tensors: int, chunks: dict | None = None) -> dict:
+    """What the root says of an index object: enough to fetch it and to check it, and,
+    when given, `chunks`: where the file's DTensor shards lie (layout.py), so that a
+    restore at another world size fetches only the index objects of the files it needs."""
+    return {"xxh3_128": hash_bytes(body), "size": len(body), "tensors": tensors,
+            **({"chunks": chunks} if chunks is not None else {})}
 
 
 @dataclass(frozen=True)

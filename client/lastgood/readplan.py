@@ -27,6 +27,7 @@ from dataclasses import replace
 
 import torch
 
+from . import layout
 from .codec import ShardRef, _is_dtensor, decode
 from .dtypes import ST_TO_TORCH
 from .errors import CorruptCheckpoint, FormatError
@@ -221,52 +222,115 @@ def _refs(saved, target, out: list) -> None:
 
 def fetch(transport, state, manifest: Manifest, rank: int, file_name) -> tuple[list[RangedFile], int, dict] | None:
     """Plan and read this rank's part of a checkpoint saved at another world size:
-    (files, source rank, counts), or None when a file has no range digests (written
-    before them: the caller reads whole files, as before)."""
+    (files read from, source rank, counts), or None when a file it needs has no range
+    digests (written before them: the caller reads whole files, as before).
+
+    Which old files: the source (the replicated state, and the stored state's tree), then
+    only those whose root entry says they may hold part of a new shard of this rank
+    (layout.py), or every one when a root entry has no such summary (written before it)."""
     cid, old_world = manifest.checkpoint_id, manifest.world_size
     reader = RangeReader(transport, cid)
+    entries = [_entry(manifest, r, file_name(r)) for r in range(old_world)]
+    if any(e.index is None for e in entries):
+        return None
+    opened: dict[int, RangedFile] = {}
     try:
-        files = _indexed(transport, manifest, file_name, reader)
+        src = min(rank, old_world - 1)
+        source = opened[src] = _open(transport, src, entries[src], reader)
+        if source is None:
+            return None
+        pairs = _pairs(source.state, state)
+        if pairs is None:
+            return None  # a factored moment, or a model that does not match: whole files, apply() says which
+        for r in _needed(entries, pairs):
+            if r not in opened:
+                opened[r] = _open(transport, r, entries[r], reader)
+                if opened[r] is None:
+                    return None
     except IndexMismatch as e:
         raise CorruptCheckpoint(f"checkpoint {cid}: {e}") from None
-    if files is None:
-        return None
-    source = files[min(rank, old_world - 1)]
-    index = ShardIndex(files)
-    counts = {"pieces": 0, "piece_bytes": 0, "replicated_bytes": 0, "header_bytes": sum(f.start for f in files),
-              "index_bytes": sum(f.entry.index["size"] for f in files), "tensors_per_file": len(source.tensors),
-              "window": reader.window}
-    saved = source.state.get("components", {})
-    for name, live in state.sharded_live().items():
-        if name not in saved:
-            continue  # apply() names what does not match
-        pairs: list = []
-        _refs(decode(saved[name]["state"], lambda n, d: None, lambda n: None), live, pairs)
-        for ref, target in pairs:
-            if tuple(target.shape) != ref.shape:
-                return None  # a factored moment, or a model that does not match: whole files, apply() says which
-            for f, item in index.read_items(ref, target):
-                counts["piece_bytes"] += f.want_piece(ref.name, item.storage_offsets, item.lengths)
-                counts["pieces"] += 1
-    counts["replicated_bytes"] = source.want_whole([n for n in source.tensors if n not in index.chunks])
+    files = [opened[r] for r in sorted(opened)]
+    counts = plan_reads(files, source, pairs)
+    counts.update(header_bytes=sum(f.start for f in files), index_bytes=sum(f.entry.index["size"] for f in files),
+                  old_files_read=len(files), window=reader.window)
     for f in files:
         f.read_planned()
     return files, source.rank, counts
 
 
-def _indexed(transport, manifest: Manifest, file_name, reader: RangeReader) -> list[RangedFile] | None:
-    """Each old rank's file, its header read, from its tensor index and digests (one index
-    object per old rank, checked against the root, parsed one at a time: only its compact
-    RangeDigests is kept); None if one has no digests."""
-    out = []
-    for r in range(manifest.world_size):
-        entry = next((f for f in manifest.files(r) if f.name == file_name(r)), None)
-        if entry is None:
-            raise CorruptCheckpoint(f"checkpoint {manifest.checkpoint_id} has no file {file_name(r)} for rank {r}")
-        if entry.index is None:
+def plan_reads(files: list[RangedFile], source: RangedFile, pairs: list) -> dict:
+    """Plan on each stored file the byte ranges this rank needs (read by read_planned):
+    for each (stored ShardRef, live DTensor) pair, the rows of every stored shard that
+    overlap the live local shard (DCP's planner, ShardIndex.read_items), and the
+    replicated state (every tensor that is not a DTensor shard) from `source`. The one
+    place that decides what is read; its counts. A live shard the kept files do not cover
+    whole is CorruptCheckpoint now, before the ranks agree, not a failure in apply."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    index = ShardIndex(files)
+    counts = {"pieces": 0, "piece_bytes": 0, "replicated_bytes": 0, "tensors_per_file": len(source.tensors)}
+    for ref, target in pairs:
+        covered = 0
+        for f, item in index.read_items(ref, target):
+            counts["piece_bytes"] += f.want_piece(ref.name, item.storage_offsets, item.lengths)
+            counts["pieces"] += 1
+            covered += math.prod(item.lengths)
+        shape, _ = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+        if covered != math.prod(shape):
+            raise CorruptCheckpoint(f"{ref.name}: the stored shards cover {covered} of this rank's "
+                                    f"{math.prod(shape)} elements")
+    counts["replicated_bytes"] = source.want_whole([n for n in source.tensors if n not in index.chunks])
+    return counts
+
+
+def _pairs(saved_state: dict, state) -> list | None:
+    """(ShardRef, live DTensor) of every stored shard of the live sharded components; None
+    when a stored tensor's global shape is not its live parameter's."""
+    saved = saved_state.get("components", {})
+    out: list = []
+    for name, live in state.sharded_live().items():
+        if name not in saved:
+            continue  # apply() names what does not match
+        pairs: list = []
+        _refs(decode(saved[name]["state"], lambda n, d: None, lambda n: None), live, pairs)
+        if any(tuple(target.shape) != ref.shape for ref, target in pairs):
             return None
-        entry = entry.with_index(r, transport.index_bytes(manifest.checkpoint_id, r, entry.name))
-        if entry.digests is None:
-            return None
-        out.append(RangedFile(r, entry, reader))
+        out.extend(pairs)
     return out
+
+
+def _needed(entries: list[FileEntry], pairs: list) -> list[int]:
+    """The old ranks whose files may hold part of a live shard: by each root entry's
+    summary (layout.overlaps, a superset), or every old rank when one has none."""
+    chunks = [e.index.get("chunks") for e in entries]
+    if any(c is None for c in chunks):
+        return list(range(len(entries)))
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    regions = set()
+    for ref, target in pairs:
+        shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+        regions.add((tuple(ref.shape), tuple(offset), tuple(shape)))
+    return [r for r, c in enumerate(chunks) if any(layout.overlaps(c, *reg) for reg in regions)]
+
+
+def _entry(manifest: Manifest, r: int, name: str) -> FileEntry:
+    entry = next((f for f in manifest.files(r) if f.name == name), None)
+    if entry is None:
+        raise CorruptCheckpoint(f"checkpoint {manifest.checkpoint_id} has no file {name} for rank {r}")
+    return entry
+
+
+def _open(transport, r: int, entry: FileEntry, reader: RangeReader) -> RangedFile | None:
+    """Old rank r's file from its index object (checked against the root, parsed here:
+    only its compact RangeDigests is kept) and its header (read, verified, and checked
+    against the root's summary of where its shards lie); None if it has no digests."""
+    entry = entry.with_index(r, transport.index_bytes(reader.checkpoint_id, r, entry.name))
+    if entry.digests is None:
+        return None
+    f = RangedFile(r, entry, reader)
+    want = entry.index.get("chunks")
+    if want is not None and layout.summarize(f.state, f.tensors) != want:
+        raise CorruptCheckpoint(f"checkpoint {reader.checkpoint_id} rank {r} file {entry.name}: its header's "
+                                f"shards are not where the root says")
+    return f

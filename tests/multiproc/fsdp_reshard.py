@@ -9,7 +9,8 @@
 Both write OUT/full-<phase>.safetensors (rank 0: every full tensor, weights and Adam
 moments, gathered with full_state_dict) and OUT/ids-<phase>-rank<R>.json (samples seen);
 restore also OUT/read-rank<R>.json: the shard bytes and ranged requests its transport
-received, and the bytes of its own new shards (every DTensor's local shard).
+received, what the read plan says it read (Checkpointer.restore_reads), and the bytes of
+its own new shards (every DTensor's local shard).
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def main() -> None:
             print(f"[rank {rank}] restored step {got}", flush=True)
             (out / f"read-rank{rank}.json").write_text(json.dumps({
                 "shard_bytes": ckpt.transport.shard_bytes, "requests": ckpt.transport.range_requests,
-                "lent": ckpt.transport.lent_ranges,
+                "lent": ckpt.transport.lent_ranges, "reads": ckpt.restore_reads,
                 "new_shard_bytes": local_bytes(model, opt)}))
             sampler.set_epoch(0)
             for ids, _ in loader:  # the rest of epoch 0, dealt to the new ranks

@@ -57,27 +57,50 @@ def read(out: Path, rank: int) -> dict:
     return json.loads((out / f"read-rank{rank}.json").read_text())
 
 
-def bound(svc, ckpt: dict, rank: int, counted: dict) -> int:
-    """What a rank may read: its new shards, the replicated state of its source file (every
-    tensor that is not a DTensor shard, found in the stored state), every old header, and
-    up to one block of rounding at each end of each request."""
-    files = [r["files"][0] for r in ckpt["manifest"]["ranks"]]
-    src = min(rank, len(files) - 1)
-    body = svc.get(f"/api/v1/checkpoints/{ckpt['id']}/ranks/{src}/files/{files[src]['name']}").content
+def stored(svc, ckpt: dict, r: int) -> tuple[dict, dict]:
+    """Old rank r's tensors and its DTensor shards: name -> (global rows, first row, rows)."""
+    f = ckpt["manifest"]["ranks"][r]["files"][0]
+    body = svc.get(f"/api/v1/checkpoints/{ckpt['id']}/ranks/{r}/files/{f['name']}").content
     tensors, meta = parse_header(body[:header_length(body)])
-    sharded = set()
+    shards = {}
     todo = [parse_state(meta, tensors)]
     while todo:
         node = todo.pop()
         if isinstance(node, dict):
             if "__dtensor__" in node:
-                sharded.add(node["__dtensor__"])
+                name = node["__dtensor__"]
+                shards[name] = (node["shape"][0], node["offset"][0], tensors[name]["shape"][0])
             todo.extend(node.values())
         elif isinstance(node, list):
             todo.extend(node)
-    assert sharded, "the model's shards are DTensors"
-    replicated = sum(b - a for n, t in tensors.items() if n not in sharded for a, b in [t["data_offsets"]])
-    headers = sum(f["data_start"] for f in files)
+    return tensors, shards
+
+
+def needed_files(svc, ckpt: dict, rank: int, after: int) -> list[int]:
+    """The old ranks whose files new rank `rank` of `after` must read: its source (old rank
+    min(rank, old world - 1): the replicated state) and every one holding rows of its new
+    shards (FSDP2 cuts n rows into chunks of ceil(n / world), the last ones shorter)."""
+    old = len(ckpt["manifest"]["ranks"])
+    out = {min(rank, old - 1)}
+    for r in range(old):
+        for n, first, rows in stored(svc, ckpt, r)[1].values():
+            per = -(-n // after)
+            lo, hi = min(rank * per, n), min((rank + 1) * per, n)
+            if rows and first < hi and lo < first + rows:
+                out.add(r)
+    return sorted(out)
+
+
+def bound(svc, ckpt: dict, rank: int, counted: dict, after: int) -> int:
+    """What a rank may read: its new shards, the replicated state of its source file (every
+    tensor that is not a DTensor shard, found in the stored state), the headers of the old
+    files it needs (needed_files), and up to one block of rounding at each end of each
+    request."""
+    files = [r["files"][0] for r in ckpt["manifest"]["ranks"]]
+    tensors, shards = stored(svc, ckpt, min(rank, len(files) - 1))
+    assert shards, "the model's shards are DTensors"
+    replicated = sum(b - a for n, t in tensors.items() if n not in shards for a, b in [t["data_offsets"]])
+    headers = sum(files[r]["data_start"] for r in needed_files(svc, ckpt, rank, after))
     return counted["new_shard_bytes"] + replicated + headers + 2 * BLOCK * counted["requests"]
 
 
@@ -95,7 +118,13 @@ def test_fsdp2_restores_at_another_world_size_reading_only_its_ranges(make_servi
         assert_round_trip(tmp_path / "save", out, before, after)
         for rank in range(after):
             counted = read(out, rank)
-            assert 0 < counted["shard_bytes"] <= bound(svc, ckpt, rank, counted) < total, (after, rank, counted)
+            assert 0 < counted["shard_bytes"] <= bound(svc, ckpt, rank, counted, after) < total, (after, rank, counted)
+            # only the old files it needs: their headers, and their index objects (the root says which)
+            need = needed_files(svc, ckpt, rank, after)
+            assert counted["reads"]["header_bytes"] == sum(
+                r["files"][0]["data_start"] for r in [ckpt["manifest"]["ranks"][i] for i in need]), (after, rank, need)
+            assert counted["reads"]["index_bytes"] == sum(
+                r["files"][0]["index"]["size"] for r in [ckpt["manifest"]["ranks"][i] for i in need])
             assert (counted["lent"] == counted["requests"]) if spool == "1" else counted["lent"] == 0, counted
 
 
@@ -112,7 +141,7 @@ def test_without_range_digests_files_are_read_whole_and_restore(make_service, ru
     for rank in range(3):
         counted = read(tmp_path / "on3", rank)
         assert counted["shard_bytes"] == total and counted["requests"] == 0
-        assert counted["shard_bytes"] > bound(svc, ckpt, rank, counted)
+        assert counted["shard_bytes"] > bound(svc, ckpt, rank, counted, 3)
 
 
 def test_a_damaged_range_one_rank_reads_falls_back_on_every_rank(make_service, run_name, tmp_path):

@@ -4,6 +4,8 @@ reads of the stored bytes; LASTGOOD_RANGE_BLOCK_BYTES=0 writes none (the format 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from lastgood.hashing import hash_bytes
 from lastgood.manifest import Manifest
 from lastgood.ranges import MIN_BLOCK, RangeDigests
@@ -53,3 +55,49 @@ def test_a_block_under_the_floor_is_refused_at_start():
     for bad in (1, 64, MIN_BLOCK - 1):
         with pytest.raises(ValidationError, match="at least 4096"):
             Settings(range_block_bytes=bad)
+
+
+def sharded_file() -> bytes:
+    """A shard file as a rank of an FSDP2 job writes it: rows 4..7 of a 16 x 2 weight and of
+    its Adam moment (DTensor shards, one global shape), and a plain step."""
+    import json
+
+    import numpy as np
+
+    from lastgood.format import META_STATE, TensorSpec, plan_layout
+
+    values = {"w": np.ones((4, 2), np.float32), "w.exp_avg": np.zeros((4, 2), np.float32),
+              "step": np.array([3], np.int64)}
+    state = {"components": {"model": {"w": {"__dtensor__": "w", "shape": [16, 2], "offset": [4, 0]}},
+                            "optim": {"m": {"__dtensor__": "w.exp_avg", "shape": [16, 2], "offset": [4, 0]},
+                                      "step": {"__tensor__": "step"}}}}
+    specs = [TensorSpec(k, "F32" if v.dtype == np.float32 else "I64", v.shape) for k, v in values.items()]
+    lay = plan_layout(specs, {META_STATE: json.dumps(state)})
+    buf = bytearray(lay.size)
+    buf[:lay.data_start] = lay.header
+    for name, arr in values.items():
+        a, b = lay.offsets[name]
+        buf[a:b] = arr.tobytes()
+    return bytes(buf)
+
+
+def commit_one(svc, run_name: str, data: bytes) -> Manifest:
+    with Client(svc.grpc_target) as c:
+        cid = c.begin(run_name, 1, 1).checkpoint_id
+        c.put(cid, 0, shard_name(0), data)
+        assert c.vote(cid, 0, [shard_name(0)], wait=2.0).status == "COMMITTED"
+    return Manifest.from_bytes(http(svc).get(f"/api/v1/checkpoints/{cid}/manifest").content)
+
+
+def test_the_root_says_where_each_files_shards_lie(make_service, run_name):
+    """The root's index reference carries the file's DTensor chunks by global shape
+    (lastgood/layout.py), a few bytes a file: a rank restoring at another world size
+    fetches only the index objects of the files it overlaps. Without range digests
+    (block 0) there is none: such files are read whole anyway."""
+    root = commit_one(make_service(), run_name, sharded_file())
+    assert root.files(0)[0].index["chunks"] == {"16,2": [[[4, 0], [4, 2]]]}
+    bare = root.ranks[0][0].index.copy()
+    del bare["chunks"]
+    assert len(root.to_bytes()) - len(replace(root, ranks={0: [replace(root.files(0)[0], index=bare)]}).to_bytes()) < 40
+    root = commit_one(make_service(LASTGOOD_RANGE_BLOCK_BYTES="0"), run_name, sharded_file())
+    assert "chunks" not in root.files(0)[0].index

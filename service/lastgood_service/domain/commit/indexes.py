@@ -23,11 +23,12 @@ from .. import keys
 
 
 def store(blobs, ckpt_prefix: str, rank: int, file_name: str, data_start: int, tensors: dict,
-          digests: dict | None = None) -> str:
+          digests: dict | None = None, chunks: dict | None = None) -> str:
     """Write one file's index object, with its range digests when given (lastgood/ranges.py);
-    what `shards.index_json` keeps of it."""
+    what `shards.index_json` keeps of it: the reference, with the file's `chunks` when
+    given (lastgood/layout.py), which the commit copies into the root."""
     body = index_bytes(rank, file_name, data_start, tensors, digests)
-    ref = index_ref(body, len(tensors))
+    ref = index_ref(body, len(tensors), chunks)
     blobs.put_bytes(keys.index_key(ckpt_prefix, rank, ref["xxh3_128"]), body)
     return json.dumps(ref, sort_keys=True, separators=(",", ":"))
 

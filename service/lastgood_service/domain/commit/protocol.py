@@ -29,7 +29,7 @@ from sqlalchemy import func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from lastgood import names
+from lastgood import layout, names
 from lastgood.errors import FormatError
 from lastgood.format import header_length, parse_header, tensor_index
 from lastgood.ranges import RangeHasher
@@ -251,7 +251,7 @@ class CommitProtocol(CommitCore):
                 w.write(chunk)
                 if want_index and index_json is None:
                     prefix += chunk
-                    index_json = self._try_index(prefix, header.size)
+                    index_json = self._try_header(prefix, header.size)
                     if index_json is not None:
                         segments = self._segments(index_json, prefix)
                         prefix = bytearray()
@@ -263,7 +263,7 @@ class CommitProtocol(CommitCore):
             if hasher.size != header.size:
                 raise InvalidArgument(f"stream ended after {hasher.size} of the declared {header.size} bytes")
             if want_index and index_json is None:
-                index_json = self._try_index(prefix, header.size, final=True)
+                index_json = self._try_header(prefix, header.size, final=True)
                 segments = self._segments(index_json, prefix)
             digest = hasher.hexdigest()
             if digest != header.xxh3_128:
@@ -274,8 +274,10 @@ class CommitProtocol(CommitCore):
         if not hashed:  # the service read only the header: no range digests (read whole at another world size)
             segments = None
         if index_json is not None:  # the file's tensor index, as an object of its own (indexes.py)
-            index_json = indexes.store(self.blobs, pfx, header.rank, header.file_name, *index_json,
-                                       segments.digests() if segments is not None else None)
+            index_json = indexes.store(self.blobs, pfx, header.rank, header.file_name, *index_json[:2],
+                                       segments.digests() if segments is not None else None,
+                                       # where its shards lie, in the root: only with digests (layout.py)
+                                       chunks=index_json[2] if segments is not None else None)
 
         with self.sessions() as s:
             try:
@@ -317,13 +319,20 @@ class CommitProtocol(CommitCore):
         are `prefix`. None when range_block_bytes is 0."""
         if not self.settings.range_block_bytes:
             return None
-        hasher = RangeHasher(*index, self.settings.range_block_bytes)
+        hasher = RangeHasher(*index[:2], self.settings.range_block_bytes)
         hasher.update(prefix)
         return hasher
 
+    @classmethod
+    def _try_index(cls, prefix: bytearray, size: int, final: bool = False) -> tuple[int, dict] | None:
+        """Parse the safetensors header once its bytes are in: (data start, tensor index);
+        None while it is incomplete."""
+        parsed = cls._try_header(prefix, size, final)
+        return parsed[:2] if parsed is not None else None
+
     @staticmethod
-    def _try_index(prefix: bytearray, size: int, final: bool = False) -> tuple[int, dict] | None:
-        """Parse the safetensors header once its bytes are in; None while it is incomplete."""
+    def _try_header(prefix: bytearray, size: int, final: bool = False) -> tuple[int, dict, dict | None] | None:
+        """_try_index, and where the file's DTensor shards lie (lastgood/layout.py)."""
         try:
             if len(prefix) < 8:
                 if final:
@@ -334,10 +343,10 @@ class CommitProtocol(CommitCore):
                 if final:
                     raise FormatError("truncated safetensors header")
                 return None
-            tensors, _meta = parse_header(memoryview(prefix)[:n], file_size=size)  # no copy of a copy
+            tensors, meta = parse_header(memoryview(prefix)[:n], file_size=size)  # no copy of a copy
         except FormatError as e:
             raise InvalidArgument(f"not a valid safetensors file: {e}") from None
-        return n, tensor_index(tensors)
+        return n, tensor_index(tensors), layout.of_header(meta, tensors)
 
     def _record_mismatch(self, h: ShardHeader, digest: str) -> None:
         log.warning("hash mismatch on checkpoint %s rank %s file %s", h.checkpoint_id, h.rank, h.file_name,

@@ -1,0 +1,85 @@
+"""Where one file's DTensor shards lie, in a few bytes: what the root says of each file so
+that a rank restoring at another world size fetches only the files it overlaps.
+
+Before, every rank fetched every old file's index object and header (only the header says
+where each stored shard lies): at 1,024 -> 1,000 ranks, ~270 MB of metadata per rank to
+read ~1 GiB. Now the service, when a file is uploaded, summarises its header's DTensor
+shards as `chunks` in the file's index reference (manifest.index_ref), which the commit
+copies into the root: per global shape, the (offset, local shape) of each shard the file
+holds of a tensor of that shape. Tensors of one global shape sharded alike (a weight and
+its two Adam moments, every layer's copy of a block) share one entry, so a file's summary
+is a few entries (one per distinct shape under FSDP2), not one per tensor, and the root
+stays O(ranks).
+
+A reader keeps a file if any chunk of the target's shape overlaps the region it needs:
+a superset of the files that hold the region (two tensors of one shape sharded
+differently both count), never fewer, so the plan over the kept files is the plan over
+all of them. The chain stays whole: the root's hash is checked by the service, the
+reference names the index object by hash, and each kept file's own header, verified by
+its digest, must summarise to the same chunks (CorruptCheckpoint otherwise).
+
+A file with more than MAX_CHUNKS distinct chunks (many shapes, or another sharding than
+one chunk per tensor) gets no summary: its checkpoint is planned as before, every old
+file's index object and header fetched. Torch-free: the service computes it.
+"""
+
+from __future__ import annotations
+
+from .errors import FormatError
+from .format import parse_state
+
+MAX_CHUNKS = 64  # ~40 B each in the root: at most ~2.6 KB a file; beyond it, no summary
+
+
+def _key(shape) -> str:
+    return ",".join(str(int(d)) for d in shape)
+
+
+def summarize(state: dict, tensors: dict) -> dict | None:
+    """{global shape "d0,d1,...": [[offset, local shape], ...]} of the `__dtensor__` shards
+    in a shard's lastgood state (`tensors` as parse_header returns them), sorted; {} for a
+    file without shards; None if a chunk is malformed or there are more than MAX_CHUNKS."""
+    out: dict[str, set] = {}
+    n = 0
+    todo = [state]
+    try:
+        while todo:
+            node = todo.pop()
+            if isinstance(node, dict):
+                if "__dtensor__" in node:
+                    chunk = (tuple(int(o) for o in node["offset"]),
+                             tuple(int(d) for d in tensors[node["__dtensor__"]]["shape"]))
+                    have = out.setdefault(_key(node["shape"]), set())
+                    if chunk not in have:
+                        have.add(chunk)
+                        n += 1
+                        if n > MAX_CHUNKS:
+                            return None
+                    continue
+                todo.extend(node.values())
+            elif isinstance(node, list):
+                todo.extend(node)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return {k: [[list(o), list(s)] for o, s in sorted(v)] for k, v in sorted(out.items())}
+
+
+def of_header(meta: dict, tensors: dict) -> dict | None:
+    """summarize() of a shard's header (parse_header's metadata and tensors); None when its
+    state cannot be read (not a lastgood shard, or damaged: restore finds out on its own)."""
+    try:
+        state = parse_state(meta, tensors)
+    except FormatError:
+        return None
+    return summarize(state, tensors)
+
+
+def overlaps(chunks: dict, shape, offset, lengths) -> bool:
+    """Whether a file with this summary may hold part of the region (offset, lengths) of a
+    tensor of global `shape`."""
+    if not all(int(n) > 0 for n in lengths):
+        return False
+    for o, s in chunks.get(_key(shape), ()):
+        if all(a < t + n and t < a + m for a, m, t, n in zip(o, s, offset, lengths)) and all(m > 0 for m in s):
+            return True
+    return False
