@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -44,7 +45,9 @@ def case(svc, work: Path, before: int, after: int, layers: int, dim: int) -> dic
     torchrun(after, ["restore", svc.url, run, str(out), *model])
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(after)]
     lg = http_json(f"{svc.url}/api/v1/runs/{run}/last-good")
-    return {"before": before, "after": after, "checkpoint_bytes": lg["bytes"], "ranks": ranks}
+    with urllib.request.urlopen(f"{svc.url}/api/v1/checkpoints/{lg['id']}/manifest", timeout=60) as r:
+        root = len(r.read())  # what every restoring rank fetches first
+    return {"before": before, "after": after, "checkpoint_bytes": lg["bytes"], "root_bytes": root, "ranks": ranks}
 
 
 def summary(c: dict) -> dict:
@@ -55,7 +58,7 @@ def summary(c: dict) -> dict:
         sharded = reads["bytes"] - overhead
         rows.append({"rank": r["rank"], "bytes_read": reads["bytes"], "requests": reads["requests"],
                      "old_files": c["before"], "tensors_per_file": reads.get("tensors_per_file"),
-                     "index_bytes": reads.get("index_bytes"),
+                     "index_bytes": reads.get("index_bytes"), "old_files_read": reads.get("old_files_read"),
                      "new_shard_bytes": r["new_shard_bytes"], "replicated_bytes": reads.get("replicated_bytes"),
                      "header_bytes": reads.get("header_bytes"),
                      "sharded_ratio": round(sharded / r["new_shard_bytes"], 4),
@@ -63,10 +66,16 @@ def summary(c: dict) -> dict:
                      "bound_mib": round((r["new_shard_bytes"] + overhead + reads.get("window", 0)) / MiB, 1),
                      "restore_s": round(r["restore_s"], 3)})
     return {"before": c["before"], "after": c["after"], "checkpoint_bytes": c["checkpoint_bytes"],
+            "root_bytes": c["root_bytes"], "root_bytes_per_old_rank": round(c["root_bytes"] / c["before"], 1),
             "checkpoint_mib": round(c["checkpoint_bytes"] / MiB, 1),
             "max_sharded_ratio": max(x["sharded_ratio"] for x in rows),
             "max_peak_extra_mib": max(x["peak_extra_mib"] for x in rows),
             "restore_s": max(x["restore_s"] for x in rows), "per_rank": rows}
+
+
+def _overlapping(old: int, new: int, r: int) -> set[int]:
+    """The old ranks whose even row chunks overlap new rank r's (rows in units of old * new)."""
+    return set(range(r * old // new, -(-(r + 1) * old // new)))
 
 
 def projection(cases: list[dict], same: list[dict], block: int) -> dict:
@@ -74,35 +83,51 @@ def projection(cases: list[dict], same: list[dict], block: int) -> dict:
     and biases with two moments each), from what the measured cases cost: seconds per byte
     from the same-world-size restores (whole files), seconds per ranged request from the
     resharding restores (their time less their bytes at that rate, over their requests),
-    header and index bytes per old file per tensor (measured: upper bounds, the fixed part
-    counted in)."""
-    from statistics import median
+    header bytes per tensor and root bytes per old file as measured (the bench's model has
+    the same two shapes a layer). Each rank fetches the root, then the index object and the
+    header of each old file it reads: those its new shard overlaps (2 for nearly every
+    rank, 3 for a few) and its source of replicated state (old rank min(rank, 1,023)); one
+    range per piece (a stored shard's rows: one per tensor per overlapping file), the
+    replicated state in one. Per tensor block by ranges.block_for, half a block of
+    rounding per piece on average (one cut end)."""
+    from statistics import mean, median
+
+    from lastgood.ranges import block_for
 
     per_byte = median(r["restore_s"] / r["bytes_read"] for c in same for r in c["per_rank"])
     per_req = median(max(r["restore_s"] - r["bytes_read"] * per_byte, 0.0) / r["requests"]
                      for c in cases for r in c["per_rank"] if r["requests"])
-    ref = max(cases, key=lambda c: c["before"])["per_rank"][0]
+    big = max(cases, key=lambda c: c["before"])
+    ref = big["per_rank"][0]
     old, new, state, tensors = 1024, 1000, 1024 * MiB, 576
-    header_per_tensor = ref["header_bytes"] / ref["old_files"] / ref["tensors_per_file"]
+    header_per_tensor = ref["header_bytes"] / ref["old_files_read"] / ref["tensors_per_file"]
+    root = old * big["root_bytes_per_old_rank"]
+    overlap = mean(len(_overlapping(old, new, r)) for r in range(new))
+    files = mean(len(_overlapping(old, new, r) | {min(r, old - 1)}) for r in range(new))
     need = state * old / new
-    chunk = state / tensors  # a tensor's stored piece, on average
+    chunk = state // tensors  # a tensor's stored piece, on average
     out = {"old_ranks": old, "new_ranks": new, "state_per_old_rank_gib": 1, "tensors_per_file": tensors,
            "seconds_per_request": round(per_req, 5), "seconds_per_gib": round(per_byte * 1024 * MiB, 2),
-           "requests_per_rank_counted": "an index object and a header per old file, one range per piece",
-           "header_bytes_per_tensor": round(header_per_tensor, 1), "whole_files_read_per_rank_gib": old,
-           "by_block": []}
-    for b in sorted({block, 64 * 1024, 1 * MiB}):
-        pieces = tensors * 2  # a new shard overlaps two old ones (1,000 of 1,024 ranks' worth), nearly always
-        rounding = pieces * min(b, chunk) / 2  # at most one segment at the inner end of a piece; half on average
-        headers = old * tensors * header_per_tensor
-        index = old * (tensors * 78 + (state / b + tensors) * 36)  # 78 B a tensor (architecture.md), 36 a digest
-        total = need + rounding + headers + index
-        requests = old * 2 + pieces  # an index object and a header per old file, a range per piece
+           "requests_per_rank_counted": "the root, an index object and a header per old file read, "
+                                        "a range per piece, one for the replicated state",
+           "header_bytes_per_tensor": round(header_per_tensor, 1), "root_bytes": round(root),
+           "old_files_read_per_rank": round(files, 3), "overlapping_old_files_per_rank": round(overlap, 3),
+           "whole_files_read_per_rank_gib": old, "by_block": []}
+    for cap in sorted({block, 64 * 1024, 1 * MiB}):
+        b = block_for(chunk, cap)
+        segments = tensors * -(-chunk // b)
+        pieces = tensors * overlap
+        rounding = pieces * b / 2
+        headers = files * tensors * header_per_tensor
+        index = files * (tensors * 78 + (segments + 1) * 36)  # 78 B a tensor (architecture.md), 36 a digest
+        total = need + rounding + headers + index + root
+        requests = 1 + 2 * files + pieces + 1
         out["by_block"].append({
-            "block_bytes": b, "needed_mib": round(need / MiB), "rounding_mib": round(rounding / MiB, 1),
-            "headers_mib": round(headers / MiB, 1), "index_objects_mib": round(index / MiB, 1),
-            "ratio_to_needed": round(total / need, 3), "requests_per_rank": requests,
-            "store_requests_total": requests * new,
+            "block_bytes": cap, "tensor_block_bytes": b, "needed_mib": round(need / MiB),
+            "rounding_mib": round(rounding / MiB, 1), "headers_mib": round(headers / MiB, 2),
+            "index_objects_mib": round(index / MiB, 2), "root_mib": round(root / MiB, 2),
+            "ratio_to_needed": round(total / need, 3), "requests_per_rank": round(requests),
+            "store_requests_total": round(requests * new),
             "seconds_per_rank": round(requests * per_req + total * per_byte, 1)})
     return out
 

@@ -4,8 +4,9 @@ Before, every rank read every old rank's whole file (the whole-file hash was the
 check), so at 1,024 -> 1,000 ranks each rank would read ~1,000 times what it restores.
 Now, when every file's index object carries range digests (ranges.py), a rank reads:
 
-  1. each old file's header (its segment, verified): the stored state, with every
-     DTensor shard's global offset;
+  1. the header (its segment, verified) of its source file and of each old file that may
+     hold part of its new shards, as the root says (layout.py; every old file when the
+     root does not say): the stored state, with every DTensor shard's global offset;
   2. for each DTensor shard of its new sharding, the rows of each stored shard that
      overlap it (DCP's planner, sharding.ShardIndex.read_items), as one byte range;
   3. the replicated state (every tensor that is not a DTensor shard) from one source,
@@ -16,8 +17,12 @@ against its digest before a byte of it is kept (RangeReader). A mismatch is
 CorruptCheckpoint, which makes the checkpoint unusable on every rank and falls back, as
 any damage does (docs/recovery.md). What is kept is exactly the new shards' bytes and the
 replicated state; while reading, one request's buffer and the window buffer (each at most
-max(WINDOW, block)) and each old file's header and compact digests (dropped once its
+max(WINDOW, block)) and each kept file's header and compact digests (dropped once its
 ranges are read). docs/resharding.md, "Memory".
+
+Structure: fetch() chooses and opens the files (_needed, _open), plan_reads() decides,
+given the opened files, every range to read (the one place), RangedFile.read_planned()
+reads them.
 """
 
 from __future__ import annotations
