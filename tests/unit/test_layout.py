@@ -39,3 +39,19 @@ def test_a_file_is_kept_when_one_of_its_chunks_of_that_shape_overlaps_the_region
     assert not overlaps(c, [32, 5], [0, 0], [32, 5])  # no tensor of that shape
     assert not overlaps(c, [32], [8], [0])  # an empty region needs no file
     assert not overlaps(c, [30, 4], [0, 0], [30, 4])  # an empty chunk holds nothing
+
+
+def test_a_root_written_before_chunks_plans_with_every_old_file():
+    """Roots committed before `chunks` (or a file with too many to summarise) still restore
+    at another world size: every old file's metadata is fetched, as before; with them, only
+    the files that may overlap."""
+    from lastgood.manifest import FileEntry
+    from lastgood.readplan import _needed
+
+    ref = {"xxh3_128": "0" * 32, "size": 10, "tensors": 1}
+    before = [FileEntry("f", 1, "0" * 32, index=ref) for _ in range(3)]
+    assert _needed(before, []) == [0, 1, 2]
+    mixed = [FileEntry("f", 1, "0" * 32, index={**ref, "chunks": {}}), *before[1:]]
+    assert _needed(mixed, []) == [0, 1, 2]
+    now = [FileEntry("f", 1, "0" * 32, index={**ref, "chunks": {}}) for _ in range(3)]
+    assert _needed(now, []) == []  # nothing sharded to place: the source alone
