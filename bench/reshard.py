@@ -4,12 +4,14 @@
 
 An FSDP2 stack of `layers` Linear(dim, dim) with AdamW (bench/reshard_rank.py; 8 x 1024:
 96 MiB of weights and moments, tensors cut in rows across ranks) is saved by torchrun at
-one world size and restored at another, against one real service process (range digests in
-blocks of at most `--block` bytes, the service's default: each tensor's ~1/32 of it), on gloo/CPU. Cases 8 -> 4, 4 -> 8, 4 -> 3, each beside the
-same-world-size restore at its new size (saved and restored by that many ranks), plus
-4 -> 3 of a checkpoint without range digests (every old file read whole, as before). Per rank: bytes its transport received against the
-bytes of its own new shards, peak extra memory during restore() (VmHWM reset before it),
-restore() time. Then a projection to 1,024 -> 1,000 ranks from the measured costs.
+one world size and restored at another, against one real service process (range digests
+in blocks of at most `--block` bytes, the service's default; each tensor's block is ~1/32
+of it), on gloo/CPU. Cases 8 -> 4, 4 -> 8, 4 -> 3, each beside the same-world-size restore
+at its new size (saved and restored by that many ranks), plus 4 -> 3 of a checkpoint
+without range digests (every old file read whole, as before). Per rank: bytes its
+transport received against the bytes of its own new shards, the old files whose metadata
+it fetched, peak extra memory during restore() (VmHWM reset before it), restore() time.
+Then a projection to 1,024 -> 1,000 ranks from the measured costs.
 Writes bench/results/reshard.json.
 """
 
@@ -113,7 +115,7 @@ def projection(cases: list[dict], same: list[dict], block: int) -> dict:
            "header_bytes_per_tensor": round(header_per_tensor, 1), "root_bytes": round(root),
            "old_files_read_per_rank": round(files, 3), "overlapping_old_files_per_rank": round(overlap, 3),
            "whole_files_read_per_rank_gib": old, "by_block": []}
-    for cap in sorted({block, 64 * 1024, 1 * MiB}):
+    for cap in sorted({block, 16 * 1024, 1 * MiB, 64 * MiB}):
         b = block_for(chunk, cap)
         segments = tensors * -(-chunk // b)
         pieces = tensors * overlap
