@@ -37,7 +37,7 @@ from .errors import (Conflict, CorruptCheckpoint, DataLoss, FailedPrecondition, 
 from .interval import Decider, Interval
 from .manifest import Manifest
 from .retry import RetryPolicy
-from .save import SaveSession
+from .save import SaveSession, split
 from .staging import Snapshot, StagingPool, snapshot
 from .sharding import ShardIndex, StoredFile
 from .state import TrainState, fits
@@ -239,7 +239,7 @@ class Checkpointer:
         # no buffer free: an upload stuck retrying gives up its buffer (see _run)
         self._jobs.wanted = self._pool.full()
         try:
-            snap = snapshot(step, cap.json_state, cap.tensors, self._pool)
+            snap = snapshot(step, cap.json_state, cap.tensors, self._pool, self.config.file_bytes)
         finally:
             self._jobs.wanted = False
         self._record.requested = step
@@ -307,7 +307,9 @@ class Checkpointer:
         up = self._session.checkpoint(snap.step)
         # on the service's host the shard is handed over as a file, hashed as it is written;
         # written before begin, so that a long write never runs into the checkpoint's lease
-        up.add(self.file_name, snap.view())
+        # a large state as several files, written, hashed and handed over concurrently (save/split.py)
+        views = snap.views()
+        up.add_all(list(zip(split.file_names(self.file_name, len(views)), views)))
         up.begin(self.world_size, self.attempt)
         up.commit(converging=converging)
         self.last_saved = SaveResult(snap.step, up.checkpoint_id)
@@ -512,7 +514,7 @@ class Checkpointer:
         min(rank, old world - 1)."""
         manifest = self.transport.manifest(cid)
         old_world = manifest.world_size
-        if old_world != self.world_size:
+        if old_world != self.world_size and not split.any_split(manifest, shard_file_name):  # split: read whole
             before = self.transport.shard_bytes, self.transport.range_requests
             planned = readplan.fetch(self.transport, state, manifest, self.rank, shard_file_name)
             if planned is not None:
@@ -525,20 +527,11 @@ class Checkpointer:
         files, held = [], []
         try:
             for r in ranks:
-                name = shard_file_name(r)
-                entry = next((f for f in manifest.files(r) if f.name == name), None)
-                if entry is None:
-                    raise CorruptCheckpoint(f"checkpoint {cid} has no file {name} for rank {r}")
-                if len(ranks) == 1:
-                    buf = self._pool.acquire(entry.size)
-                    held.append(buf)
-                else:
-                    buf = torch.empty(entry.size, dtype=torch.uint8)  # uninitialised: every byte is received
-                data, got = self.transport.read_file(cid, r, entry.name, entry.size, into=buf.numpy())
-                if got != entry.xxh3_128:
-                    raise CorruptCheckpoint(f"checkpoint {cid} (step {manifest.step}) rank {r} file {entry.name}: "
-                                            f"xxh3-128 {got} does not match the committed {entry.xxh3_128}")
-                files.append(StoredFile(r, data))
+                # every file of the rank (its first, and any it was split into: save/split.py), read
+                # concurrently; at the saving world size into a staging buffer, else an uninitialised one
+                alloc = (lambda n: _held(held, self._pool.acquire(n))) if len(ranks) == 1 else (
+                    lambda n: torch.empty(n, dtype=torch.uint8))
+                files.append(split.fetch_rank(self.transport, manifest, r, shard_file_name(r), alloc)[0])
         except BaseException:
             for buf in held:
                 self._pool.release(buf)
@@ -605,6 +598,11 @@ class Checkpointer:
                     shards=ShardIndex(files),
                     reseed=None if self.rank < manifest.world_size else _derived_seed(manifest.checkpoint_id, self.rank),
                     world_changed=changed)
+
+
+def _held(held: list, buf):
+    held.append(buf)
+    return buf
 
 
 def _derived_seed(checkpoint_id: int, rank: int) -> int:

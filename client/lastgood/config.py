@@ -16,11 +16,15 @@ fields down (the transport, the retry policy, the run and attempt). torch-free.
     LASTGOOD_RETRY_MAX_DELAY  longest backoff in seconds (default 2.0)
     LASTGOOD_HEARTBEAT_SECONDS  seconds between a rank's heartbeats (default 10; 0: none)
     LASTGOOD_DEBUG            1: the command line prints a traceback on an unexpected error
+    LASTGOOD_FILE_BYTES       a rank's state of at least twice this size is split into files of
+                              about this size, written and read in parallel (default 256M;
+                              K/M/G accepted; 0: always one file; save/split.py)
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -40,6 +44,8 @@ ENV_DEBUG = "LASTGOOD_DEBUG"
 ENV_HEARTBEAT = "LASTGOOD_HEARTBEAT_SECONDS"
 ENV_SUPERVISOR_LAUNCH = "LASTGOOD_SUPERVISOR_LAUNCH"  # `lastgood supervise` marks each launch's processes
 DEFAULT_HEARTBEAT = 10.0
+ENV_FILE_BYTES = "LASTGOOD_FILE_BYTES"
+DEFAULT_FILE_BYTES = 256 << 20
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -56,12 +62,13 @@ class ClientConfig:
     direct_fs_mount: str | None = None  # None: no direct-FS writes (directfs.py)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     heartbeat_seconds: float = DEFAULT_HEARTBEAT
+    file_bytes: int = DEFAULT_FILE_BYTES  # 0: one file per rank (save/split.py)
 
     @classmethod
     def resolve(cls, *, url: str | None = None, token: str | None = None, run: str | None = None,
                 attempt: str | None = None, new_run: bool | None = None, spool: bool | None = None,
                 retry: RetryPolicy | None = None, heartbeat_seconds: float | None = None,
-                direct_fs_mount: str | None = None, env: Mapping[str, str] | None = None) -> "ClientConfig":
+                direct_fs_mount: str | None = None, file_bytes: int | None = None, env: Mapping[str, str] | None = None) -> "ClientConfig":
         """Each setting from its argument when given (not None; an empty string counts as
         not given for the strings), else from the environment (`env`, default os.environ),
         else its default. A malformed retry setting is a ValueError naming the variable."""
@@ -72,7 +79,8 @@ class ClientConfig:
                    spool=_flag(env, ENV_SPOOL, True) if spool is None else spool,
                    direct_fs_mount=direct_fs_mount or env.get(ENV_DIRECT_FS_MOUNT) or None,
                    retry=retry or retry_policy(env),
-                   heartbeat_seconds=heartbeat_period(env) if heartbeat_seconds is None else heartbeat_seconds)
+                   heartbeat_seconds=heartbeat_period(env) if heartbeat_seconds is None else heartbeat_seconds,
+                   file_bytes=byte_count(env, ENV_FILE_BYTES, DEFAULT_FILE_BYTES) if file_bytes is None else file_bytes)
 
 
 def retry_policy(env: Mapping[str, str] | None = None, **overrides) -> RetryPolicy:
@@ -120,3 +128,17 @@ def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
     if not value >= 0 or value == float("inf"):
         raise ValueError(f"{name} must be a finite number >= 0, got {raw!r}")
     return value
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def byte_count(env: Mapping[str, str], name: str, default: int) -> int:
+    """A byte count: digits with an optional K, M or G (binary units, "MiB" too); 0 allowed."""
+    raw = env.get(name, "").strip().upper().removesuffix("IB").removesuffix("B")
+    if not raw:
+        return default
+    m = re.fullmatch(r"(\d{1,15})([KMG]?)", raw)
+    if not m:
+        raise ValueError(f"{name} must be a byte count such as 268435456, 256M or 1G, got {env.get(name)!r}")
+    return int(m.group(1)) * _UNITS[m.group(2)]

@@ -21,6 +21,10 @@ from .errors import FormatError
 FORMAT_VERSION = "1"
 META_FORMAT = "lastgood.format"
 META_STATE = "lastgood.state"
+# A rank's state written as several files (save/split.py): the first holds the state
+# document and, under this key, the names of the tensors each further file holds (a JSON
+# list of lists, in file order), so that the state's references may name them.
+META_FILES = "lastgood.files"
 # Bounds checked before a header is parsed or a shape multiplied out. The service parses
 # the header of every shard it receives, and as Python objects JSON takes up to 30 times
 # its size, so these bound the service's memory per upload (docs/security.md: the worst
@@ -210,6 +214,7 @@ def parse_state(meta: dict[str, str], tensors: dict) -> dict:
         raise FormatError(f"{META_STATE} is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
     if not isinstance(state, dict):
         raise FormatError(f"{META_STATE} is not a JSON object")
+    held = set(tensors).union(*sibling_tensors(meta))
     todo: list[tuple[object, int]] = [(state, 1)]  # iterative: the depth is what is checked
     while todo:
         node, depth = todo.pop()
@@ -217,10 +222,29 @@ def parse_state(meta: dict[str, str], tensors: dict) -> dict:
             raise FormatError(f"{META_STATE} is nested more than {MAX_STATE_DEPTH} levels deep")
         if isinstance(node, dict):
             for tag in TENSOR_REFS:
-                if tag in node and (not isinstance(node[tag], str) or node[tag] not in tensors):
+                if tag in node and (not isinstance(node[tag], str) or node[tag] not in held):
                     raise FormatError(f"{META_STATE} refers to tensor {str(node[tag])[:200]!r}, "
                                       f"which the shard does not hold")
             todo.extend((v, depth + 1) for v in node.values())
         elif isinstance(node, list):
             todo.extend((v, depth + 1) for v in node)
     return state
+
+
+def sibling_tensors(meta: dict[str, str]) -> list[list[str]]:
+    """The tensor names each further file of a rank holds (META_FILES; empty when the rank
+    wrote one file), checked: a JSON list of lists of strings, no name twice."""
+    text = meta.get(META_FILES)
+    if text is None:
+        return []
+    try:
+        files = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise FormatError(f"{META_FILES} is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
+    if not isinstance(files, list) or not all(isinstance(f, list) and all(isinstance(n, str) for n in f)
+                                              for f in files):
+        raise FormatError(f"{META_FILES} must be a list of lists of tensor names")
+    names = [n for f in files for n in f]
+    if len(set(names)) != len(names):
+        raise FormatError(f"{META_FILES} names a tensor in two files")
+    return files

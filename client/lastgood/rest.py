@@ -87,6 +87,10 @@ class RestClient:
         finally:
             self._local.stop = None
 
+    def current_stop(self):
+        """This thread's stop() (None outside stoppable()): a worker thread takes it on."""
+        return getattr(self._local, "stop", None)
+
     def _retrying(self, fn, what: str):
         return self.retry.call(fn, what, stop=getattr(self._local, "stop", None))
 

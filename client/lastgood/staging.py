@@ -19,18 +19,29 @@ import numpy as np
 import torch
 
 from .dtypes import ST_TO_TORCH, st_dtype
-from .format import FORMAT_VERSION, META_FORMAT, META_STATE, Layout, TensorSpec, plan_layout
+from .format import FORMAT_VERSION, META_FORMAT, META_STATE, Layout, TensorSpec
+from .save import split
 
 
 @dataclass
 class Snapshot:
     step: int
-    buffer: torch.Tensor  # uint8, at least layout.size bytes
-    layout: Layout
+    buffer: torch.Tensor  # uint8: every file's bytes, file i at starts[i]
+    layouts: list[Layout]  # one per file (save/split.py): the first holds the state
+    starts: list[int]
+
+    @property
+    def layout(self) -> Layout:
+        return self.layouts[0]
 
     def view(self) -> memoryview:
-        """The file's bytes, zero-copy."""
-        return memoryview(self.buffer.numpy()).cast("B")[: self.layout.size]
+        """The first file's bytes, zero-copy (the whole state, unless it was split)."""
+        return self.views()[0]
+
+    def views(self) -> list[memoryview]:
+        """Each file's bytes, zero-copy."""
+        whole = memoryview(self.buffer.numpy()).cast("B")
+        return [whole[a:a + lay.size] for a, lay in zip(self.starts, self.layouts)]
 
 
 class StagingPool:
@@ -77,17 +88,22 @@ class StagingPool:
             self._cv.notify()
 
 
-def snapshot(step: int, json_state: dict, tensors: dict, pool: StagingPool) -> Snapshot:
+def snapshot(step: int, json_state: dict, tensors: dict, pool: StagingPool, file_bytes: int = 0) -> Snapshot:
+    """`file_bytes`: split the state into files of about this size (save/split.py; 0: one file)."""
     specs = [TensorSpec(name, st_dtype(t), tuple(t.shape)) for name, t in tensors.items()]
     meta = {META_FORMAT: FORMAT_VERSION,
             META_STATE: json.dumps(json_state, separators=(",", ":"), allow_nan=False)}
-    layout = plan_layout(specs, meta)
-    buf = pool.acquire(layout.size)
+    layouts = split.layouts(specs, meta, file_bytes)
+    starts = split.offsets([lay.size for lay in layouts])
+    where = {name: (at, lay) for at, lay in zip(starts, layouts) for name in lay.offsets}
+    buf = pool.acquire(starts[-1])
     try:
-        buf[: layout.data_start].copy_(torch.frombuffer(bytearray(layout.header), dtype=torch.uint8))
+        for at, lay in zip(starts, layouts):
+            buf[at: at + lay.data_start].copy_(torch.frombuffer(bytearray(lay.header), dtype=torch.uint8))
         cuda_devices = set()
         for spec in specs:
-            start, end = layout.offsets[spec.name]
+            at, lay = where[spec.name]
+            start, end = (at + o for o in lay.offsets[spec.name])
             if end == start:
                 continue
             src = tensors[spec.name]
@@ -106,4 +122,4 @@ def snapshot(step: int, json_state: dict, tensors: dict, pool: StagingPool) -> S
     except BaseException:
         pool.release(buf)
         raise
-    return Snapshot(step, buf, layout)
+    return Snapshot(step, buf, layouts, starts[:-1])

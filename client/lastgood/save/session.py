@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from .. import peer
 from ..errors import GaveUp, SaveFailed, ServiceError
+from . import split
 from .paths import DataPath, Prepared, default_path
 
 log = logging.getLogger("lastgood")
@@ -157,6 +158,17 @@ class Upload:
         self.files.append(handle)
         return handle
 
+    def add_all(self, files: list[tuple[str, object]]) -> list[Prepared]:
+        """Prepare several files of this rank concurrently (a rank's state split into files,
+        split.py): each hashed and written at once with the others; in the order given."""
+        names = [n for n, _ in files]
+        if len(set(names)) != len(names) or any(h.name in names for h in self.files):
+            raise ValueError(f"a file added twice to the save of step {self.step}: {names}")
+        handles = split.run_all([lambda n=n, d=d: self.path.prepare(n, d) for n, d in files],
+                                transport=self.transport, undo=self.path.discard)
+        self.files.extend(handles)
+        return handles
+
     def begin(self, world_size: int, attempt: str, *, parent_id: int | None = None) -> int:
         """BeginCheckpoint (idempotent on run, step, attempt), telling the service what the
         files added so far will cost its store. `parent_id`: by default the session's (0: none)."""
@@ -201,11 +213,14 @@ class Upload:
             self._failed(e, remember=False)
 
     def _send(self) -> None:
-        while self._sent < len(self.files):
-            handle = self.files[self._sent]
-            self.path.send(self.checkpoint_id, self.rank, handle)
+        # every file not yet sent, handed over concurrently (split.py); a path's send is
+        # final and safe to retry, and a file it handed over holds no token to discard
+        todo = self.files[self._sent:]
+        split.run_all([lambda h=h: self.path.send(self.checkpoint_id, self.rank, h) for h in todo],
+                      transport=self.transport)
+        for handle in todo:
             handle.data = _SENT  # the service has it: the writer's buffer is not held past the save
-            self._sent += 1
+        self._sent = len(self.files)
 
     def commit(self, *, wait: bool = True, converging: Callable[[], bool] | None = None) -> None:
         """Send what is left, vote with every file of this rank, and (`wait`) return once the

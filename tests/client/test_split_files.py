@@ -1,0 +1,98 @@
+"""A rank's state split into several files (save/split.py), through a real service: each
+file is a valid safetensors file of whole tensors, the checkpoint restores bit for bit,
+and one damaged file among several makes the checkpoint CORRUPT and restore fall back.
+Control: the same damage-free save restores its own step (the first test)."""
+
+from __future__ import annotations
+
+import torch
+from safetensors.numpy import load as st_load
+from torch import nn
+
+import lastgood
+from lastgood.format import META_FILES
+from tests.service.helpers import ckpt_dir
+
+FILE_BYTES = "16K"  # a ~100 KiB state: several files
+
+
+def _training(seed: int):
+    torch.manual_seed(seed)
+    model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(3, 64)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _state(model, opt) -> dict:
+    out = {f"m.{k}": v.clone() for k, v in model.state_dict().items()}
+    for i, s in opt.state_dict()["state"].items():
+        out.update({f"o.{i}.{k}": v.clone() for k, v in s.items()})
+    return out
+
+
+def _files(service, cid: int) -> dict[str, dict]:
+    ranks = service.get(f"/api/v1/checkpoints/{cid}/manifest").json()["ranks"]
+    return {f["name"]: f for f in ranks[0]["files"]}
+
+
+def _blob(service, cid: int, entry: dict):
+    return next(p for p in (ckpt_dir(service, cid) / "r0").iterdir() if p.name == entry["xxh3_128"])
+
+
+def test_split_state_restores_bitwise(service, run_name, monkeypatch):
+    monkeypatch.setenv("LASTGOOD_FILE_BYTES", FILE_BYTES)
+    model, opt = _training(0)
+    with lastgood.Checkpointer(service.url, run=run_name) as ckpt:
+        ckpt.save(5, lastgood.TrainState(model=model, optimizer=opt))
+        ckpt.wait()
+        cid = ckpt.last_saved.checkpoint_id
+    files = _files(service, cid)
+    assert len(files) >= 3 and "rank00000.safetensors" in files, sorted(files)
+    held = []
+    for name, entry in sorted(files.items()):  # each one a safetensors file of whole tensors
+        raw = _blob(service, cid, entry).read_bytes()
+        held += list(st_load(raw))
+    assert len(held) == len(set(held))  # every tensor in one file, whole
+    assert {f"model.{k}" for k in model.state_dict()} <= set(held)
+
+    want = _state(model, opt)
+    model2, opt2 = _training(1)
+    with lastgood.Checkpointer(service.url, run=run_name) as ckpt:
+        assert ckpt.restore(lastgood.TrainState(model=model2, optimizer=opt2)) == 5
+    got = _state(model2, opt2)
+    assert want.keys() == got.keys()
+    for k in want:
+        assert want[k].dtype == got[k].dtype and torch.equal(want[k], got[k]), k
+
+
+def test_one_damaged_file_of_several_falls_back(service, run_name, monkeypatch):
+    monkeypatch.setenv("LASTGOOD_FILE_BYTES", FILE_BYTES)
+    model, opt = _training(0)
+    state = lastgood.TrainState(model=model, optimizer=opt)
+    with lastgood.Checkpointer(service.url, run=run_name) as ckpt:
+        ckpt.save(1, state)
+        ckpt.wait()
+        good = ckpt.last_saved.checkpoint_id
+        step1 = _state(model, opt)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        ckpt.save(2, state)
+        ckpt.wait()
+        bad = ckpt.last_saved.checkpoint_id
+    files = _files(service, bad)
+    sibling = sorted(n for n in files if n != "rank00000.safetensors")[-1]
+    path = _blob(service, bad, files[sibling])
+    data = bytearray(path.read_bytes())
+    data[len(data) - 3] ^= 0x10  # a tensor byte of the last further file
+    path.write_bytes(bytes(data))
+
+    model2, opt2 = _training(1)
+    with lastgood.Checkpointer(service.url, run=run_name) as ckpt:
+        assert ckpt.restore(lastgood.TrainState(model=model2, optimizer=opt2)) == 1
+    got = _state(model2, opt2)
+    assert all(torch.equal(step1[k], got[k]) for k in step1)
+    assert service.get(f"/api/v1/checkpoints/{bad}").json()["status"] == "CORRUPT"
+    assert service.get(f"/api/v1/runs/{run_name}/last-good").json()["id"] == good

@@ -1,0 +1,82 @@
+"""The split rule of a rank's tensors into files (save/split.py): by size, whole tensors,
+deterministic, the first file naming the tensors of the others."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lastgood.errors import FormatError
+from lastgood.format import META_FILES, META_STATE, TensorSpec, parse_header, parse_state
+from lastgood.save import split
+
+MiB = 1 << 20
+
+
+def spec(name: str, mib: float, dtype: str = "F32") -> TensorSpec:
+    return TensorSpec(name, dtype, (int(mib * MiB) // 4,))
+
+
+def test_small_state_or_zero_setting_is_one_file():
+    specs = [spec("a", 100), spec("b", 100)]
+    assert split.plan(specs, 256 * MiB) == [specs]  # under two files' worth
+    assert split.plan(specs, 0) == [specs]
+
+
+def test_files_by_size_whole_tensors_balanced():
+    specs = [spec(f"t{i}", 64) for i in range(16)]  # 1 GiB
+    files = split.plan(specs, 256 * MiB)
+    assert len(files) == 4
+    assert sorted(s.name for f in files for s in f) == sorted(s.name for s in specs)  # each tensor once
+    assert [sum(s.nbytes for s in f) for f in files] == [256 * MiB] * 4
+    for f in files:  # each file keeps the caller's order
+        order = [specs.index(s) for s in f]
+        assert order == sorted(order)
+
+
+def test_a_tensor_larger_than_a_file_is_never_cut():
+    specs = [spec("huge", 700), spec("a", 100), spec("b", 100), spec("c", 100)]
+    files = split.plan(specs, 256 * MiB)
+    assert len(files) == 3
+    assert [s.name for s in files[0]] == ["huge"]
+    assert sorted(s.name for f in files[1:] for s in f) == ["a", "b", "c"]
+
+
+def test_deterministic_and_bounded():
+    specs = [spec(f"t{i}", (i % 5) + 1) for i in range(200)]
+    assert split.plan(specs, MiB) == split.plan(list(specs), MiB)
+    assert len(split.plan(specs, 1)) == split.MAX_FILES
+    assert len(split.plan([spec("x", 1), spec("y", 1)], 1)) == 2  # never more files than tensors
+
+
+def test_layouts_first_file_names_the_others_and_the_state_may_refer_to_them():
+    specs = [spec(f"t{i}", 1) for i in range(8)]
+    state = json.dumps({"components": {"m": {"state": {"t7": {"__tensor__": "t7"}}}}})
+    lays = split.layouts(specs, {META_STATE: state}, 2 * MiB)
+    assert len(lays) == 4
+    tensors, meta = parse_header(lays[0].header)
+    assert json.loads(meta[META_FILES]) == [list(lay.offsets) for lay in lays[1:]]
+    assert "t7" not in tensors
+    parse_state(meta, tensors)  # t7 is in another file of the rank: accepted
+    for lay in lays[1:]:
+        assert META_STATE not in parse_header(lay.header)[1]
+    with pytest.raises(FormatError, match="does not hold"):
+        parse_state({META_STATE: state}, tensors)  # control: named nowhere
+
+
+def test_names_and_offsets():
+    assert split.file_names("rank00003.safetensors", 3) == [
+        "rank00003.safetensors", "rank00003-001.safetensors", "rank00003-002.safetensors"]
+    assert split.is_sibling("rank00003.safetensors", "rank00003-002.safetensors")
+    assert not split.is_sibling("rank00003.safetensors", "rank00013-002.safetensors")
+    assert not split.is_sibling("rank00003.safetensors", "rank00003.safetensors")
+    at = split.offsets([10, 64, 1])
+    assert at == [0, 64, 128, 192] and all(a % split.ALIGN == 0 for a in at)
+
+
+def test_bad_files_key_is_a_format_error():
+    with pytest.raises(FormatError):
+        parse_state({META_STATE: "{}", META_FILES: '{"a": 1}'}, {})
+    with pytest.raises(FormatError, match="two files"):
+        parse_state({META_STATE: "{}", META_FILES: '[["a"], ["a"]]'}, {})
