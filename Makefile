@@ -7,7 +7,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 LOCALSTACK_VENV := .venv-localstack
 LOCALSTACK_STAMP := $(LOCALSTACK_VENV)/.installed
 
-.PHONY: run test test-fast demo bench chaos screenshot proto clean fuzz soak
+.PHONY: run test test-fast demo bench bench-save chaos screenshot proto clean fuzz soak
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,11 @@ fuzz: $(DEV_STAMP)
 # the full benchmark against the peers and the limits (about 20 minutes; see bench/README.md)
 bench: $(DEV_STAMP)
 	$(BIN)/python -m bench.run
+
+# the save-speed acceptance run (docs/performance.md): the disk's own variance first, then
+# lastgood vs DCP save, restore and stall at 1 GiB and 4 GiB, 5 interleaved reps; run it on an idle machine
+bench-save: $(DEV_STAMP)
+	$(BIN)/python -m bench.run --quiet-check --only-sizes --sizes 1G,4G --reps 5
 
 # not CI: 30 minutes of writers, scheduled GC and page polling; drift per 5-minute window (bench/README.md)
 soak: $(DEV_STAMP)
