@@ -96,3 +96,24 @@ def test_one_damaged_file_of_several_falls_back(service, run_name, monkeypatch):
     assert all(torch.equal(step1[k], got[k]) for k in step1)
     assert service.get(f"/api/v1/checkpoints/{bad}").json()["status"] == "CORRUPT"
     assert service.get(f"/api/v1/runs/{run_name}/last-good").json()["id"] == good
+
+
+def test_export_reads_a_split_checkpoint(service, run_name, monkeypatch, tmp_path):
+    """`lastgood export` plans a further file's tensors from the first file's state."""
+    from safetensors import safe_open
+
+    from lastgood.export import export_hf
+
+    monkeypatch.setenv("LASTGOOD_FILE_BYTES", FILE_BYTES)
+    model, opt = _training(0)
+    with lastgood.Checkpointer(service.url, run=run_name) as ckpt:
+        ckpt.save(3, lastgood.TrainState(model=model, optimizer=opt, extra={"hf_config": {"model_type": "none"}}))
+        ckpt.wait()
+        cid = ckpt.last_saved.checkpoint_id
+    assert len(_files(service, cid)) >= 3
+    doc = export_hf(cid, tmp_path / "hf", url=service.url)
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        got = {k: f.get_tensor(k) for k in f.keys()}
+    sd = model.state_dict()
+    assert sorted(got) == sorted(sd) and doc["tensors"] == len(sd)
+    assert all(torch.equal(got[k], sd[k]) for k in sd)

@@ -37,6 +37,7 @@ from pathlib import Path
 from ..config import ClientConfig
 from ..errors import FormatError, LastgoodError
 from .convert import DTYPES, target
+from ..save.split import is_further
 from .hf import CONFIG, INDEX, Item, check_coverage, file_names, parse_size, split, write_file, write_json
 from .source import Collector
 from ..durable import fsync_dir as _fsync_dir
@@ -228,8 +229,10 @@ def _read(st, cid: int, manifest, src: Collector, lease, tail: str, progress) ->
     from ..cli.download import read_verified
 
     skipped = []
+    src.entries = {(r, e.name): e for r in manifest.ranks for e in manifest.files(r)}
     for r in sorted(manifest.ranks):
-        for entry in sorted(manifest.files(r), key=lambda e: e.name):
+        # a rank's first file before the others it was split into (save/split.py): its state plans theirs
+        for entry in sorted(manifest.files(r), key=lambda e: (is_further(e.name), e.name)):
             if entry.tensors is None:  # not a safetensors file (DCP's metadata)
                 continue
             if not src.wants(entry):

@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from math import prod
 
 from ..errors import FormatError
-from ..format import header_length, parse_header, parse_state
+from ..format import META_STATE, header_length, parse_header, parse_state, sibling_tensors
+from ..save.split import sibling_name
 from ..manifest import FileEntry
 
 MODULE_KINDS = ("module", "sharded_module")
@@ -100,6 +101,8 @@ class Collector:
         self.extra = None                      # the first file's encoded `extra`
         self.files_read: list[tuple[int, str, int]] = []
         self.bytes_read = 0
+        self._pending: dict[tuple[int, str], list] = {}  # a rank's further file -> its plan (save/split.py)
+        self.entries: dict[tuple[int, str], FileEntry] = {}  # (rank, name) -> manifest entry, with its tensors
         self._fd = os.open(scratch_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self._end = 0
 
@@ -118,7 +121,10 @@ class Collector:
             view, pos = view[n:], pos + n
 
     def wants(self, entry: FileEntry) -> bool:
-        """Does this file hold a tensor still missing, or one no state read so far named?"""
+        """Does this file hold a tensor still missing, or one no state read so far named, or
+        is it a further file of a rank with tensors planned already (save/split.py)?"""
+        if any(name == entry.name for _, name in self._pending):
+            return True
         for name in entry.tensors or ():
             key = self._selected.get(name)
             if key is None and name not in self._other:
@@ -169,7 +175,13 @@ class Collector:
     def _plan(self, head: bytes, rank: int, entry: FileEntry) -> list[tuple[int, int, int]]:
         """From a file's header: which of its byte ranges go where in the scratch file."""
         tensors, meta = parse_header(head, file_size=entry.size)
+        if META_STATE not in meta and (rank, entry.name) in self._pending:
+            # a further file of a rank split into several (save/split.py): planned with its first
+            if len(head) != entry.data_start:
+                raise FormatError(f"its header is {len(head)} bytes, its index says {entry.data_start}")
+            return sorted(self._pending.pop((rank, entry.name)))
         state = parse_state(meta, tensors)
+        outside = {n: sibling_name(entry.name, i) for i, names in enumerate(sibling_tensors(meta), 1) for n in names}
         components = state.get("components")
         if not isinstance(components, dict):
             raise FormatError("saved through lastgood.dcp, not as a TrainState" if "dcp_values" in state
@@ -187,14 +199,27 @@ class Collector:
                 if not key.startswith(self.prefix):
                     continue
                 stored = ref.get("__tensor__", ref.get("__dtensor__"))
-                spec = tensors[stored]  # parse_state checked that every ref names a tensor of the file
+                # parse_state checked that every ref names a tensor of the file or of the rank's others
+                spec, at, into = tensors.get(stored), start, plan
+                if spec is None:
+                    spec, at, into = self._elsewhere(rank, outside[stored], stored)
                 chosen.add(stored)
                 piece = self._piece(key, stored, ref, spec, rank)
                 if piece is not None:
                     a, b = spec["data_offsets"]
-                    plan.append((start + a, start + b, piece.pos))
-        self._other.update(n for n in tensors if n not in chosen)
+                    into.append((at + a, at + b, piece.pos))
+        self._other.update(n for n in [*tensors, *outside] if n not in chosen)
         return sorted(plan)
+
+    def _elsewhere(self, rank: int, name: str, stored: str) -> tuple[dict, int, list]:
+        """(spec, data start, plan) of a tensor in a further file of the rank, from its index."""
+        e = self.entries.get((rank, name))
+        if e is None or e.tensors is None or stored not in e.tensors or e.data_start is None:
+            raise FormatError(f"tensor {stored!r} is in the rank's file {name}, which the checkpoint does not "
+                              f"index")
+        t = e.tensors[stored]
+        return ({"dtype": t["dtype"], "shape": t["shape"], "data_offsets": t["offsets"]}, e.data_start,
+                self._pending.setdefault((rank, name), []))
 
     def _piece(self, key: str, stored: str, ref: dict, spec: dict, rank: int) -> Piece | None:
         """Record one stored block of tensor `key`; None if it is not needed (a replica of

@@ -39,6 +39,7 @@ MAX_FILES = 64  # per rank: bounds the manifest's entries and the header's list
 WORKERS = 4     # threads per rank that write (or read) its files: hashing, os.write, gRPC release the GIL
 ALIGN = 64      # where each file starts in a buffer: every tensor stays aligned to its element size
 T = TypeVar("T")
+_FURTHER = re.compile(r".+-\d{3}\.safetensors")
 
 
 def plan(specs: list[TensorSpec], file_bytes: int, max_files: int = MAX_FILES) -> list[list[TensorSpec]]:
@@ -87,6 +88,11 @@ def file_names(main: str, count: int) -> list[str]:
 
 def is_sibling(main: str, name: str) -> bool:
     return re.fullmatch(re.escape(main.removesuffix(".safetensors")) + r"-\d{3}\.safetensors", name) is not None
+
+
+def is_further(name: str) -> bool:
+    """Is `name` a further file of some rank (rank00000-001.safetensors)?"""
+    return _FURTHER.fullmatch(name) is not None
 
 
 def any_split(manifest, main_name: Callable[[int], str]) -> bool:
