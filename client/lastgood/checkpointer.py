@@ -39,7 +39,7 @@ from .manifest import Manifest
 from .retry import RetryPolicy
 from .save import SaveSession, split
 from .staging import Snapshot, StagingPool, snapshot
-from .sharding import ShardIndex, StoredFile
+from .sharding import ShardIndex
 from .state import TrainState, fits
 from .transport import Transport
 from .uploads import SaveRecord, UploadQueue

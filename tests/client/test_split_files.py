@@ -10,7 +10,6 @@ from safetensors.numpy import load as st_load
 from torch import nn
 
 import lastgood
-from lastgood.format import META_FILES
 from tests.service.helpers import ckpt_dir
 
 FILE_BYTES = "16K"  # a ~100 KiB state: several files

@@ -215,11 +215,11 @@ class Upload:
     def _send(self) -> None:
         # every file not yet sent, handed over concurrently (split.py); a path's send is
         # final and safe to retry, and a file it handed over holds no token to discard
-        todo = self.files[self._sent:]
-        split.run_all([lambda h=h: self.path.send(self.checkpoint_id, self.rank, h) for h in todo],
-                      transport=self.transport)
-        for handle in todo:
+        def send(handle: Prepared) -> None:
+            self.path.send(self.checkpoint_id, self.rank, handle)
             handle.data = _SENT  # the service has it: the writer's buffer is not held past the save
+
+        split.run_all([lambda h=h: send(h) for h in self.files[self._sent:]], transport=self.transport)
         self._sent = len(self.files)
 
     def commit(self, *, wait: bool = True, converging: Callable[[], bool] | None = None) -> None:
