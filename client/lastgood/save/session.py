@@ -4,6 +4,7 @@ StorageWriter). torch-free.
     session = SaveSession(transport, run, rank, commit_timeout=...)   # one per writer
     up = session.checkpoint(step)        # one rank's part in one checkpoint
     up.add("rank00000.safetensors", data)  # prepared by the data path (paths.py), before begin
+    up.add_all([(name, data), ...])       # several files of the rank, prepared concurrently (split.py)
     up.begin(world_size, attempt)        # or up.join(cid): a checkpoint another rank began
     up.commit()                          # send, vote, wait for the outcome (or commit(wait=False): vote only)
 
