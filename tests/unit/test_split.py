@@ -80,3 +80,26 @@ def test_bad_files_key_is_a_format_error():
         parse_state({META_STATE: "{}", META_FILES: '{"a": 1}'}, {})
     with pytest.raises(FormatError, match="two files"):
         parse_state({META_STATE: "{}", META_FILES: '[["a"], ["a"]]'}, {})
+
+
+def test_run_all_waits_for_every_call_then_undoes_the_ones_that_succeeded():
+    """A file that fails to prepare: the others finish first, then what they left (spool
+    files) is discarded, and the first error is raised."""
+    import threading
+
+    started = threading.Barrier(3, timeout=10)  # all three run at once
+    done, undone = [], []
+
+    def ok(i):
+        started.wait()
+        done.append(i)
+        return i
+
+    def bad():
+        started.wait()
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        split.run_all([lambda: ok(0), bad, lambda: ok(2)], workers=3, undo=undone.append)
+    assert sorted(done) == [0, 2] and sorted(undone) == [0, 2]
+    assert split.run_all([lambda: 7, lambda: 8], workers=3) == [7, 8]
