@@ -1,8 +1,8 @@
 """Snapshots: copy the state into reusable CPU buffers laid out as the final shard file.
 
 `save()` blocks only for this copy. The buffer *is* the safetensors file (header, then
-tensors at their final offsets), so hashing and upload read it in place, with no second
-copy. Buffers come from a small pool: a snapshot never lands in a buffer whose upload is
+tensors at their final offsets), or the files a large state is split into, back to back
+(save/split.py), so hashing and upload read it in place, with no second copy. Buffers come from a small pool: a snapshot never lands in a buffer whose upload is
 still running, and when every buffer is busy the next `save()` waits for one, so training
 can never change memory that an upload is reading. With CUDA present the buffers are
 pinned, so device-to-host copies run at full speed and asynchronously until one sync.
