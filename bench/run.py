@@ -70,6 +70,8 @@ TARGETS = [  # (name, figure path, comparison, bound, what)
 # A figure whose repetitions spread wider than this ((max - min) / median) cannot carry a
 # verdict: the targets it feeds read "too noisy to judge" instead of met / missed.
 NOISE = 0.25
+# the split case's file size (the client's default is one file per rank: docs/performance.md)
+SPLIT_FILE_BYTES = 256 << 20
 # The disk itself, measured by --quiet-check (raw write + fsync, settled between): a
 # machine whose own disk spreads wider than this is not quiet enough for acceptance figures.
 QUIET = 0.15
@@ -302,6 +304,7 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
     # the same spooled saves as one file per rank (LASTGOOD_FILE_BYTES=0): before the split
     one_file = lastgood.Checkpointer(svc.url, run=run, attempt=attempt)
     one_file.config = dataclasses.replace(one_file.config, file_bytes=0)
+    ckpt.config = dataclasses.replace(ckpt.config, file_bytes=SPLIT_FILE_BYTES)
     assert ckpt.transport.spool is not None and streamer.transport.spool is None
     files = work / "files"
     files.mkdir(exist_ok=True)
