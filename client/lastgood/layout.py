@@ -59,7 +59,7 @@ def summarize(state: dict, tensors: dict) -> dict | None:
                 todo.extend(node.values())
             elif isinstance(node, list):
                 todo.extend(node)
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: int(inf), JSON's 1e400
         return None
     return {k: [[list(o), list(s)] for o, s in sorted(v)] for k, v in sorted(out.items())}
 

@@ -57,9 +57,10 @@ def test_a_block_under_the_floor_is_refused_at_start():
             Settings(range_block_bytes=bad)
 
 
-def sharded_file() -> bytes:
+def sharded_file(offset: str = "[4, 0]") -> bytes:
     """A shard file as a rank of an FSDP2 job writes it: rows 4..7 of a 16 x 2 weight and of
-    its Adam moment (DTensor shards, one global shape), and a plain step."""
+    its Adam moment (DTensor shards, one global shape), and a plain step; `offset` the
+    weight's, as JSON text."""
     import json
 
     import numpy as np
@@ -72,7 +73,7 @@ def sharded_file() -> bytes:
                             "optim": {"m": {"__dtensor__": "w.exp_avg", "shape": [16, 2], "offset": [4, 0]},
                                       "step": {"__tensor__": "step"}}}}
     specs = [TensorSpec(k, "F32" if v.dtype == np.float32 else "I64", v.shape) for k, v in values.items()]
-    lay = plan_layout(specs, {META_STATE: json.dumps(state)})
+    lay = plan_layout(specs, {META_STATE: json.dumps(state).replace('"offset": [4, 0]', f'"offset": {offset}', 1)})
     buf = bytearray(lay.size)
     buf[:lay.data_start] = lay.header
     for name, arr in values.items():
@@ -141,3 +142,13 @@ def test_a_client_from_before_the_block_rule_reads_new_index_objects_whole(make_
     entry = root.files(0)[0].with_index(0, body)
     assert entry.digests["split"] and len(RangeDigests(entry.data_start, entry.tensors, entry.digests)
                                           .covering(entry.data_start, len(data))) > 7
+
+
+def test_a_shard_offset_too_large_for_an_int_gets_no_chunks_not_an_internal_error(make_service, run_name):
+    """JSON's 1e400 parses as inf, and int(inf) raised OverflowError outside the header's
+    guard: put_shard failed INTERNAL. The file is stored; its summary is left out (restore
+    plans with every old file and finds out on its own)."""
+    svc = make_service()
+    root = commit_one(svc, run_name, sharded_file("[1e400, 0]"))
+    assert "chunks" not in root.files(0)[0].index
+    assert commit_one(svc, run_name + "-control", sharded_file()).files(0)[0].index["chunks"]
