@@ -26,9 +26,10 @@ file's index object and header fetched. Torch-free: the service computes it.
 from __future__ import annotations
 
 from .errors import FormatError
-from .format import parse_state
+from .format import MAX_DIMS, parse_state
 
 MAX_CHUNKS = 64  # ~40 B each in the root: at most ~2.6 KB a file; beyond it, no summary
+MAX_KEY = 128    # characters of a global shape's key (6 dims of 19 digits); longer: no summary
 
 
 def _key(shape) -> str:
@@ -61,7 +62,41 @@ def summarize(state: dict, tensors: dict) -> dict | None:
                 todo.extend(node)
     except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: int(inf), JSON's 1e400
         return None
-    return {k: [[list(o), list(s)] for o, s in sorted(v)] for k, v in sorted(out.items())}
+    return checked({k: [[list(o), list(s)] for o, s in sorted(v)] for k, v in sorted(out.items())})
+
+
+def _ints(v, n: int) -> bool:
+    return (isinstance(v, list) and len(v) == n
+            and all(type(x) is int and 0 <= x < 1 << 63 for x in v))
+
+
+def checked(chunks) -> dict | None:
+    """`chunks` if it is a summary as summarize() writes it, else None: at most MAX_CHUNKS,
+    keys of at most MAX_KEY characters naming a global shape of at most MAX_DIMS dims, and
+    per chunk an offset and a local shape of that many dims within the global shape. The
+    one rule of what the service writes to the root and what a reader uses from it (a
+    reader treats anything else as no summary: every old file, never a TypeError)."""
+    if not isinstance(chunks, dict):
+        return None
+    n = 0
+    for key, entries in chunks.items():
+        if not isinstance(key, str) or len(key) > MAX_KEY or not isinstance(entries, list):
+            return None
+        try:
+            dims = [int(d) for d in key.split(",")] if key else []
+        except ValueError:
+            return None
+        if len(dims) > MAX_DIMS or key != _key(dims):
+            return None
+        for e in entries:
+            n += 1
+            if n > MAX_CHUNKS or not isinstance(e, list) or len(e) != 2:
+                return None
+            o, sz = e
+            if not (_ints(o, len(dims)) and _ints(sz, len(dims))
+                    and all(a + m <= d for a, m, d in zip(o, sz, dims))):
+                return None
+    return chunks
 
 
 def of_header(meta: dict, tensors: dict) -> dict | None:
@@ -75,8 +110,8 @@ def of_header(meta: dict, tensors: dict) -> dict | None:
 
 
 def overlaps(chunks: dict, shape, offset, lengths) -> bool:
-    """Whether a file with this summary may hold part of the region (offset, lengths) of a
-    tensor of global `shape`."""
+    """Whether a file with this summary (checked) may hold part of the region (offset,
+    lengths) of a tensor of global `shape`."""
     if not all(int(n) > 0 for n in lengths):
         return False
     for o, s in chunks.get(_key(shape), ()):

@@ -307,8 +307,8 @@ def _pairs(saved_state: dict, state) -> list | None:
 def _needed(entries: list[FileEntry], pairs: list) -> list[int]:
     """The old ranks whose files may hold part of a live shard: by each root entry's
     summary (layout.overlaps, a superset), or every old rank when one has none."""
-    chunks = [e.index.get("chunks") for e in entries]
-    if any(c is None for c in chunks):
+    chunks = [layout.checked(e.index.get("chunks")) for e in entries]
+    if any(c is None for c in chunks):  # none, or malformed (a service bug, a later form)
         return list(range(len(entries)))
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -334,7 +334,7 @@ def _open(transport, r: int, entry: FileEntry, reader: RangeReader) -> RangedFil
     if entry.digests is None:
         return None
     f = RangedFile(r, entry, reader)
-    want = entry.index.get("chunks")
+    want = layout.checked(entry.index.get("chunks"))
     if want is not None and layout.summarize(f.state, f.tensors) != want:
         raise CorruptCheckpoint(f"checkpoint {reader.checkpoint_id} rank {r} file {entry.name}: its header's "
                                 f"shards are not where the root says")
