@@ -16,7 +16,7 @@ a superset of the files that hold the region (two tensors of one shape sharded
 differently both count), never fewer, so the plan over the kept files is the plan over
 all of them. The chain stays whole: the root's hash is checked by the service, the
 reference names the index object by hash, and each kept file's own header, verified by
-its digest, must summarise to the same chunks (CorruptCheckpoint otherwise).
+its digest, must hold no chunk the root leaves out (within(); CorruptCheckpoint otherwise).
 
 A file with more than MAX_CHUNKS distinct chunks (many shapes, or another sharding than
 one chunk per tensor) gets no summary: its checkpoint is planned as before, every old
@@ -36,10 +36,9 @@ def _key(shape) -> str:
     return ",".join(str(int(d)) for d in shape)
 
 
-def summarize(state: dict, tensors: dict) -> dict | None:
-    """{global shape "d0,d1,...": [[offset, local shape], ...]} of the `__dtensor__` shards
-    in a shard's lastgood state (`tensors` as parse_header returns them), sorted; {} for a
-    file without shards; None if a chunk is malformed or there are more than MAX_CHUNKS."""
+def _held(state: dict, tensors: dict, limit: int | None) -> dict[str, set] | None:
+    """{global shape key: {(offset, local shape)}} of the `__dtensor__` shards in a shard's
+    lastgood state; None if a chunk is malformed or there are more than `limit`."""
     out: dict[str, set] = {}
     n = 0
     todo = [state]
@@ -54,7 +53,7 @@ def summarize(state: dict, tensors: dict) -> dict | None:
                     if chunk not in have:
                         have.add(chunk)
                         n += 1
-                        if n > MAX_CHUNKS:
+                        if limit is not None and n > limit:
                             return None
                     continue
                 todo.extend(node.values())
@@ -62,7 +61,32 @@ def summarize(state: dict, tensors: dict) -> dict | None:
                 todo.extend(node)
     except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: int(inf), JSON's 1e400
         return None
+    return out
+
+
+def summarize(state: dict, tensors: dict) -> dict | None:
+    """{global shape "d0,d1,...": [[offset, local shape], ...]} of the `__dtensor__` shards
+    in a shard's lastgood state (`tensors` as parse_header returns them), sorted; {} for a
+    file without shards; None if a chunk is malformed or there are more than MAX_CHUNKS."""
+    out = _held(state, tensors, MAX_CHUNKS)
+    if out is None:
+        return None
     return checked({k: [[list(o), list(s)] for o, s in sorted(v)] for k, v in sorted(out.items())})
+
+
+def within(state: dict, tensors: dict, chunks: dict) -> bool:
+    """Whether every shard a file's state holds is one the root's (checked) summary names.
+
+    Containment, not equality, is what the plan's safety needs: the summary only chooses
+    which files a rank opens (overlaps), so naming more than a file holds opens one file
+    too many, while leaving out one it holds could skip a file that holds part of a
+    region (the cover check would then refuse the plan, or a replica would serve it).
+    Equality would also refuse a root whose summary a later walk rule wrote otherwise."""
+    held = _held(state, tensors, None)
+    if held is None:
+        return False
+    named = {k: {(tuple(o), tuple(s)) for o, s in v} for k, v in chunks.items()}
+    return all(have <= named.get(k, set()) for k, have in held.items())
 
 
 def _ints(v, n: int) -> bool:
