@@ -29,6 +29,10 @@ class StreamHasher:
     def hexdigest(self) -> str:
         return self._h.hexdigest()
 
+    def digest(self) -> bytes:
+        """The 16 raw bytes hexdigest() spells (for tables of many digests)."""
+        return self._h.digest()
+
 
 def hash_bytes(data) -> str:
     """xxh3-128 of one buffer, as 32 lowercase hex digits."""

@@ -27,6 +27,15 @@ from .hashing import hash_bytes
 FORMAT = "lastgood.manifest/1"       # monolithic
 FORMAT_ROOT = "lastgood.manifest/2"  # root + per-file index objects
 INDEX_FORMAT = "lastgood.index/1"
+# Where an index object keeps its range digests (ranges.py). Digests by the per-tensor block
+# rule (they name a "split") go under RANGE_DIGESTS, a key clients from before the rule do
+# not know, so they read such files whole; under FIXED_DIGESTS (one block for every tensor,
+# all those clients understand) they would find a segment-count mismatch, take every new
+# checkpoint for damaged and fall back. Readers take RANGE_DIGESTS, else FIXED_DIGESTS
+# (objects written before the rule, and the few written with the rule under it before this
+# key: ranges.Blocks.read tells the two forms apart by "split"). The one place of this rule.
+RANGE_DIGESTS = "range_digests"
+FIXED_DIGESTS = "digests"
 _VERSIONS = {FORMAT: 1, FORMAT_ROOT: 2}
 
 
@@ -40,9 +49,11 @@ def _canonical(d: dict) -> bytes:
 
 def index_bytes(rank: int, file_name: str, data_start: int, tensors: dict, digests: dict | None = None) -> bytes:
     """The tensor index object of one safetensors file (canonical JSON). `digests`: its
-    range digests (ranges.py), absent in objects written before them."""
+    range digests (ranges.py), absent in objects written before them; under the key their
+    form calls for (RANGE_DIGESTS)."""
+    key = RANGE_DIGESTS if digests is not None and "split" in digests else FIXED_DIGESTS
     return _canonical({"format": INDEX_FORMAT, "rank": rank, "file": file_name, "data_start": data_start,
-                       "tensors": tensors, **({"digests": digests} if digests is not None else {})})
+                       "tensors": tensors, **({key: digests} if digests is not None else {})})
 
 
 def index_ref(body: bytes, tensors: int, chunks: dict | None = None) -> dict:
@@ -91,7 +102,8 @@ class FileEntry:
             ok = False
         if not ok:  # the right hash over the wrong content: only a service bug gets here
             raise IndexMismatch(f"rank {rank} file {self.name!r}: the tensor index is not this file's")
-        return replace(self, data_start=int(d["data_start"]), tensors=d["tensors"], digests=d.get("digests"))
+        return replace(self, data_start=int(d["data_start"]), tensors=d["tensors"],
+                       digests=d.get(RANGE_DIGESTS, d.get(FIXED_DIGESTS)))
 
 
 @dataclass(frozen=True)

@@ -146,12 +146,14 @@ class RangeHasher:
         self.rule = Blocks(check_block(block), split, floor)
         self.block = self.rule.cap
         self._n = 1 + sum(_count(a, b, self.rule.of(b - a)) for a, b, _ in _spans(data_start, tensors)[1:])
+        self._where = (data_start, tensors)
         self._segs = iter_segments(data_start, tensors, self.rule)
         self._seg = next(self._segs)
         self._i, self._pos = 0, 0
         self._h = StreamHasher()
-        self._header = ""
-        self._tensors: dict[str, list[str]] = {}
+        # every segment's digest, 16 raw bytes each in file order, until digests(): the
+        # service holds them while the file streams in (hex strings in lists: ~90 B each)
+        self._raw = bytearray()
 
     def update(self, data) -> None:
         view = memoryview(data).cast("B")
@@ -162,10 +164,7 @@ class RangeHasher:
             self._h.update(view[:take])
             view, self._pos = view[take:], self._pos + take
             if self._pos == self._seg.end:
-                if self._seg.name == HEADER:
-                    self._header = self._h.hexdigest()
-                else:
-                    self._tensors.setdefault(self._seg.name, []).append(self._h.hexdigest())
+                self._raw += self._h.digest()
                 self._h, self._i = StreamHasher(), self._i + 1
                 self._seg = next(self._segs, None)
 
@@ -174,7 +173,14 @@ class RangeHasher:
         {name: [hex, ...]}} ("block" alone, no "split": one block for every tensor)."""
         if self._i != self._n:
             raise FormatError(f"the file ended inside segment {self._i} of {self._n}")
-        return {**self.rule.record(), "header": self._header, "tensors": self._tensors}
+        raw, header, tensors = self._raw, "", {}
+        for i, seg in enumerate(iter_segments(*self._where, self.rule)):  # the order they were hashed in
+            h = raw[16 * i:16 * i + 16].hex()
+            if seg.name == HEADER:
+                header = h
+            else:
+                tensors.setdefault(seg.name, []).append(h)
+        return {**self.rule.record(), "header": header, "tensors": tensors}
 
 
 class RangeDigests:

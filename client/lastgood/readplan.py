@@ -269,21 +269,14 @@ def plan_reads(files: list[RangedFile], source: RangedFile, pairs: list) -> dict
     overlap the live local shard (DCP's planner, ShardIndex.read_items), and the
     replicated state (every tensor that is not a DTensor shard) from `source`. The one
     place that decides what is read; its counts. A live shard the kept files do not cover
-    whole is CorruptCheckpoint now, before the ranks agree, not a failure in apply."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
+    whole, exactly once, is CorruptCheckpoint now (read_items says so), before the ranks
+    agree, not a failure in apply."""
     index = ShardIndex(files)
     counts = {"pieces": 0, "piece_bytes": 0, "replicated_bytes": 0, "tensors_per_file": len(source.tensors)}
     for ref, target in pairs:
-        covered = 0
         for f, item in index.read_items(ref, target):
             counts["piece_bytes"] += f.want_piece(ref.name, item.storage_offsets, item.lengths)
             counts["pieces"] += 1
-            covered += math.prod(item.lengths)
-        shape, _ = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
-        if covered != math.prod(shape):
-            raise CorruptCheckpoint(f"{ref.name}: the stored shards cover {covered} of this rank's "
-                                    f"{math.prod(shape)} elements")
     counts["replicated_bytes"] = source.want_whole([n for n in source.tensors if n not in index.chunks])
     return counts
 
@@ -307,8 +300,8 @@ def _pairs(saved_state: dict, state) -> list | None:
 def _needed(entries: list[FileEntry], pairs: list) -> list[int]:
     """The old ranks whose files may hold part of a live shard: by each root entry's
     summary (layout.overlaps, a superset), or every old rank when one has none."""
-    chunks = [e.index.get("chunks") for e in entries]
-    if any(c is None for c in chunks):
+    chunks = [layout.checked(e.index.get("chunks")) for e in entries]
+    if any(c is None for c in chunks):  # none, or malformed (a service bug, a later form)
         return list(range(len(entries)))
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -329,13 +322,14 @@ def _entry(manifest: Manifest, r: int, name: str) -> FileEntry:
 def _open(transport, r: int, entry: FileEntry, reader: RangeReader) -> RangedFile | None:
     """Old rank r's file from its index object (checked against the root, parsed here:
     only its compact RangeDigests is kept) and its header (read, verified, and checked
-    against the root's summary of where its shards lie); None if it has no digests."""
+    against the root's summary of where its shards lie: no shard it leaves out); None if it
+    has no digests."""
     entry = entry.with_index(r, transport.index_bytes(reader.checkpoint_id, r, entry.name))
     if entry.digests is None:
         return None
     f = RangedFile(r, entry, reader)
-    want = entry.index.get("chunks")
-    if want is not None and layout.summarize(f.state, f.tensors) != want:
+    want = layout.checked(entry.index.get("chunks"))
+    if want is not None and not layout.within(f.state, f.tensors, want):  # not equality: layout.within
         raise CorruptCheckpoint(f"checkpoint {reader.checkpoint_id} rank {r} file {entry.name}: its header's "
                                 f"shards are not where the root says")
     return f

@@ -97,32 +97,52 @@ class ShardIndex:
     def read_items(self, ref: ShardRef, target) -> list:
         """(file, read item) for every stored shard that overlaps the live DTensor's local
         shard, by DCP's planner: what fill() copies and what a resharding restore reads
-        (readplan.py), computed once, here."""
+        (readplan.py), computed once, here. CorruptCheckpoint unless they cover it exactly
+        once (_check_cover)."""
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         if tuple(target.shape) != ref.shape:
             raise LastgoodError(f"{ref.name}: stored with global shape {ref.shape}, the model has {tuple(target.shape)}")
         shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
-        stored = self.chunks.get(ref.name, [])
+        # HSDP stores each shard once per replica: identical chunks are one, read from the
+        # first file that holds it (else every byte would be planned, and counted, twice)
+        stored: dict[tuple, tuple] = {}
+        for o, s, f in self.chunks.get(ref.name, []):
+            stored.setdefault((tuple(o), tuple(s)), (o, s, f))
         md = TensorStorageMetadata(properties=TensorProperties(dtype=target.dtype), size=torch.Size(ref.shape),
-                                   chunks=[ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s, _ in stored])
-        by_offset = {tuple(o): f for o, _, f in stored}
-        return [(by_offset[tuple(item.storage_index.offset)], item)
-                for item in create_read_items_for_chunk_list(ref.name, md, [ChunkStorageMetadata(
-                    torch.Size(offset), torch.Size(shape))])]
+                                   chunks=[ChunkStorageMetadata(torch.Size(o), torch.Size(s))
+                                           for o, s, _ in stored.values()])
+        by_offset = {tuple(o): f for o, _, f in reversed(stored.values())}  # the first for an offset
+        items = [(by_offset[tuple(item.storage_index.offset)], item)
+                 for item in create_read_items_for_chunk_list(ref.name, md, [ChunkStorageMetadata(
+                     torch.Size(offset), torch.Size(shape))])]
+        _check_cover(ref.name, [(i.dest_offsets, i.lengths) for _, i in items], shape)
+        return items
 
     def fill(self, ref: ShardRef, target) -> None:
         """Copy into the live DTensor's local shard every stored overlap; all of it must be covered."""
         local = target.to_local()
-        covered = 0
         with torch.no_grad():
-            for f, item in self.read_items(ref, target):
+            for f, item in self.read_items(ref, target):  # which cover it exactly once
                 src = f.piece(ref.name, item.storage_offsets, item.lengths)
                 narrow_tensor_by_index(local, item.dest_offsets, item.lengths).copy_(src)
-                covered += src.numel()
-        if covered != local.numel():
-            raise CorruptCheckpoint(f"{ref.name}: the stored shards cover {covered} of this rank's "
-                                    f"{local.numel()} elements")
+
+
+def _check_cover(name: str, boxes: list, shape) -> None:
+    """CorruptCheckpoint unless the boxes (offset, lengths) in the local shard tile it: no
+    two overlap and their sizes add up to it, i.e. their union is the whole shard. (A sum
+    alone lets two overlapping chunks stand in for a region none holds.) Pairwise: a local
+    shard overlaps a few stored ones."""
+    import math
+
+    for i, (oa, la) in enumerate(boxes):
+        for ob, lb in boxes[:i]:
+            if all(a < b + m and b < a + n for a, n, b, m in zip(oa, la, ob, lb)) and math.prod(la) and math.prod(lb):
+                raise CorruptCheckpoint(f"{name}: two stored shards cover the same part of this rank's shard "
+                                        f"({list(oa)}+{list(la)} and {list(ob)}+{list(lb)})")
+    covered, want = sum(math.prod(n) for _, n in boxes), math.prod(shape)
+    if covered != want:
+        raise CorruptCheckpoint(f"{name}: the stored shards cover {covered} of this rank's {want} elements")
 
 
 def fill_tree(saved, target, index: ShardIndex):

@@ -19,6 +19,7 @@ import torch
 import lastgood
 from lastgood import directfs, peer
 from lastgood.directfs import DirectFS
+from lastgood.manifest import RANGE_DIGESTS
 from lastgood.errors import SaveFailed
 from lastgood.hashing import StreamHasher
 from lastgood.checkpointer import shard_file_name as ckpt_file_name
@@ -115,7 +116,7 @@ def test_a_direct_fs_save_restores_bitwise_and_its_blob_is_the_file_written(mode
     # range digests come from the service's own read: none for a file it read only the header
     # of (peer mode; such a file is read whole at another world size), the service's otherwise
     index = svc.get(f"/api/v1/checkpoints/{cid}/ranks/0/index/{ckpt_file_name(0)}").json()
-    assert ("digests" in index) == (mode == "service"), sorted(index)
+    assert (RANGE_DIGESTS in index) == (mode == "service"), sorted(index)
 
     model2 = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 8))
     opt2 = torch.optim.AdamW(model2.parameters())

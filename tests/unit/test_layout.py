@@ -55,3 +55,51 @@ def test_a_root_written_before_chunks_plans_with_every_old_file():
     assert _needed(mixed, []) == [0, 1, 2]
     now = [FileEntry("f", 1, "0" * 32, index={**ref, "chunks": {}}) for _ in range(3)]
     assert _needed(now, []) == []  # nothing sharded to place: the source alone
+
+
+def test_chunks_out_of_their_tensors_bounds_give_no_summary():
+    """What the service puts in the root is bounded: as many offsets and lengths as the
+    global shape has dims, within it, at most MAX_DIMS, a key of at most MAX_KEY characters."""
+    from lastgood.format import MAX_DIMS
+    from lastgood.layout import MAX_KEY
+
+    t = {"w": {"shape": [8, 4]}}
+    assert summarize({"w": dt("w", [32, 4], [24, 0])}, t) == {"32,4": [[[24, 0], [8, 4]]]}  # the control
+    for shape, offset in (([32, 4], [8]), ([32, 4], [8, 0, 0]), ([32], [8, 0]), ([32, 4], [25, 0]),
+                          ([32, 4], [-1, 0]), ([32, 4], [8, 1]), ([7, 4], [0, 0])):
+        assert summarize({"w": dt("w", shape, offset)}, t) is None, (shape, offset)
+    deep = [1] * (MAX_DIMS + 1)
+    assert summarize({"w": dt("w", deep, [0] * len(deep))}, {"w": {"shape": deep}}) is None
+    wide = [10 ** 18] * 8
+    assert len(",".join(map(str, wide))) > MAX_KEY
+    assert summarize({"w": dt("w", wide, [0] * 8)}, {"w": {"shape": [1] * 8}}) is None
+
+
+def test_a_malformed_chunks_value_in_the_root_plans_with_every_old_file():
+    """The root's hash is checked, so a malformed `chunks` is a service bug or a later
+    format: never a TypeError in restore, every old file's metadata fetched instead."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lastgood.codec import ShardRef
+    from lastgood.manifest import FileEntry
+    from lastgood.readplan import _needed
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        live = distribute_tensor(torch.zeros(32, 4), init_device_mesh("cpu", (1,)), [Shard(0)])
+        pairs = [(ShardRef("w", (32, 4), (0, 0)), live)]
+        ref = {"xxh3_128": "0" * 32, "size": 10, "tensors": 1}
+
+        def files(bad):
+            return [FileEntry("f", 1, "0" * 32, index={**ref, "chunks": c})
+                    for c in ({"32,4": [[[0, 0], [16, 4]]]}, {"32,4": [[[16, 0], [16, 4]]]}, bad)]
+
+        assert _needed(files({"8": [[[0], [8]]]}), pairs) == [0, 1]  # the control: file 2 holds none of it
+        for bad in ([], {"32,4": [[0, [16, 4]]]}, {"32,4": [[[0, 0]]]}, {"32,4": "x"}, {"32,4": [[[0], [16]]]},
+                    {7: []}, "x"):
+            assert _needed(files(bad), pairs) == [0, 1, 2], bad
+    finally:
+        dist.destroy_process_group()

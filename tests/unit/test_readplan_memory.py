@@ -68,3 +68,36 @@ def test_adjacent_whole_tensors_are_kept_as_read_without_a_copy():
     kept = [f.resolve(f"t{i}", None, copy=False) for i in range(64)]
     assert all(torch.equal(t, torch.full((32, 16), float(i))) for i, t in enumerate(kept))
     assert held(kept) == planned == 64 * 2048 and len(transport.requested) == 1 + 2  # the header, two windows
+
+
+def test_a_files_header_must_hold_no_chunk_the_root_does_not_name():
+    """The root's `chunks` choose which old files a rank opens (a superset is safe: one more
+    file opened; one it does not name may be skipped). So a kept file's header must hold no
+    chunk its root entry leaves out; the root may name more (another walk rule, a replica)."""
+    import pytest
+
+    from lastgood.errors import CorruptCheckpoint
+    from lastgood.manifest import index_bytes, index_ref
+    from lastgood.readplan import _open
+
+    state = {"components": {"m": {"w": {"__dtensor__": "w", "shape": [32, 4], "offset": [8, 0]}}}}
+    data = save({"w": torch.ones(8, 4)}, metadata={META_STATE: json.dumps(state)})
+    start = header_length(data)
+    index = tensor_index(parse_header(data[:start])[0])
+    h = RangeHasher(start, index, BLOCK)
+    h.update(data)
+    body = index_bytes(0, "f", start, index, h.digests())
+
+    class Store(Bytes):
+        def index_bytes(self, checkpoint_id, rank, name) -> bytes:
+            return body
+
+    def opened(chunks):
+        entry = FileEntry("f", len(data), hash_bytes(data), index=index_ref(body, 1, chunks))
+        return _open(Store(data), 0, entry, RangeReader(Store(data), 1))
+
+    assert opened({"32,4": [[[8, 0], [8, 4]]]}).state == state  # as the service writes it
+    assert opened({"32,4": [[[0, 0], [8, 4]], [[8, 0], [8, 4]]], "7": [[[0], [7]]]}).state == state  # more
+    for short in ({"32,4": [[[0, 0], [8, 4]]]}, {}, {"32,4": []}):
+        with pytest.raises(CorruptCheckpoint, match="not where the root says"):
+            opened(short)

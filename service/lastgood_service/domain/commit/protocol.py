@@ -344,9 +344,10 @@ class CommitProtocol(CommitCore):
                     raise FormatError("truncated safetensors header")
                 return None
             tensors, meta = parse_header(memoryview(prefix)[:n], file_size=size)  # no copy of a copy
-        except FormatError as e:
-            raise InvalidArgument(f"not a valid safetensors file: {e}") from None
-        return n, tensor_index(tensors), layout.of_header(meta, tensors)
+            chunks = layout.of_header(meta, tensors)  # in the guard: what it misses is the client's mistake
+        except (FormatError, ValueError, TypeError, OverflowError) as e:
+            raise InvalidArgument(f"not a valid safetensors file: {type(e).__name__}: {str(e)[:200]}") from None
+        return n, tensor_index(tensors), chunks
 
     def _record_mismatch(self, h: ShardHeader, digest: str) -> None:
         log.warning("hash mismatch on checkpoint %s rank %s file %s", h.checkpoint_id, h.rank, h.file_name,
