@@ -30,14 +30,6 @@ from .helpers import checkpoint, events, last_good_id, make_shard, shard_blob, s
 
 
 @pytest.fixture(scope="module")
-def peer_svc(tmp_path_factory):
-    s = ServiceProc(tmp_path_factory.mktemp("peer"), {**FAST, "LASTGOOD_LEASE_SECONDS": "60",
-                                                      "LASTGOOD_VERIFICATION": "peer"}).start()
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
 def hashing_svc(tmp_path_factory):
     s = ServiceProc(tmp_path_factory.mktemp("service"), {**FAST, "LASTGOOD_LEASE_SECONDS": "60"}).start()
     yield s

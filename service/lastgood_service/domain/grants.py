@@ -46,7 +46,7 @@ from lastgood.format import header_length
 from ..blobstore import capabilities
 from ..blobstore.s3direct import StoredPart, composite
 from ..catalog.models import PENDING, VERIFIED, Checkpoint, Run, Shard
-from . import fencing, keys
+from . import keys
 from .commit import indexes
 from .commit.core import key_prefix
 from .commit.protocol import PutResult, ShardHeader
@@ -95,19 +95,14 @@ class DirectUploads:
 
     # ------------------------------------------------------------ grant
     def _file(self, h: ShardHeader, *, for_what: str):
-        """Check the file's header and the checkpoint; its key, and the stored shard if the
-        file is recorded already."""
+        """Check the file's header and the checkpoint (CommitService.admit_file: put_shard's
+        checks); its key, and the stored shard if the file is recorded already."""
         c = self.commits
         c.check_header(h)
         with c.sessions() as s, s.begin():
-            ck = c._get_checkpoint(s, h.checkpoint_id)
-            c._check_rank(ck, h.rank)
-            fencing.check(s, ck.run_id, ck.generation, f"{for_what} of checkpoint {ck.id}")
-            existing = c._find_shard(s, h)
-            if existing is not None:
-                return None, c._same_or_conflict(existing, h), None
-            c._require_pending(ck, for_what)
-            c._require_not_voted(s, h)
+            ck, present = c.admit_file(s, h, for_what)
+            if present is not None:
+                return None, present, None
             ck.lease_expires_at = c._lease()
             pfx = key_prefix(s, ck)
             return keys.shard_key(pfx, h.rank, h.xxh3_128), None, pfx
@@ -289,13 +284,9 @@ class DirectUploads:
         with c.sessions() as s:
             try:
                 with s.begin():
-                    ck = c._get_checkpoint(s, h.checkpoint_id, lock=True)  # serialises with votes
-                    fencing.check(s, ck.run_id, ck.generation, f"upload to checkpoint {ck.id}")
-                    existing = c._find_shard(s, h)
-                    if existing is not None:
-                        return c._same_or_conflict(existing, h)
-                    c._require_pending(ck, "record the shard")
-                    c._require_not_voted(s, h)
+                    ck, present = c.admit_file(s, h, "record the shard", lock=True)  # serialises with votes
+                    if present is not None:
+                        return present
                     s.add(Shard(checkpoint_id=ck.id, rank=h.rank, file_name=h.file_name, size=h.size,
                                 xxh3_128=h.xxh3_128, blob_key=key, status=VERIFIED, index_json=index_json,
                                 created_at=c.clock()))
