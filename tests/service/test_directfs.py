@@ -205,16 +205,17 @@ def test_store_mode_is_refused_at_start_by_a_file_store(tmp_path):
     assert "LASTGOOD_VERIFICATION=store: the blob store (LocalBlobStore) does not verify the checksums" in res.stderr
 
 
-@pytest.mark.parametrize("mode", ["service", "peer"])
-def test_direct_s3_uploads_need_store_verification(mode):
+def test_direct_s3_uploads_need_store_or_peer_verification():
     """The service reads none of a direct upload's bytes, so with LASTGOOD_DIRECT_S3 the
-    only verification there is is the store's: any other mode would claim a check nobody
-    makes. Refused at start, whatever the store; `store` with direct uploads is the control
-    (it passes this rule and is checked against the store's capability next)."""
+    verification is the store's (`store`) or the ranks' read-back (`peer`,
+    tests/service/test_direct_s3_peer.py): `service` would claim a hash nobody makes and is
+    refused at start, whatever the store. `store` is then checked against the store's
+    capability; `peer` needs none (the control: it starts)."""
     from lastgood_service.domain import verification_modes as vm
 
-    with pytest.raises(vm.ModeUnavailable, match="LASTGOOD_DIRECT_S3=true needs LASTGOOD_VERIFICATION=store"):
-        vm.check_available(mode, None, direct_s3=True)
+    with pytest.raises(vm.ModeUnavailable, match="LASTGOOD_DIRECT_S3=true needs LASTGOOD_VERIFICATION=store or peer"):
+        vm.check_available("service", None, direct_s3=True)
     with pytest.raises(vm.ModeUnavailable, match="does not verify the checksums"):
         vm.check_available("store", None, direct_s3=True)  # past the rule: no store that verifies
-    vm.check_available(mode, None, direct_s3=False)  # the same mode without direct uploads starts
+    vm.check_available("peer", None, direct_s3=True)
+    vm.check_available("service", None, direct_s3=False)  # the same mode without direct uploads starts
