@@ -97,6 +97,7 @@ def test_the_check_reads_through_a_presigned_get_the_service_grants(peer_svc, ru
         t.close()
 
 
+@pytest.mark.slow  # a service of its own each, and the grace to wait out
 @pytest.mark.parametrize("corrupt", [False, True], ids=["good", "corrupted"])
 def test_a_file_nobody_checks_is_hashed_by_the_service_from_s3(make_service, tmp_path, s3_server, s3_bucket,
                                                               run_name, corrupt):
