@@ -253,25 +253,53 @@ def read_file(transport, checkpoint_id: int, rank: int, file_name: str, size: in
             if e.status == 404 or e.store_code == "NoSuchKey":  # a committed file gone from the store:
                 raise CorruptCheckpoint(f"{what}: the store has no such object ({e.store_code})") from None
             raise                                            # damage, as a missing blob is when streamed
-        hasher, pos = StreamHasher(), 0
         try:
-            while pos < size:
-                n = resp.readinto(view[pos:min(pos + _PIECE, size)])
-                if not n:
-                    break
-                hasher.update(view[pos:pos + n])
-                pos += n
-            extra = resp.read(1)
-        except (OSError, http.client.HTTPException) as e:
-            raise StoreUnavailable(f"{what}: the store's answer was cut short: {e}") from None
+            return _hash_body(resp, size, what, view)
         finally:
             conn.close()
-        if pos != size or extra:
-            raise CorruptCheckpoint(f"{what}: the stored file is {'longer' if extra else f'{pos} bytes'}, "
-                                    f"not the committed {size}")
-        return hasher.hexdigest()
 
     return view, transport.retry.call(once, what)
+
+
+def _hash_body(resp, size: int, what: str, into: memoryview | None = None) -> str:
+    """The xxh3-128 of a GET's body, which must be `size` bytes (else CorruptCheckpoint),
+    read into `into`, or through one piece-sized buffer when the bytes are not kept."""
+    hasher, pos = StreamHasher(), 0
+    scratch = memoryview(bytearray(min(_PIECE, size))) if into is None else None
+    try:
+        while pos < size:
+            end = min(pos + _PIECE, size)
+            target = into[pos:end] if into is not None else scratch[:end - pos]
+            n = resp.readinto(target)
+            if not n:
+                break
+            hasher.update(target[:n])
+            pos += n
+        extra = resp.read(1)
+    except (OSError, http.client.HTTPException) as e:
+        raise StoreUnavailable(f"{what}: the store's answer was cut short: {e}") from None
+    if pos != size or extra:
+        raise CorruptCheckpoint(f"{what}: the stored file is {'longer' if extra else f'{pos} bytes'}, "
+                                f"not the committed {size}")
+    return hasher.hexdigest()
+
+
+def hash_object(url: str, size: int) -> str | None:
+    """The xxh3-128 of the object behind a presigned GET (a peer check, peer.py), read
+    through one buffer; None when it cannot be read whole (the service hashes it then)."""
+    what = "peer check read"
+    try:
+        resp, conn = _request("GET", url, what=what)
+    except (StoreRefused, StoreUnavailable) as e:
+        log.warning("lastgood: %s", e)
+        return None
+    try:
+        return _hash_body(resp, size, what)
+    except (CorruptCheckpoint, StoreUnavailable) as e:
+        log.warning("lastgood: %s", e)
+        return None
+    finally:
+        conn.close()
 
 
 class DirectS3Path:

@@ -1,14 +1,16 @@
 """Peer verification, the rank's half (the service's: domain/verification_modes.py).
 
 Under LASTGOOD_VERIFICATION=peer the service does not read the files ranks write in place
-on direct-FS (directfs.py); before the checkpoint may commit, each file is read back from
-the store by another rank - rank r checks rank (r + 1) mod world, a rule the service
-applies, so the rank just asks - and its xxh3-128 compared with what its writer declared.
+on direct-FS (directfs.py) or upload straight to S3 (directs3.py); before the checkpoint may
+commit, each file is read back from the store by another rank - rank r checks rank
+(r + 1) mod world, a rule the service applies, so the rank just asks - and its xxh3-128
+compared with what its writer declared.
 
 After its own vote a rank asks which files to check (the service names them, with their
-declared digest and their path under the store's root), reads and hashes each through
-its own mount, and reports the digests it got. It repeats until its peer has voted and
-nothing of the peer's is left unchecked, or the checkpoint is decided. A mismatch aborts
+declared digest and their path under the store's root, or a presigned GET of the object:
+the rank holds no store credentials), reads and hashes each through its own mount or that
+URL, and reports the digests it got. It repeats until its peer has voted and nothing of
+the peer's is left unchecked, or the checkpoint is decided. A mismatch aborts
 the checkpoint on the service; the rank learns it from the answer, as every other rank
 learns it from its vote. A file it cannot read (no mount, a missing blob) is reported as
 unread, and the service hashes that one itself; so it does a file no rank reported
@@ -25,6 +27,7 @@ import os
 import time
 from collections.abc import Callable
 
+from . import directs3
 from .errors import SaveFailed
 from .hashing import StreamHasher
 
@@ -43,8 +46,12 @@ def wanted(transport) -> bool:
 
 
 def read_and_hash(direct, entry: dict) -> str | None:
-    """The xxh3-128 of the stored file the service named, read through this host's mount;
-    None when it cannot be read whole (the service then hashes it itself)."""
+    """The xxh3-128 of the stored file the service named, read through this host's mount
+    (direct-FS) or through the presigned GET the service granted (`url`: direct S3, where
+    the rank holds no store credentials); None when it cannot be read whole (the service
+    then hashes it itself)."""
+    if entry.get("url"):
+        return directs3.hash_object(entry["url"], int(entry["size"]))
     if direct is None or not entry.get("path"):
         return None
     try:

@@ -87,9 +87,10 @@ class Settings(BaseSettings):
                                      "upload (S3: 5 MiB to 5 GiB; grown for files that would need over 10,000 parts)")
     # data paths and verification (docs/dataplane.md; domain/verification_modes.py owns the modes)
     verification: str = Field("service", pattern="^(service|peer|store)$", description="who hashes a file handed "
-                              "over by name (direct-FS): service (the service re-reads every byte), peer (another "
-                              "rank reads it back from the store before the commit), store (the store verified the "
-                              "declared checksums: direct S3 uploads; refused at start without them)")
+                              "over by name (direct-FS, direct S3): service (the service re-reads every byte; not "
+                              "with direct S3), peer (another rank reads it back from the store before the commit), "
+                              "store (the store verified the declared checksums: direct S3 uploads; refused at "
+                              "start without them)")
     peer_check_grace_seconds: float | None = Field(None, ge=0, description="peer mode: once every rank has voted, "
                                                    "a file no rank reported checking within this long is hashed by the "
                                                    "service itself (domain/peer_fallback.py); default half the lease; "

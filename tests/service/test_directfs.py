@@ -31,14 +31,6 @@ from .helpers import checkpoint, events, last_good_id, make_shard, shard_blob, s
 
 
 @pytest.fixture(scope="module")
-def peer_svc(tmp_path_factory):
-    s = ServiceProc(tmp_path_factory.mktemp("peer"), {**FAST, "LASTGOOD_LEASE_SECONDS": "60",
-                                                      "LASTGOOD_VERIFICATION": "peer"}).start()
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
 def hashing_svc(tmp_path_factory):
     s = ServiceProc(tmp_path_factory.mktemp("service"), {**FAST, "LASTGOOD_LEASE_SECONDS": "60"}).start()
     yield s
@@ -214,16 +206,58 @@ def test_store_mode_is_refused_at_start_by_a_file_store(tmp_path):
     assert "LASTGOOD_VERIFICATION=store: the blob store (LocalBlobStore) does not verify the checksums" in res.stderr
 
 
-@pytest.mark.parametrize("mode", ["service", "peer"])
-def test_direct_s3_uploads_need_store_verification(mode):
+def test_direct_s3_uploads_need_store_or_peer_verification():
     """The service reads none of a direct upload's bytes, so with LASTGOOD_DIRECT_S3 the
-    only verification there is is the store's: any other mode would claim a check nobody
-    makes. Refused at start, whatever the store; `store` with direct uploads is the control
-    (it passes this rule and is checked against the store's capability next)."""
+    verification is the store's (`store`) or the ranks' read-back (`peer`,
+    tests/service/test_direct_s3_peer.py): `service` would claim a hash nobody makes and is
+    refused at start, whatever the store. `store` is then checked against the store's
+    capability; `peer` needs none (the control: it starts)."""
     from lastgood_service.domain import verification_modes as vm
 
-    with pytest.raises(vm.ModeUnavailable, match="LASTGOOD_DIRECT_S3=true needs LASTGOOD_VERIFICATION=store"):
-        vm.check_available(mode, None, direct_s3=True)
+    with pytest.raises(vm.ModeUnavailable, match="LASTGOOD_DIRECT_S3=true needs LASTGOOD_VERIFICATION=store or peer"):
+        vm.check_available("service", None, direct_s3=True)
     with pytest.raises(vm.ModeUnavailable, match="does not verify the checksums"):
         vm.check_available("store", None, direct_s3=True)  # past the rule: no store that verifies
-    vm.check_available(mode, None, direct_s3=False)  # the same mode without direct uploads starts
+    vm.check_available("peer", None, direct_s3=True)
+    vm.check_available("service", None, direct_s3=False)  # the same mode without direct uploads starts
+
+
+def _catalog_transactions(svc) -> int:
+    """The service's catalog transactions so far, all labels (/metrics)."""
+    return sum(int(float(line.split()[-1])) for line in svc.get("/metrics").text.splitlines()
+               if line.startswith("lastgood_catalog_transactions_total{"))
+
+
+def test_a_peer_report_that_leaves_files_to_check_attempts_no_commit(make_service, run_name, tmp_path):
+    """The commit check reads every vote and file of the checkpoint: run on every report, a
+    checkpoint's reports cost O(world²) (bench/cluster.py measured it). A report that leaves
+    a file DECLARED is the report's own transaction and the status read, no commit attempt;
+    the control is the last report, whose commit attempt (and commit) costs more. The
+    service's reaper is slowed so that only the calls made here touch the catalog."""
+    peer_svc = make_service(LASTGOOD_VERIFICATION="peer", LASTGOOD_LEASE_SECONDS="60", LASTGOOD_REAPER_INTERVAL="60")
+    world = 3
+    t = Transport(peer_svc.url, spool=False)
+    direct = DirectFS.find(t, str(mount_of(peer_svc, tmp_path)))
+    try:
+        cid = t.begin(run_name, 1, world, None, "a1", 0).checkpoint_id
+        for r in range(world):
+            data = make_shard(r, seed=31)
+            hasher = StreamHasher()
+            handle = direct.write(data, hasher)
+            direct.hand_over(cid, r, shard_name(r), memoryview(data), hasher.hexdigest(), handle)
+            t.commit_rank(cid, r, [shard_name(r)], wait=0)
+        costs = []
+        for r in range(world):  # rank r checks rank r + 1: two files stay DECLARED, then one, then none
+            a = t.get_json(f"/api/v1/checkpoints/{cid}/ranks/{r}/peer-check")
+            files = [{"name": f["name"], "xxh3_128": peer.read_and_hash(direct, f)} for f in a["files"]]
+            idle = _catalog_transactions(peer_svc)
+            before = _catalog_transactions(peer_svc)  # less what a scrape of /metrics costs itself:
+            scrape = before - idle
+            res = t.post_json(f"/api/v1/checkpoints/{cid}/ranks/{r}/peer-check",
+                              {"peer_rank": a["peer_rank"], "files": files})
+            costs.append(_catalog_transactions(peer_svc) - before - scrape)
+    finally:
+        t.close()
+    assert res["status"] == "COMMITTED"
+    assert costs[0] == costs[1] == 2, costs  # the report, the status: no commit attempt
+    assert costs[2] > costs[1], costs  # control: the last report attempts the commit, and commits

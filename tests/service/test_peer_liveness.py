@@ -17,34 +17,25 @@ from lastgood.errors import SaveFailed
 from lastgood.save.session import SaveSession
 from lastgood.transport import Transport
 
-from ..conftest import FAST, ServiceProc
 from .helpers import checkpoint, events, make_shard, shard_name, wait_status
 from .test_directfs import handed_over, mount_of
 
 GRACE = "2"
+PEER_SETTINGS = {"LASTGOOD_LEASE_SECONDS": "20", "LASTGOOD_PEER_CHECK_GRACE_SECONDS": GRACE}  # conftest's peer_svc
 
 
-@pytest.fixture(scope="module")
-def fb_svc(tmp_path_factory):
-    s = ServiceProc(tmp_path_factory.mktemp("peerfb"), {**FAST, "LASTGOOD_LEASE_SECONDS": "20",
-                                                        "LASTGOOD_VERIFICATION": "peer",
-                                                        "LASTGOOD_PEER_CHECK_GRACE_SECONDS": GRACE}).start()
-    yield s
-    s.stop()
-
-
-def test_a_checker_that_never_reports_does_not_stop_the_commit(fb_svc, run_name, tmp_path):
+def test_a_checker_that_never_reports_does_not_stop_the_commit(peer_svc, run_name, tmp_path):
     """Every rank voted, no rank checks (it crashed after its vote): the service hashes the
     file once the grace is over and the checkpoint commits, well before its lease."""
     data = make_shard(0, seed=21)
-    t, direct, handle, digest, cid = handed_over(fb_svc, tmp_path, run_name, data)
+    t, direct, handle, digest, cid = handed_over(peer_svc, tmp_path, run_name, data)
     try:
         direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
         assert t.commit_rank(cid, 0, [shard_name(0)], wait=0).status == "PENDING"  # voted; never checked
     finally:
         t.close()
-    wait_status(fb_svc, cid, "COMMITTED", timeout=60)
-    kinds = [e["kind"] for e in events(fb_svc, run_name)]
+    wait_status(peer_svc, cid, "COMMITTED", timeout=60)
+    kinds = [e["kind"] for e in events(peer_svc, run_name)]
     assert "commit" in kinds and "peer_verified" not in kinds and "expired" not in kinds
 
 
@@ -63,27 +54,27 @@ def test_control_with_the_rule_off_the_unchecked_checkpoint_is_abandoned(make_se
     assert "expired" in [e["kind"] for e in events(svc, run_name)]
 
 
-def test_the_services_own_hash_refuses_a_changed_file_nobody_checked(fb_svc, run_name, tmp_path):
+def test_the_services_own_hash_refuses_a_changed_file_nobody_checked(peer_svc, run_name, tmp_path):
     data = make_shard(0, seed=22)
-    t, direct, handle, digest, cid = handed_over(fb_svc, tmp_path, run_name, data, change_after_hashing=True)
+    t, direct, handle, digest, cid = handed_over(peer_svc, tmp_path, run_name, data, change_after_hashing=True)
     try:
         direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
         t.commit_rank(cid, 0, [shard_name(0)], wait=0)
     finally:
         t.close()
-    wait_status(fb_svc, cid, "ABANDONED", timeout=60)
-    kinds = [e["kind"] for e in events(fb_svc, run_name)]
+    wait_status(peer_svc, cid, "ABANDONED", timeout=60)
+    kinds = [e["kind"] for e in events(peer_svc, run_name)]
     assert "hash_mismatch" in kinds and "commit" not in kinds and "expired" not in kinds
 
 
-def test_a_rank_that_does_not_wait_for_the_outcome_does_not_wait_for_its_peers_vote(fb_svc, run_name, tmp_path,
+def test_a_rank_that_does_not_wait_for_the_outcome_does_not_wait_for_its_peers_vote(peer_svc, run_name, tmp_path,
                                                                                      monkeypatch):
     """DCP's non-coordinators vote with commit(wait=False) in write_data, before the
     coordinator (rank 0) votes in finish(): rank 1 checks rank 0's files, so waiting for
     rank 0's vote there would deadlock. Rank 1 returns at once; rank 0's file, which nobody
     checked, is hashed by the service, and the checkpoint commits."""
-    monkeypatch.setenv("LASTGOOD_DIRECT_FS_MOUNT", str(mount_of(fb_svc, tmp_path)))
-    t = Transport(fb_svc.url, spool=False)
+    monkeypatch.setenv("LASTGOOD_DIRECT_FS_MOUNT", str(mount_of(peer_svc, tmp_path)))
+    t = Transport(peer_svc.url, spool=False)
     try:
         direct = directfs.of(t)
         assert direct is not None
@@ -94,20 +85,20 @@ def test_a_rank_that_does_not_wait_for_the_outcome_does_not_wait_for_its_peers_v
         cid = ups[0].begin(2, "a1")
         assert ups[1].begin(2, "a1") == cid
         ups[1].commit(wait=False)  # before the fix: SaveFailed, "rank 0 did not vote in time"
-        assert checkpoint(fb_svc, cid)["status"] == "PENDING"
+        assert checkpoint(peer_svc, cid)["status"] == "PENDING"
         ups[0].commit()  # votes, checks rank 1's file, waits: rank 0's own file is the service's to hash
     finally:
         t.close()
-    assert checkpoint(fb_svc, cid)["status"] == "COMMITTED"
-    checked = [e.get("data", e) for e in events(fb_svc, run_name) if e["kind"] == "peer_verified"]
+    assert checkpoint(peer_svc, cid)["status"] == "COMMITTED"
+    checked = [e.get("data", e) for e in events(peer_svc, run_name) if e["kind"] == "peer_verified"]
     assert [(c["rank"], c["checked_by"]) for c in checked] == [(1, 0)], checked
 
 
-def test_an_error_part_way_through_the_read_back_is_reported_unread(fb_svc, run_name, tmp_path, monkeypatch):
+def test_an_error_part_way_through_the_read_back_is_reported_unread(peer_svc, run_name, tmp_path, monkeypatch):
     """EIO after the first piece: the checker reports the file unread (the service hashes
     it) instead of failing the save with the error."""
     data = make_shard(0, seed=23, n=2_000_000)  # several of the checker's 8 MiB pieces
-    t, direct, handle, digest, cid = handed_over(fb_svc, tmp_path, run_name, data)
+    t, direct, handle, digest, cid = handed_over(peer_svc, tmp_path, run_name, data)
     reads = []
     real = os.readv
 
@@ -132,33 +123,33 @@ def test_an_error_part_way_through_the_read_back_is_reported_unread(fb_svc, run_
         assert t.commit_rank(cid, 0, [shard_name(0)], wait=5).status in ("PENDING", "COMMITTED")
     finally:
         t.close()
-    wait_status(fb_svc, cid, "COMMITTED", timeout=60)
+    wait_status(peer_svc, cid, "COMMITTED", timeout=60)
 
 
-def test_a_file_reported_unread_is_hashed_after_the_report_not_inside_it(fb_svc, run_name, tmp_path):
+def test_a_file_reported_unread_is_hashed_after_the_report_not_inside_it(peer_svc, run_name, tmp_path):
     """The report answers before the service hashes the file (a multi-GB hash inside the
     POST outlasted the client's timeout, and each retry started another): the answer does
     not list it as verified; the service's own hash then does, and the checkpoint commits."""
     data = make_shard(0, seed=24)
-    t, direct, handle, digest, cid = handed_over(fb_svc, tmp_path, run_name, data)
+    t, direct, handle, digest, cid = handed_over(peer_svc, tmp_path, run_name, data)
     try:
         direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
         t.commit_rank(cid, 0, [shard_name(0)], wait=0)
-        r = fb_svc.post(f"/api/v1/checkpoints/{cid}/ranks/0/peer-check",
+        r = peer_svc.post(f"/api/v1/checkpoints/{cid}/ranks/0/peer-check",
                         json={"peer_rank": 0, "files": [{"name": shard_name(0), "xxh3_128": None}]})
         assert r.status_code == 200, r.text
         assert r.json()["verified"] == [], r.json()  # before the fix: hashed in the request, and listed
     finally:
         t.close()
-    wait_status(fb_svc, cid, "COMMITTED", timeout=60)
+    wait_status(peer_svc, cid, "COMMITTED", timeout=60)
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise here")
-def test_the_checker_drops_the_files_cached_pages_before_reading_it(fb_svc, run_name, tmp_path, monkeypatch):
+def test_the_checker_drops_the_files_cached_pages_before_reading_it(peer_svc, run_name, tmp_path, monkeypatch):
     """A checker on the writer's host (torchrun's rank r + 1, mostly) would otherwise read
     the writer's pages from memory, not what the file system stored."""
     data = make_shard(0, seed=25)
-    t, direct, handle, digest, cid = handed_over(fb_svc, tmp_path, run_name, data)
+    t, direct, handle, digest, cid = handed_over(peer_svc, tmp_path, run_name, data)
     calls = []
     real_fadvise, real_readv = os.posix_fadvise, os.readv
     monkeypatch.setattr(peer.os, "posix_fadvise", lambda fd, off, n, advice: (calls.append(("fadvise", advice)),
@@ -173,4 +164,4 @@ def test_the_checker_drops_the_files_cached_pages_before_reading_it(fb_svc, run_
         t.close()
     assert calls and calls[0] == ("fadvise", os.POSIX_FADV_DONTNEED), calls[:3]
     assert ("readv", None) in calls
-    wait_status(fb_svc, cid, "COMMITTED", timeout=60)
+    wait_status(peer_svc, cid, "COMMITTED", timeout=60)

@@ -9,7 +9,8 @@ parts in parallel straight to the store, which refuses a part whose bytes do not
 CRC32 (BadDigest). At the *hand-over* the rank names what it uploaded (upload id, part
 numbers, ETags, CRC32s); the service confirms every part from the store's own listing
 (ListParts: sizes, ETags and the CRC32 the store computed), completes the upload, checks
-the object's size (HEAD), and records the file VERIFIED as put_shard would. No byte of the
+the object's size (HEAD), and records the file as put_shard would (VERIFIED; DECLARED in
+`peer` mode, below). No byte of the
 file passes through the service, but the safetensors header (a ranged GET of the first
 bytes), which its tensor index object needs. A mismatch refuses the hand-over: the rank
 cannot vote with that file, and the checkpoint never commits.
@@ -23,8 +24,13 @@ Nothing is orphaned: an abort or a lease expiry aborts the checkpoint's open upl
 (lifecycle.py calls `end`), and every GC pass sweeps the open uploads of checkpoints that
 are no longer PENDING (gc.py calls `sweep`), the backstop for a service that died between.
 
-Verification: a directly uploaded file is verified by the *store* (per-part CRC32), not by
-the service's xxh3-128, which the restoring client still checks end to end.
+Verification (domain/verification_modes.py): in `store` mode a directly uploaded file is
+verified by the *store* (per-part CRC32) and recorded VERIFIED at the hand-over; in `peer`
+mode it is recorded DECLARED and another rank reads the object back through a presigned GET
+and checks its xxh3-128 before the checkpoint may commit (or the service does, after the
+grace: domain/peer_fallback.py). Then a CRC32 the store does not report (moto keeps none)
+refuses nothing: the read-back checks the bytes; one it reports that disagrees still does.
+The restoring client checks the xxh3-128 end to end in either mode.
 """
 
 from __future__ import annotations
@@ -45,8 +51,8 @@ from lastgood.format import header_length
 
 from ..blobstore import capabilities
 from ..blobstore.s3direct import StoredPart, composite
-from ..catalog.models import PENDING, VERIFIED, Checkpoint, Run, Shard
-from . import fencing, keys
+from ..catalog.models import DECLARED, PENDING, VERIFIED, Checkpoint, Run, Shard
+from . import keys, verification_modes
 from .commit import indexes
 from .commit.core import key_prefix
 from .commit.protocol import PutResult, ShardHeader
@@ -78,6 +84,28 @@ class DirectUploads:
         self.commits = commits
         self.settings = commits.settings
 
+    @property
+    def store_verifies(self) -> bool:
+        """`store` mode: the store's part checksums are the verification; else (`peer`) a
+        rank's read-back is, and the file is recorded DECLARED until it is done."""
+        return verification_modes.store_verifies(self.settings.verification)
+
+    def _crc_agrees(self, reported: str | None, want: str) -> bool:
+        """Does the CRC32 the store reports (of a part, or a completed object's composite
+        `...-n`) vouch for `want`? In `store` mode it must be reported and equal. In `peer`
+        mode one the store does not report in that form (none, or not composite: moto)
+        refuses nothing, the peer's read-back checks the bytes; a reported one that
+        disagrees still refuses."""
+        if reported == want:
+            return True
+        if reported is None:
+            comparable = False
+        elif "-" in want:  # a composite: comparable when the store reports one of as many parts
+            comparable = reported.endswith("-" + want.rpartition("-")[2])
+        else:
+            comparable = True
+        return not self.store_verifies and not comparable
+
     def _direct(self):
         d = capabilities.direct(self.commits.store, self.settings.s3_public_endpoint) \
             if self.settings.direct_s3 else None
@@ -95,19 +123,14 @@ class DirectUploads:
 
     # ------------------------------------------------------------ grant
     def _file(self, h: ShardHeader, *, for_what: str):
-        """Check the file's header and the checkpoint; its key, and the stored shard if the
-        file is recorded already."""
+        """Check the file's header and the checkpoint (CommitService.admit_file: put_shard's
+        checks); its key, and the stored shard if the file is recorded already."""
         c = self.commits
         c.check_header(h)
         with c.sessions() as s, s.begin():
-            ck = c._get_checkpoint(s, h.checkpoint_id)
-            c._check_rank(ck, h.rank)
-            fencing.check(s, ck.run_id, ck.generation, f"{for_what} of checkpoint {ck.id}")
-            existing = c._find_shard(s, h)
-            if existing is not None:
-                return None, c._same_or_conflict(existing, h), None
-            c._require_pending(ck, for_what)
-            c._require_not_voted(s, h)
+            ck, present = c.admit_file(s, h, for_what)
+            if present is not None:
+                return None, present, None
             ck.lease_expires_at = c._lease()
             pfx = key_prefix(s, ck)
             return keys.shard_key(pfx, h.rank, h.xxh3_128), None, pfx
@@ -139,7 +162,8 @@ class DirectUploads:
     # ------------------------------------------------------------ hand-over
     def hand_over(self, h: ShardHeader, upload_id: str, uploaded: list[UploadedPart],
                   part_size: int | None = None) -> PutResult:
-        """Confirm the upload from the store's metadata, complete it, record the file VERIFIED."""
+        """Confirm the upload from the store's metadata, complete it, record the file (VERIFIED,
+        or DECLARED for a peer to read back)."""
         d = self._direct()
         if not upload_id or len(upload_id) > 1024:
             raise InvalidArgument("upload_id must be 1..1024 characters")
@@ -197,7 +221,7 @@ class DirectUploads:
             return False
         found = d.completed(key)
         if other.size == h.size and found is not None and found[0] == h.size \
-                and found[2] == composite([], crc32s)[1]:
+                and self._crc_agrees(found[2], composite([], crc32s)[1]):
             return True
         raise Conflict(f"rank {h.rank}'s {other.file_name!r} of checkpoint {h.checkpoint_id} is stored under the "
                        f"xxh3-128 {h.xxh3_128} that {h.file_name!r} claims, with other bytes: refused, so that "
@@ -221,19 +245,18 @@ class DirectUploads:
             self._refuse(d, h, key, upload_id, f"the hand-over names parts {[p.number for p in mine][:20]}, "
                                                f"a file of {h.size} bytes has 1..{n}")
         want_etag, want_crc = composite([p.etag for p in mine], [p.crc32 for p in mine])
-        if crc is None:
+        if crc is None and self.store_verifies:
             problem = "the store reports no CRC32 of the completed object, so it cannot vouch for its bytes"
         elif size != h.size:
             problem = f"the completed object has {size} bytes, not {h.size}"
-        elif crc != want_crc or (etag.endswith(f"-{n}") and etag != want_etag):
+        elif not self._crc_agrees(crc, want_crc) or (etag.endswith(f"-{n}") and etag != want_etag):
             problem = (f"the completed object (ETag {etag}, CRC32 {crc}) is not the parts the hand-over names "
                        f"(ETag {want_etag}, CRC32 {want_crc})")
         else:
             return
         self._refuse(d, h, key, upload_id, problem)  # the object stays: it may be another hand-over's
 
-    @staticmethod
-    def _compare(h: ShardHeader, n: int, part_size: int, stored: list[StoredPart],
+    def _compare(self, h: ShardHeader, n: int, part_size: int, stored: list[StoredPart],
                  uploaded: list[UploadedPart]) -> str | None:
         """What is wrong with the upload, from the store's listing; None when it is whole."""
         numbers = [p.number for p in stored]
@@ -248,10 +271,10 @@ class DirectUploads:
                 return f"part {p.number} has {p.size} bytes in the store, {want} expected"
             if p.etag != mine[p.number].etag.strip('"'):
                 return f"part {p.number}'s ETag in the store is {p.etag}, the rank uploaded {mine[p.number].etag}"
-            if p.crc32 is None:
+            if p.crc32 is None and self.store_verifies:
                 return (f"the store reports no CRC32 for part {p.number}: it does not keep (or check) part "
-                        f"checksums, so it cannot vouch for the bytes; use a store that does")
-            if p.crc32 != mine[p.number].crc32:
+                        f"checksums, so it cannot vouch for the bytes; use a store that does, or `peer` verification")
+            if not self._crc_agrees(p.crc32, mine[p.number].crc32):
                 return f"part {p.number}'s CRC32 in the store is {p.crc32}, the rank computed {mine[p.number].crc32}"
         return None
 
@@ -289,16 +312,12 @@ class DirectUploads:
         with c.sessions() as s:
             try:
                 with s.begin():
-                    ck = c._get_checkpoint(s, h.checkpoint_id, lock=True)  # serialises with votes
-                    fencing.check(s, ck.run_id, ck.generation, f"upload to checkpoint {ck.id}")
-                    existing = c._find_shard(s, h)
-                    if existing is not None:
-                        return c._same_or_conflict(existing, h)
-                    c._require_pending(ck, "record the shard")
-                    c._require_not_voted(s, h)
+                    ck, present = c.admit_file(s, h, "record the shard", lock=True)  # serialises with votes
+                    if present is not None:
+                        return present
                     s.add(Shard(checkpoint_id=ck.id, rank=h.rank, file_name=h.file_name, size=h.size,
-                                xxh3_128=h.xxh3_128, blob_key=key, status=VERIFIED, index_json=index_json,
-                                created_at=c.clock()))
+                                xxh3_128=h.xxh3_128, blob_key=key, index_json=index_json, created_at=c.clock(),
+                                status=VERIFIED if self.store_verifies else DECLARED))  # DECLARED: a peer reads it
                     ck.lease_expires_at = c._lease()
                     add_event(s, "direct_upload", ck.run_id, ck.id, rank=h.rank, file=h.file_name, bytes=h.size)
             except IntegrityError:  # two hand-overs of the same file at once, as put_shard

@@ -5,8 +5,10 @@ reads every byte. The mode says who reads the stored bytes and checks them again
 xxh3-128 their writer declared, before the checkpoint may commit:
 
   service  (default) the service re-reads every byte it adopts, as it always has.
-  peer     another rank reads the file back from the store and checks it; the service
-           reads only its header (the tensor index). The rule, one place: rank r checks the
+  peer     another rank reads the file back from the store and checks it - through its
+           mount on direct-FS, through a presigned GET the assignment grants it on direct
+           S3 (the checker holds no credentials) - and the service reads only the file's
+           header (the tensor index). The rule, one place: rank r checks the
            files of rank (r + 1) mod world. Why a ring: every file gets exactly one checker,
            the read load is one file per rank whatever the world size, and a rank never
            checks its own bytes - unless it is alone (world 1), when reading its own file
@@ -16,8 +18,10 @@ xxh3-128 their writer declared, before the checkpoint may commit:
            deployment that cannot (a file system never does; direct uploads off) is refused
            at start (`check_available`).
 
-The mode governs the direct-FS hand-over (domain/directfs.py). Bytes the service receives
-anyway - a stream, the same-host spool - are hashed as they pass, whatever the mode.
+The mode governs the hand-overs by name: direct-FS (domain/directfs.py) and direct S3
+uploads (domain/grants.py; `service` is refused there: the service would have to read
+every object back, undoing the path). Bytes the service receives anyway - a stream, the
+same-host spool - are hashed as they pass, whatever the mode.
 
 A peer-checked file is recorded DECLARED, published but not yet VERIFIED; the commit
 (protocol.try_commit) waits until no DECLARED file is left. A rank asks which files to
@@ -59,17 +63,18 @@ def check_available(mode: str, store, direct_s3: bool) -> None:
     """Refuse, at start, a mode the data paths cannot provide. `store` needs the direct S3
     uploads (domain/grants.py), where the store verifies each part's declared CRC32 as it
     takes it: a store that grants no direct access, or a service with them off, has
-    nothing that would verify a file it does not hash."""
+    nothing that would verify a file it does not hash. Direct uploads take `store` or
+    `peer` (ranks read each other's objects back through presigned GETs: the one mode
+    that needs no checking store, so the one for a store that does not check, as moto)."""
     if mode not in MODES:
         raise ModeUnavailable(f"LASTGOOD_VERIFICATION must be one of {', '.join(MODES)}, got {mode!r}")
-    if direct_s3 and mode != STORE:
+    if direct_s3 and mode == SERVICE:
         # the service never sees the bytes of a direct upload, and reading every object back
-        # (service) or having ranks fetch each other's objects (peer, not built for S3) would
-        # undo what the path is for: the store's own checksum check is the verification
+        # would undo what the path is for: the store, or the ranks, verify them
         raise ModeUnavailable(
-            f"LASTGOOD_DIRECT_S3=true needs LASTGOOD_VERIFICATION=store, not {mode!r}: the ranks' bytes go "
-            f"straight to the store, which verifies each part's CRC32 as it takes it, and the service reads "
-            f"none of them back")
+            f"LASTGOOD_DIRECT_S3=true needs LASTGOOD_VERIFICATION=store or peer, not {mode!r}: the ranks' bytes "
+            f"go straight to the store and the service reads none of them back; `store`: the store verifies "
+            f"each part's CRC32 as it takes it; `peer`: each rank reads another rank's object back")
     if mode == STORE and not (direct_s3 and isinstance(store, capabilities.GrantsDirectAccess)):
         why = ("direct uploads are off (LASTGOOD_DIRECT_S3)" if isinstance(store, capabilities.GrantsDirectAccess)
                else f"the blob store ({type(store).__name__}) does not verify the checksums writers declare (a file "
@@ -82,6 +87,12 @@ def check_available(mode: str, store, direct_s3: bool) -> None:
 def service_hashes(mode: str) -> bool:
     """Does the service hash a file handed over by name (direct-FS) in this mode?"""
     return mode == SERVICE
+
+
+def store_verifies(mode: str) -> bool:
+    """Is a direct S3 upload verified by the store's part checksums (VERIFIED at the
+    hand-over), or left DECLARED for a peer to read back (`peer`)?"""
+    return mode == STORE
 
 
 def peer_of(rank: int, world_size: int) -> int:
@@ -132,12 +143,23 @@ class PeerChecks:
     def __init__(self, commits, directfs=None) -> None:
         self.commits, self.directfs = commits, directfs
 
+    def _where(self):
+        """How a checker reaches a stored file: (file -> {"path"} under its mount, direct-FS;
+        file -> {"url"}, a presigned GET of the object, direct S3 uploads)."""
+        settings = self.commits.settings
+        d = capabilities.direct(self.commits.store, settings.s3_public_endpoint) if settings.direct_s3 else None
+        if d is not None:
+            seconds = settings.direct_s3_grant_seconds
+            return lambda sh: {"path": None, "url": d.presign_get(sh.blob_key, seconds)}
+        return lambda sh: {"path": self.directfs.path_of(sh.blob_key) if self.directfs else None}
+
     @property
     def mode(self) -> str:
         return self.commits.settings.verification
 
     def assignment(self, checkpoint_id: int, rank: int) -> dict:
-        """What `rank` checks now: its peer's DECLARED files, with digest, size and store path."""
+        """What `rank` checks now: its peer's DECLARED files, with digest, size and where to
+        read each (`_where`: a path under the store's root, or a presigned GET)."""
         c = self.commits
         with c.sessions() as s, s.begin():
             ck = c._get_checkpoint(s, checkpoint_id)
@@ -148,9 +170,9 @@ class PeerChecks:
                                                         Shard.status == DECLARED).order_by(Shard.file_name)))
             status = ck.status
         hashing = peer_fallback.of(c)  # files the service hashes itself are nobody's to check
-        files = [{"name": sh.file_name, "size": sh.size, "xxh3_128": sh.xxh3_128,
-                  "path": self.directfs.path_of(sh.blob_key) if self.directfs else None} for sh in shards
-                 if not hashing.hashing(checkpoint_id, peer, sh.file_name)]
+        where = self._where() if shards and status == PENDING else None
+        files = [{"name": sh.file_name, "size": sh.size, "xxh3_128": sh.xxh3_128, **where(sh)} for sh in shards
+                 if not hashing.hashing(checkpoint_id, peer, sh.file_name)] if where else []
         return {"verification": self.mode, "status": status, "peer_rank": peer, "peer_voted": voted,
                 "files": files if status == PENDING else []}
 
@@ -188,11 +210,16 @@ class PeerChecks:
                     bad.append((sh.file_name, sh.xxh3_128, got, f"rank {rank} read it back from the store"))
             if verified:
                 add_event(s, "peer_verified", ck.run_id, ck.id, rank=peer_rank, checked_by=rank, files=verified)
+            # try_commit reads every vote and file of the checkpoint: called on every report it
+            # made a checkpoint's reports cost O(world²) (bench/cluster.py); only once none is left
+            left = s.scalar(select(Shard.id).where(Shard.checkpoint_id == checkpoint_id,
+                                                   Shard.status == DECLARED).limit(1)) is not None
         if unread:  # the checker could not read them: the service hashes them, on its own thread
             peer_fallback.of(c).start(checkpoint_id, unread, f"rank {rank} could not read it")
         if bad:
             return self._refuse(checkpoint_id, rank, peer_rank, bad, verified)
-        c.try_commit(checkpoint_id)
+        if not left:
+            c.try_commit(checkpoint_id)
         with c.sessions() as s, s.begin():
             status = c._get_checkpoint(s, checkpoint_id).status
         return {"status": status, "verified": verified, "mismatched": []}

@@ -210,14 +210,9 @@ class CommitProtocol(CommitCore):
         recorded DECLARED; the commit waits until a peer has checked it."""
         self.check_header(header)
         with self.sessions() as s, s.begin():
-            ck = self._get_checkpoint(s, header.checkpoint_id)
-            self._check_rank(ck, header.rank)
-            fencing.check(s, ck.run_id, ck.generation, f"upload to checkpoint {ck.id}")
-            existing = self._find_shard(s, header)
-            if existing is not None:
-                return self._same_or_conflict(existing, header)
-            self._require_pending(ck, "upload")
-            self._require_not_voted(s, header)
+            ck, present = self.admit_file(s, header, "upload")
+            if present is not None:
+                return present
             if ck.lease_expires_at < self._lease() - self._lease_slack():  # fresh: a put storm writes nothing here
                 ck.lease_expires_at = self._lease()
             # The key derives from the declared hash, so an S3 multipart upload can start now;
@@ -295,6 +290,26 @@ class CommitProtocol(CommitCore):
                 with s.begin():
                     return self._same_or_conflict(self._find_shard(s, header), header)
         return PutResult(False, header.size, digest)
+
+    def admit_file(self, s: Session, h: ShardHeader, what: str, *,
+                   lock: bool = False) -> tuple[Checkpoint, PutResult | None]:
+        """The checks every data path makes before it takes, grants or records one file of a
+        rank (put_shard; direct uploads' grant, hand-over and record, domain/grants.py), in
+        one place so the paths cannot drift apart: the checkpoint exists, the rank is one of
+        it, its launch is not fenced; a file recorded already is answered as it is (the
+        same bytes: already present; other bytes: Conflict); else the checkpoint must be
+        PENDING and the rank must not have voted. Returns the checkpoint and, for a file
+        recorded already, the answer. `lock`: take the checkpoint's row lock (serialises
+        with votes). `what` names the operation in the errors."""
+        ck = self._get_checkpoint(s, h.checkpoint_id, lock=lock)
+        self._check_rank(ck, h.rank)
+        fencing.check(s, ck.run_id, ck.generation, f"{what} to checkpoint {ck.id}")
+        existing = self._find_shard(s, h)
+        if existing is not None:
+            return ck, self._same_or_conflict(existing, h)
+        self._require_pending(ck, what)
+        self._require_not_voted(s, h)
+        return ck, None
 
     @staticmethod
     def _require_not_voted(s: Session, h: ShardHeader) -> None:
