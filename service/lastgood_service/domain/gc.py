@@ -202,18 +202,20 @@ class GarbageCollector:
         """The run's checkpoints that are not DELETED: a run that has lived long is mostly
         DELETED rows, which nothing GC decides reads (the policies see committed rows and
         their stored branches), so a plan's memory follows what is kept, not the run's age."""
-        return [_Row(*r) for r in s.execute(
+        # sorted here, not by ORDER BY id: that makes SQLite walk the run's (run_id, id) index,
+        # every DELETED row included, instead of the (run_id, status) ranges of the live ones
+        return sorted(_Row(*r) for r in s.execute(
             select(Checkpoint.id, Checkpoint.branch, Checkpoint.status, Checkpoint.step, Checkpoint.attempt,
                    Checkpoint.committed_at, Checkpoint.lease_expires_at, Checkpoint.created_at,
                    Checkpoint.manifest_key)
-            .where(Checkpoint.run_id == run_id, Checkpoint.status.in_(_LIVE)).order_by(Checkpoint.id))]
+            .where(Checkpoint.run_id == run_id, Checkpoint.status.in_(_LIVE))))
 
     @staticmethod
     def _view_rows(s: Session, run_id: int) -> list[_ViewRow]:
         """Only the run's COMMITTED rows: all that the policies see (see _view)."""
-        return [_ViewRow(*r) for r in s.execute(
+        return sorted(_ViewRow(*r) for r in s.execute(  # sorted here: see _rows
             select(Checkpoint.id, Checkpoint.branch, Checkpoint.step)
-            .where(Checkpoint.run_id == run_id, Checkpoint.status == COMMITTED).order_by(Checkpoint.id))]
+            .where(Checkpoint.run_id == run_id, Checkpoint.status == COMMITTED)))
 
     @staticmethod
     def _view(s: Session, run_id: int, last_good_id: int | None,
