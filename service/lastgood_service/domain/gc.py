@@ -86,6 +86,9 @@ class Plan:
     runs: list[RunMark] = field(default_factory=list)    # the runs this plan looked at
     events_of: list[int] = field(default_factory=list)   # DELETED checkpoints whose old events go
     full: bool = True
+    # run id -> its GC marks as stored when planned (event id, policy, due): a mark that
+    # would write the same again is not written (a full pass over quiet runs writes nothing)
+    stored: dict[int, tuple] = field(default_factory=dict, repr=False)
 
     @property
     def bytes_freed(self) -> int:
@@ -289,6 +292,7 @@ class GarbageCollector:
                 continue  # nothing new, same policy, nothing time alone frees: nothing to do
             with self._tx(read=True) as s:
                 self._plan_run(s, plan, run_id, name, policy, now, listed)
+            plan.stored[run_id] = (seen, seen_policy, due_at)
         if full:
             for cid, found in sorted(listed.items()):
                 if status.get(cid) == DELETED:
@@ -486,7 +490,8 @@ class GarbageCollector:
         grants.sweep(self.sessions, self.blobs, now, self.grant_seconds)  # direct S3 uploads (domain/grants.py)
         freed += sum(n for _, n in orphans_done)
         events_pruned = self._prune_events(plan.events_of, now)
-        self._write_marks([m for m in plan.runs if m.run not in unsettled])
+        self._write_marks([m for m in plan.runs if m.run not in unsettled
+                           and plan.stored.get(m.run_id) != (m.event_id, m.policy, m.due_at)])
         if released and freed:
             self.ballast.ensure()
         if deleted or orphans_done:
