@@ -85,13 +85,15 @@ def lineage(s: Session, run: Run, limit: int, offset: int) -> dict:
     last_votes: dict = {}
     tags: dict = {}
     if page:
-        # the page is an id range of the run: its votes by that range (no IN list of 1,000 ids)
+        # the page is an id range of the run: its votes found from the run's (run_id, id)
+        # index range, each checkpoint's by the votes' key (no IN list of 1,000 ids; not a
+        # range of votes' ids, which holds every run's checkpoints saved meanwhile)
         lo, hi = page[0][0], page[-1][0]
         last_votes = dict(s.execute(
-            select(Vote.checkpoint_id, func.max(Vote.created_at))
-            .join(Checkpoint, Checkpoint.id == Vote.checkpoint_id)
-            .where(Vote.checkpoint_id.between(lo, hi), Checkpoint.run_id == run.id)
-            .group_by(Vote.checkpoint_id)).all())
+            select(Checkpoint.id, func.max(Vote.created_at))
+            .join(Vote, Vote.checkpoint_id == Checkpoint.id)
+            .where(Checkpoint.run_id == run.id, Checkpoint.id.between(lo, hi))
+            .group_by(Checkpoint.id)).all())
         tags = tags_by_checkpoint(s, run, span=(lo, hi))
     good = run.last_good_id
     nodes, edges = [], []
