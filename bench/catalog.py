@@ -35,7 +35,7 @@ from lastgood_service.catalog.db import make_engine, make_sessionmaker, read_ses
 from lastgood_service.domain.commit import CommitService
 from lastgood_service.domain.commit.protocol import ShardHeader
 from lastgood_service.domain.gc import GarbageCollector
-from lastgood_service.domain.queries import Queries
+from lastgood_service.domain.queries import MAX_LINEAGE, Queries
 from lastgood_service.domain.retention import Retention
 from lastgood_service.settings import Settings
 
@@ -107,11 +107,15 @@ def bench_catalog(url: str, runs: int, checkpoints: int, ranks: int, backlog: in
             t1 = time.perf_counter()
             res = gc.execute(plan)
             t2, c2 = time.perf_counter(), time.thread_time()
-            holds = [r.hold for r in timer.since(mark, "gc") if not r.read_only]
+            writes = [r for r in timer.since(mark, "gc") if not r.read_only]
+            holds = [r.hold for r in writes]
             passes[name] = {"plan_s": round(t1 - t0, 3), "execute_s": round(t2 - t1, 3), "cpu_s": round(c2 - c0, 3),
                             "runs_planned": len(plan.runs), "deleted": len(res["deleted"]),
                             "write_transactions": len(holds),
-                            "longest_write_transaction_ms": _ms(max(holds, default=0))}
+                            "write_transaction_p50_ms": _ms(pct(holds, 50)), "write_transaction_p99_ms": _ms(pct(holds, 99)),
+                            "longest_write_transaction_ms": _ms(max(holds, default=0)),
+                            # its own CPU (SQLite: its SQL too): what it holds on a machine without other load
+                            "longest_write_transaction_cpu_ms": _ms(max((r.cpu for r in writes), default=0))}
         out["gc"] = passes
 
         # ---- save -> commit, GC on and off in alternating blocks
@@ -120,31 +124,41 @@ def bench_catalog(url: str, runs: int, checkpoints: int, ranks: int, backlog: in
         stop = threading.Event()
         gc_busy = threading.Event()
 
+        gc_cpu = {"passes": 0, "cpu_s": 0.0}  # the GC thread's own CPU: what it takes from the saves' process
+
         def gc_loop():
             while not stop.is_set():
                 gc_busy.wait()
                 if stop.is_set():
                     break
+                c0 = time.thread_time()
                 gc.execute(gc.plan(full=True))
+                gc_cpu["cpu_s"] += time.thread_time() - c0
+                gc_cpu["passes"] += 1
 
         t = threading.Thread(target=gc_loop, daemon=True)
         t.start()
         mark = timer.total
         step = 10_000_000
+        wall_on = 0.0
         for b in range(saves // block * 2):
             mode = "on" if b % 2 else "off"
             (gc_busy.set if mode == "on" else gc_busy.clear)()
+            b0 = time.perf_counter()
             for i in range(block):
                 run = f"kept-{1 + (i % 5):05d}"  # five of the kept-up runs: GC has them to plan again
                 step += 1
                 cid, seconds = save_once(commits, run, step, ranks, parents.get(run))
                 parents[run] = cid
                 lat[mode].append(seconds)
+            if mode == "on":
+                wall_on += time.perf_counter() - b0
         stop.set()
         gc_busy.set()
         t.join(120)
         all_tx = timer.since(mark)
-        gc_holds = [r.hold for r in all_tx if r.label == "gc" and not r.read_only]
+        gc_writes = [r for r in all_tx if r.label == "gc" and not r.read_only]
+        gc_holds = [r.hold for r in gc_writes]
         other = [r for r in all_tx if r.label != "gc" and not r.read_only]
         out["saves"] = {
             "saves_per_mode": len(lat["on"]),
@@ -152,7 +166,11 @@ def bench_catalog(url: str, runs: int, checkpoints: int, ranks: int, backlog: in
             "p50_ms_gc_on": _ms(pct(lat["on"], 50)), "p99_ms_gc_on": _ms(pct(lat["on"], 99)),
             "p99_ratio_on_off": round(pct(lat["on"], 99) / pct(lat["off"], 99), 2),
             "gc_write_transactions_meanwhile": len(gc_holds),
+            # back-to-back full passes while the GC-on blocks ran, and the share of one core they took
+            "gc_passes_meanwhile": gc_cpu["passes"], "gc_cpu_share_of_gc_on_time": round(gc_cpu["cpu_s"] / max(wall_on, 1e-9), 2),
+            "gc_write_transaction_p50_ms": _ms(pct(gc_holds, 50)), "gc_write_transaction_p99_ms": _ms(pct(gc_holds, 99)),
             "longest_gc_write_transaction_ms": _ms(max(gc_holds, default=0)),
+            "longest_gc_write_transaction_cpu_ms": _ms(max((r.cpu for r in gc_writes), default=0)),
             "longest_save_write_transaction_ms": _ms(max((r.hold for r in other), default=0)),
             "longest_lock_wait_of_a_save_transaction_ms": _ms(max((r.wait for r in other), default=0)),
         }
@@ -162,7 +180,7 @@ def bench_catalog(url: str, runs: int, checkpoints: int, ranks: int, backlog: in
         views = {
             "overview (100 runs)": lambda: queries.overview(limit=100),
             "runs list (100 runs)": lambda: queries.list_runs(limit=100),
-            "lineage (a whole run)": lambda: queries.lineage(run),
+            "lineage (a whole run)": lambda: queries.lineage(run, limit=MAX_LINEAGE),
             "lineage page (200)": lambda: queries.lineage(run, limit=200, offset=400),
             "events by kind (the page)": lambda: queries.events(run, kinds=PAGE_EVENT_KINDS, limit=1000),
             "events (100)": lambda: queries.events(run, limit=100),

@@ -45,6 +45,18 @@ def get(url: str) -> bytes:
         return r.read()
 
 
+def lineage_pages(url: str, drawn: int = 10000) -> int:
+    """What the web page reads of a run's lineage (static/app.js, loadLineage): page after
+    page of the service's default size, up to the `drawn` oldest checkpoints; returns how many."""
+    n, total = 0, 1
+    while n < min(total, drawn):
+        page = json.loads(get(f"{url}?offset={n}"))
+        if not page["nodes"]:
+            break
+        n, total = n + len(page["nodes"]), page["total"]
+    return n
+
+
 def gc_histogram(url: str) -> tuple[float, int, float | None]:
     """(sum, count, smallest bucket bound holding every observation) of GC's transactions."""
     text = get(url + "/metrics").decode()
@@ -95,7 +107,7 @@ def soak(minutes: float, windows: int, writers: int, ranks: int, gc_interval: fl
             t0 = time.perf_counter()
             try:
                 get(svc.url + "/api/v1/overview")
-                get(svc.url + "/api/v1/runs/soak-0/lineage")
+                lineage_pages(svc.url + "/api/v1/runs/soak-0/lineage")
                 get(svc.url + "/api/v1/runs/soak-0/events?kind=spike,rollback,restart,launch&limit=1000")
                 polls.append((time.monotonic(), time.perf_counter() - t0))
             except Exception as e:  # noqa: BLE001
@@ -149,6 +161,7 @@ def main() -> None:
         res = {"when": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "minutes": a.minutes,
                "writers": a.writers, "ranks": a.ranks, "gc_interval": a.gc_interval, "cpus": os.cpu_count(),
                "load_at_start": os.getloadavg()[0],
+               "malloc_trim": os.environ.get("LASTGOOD_MALLOC_TRIM", "true"),  # the service inherits it
                **soak(a.minutes, a.windows, a.writers, a.ranks, a.gc_interval, d), "load_at_end": os.getloadavg()[0]}
     finally:
         shutil.rmtree(d, ignore_errors=True)

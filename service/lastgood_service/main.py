@@ -17,6 +17,7 @@ from pathlib import Path
 
 import uvicorn
 
+from . import alloc
 from .api.grpc_server import Servicer, start_grpc_server
 from .api.deps import AppContext
 from .api.rest import create_app
@@ -155,6 +156,8 @@ class Service:
                 self.gc.run_pass()
             except Exception:
                 log.exception("scheduled GC pass failed; will retry")
+            if self.settings.malloc_trim:  # the pass's peak back to the system (alloc.py)
+                alloc.trim()
 
     def _health_loop(self) -> None:
         while not self._stop.wait(self.settings.health_interval):

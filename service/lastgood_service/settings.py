@@ -135,6 +135,8 @@ class Settings(BaseSettings):
     gc_full_every: int = Field(24, ge=1, description="every Nth scheduled GC pass (and the first after a start) "
                                "plans every run and lists the whole blob store for orphans; the others plan only "
                                "runs where something changed")
+    malloc_trim: bool = Field(True, description="after each scheduled GC pass, hand the C allocator's free "
+                              "memory back to the system (glibc's malloc_trim; a no-op elsewhere)")
     event_retention_seconds: float = Field(30 * 24 * 3600.0, ge=0, description="events of a checkpoint GC deleted "
                                            "this long ago are pruned (its gc_delete event stays); 0 keeps them all")
     failpoint: str | None = Field(

@@ -14,6 +14,7 @@ from sqlalchemy import func, select
 
 from bench.seed import seed
 from lastgood_service.catalog import txtimer
+from lastgood_service.catalog.db import read_sessionmaker
 from lastgood_service.catalog.models import DELETED, PENDING, Checkpoint, Event, ReadLease, Run, Tag
 from lastgood_service.domain.curation import Curator
 from lastgood_service.domain.errors import FailedPrecondition
@@ -232,3 +233,22 @@ def test_event_rows_grow_with_checkpoints_not_ranks(sessions, commits):
         rows = list(s.execute(select(Event.kind, Event.data_json).order_by(Event.id)))
     assert [k for k, _ in rows] == ["begin", "commit"]
     assert '"world_size": 8' in rows[0][1]
+
+
+def test_a_pass_over_quiet_runs_writes_nothing(catalog_url, engine, sessions, commits, blobs, clock):
+    """GC's bookkeeping (runs.gc_*) is written only where it changed: a full pass over runs
+    where nothing happened takes no write transaction (on PostgreSQL each rewrote every run
+    row, locking it against the begins and commits of that run)."""
+    seed(catalog_url, runs=3, checkpoints=10, ranks=1, gc_done=True, migrate=False, prefix="quiet")
+    gc = collector(sessions, blobs, clock, read_sessions=read_sessionmaker(engine))  # as main.py wires it
+    gc.execute(gc.plan(full=True))  # the first pass writes each run's marks
+    timer = txtimer.of(sessions)
+    mark = timer.total
+    plan = gc.plan(full=True)
+    assert len(plan.runs) == 3 and not plan.checkpoints
+    gc.execute(plan)
+    assert [t for t in timer.since(mark, "gc") if not t.read_only] == []
+    save(commits, "quiet-00002", 10_000)  # control: a run with something new gets its mark written
+    mark = timer.total
+    gc.execute(gc.plan(full=True))
+    assert [t for t in timer.since(mark, "gc") if not t.read_only]

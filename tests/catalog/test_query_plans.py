@@ -113,3 +113,25 @@ def test_control_a_scan_is_seen(seeded, sessions):
     engine = seeded
     plan = explain(engine, "SELECT count(*) FROM events WHERE length(data_json) > 3", {})
     assert full_scans(plan, engine.dialect.name)
+
+
+def test_a_gc_plan_reads_a_runs_rows_through_indexes(seeded, sessions, blobs):
+    """GC's plan of a run (domain/gc.py): its live rows through (run_id, status), its
+    DELETED rows' prunable events probed by checkpoint: no statement reads a whole table."""
+    from lastgood_service.domain.gc import GarbageCollector
+    from lastgood_service.domain.retention import Retention
+
+    engine = seeded
+    gc = GarbageCollector(sessions, blobs, Retention.parse("latest:3,tagged,last-good,branch-heads"), 3600)
+    with Captured(engine) as cap:
+        plan = gc.plan(full=False)
+    assert len(plan.runs) == 4
+    plans = [explain(engine, st, params) for st, params in cap.statements]
+    scans = [(st.split("FROM", 1)[-1][:120], s) for (st, _), p in zip(cap.statements, plans)
+             for s in full_scans(p, engine.dialect.name)]
+    assert not scans, scans
+    if engine.dialect.name == "sqlite":
+        used = "\n".join(plans)
+        # the live rows by their statuses, not the run's whole (run_id, id) range
+        assert "(run_id=? AND status=?)" in used, used  # either run_id-status index serves it
+        assert "ix_events_checkpoint" in used, used

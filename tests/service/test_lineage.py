@@ -139,3 +139,22 @@ def test_a_tag_with_a_slash_can_be_removed(service, client, run_name):
     r = h.delete(f"/api/v1/checkpoints/{a}/tags/{quote('exp/lr-0.1', safe='')}")
     assert r.status_code == 200, r.text
     assert "exp/lr-0.1" not in names(checkpoint(service, a))
+
+
+def test_a_long_runs_lineage_comes_a_page_at_a_time(make_service, tmp_path):
+    """Without a limit the answer is one page (LINEAGE_PAGE), not the whole run: a page that
+    polls a long run held every checkpoint in one answer, a peak the service's RSS kept."""
+    from bench.seed import seed
+    from lastgood_service.domain.queries import LINEAGE_PAGE
+
+    seed(f"sqlite:///{tmp_path / 'svc' / 'catalog.db'}", runs=1, checkpoints=2 * LINEAGE_PAGE + 5, ranks=1,
+         prefix="long")
+    svc = make_service(tmp_path / "svc")
+    first = lineage(svc, "long-00001")
+    assert len(first["nodes"]) == LINEAGE_PAGE and first["total"] == 2 * LINEAGE_PAGE + 5
+    ids = [n["id"] for n in first["nodes"]]
+    while len(ids) < first["total"]:
+        ids += [n["id"] for n in lineage(svc, "long-00001", offset=len(ids))["nodes"]]
+    assert ids == sorted(set(ids)) and len(ids) == first["total"]
+    whole = lineage(svc, "long-00001", limit=10000)  # a client may still ask for up to 10,000
+    assert [n["id"] for n in whole["nodes"]] == ids and whole["nodes"][-1]["last_good"]

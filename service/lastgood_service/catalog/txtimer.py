@@ -34,6 +34,9 @@ class TxTiming:
     wait: float      # seconds BEGIN took (the write lock, on SQLite)
     hold: float      # seconds from BEGIN's return to COMMIT/ROLLBACK
     read_only: bool = False  # began as a reader (on SQLite: without the write lock)
+    # this thread's CPU seconds during the hold: the transaction's own work (on SQLite its
+    # SQL too), apart from time lost to other threads and processes on a loaded machine
+    cpu: float = 0.0
 
     @property
     def ended(self) -> float:
@@ -62,7 +65,7 @@ class TxTimer:
 
     def _asked(self, conn) -> None:
         now = time.perf_counter()
-        conn.info["lastgood_tx"] = [_label.get(), now, None, bool(conn.get_execution_options().get(READ_ONLY))]
+        conn.info["lastgood_tx"] = [_label.get(), now, None, bool(conn.get_execution_options().get(READ_ONLY)), 0.0]
         with self._lock:
             self._waiting[id(conn.info)] = now
 
@@ -71,6 +74,7 @@ class TxTimer:
             self._waiting.pop(id(conn.info), None)
         if (t := conn.info.get("lastgood_tx")) is not None:
             t[2] = time.perf_counter()
+            t[4] = time.thread_time()
 
     def waiting(self, stale: float = 60.0) -> int:
         """Transactions waiting in BEGIN now (one whose BEGIN failed is forgotten after `stale` s)."""
@@ -93,7 +97,8 @@ class TxTimer:
         t = conn.info.pop("lastgood_tx", None)
         if t is None or t[2] is None:
             return
-        self.records.append(TxTiming(t[0], t[1], t[2] - t[1], time.perf_counter() - t[2], t[3]))
+        self.records.append(TxTiming(t[0], t[1], t[2] - t[1], time.perf_counter() - t[2], t[3],
+                                     time.thread_time() - t[4]))
         with self._lock:
             self.total += 1
             self.counts[t[0]] = self.counts.get(t[0], 0) + 1

@@ -37,14 +37,13 @@ from sqlalchemy.orm import Session, sessionmaker
 from ..blobstore import BlobStore
 from ..catalog import txtimer
 from ..metrics import Metrics
-from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, DELETED, PENDING, Checkpoint, Event, ReadLease, Run,
+from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, DELETED, PENDING, STATUSES, Checkpoint, Event, ReadLease, Run,
                               RunStats, Shard, Tag, utcnow)
 from .commit import indexes
 from . import grants, keys
 from .events import add_event
 from .faults import Ballast, is_disk_full
 from .gate import CatalogGate
-from .lineage import assign_branches
 from .retention import Retention, RunView, effective
 
 log = logging.getLogger("lastgood.gc")
@@ -53,6 +52,7 @@ YIELD_SECONDS = 1.0  # the longest GC lets waiting transactions go first before 
 CHUNK = 500  # ids per IN (...) list: bounded statements
 MARKS = 50  # runs' GC bookkeeping written per transaction
 PROTECTING_TAGS = ("tag", "alias", "pin")  # a user's tag keeps even a corrupt checkpoint
+_LIVE = tuple(s for s in STATUSES if s != DELETED)  # an IN list the (run_id, status) index serves
 
 
 @dataclass
@@ -86,6 +86,9 @@ class Plan:
     runs: list[RunMark] = field(default_factory=list)    # the runs this plan looked at
     events_of: list[int] = field(default_factory=list)   # DELETED checkpoints whose old events go
     full: bool = True
+    # run id -> its GC marks as stored when planned (event id, policy, due): a mark that
+    # would write the same again is not written (a full pass over quiet runs writes nothing)
+    stored: dict[int, tuple] = field(default_factory=dict, repr=False)
 
     @property
     def bytes_freed(self) -> int:
@@ -99,33 +102,28 @@ class Plan:
                 "checkpoints_whose_events_go": len(self.events_of)}
 
 
-@dataclass
-class _Row:
+class _Row(NamedTuple):
+    """A checkpoint as planning reads it: a plain tuple of the columns its decisions use."""
+
     id: int
-    parent_id: int | None
+    branch: int
     status: str
     step: int
     attempt: str
     committed_at: dt.datetime | None
     lease_expires_at: dt.datetime
     created_at: dt.datetime
-    deleted_at: dt.datetime | None
     manifest_key: str | None
-
-    @property
-    def was_committed(self) -> bool:
-        return self.committed_at is not None
 
 
 class _ViewRow(NamedTuple):
-    """What the policies need of a checkpoint: no times, so a batch's re-read of the run
-    decodes no datetimes (on PostgreSQL every batch re-reads the run: see _kept)."""
+    """What the policies need of a COMMITTED checkpoint: no times, so a batch's re-read of
+    the run decodes no datetimes (on PostgreSQL every batch re-reads the run: see _kept)."""
 
     id: int
-    parent_id: int | None
-    status: str
+    branch: int
     step: int
-    was_committed: bool
+    status: str = COMMITTED
 
 
 class _Collected(list):
@@ -204,36 +202,41 @@ class GarbageCollector:
     # ---------------------------------------------------------------- decisions
     @staticmethod
     def _rows(s: Session, run_id: int) -> list[_Row]:
-        return [_Row(*r) for r in s.execute(
-            select(Checkpoint.id, Checkpoint.parent_id, Checkpoint.status, Checkpoint.step, Checkpoint.attempt,
+        """The run's checkpoints that are not DELETED: a run that has lived long is mostly
+        DELETED rows, which nothing GC decides reads (the policies see committed rows and
+        their stored branches), so a plan's memory follows what is kept, not the run's age."""
+        # sorted here, not by ORDER BY id: that makes SQLite walk the run's (run_id, id) index,
+        # every DELETED row included, instead of the (run_id, status) ranges of the live ones
+        return sorted(_Row(*r) for r in s.execute(
+            select(Checkpoint.id, Checkpoint.branch, Checkpoint.status, Checkpoint.step, Checkpoint.attempt,
                    Checkpoint.committed_at, Checkpoint.lease_expires_at, Checkpoint.created_at,
-                   Checkpoint.deleted_at, Checkpoint.manifest_key)
-            .where(Checkpoint.run_id == run_id).order_by(Checkpoint.id))]
+                   Checkpoint.manifest_key)
+            .where(Checkpoint.run_id == run_id, Checkpoint.status.in_(_LIVE))))
 
     @staticmethod
     def _view_rows(s: Session, run_id: int) -> list[_ViewRow]:
-        return [_ViewRow(*r) for r in s.execute(
-            select(Checkpoint.id, Checkpoint.parent_id, Checkpoint.status, Checkpoint.step,
-                   Checkpoint.committed_at.is_not(None))
-            .where(Checkpoint.run_id == run_id).order_by(Checkpoint.id))]
+        """Only the run's COMMITTED rows: all that the policies see (see _view)."""
+        return sorted(_ViewRow(*r) for r in s.execute(  # sorted here: see _rows
+            select(Checkpoint.id, Checkpoint.branch, Checkpoint.step)
+            .where(Checkpoint.run_id == run_id, Checkpoint.status == COMMITTED)))
 
     @staticmethod
     def _view(s: Session, run_id: int, last_good_id: int | None,
               rows: list[_Row] | list[_ViewRow]) -> tuple[RunView, set[int]]:
-        """What the policies see of the run, and the checkpoints a user's tag or pin protects."""
-        branches = assign_branches([(r.id, r.parent_id, r.was_committed) for r in rows])
+        """What the policies see of the run, and the checkpoints a user's tag or pin protects.
+        A branch's head is its newest COMMITTED checkpoint, by the branch stored with each
+        row (domain/branches.py): no walk over the run's DELETED history."""
         heads: dict[int, tuple[int, int]] = {}
-        for r in rows:
-            if r.status == COMMITTED:
-                b = branches[r.id]
-                heads[b] = max(heads.get(b, (r.step, r.id)), (r.step, r.id))
+        committed = [r for r in rows if r.status == COMMITTED]
+        for r in committed:
+            heads[r.branch] = max(heads.get(r.branch, (r.step, r.id)), (r.step, r.id))
         tags: dict[int, set[str]] = defaultdict(set)
         protected: set[int] = set()
         for cid, name, kind in s.execute(select(Tag.checkpoint_id, Tag.name, Tag.kind).where(Tag.run_id == run_id)):
             tags[cid].add(name)
             if kind in PROTECTING_TAGS:
                 protected.add(cid)
-        view = RunView(last_good_id, [(r.id, r.step) for r in rows if r.status == COMMITTED], dict(tags),
+        view = RunView(last_good_id, [(r.id, r.step) for r in committed], dict(tags),
                        {cid for _, cid in heads.values()})
         return view, protected
 
@@ -289,6 +292,7 @@ class GarbageCollector:
                 continue  # nothing new, same policy, nothing time alone frees: nothing to do
             with self._tx(read=True) as s:
                 self._plan_run(s, plan, run_id, name, policy, now, listed)
+            plan.stored[run_id] = (seen, seen_policy, due_at)
         if full:
             for cid, found in sorted(listed.items()):
                 if status.get(cid) == DELETED:
@@ -334,10 +338,12 @@ class GarbageCollector:
                                                     sum(n for _, n in blobs)))
         if self.event_retention is not None:
             cutoff = now - self.event_retention
-            old = [r.id for r in rows if r.status == DELETED and r.deleted_at and r.deleted_at < cutoff]
-            plan.events_of += self._with_prunable_events(s, old)
-            due += [r.deleted_at + self.event_retention for r in rows
-                    if r.status == DELETED and r.deleted_at and r.deleted_at >= cutoff]
+            plan.events_of += self._with_prunable_events(s, run_id, cutoff)
+            # when the next DELETED checkpoint's events come of age: one aggregate, not its rows
+            nxt = s.scalar(select(func.min(Checkpoint.deleted_at)).where(
+                Checkpoint.run_id == run_id, Checkpoint.status == DELETED, Checkpoint.deleted_at >= cutoff))
+            if nxt is not None:
+                due.append(nxt + self.event_retention)
         plan.runs.append(RunMark(run_id, name, policy.describe(), run_row[1] or 0, min(due, default=None)))
 
     @staticmethod
@@ -356,12 +362,15 @@ class GarbageCollector:
         return out
 
     @staticmethod
-    def _with_prunable_events(s: Session, ids: list[int]) -> list[int]:
-        out: list[int] = []
-        for chunk in _chunks(ids):
-            out += s.scalars(select(Event.checkpoint_id).where(Event.checkpoint_id.in_(chunk),
-                                                               Event.kind != "gc_delete").distinct())
-        return sorted(out)
+    def _with_prunable_events(s: Session, run_id: int, cutoff: dt.datetime) -> list[int]:
+        """The run's checkpoints deleted before `cutoff` that still have events other than
+        their `gc_delete`: found by the catalog (the run's DELETED rows through the
+        (run_id, status) index, each probed in the events' checkpoint index), so only the
+        few ids that have something to prune come back, however long the run's history."""
+        ck = Checkpoint
+        prunable = select(Event.id).where(Event.checkpoint_id == ck.id, Event.kind != "gc_delete").exists()
+        return list(s.scalars(select(ck.id).where(ck.run_id == run_id, ck.status == DELETED,
+                                                  ck.deleted_at < cutoff, prunable).order_by(ck.id)))
 
     def _owners(self, ids: list[int]) -> dict[int, tuple[str, int, str, str]]:
         """checkpoint id -> (run, step, attempt, status), for placing blobs by their keys."""
@@ -481,7 +490,8 @@ class GarbageCollector:
         grants.sweep(self.sessions, self.blobs, now, self.grant_seconds)  # direct S3 uploads (domain/grants.py)
         freed += sum(n for _, n in orphans_done)
         events_pruned = self._prune_events(plan.events_of, now)
-        self._write_marks([m for m in plan.runs if m.run not in unsettled])
+        self._write_marks([m for m in plan.runs if m.run not in unsettled
+                           and plan.stored.get(m.run_id) != (m.event_id, m.policy, m.due_at)])
         if released and freed:
             self.ballast.ensure()
         if deleted or orphans_done:

@@ -43,16 +43,30 @@ def assign_branches(rows: list[tuple[int, int | None, bool]], branch: dict[int |
     return branch  # type: ignore[return-value]
 
 
-def tags_by_checkpoint(s: Session, run: Run, ids: list[int] | None = None) -> dict[int, list[dict]]:
-    q = select(Tag).where(Tag.run_id == run.id)
+def tags_by_checkpoint(s: Session, run: Run, ids: list[int] | None = None,
+                       span: tuple[int, int] | None = None) -> dict[int, list[dict]]:
+    """`ids`: only these checkpoints' tags; `span`: only those of checkpoints with ids in
+    [lo, hi] (a lineage page: one range, not an IN list of its 1,000 ids)."""
+    q = select(Tag.checkpoint_id, Tag.name, Tag.kind).where(Tag.run_id == run.id)
     if ids is not None:
         q = q.where(Tag.checkpoint_id.in_(ids))
+    if span is not None:
+        q = q.where(Tag.checkpoint_id.between(*span))
     out: dict[int, list[dict]] = defaultdict(list)
-    for t in s.scalars(q.order_by(Tag.id)):
-        out[t.checkpoint_id].append({"name": t.name, "kind": t.kind})
-    if run.last_good_id is not None and (ids is None or run.last_good_id in ids):
-        out[run.last_good_id].insert(0, {"name": LAST_GOOD, "kind": SYSTEM})
+    for cid, name, kind in s.execute(q.order_by(Tag.id)):
+        out[cid].append({"name": name, "kind": kind})
+    good = run.last_good_id
+    if good is not None and (ids is None or good in ids) and (span is None or span[0] <= good <= span[1]):
+        out[good].insert(0, {"name": LAST_GOOD, "kind": SYSTEM})
     return out
+
+
+# a lineage node's columns, read as plain rows: a page of 1,000 ORM objects cost more
+# (identity map, attribute access) than the query itself
+_NODE_COLUMNS = (Checkpoint.id, Checkpoint.step, Checkpoint.status, Checkpoint.parent_id, Checkpoint.branch,
+                 Checkpoint.bytes, Checkpoint.world_size, Checkpoint.attempt, Checkpoint.created_at,
+                 Checkpoint.committed_at)
+_NO_TAGS: list = []  # shared by every untagged node: the answer is serialized, never changed
 
 
 def _seconds(a, b):
@@ -66,23 +80,36 @@ def lineage(s: Session, run: Run, limit: int, offset: int) -> dict:
     stats = s.get(RunStats, run.id)
     total = sum(stats.by_status().values()) if stats is not None else 0
     top = s.scalar(select(func.max(Checkpoint.branch)).where(Checkpoint.run_id == run.id))
-    page = list(s.scalars(select(Checkpoint).where(Checkpoint.run_id == run.id)
-                          .order_by(Checkpoint.id).limit(limit).offset(offset)))
-    ids = [c.id for c in page]
-    last_votes = dict(s.execute(select(Vote.checkpoint_id, func.max(Vote.created_at))
-                                .where(Vote.checkpoint_id.in_(ids)).group_by(Vote.checkpoint_id)).all())
-    tags = tags_by_checkpoint(s, run, ids)
-    nodes = [{
-        "id": c.id, "step": c.step, "status": c.status, "parent_id": c.parent_id, "branch": c.branch,
-        "tags": tags.get(c.id, []), "bytes": c.bytes, "world_size": c.world_size, "attempt": c.attempt,
-        "last_good": run.last_good_id == c.id,
-        "created_at": c.created_at.isoformat(), "committed_at": c.committed_at.isoformat() if c.committed_at else None,
-        # save: begin to commit; commit: the last rank's vote to the commit transaction
-        "save_seconds": _seconds(c.created_at, c.committed_at),
-        "commit_seconds": _seconds(last_votes.get(c.id), c.committed_at),
-    } for c in page]
-    edges = [{"from": c.parent_id, "to": c.id} for c in page if c.parent_id is not None]
-    return {"run": run.name, "last_good_id": run.last_good_id, "nodes": nodes, "edges": edges,
+    page = s.execute(select(*_NODE_COLUMNS).where(Checkpoint.run_id == run.id)
+                     .order_by(Checkpoint.id).limit(limit).offset(offset)).all()
+    last_votes: dict = {}
+    tags: dict = {}
+    if page:
+        # the page is an id range of the run: its votes found from the run's (run_id, id)
+        # index range, each checkpoint's by the votes' key (no IN list of 1,000 ids; not a
+        # range of votes' ids, which holds every run's checkpoints saved meanwhile)
+        lo, hi = page[0][0], page[-1][0]
+        last_votes = dict(s.execute(
+            select(Checkpoint.id, func.max(Vote.created_at))
+            .join(Vote, Vote.checkpoint_id == Checkpoint.id)
+            .where(Checkpoint.run_id == run.id, Checkpoint.id.between(lo, hi))
+            .group_by(Checkpoint.id)).all())
+        tags = tags_by_checkpoint(s, run, span=(lo, hi))
+    good = run.last_good_id
+    nodes, edges = [], []
+    for cid, step, status, parent, branch, nbytes, world, attempt, created, committed in page:
+        nodes.append({
+            "id": cid, "step": step, "status": status, "parent_id": parent, "branch": branch,
+            "tags": tags.get(cid, _NO_TAGS), "bytes": nbytes, "world_size": world, "attempt": attempt,
+            "last_good": good == cid,
+            "created_at": created.isoformat(), "committed_at": committed.isoformat() if committed else None,
+            # save: begin to commit; commit: the last rank's vote to the commit transaction
+            "save_seconds": _seconds(created, committed),
+            "commit_seconds": _seconds(last_votes.get(cid), committed),
+        })
+        if parent is not None:
+            edges.append({"from": parent, "to": cid})
+    return {"run": run.name, "last_good_id": good, "nodes": nodes, "edges": edges,
             "branches": top + 1 if top is not None else 0, "total": total,
             "limit": limit, "offset": offset}
 

@@ -11,6 +11,7 @@ const POLL_MS = 2000;
 const EVENT_KINDS = 'spike,rollback,restart,corrupt,abort,expired,hash_mismatch,note,fenced,fenced_write,hung,straggler,lost,'
   + 'supervisor_restart,supervisor_gave_up,supervisor_stopped';
 const MAX_EVENTS_SHOWN = 200;
+const LINEAGE_DRAWN = 10000; // the most checkpoints of a run the graph draws (the oldest)
 const MAX_CURL_FILES = 8;
 
 const $ = (id) => document.getElementById(id);
@@ -137,9 +138,24 @@ async function loadEvents(run) {
   return (await get(`${base}&offset=${first.total - 1000}`)).items; // the newest 1000
 }
 
+/** The run's lineage, page by page (the service answers at most a page at a time), up to
+ * the LINEAGE_DRAWN oldest checkpoints: the graph draws no more. */
+async function loadLineage(run) {
+  const base = `/api/v1/runs/${seg(run)}/lineage`;
+  let page = await get(base);
+  const nodes = [...page.nodes];
+  const edges = [...page.edges];
+  while (page.nodes.length && nodes.length < Math.min(page.total, LINEAGE_DRAWN)) {
+    page = await get(`${base}?offset=${nodes.length}`);
+    nodes.push(...page.nodes);
+    edges.push(...page.edges);
+  }
+  return { ...page, nodes, edges, offset: 0 };
+}
+
 async function loadRun(sig) {
   const run = state.run;
-  const [lineage, events, retention] = await Promise.all([get(`/api/v1/runs/${seg(run)}/lineage`), loadEvents(run),
+  const [lineage, events, retention] = await Promise.all([loadLineage(run), loadEvents(run),
     get(`/api/v1/runs/${seg(run)}/retention`)]);
   if (run !== state.run) return; // another run was chosen meanwhile
   fill($('run-retention'), 'Retention: ', h('code', {}, retention.retention),

@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from lastgood import names
 
+from ...domain.queries import LINEAGE_PAGE, MAX_LINEAGE
 from ..contract import StrictJSONRoute, answers
 from ..deps import CkptId, CuratorDep, Generation, Offset, QueriesDep
 
@@ -24,10 +26,13 @@ class RollbackBody(BaseModel):
 
 
 @router.get("/api/v1/runs/{run}/lineage", responses=answers(400, 404))
-def run_lineage(run: str, queries: QueriesDep, limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
+def run_lineage(run: str, queries: QueriesDep, limit: Annotated[int, Query(ge=1, le=MAX_LINEAGE)] = LINEAGE_PAGE,
                 offset: Offset = 0):
-    """The run's checkpoint tree: nodes (step, status, branch, tags, bytes, durations) and parent edges."""
-    return queries.lineage(run, limit, offset)
+    """One page of the run's checkpoint tree, oldest first: nodes (step, status, branch, tags,
+    bytes, durations), parent edges, and `total` to page on with `offset`."""
+    # plain JSON values already: rendered as they are (FastAPI's encoder walked each of the
+    # page's 1,000 nodes again, ~30 ms, more than the query)
+    return JSONResponse(queries.lineage(run, limit, offset))
 
 
 @router.get("/api/v1/checkpoints/{checkpoint_id}/ancestors", responses=answers(404))
