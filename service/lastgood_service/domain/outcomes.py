@@ -175,6 +175,8 @@ class OutcomeNotifier:
                 pass
             self._wake.clear()
             ids = list(self._watched)
+            if not ids:  # a commit answered everything watched (_poked): nothing to read
+                continue
             try:
                 statuses = await asyncio.to_thread(self._read, ids)
                 self.reads += 1
