@@ -1,7 +1,13 @@
 """The control plane at 1,024+ ranks: begin storm, vote storm, how every rank hears COMMITTED.
 
     nice -n 10 python -m bench.control_plane [--ranks 1024,4096] [--catalogs sqlite,postgres]
+        [--modes outcome] [--repeats N] [--heartbeats 1024] [--profile DIR]
     python -m bench.control_plane storm URL --ranks N --mode outcome   (one storm, JSON; tests use it)
+
+--heartbeats N: N ranks of another run beat every 10 s throughout (class Beats), and each
+checkpoint reports the beats answered during its begin storm and its vote storm.
+--profile DIR: the service runs under yappi (bench/profiling/sitecustomize.py); each vote
+storm's CPU time per function, the event loop's thread apart from the others, goes to DIR.
 
 One process simulates every rank with asyncio: gRPC (grpc.aio, one channel per 64 ranks)
 for begin, put and vote; httpx for the REST long-poll. Per checkpoint:
@@ -113,6 +119,61 @@ class ThreadSampler:
         self._t.join()
 
 
+class Beats:
+    """Heartbeats alongside the storms (--heartbeats N): N ranks of a run of their own, each
+    beating every `period` s on bench/heartbeats.py's open-loop timetable (rank r at
+    t0 + (r/N + k)·period), each beat on a fresh connection as the client sends it, from a
+    pool of threads. `window(t0, t1)`: the beats answered between two monotonic times."""
+
+    def __init__(self, svc: Service, ranks: int, period: float = 10.0, threads: int = 32) -> None:
+        from bench.heartbeats import register
+
+        self.svc, self.ranks, self.period = svc, ranks, period
+        self.gen = register(svc, "bench-heartbeats", ranks)
+        self.rows: list[tuple[float, float, float, int]] = []  # (scheduled, sent, answered, HTTP status)
+        self._next, self._lock, self._stop = 0, threading.Lock(), threading.Event()
+        self._t0 = time.monotonic() + 0.5
+        self._pool = [threading.Thread(target=self._worker, daemon=True) for _ in range(threads)]
+        for t in self._pool:
+            t.start()
+
+    def _worker(self) -> None:
+        from bench.heartbeats import beat_body, post
+
+        while not self._stop.is_set():
+            with self._lock:
+                i, self._next = self._next, self._next + 1
+            rank, k = i % self.ranks, i // self.ranks
+            sched = self._t0 + (rank / self.ranks + k) * self.period
+            if self._stop.wait(max(0.0, sched - time.monotonic())):
+                return
+            sent = time.monotonic()
+            try:
+                status = post("127.0.0.1", self.svc.port, "/api/v1/runs/bench-heartbeats/heartbeats",
+                              beat_body(rank, self.ranks, k, self.gen, self.period))
+            except OSError:
+                status = 0
+            with self._lock:
+                self.rows.append((sched, sent, time.monotonic(), status))
+
+    def window(self, t0: float, t1: float) -> dict:
+        with self._lock:
+            rows = [r for r in self.rows if t0 <= r[2] <= t1]
+        ok = [r for r in rows if r[3] == 204]
+        lat = sorted((r[2] - r[1]) * 1000 for r in ok)
+        late = sorted((r[2] - r[0]) * 1000 for r in ok)
+        return {"ranks": self.ranks, "period_s": self.period, "beats": len(rows), "failed": len(rows) - len(ok),
+                "beats_per_s": round(len(ok) / max(t1 - t0, 1e-9), 1),
+                "latency_ms": {"p50": round(median(lat), 1), "p99": round(percentile(lat, 0.99), 1),
+                               "max": round(lat[-1], 1)} if lat else None,
+                "answered_after_schedule_ms_p99": round(percentile(late, 0.99), 1) if late else None}
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._pool:
+            t.join(60)
+
+
 async def get_json(host: str, port: int, path: str) -> tuple[int, dict]:
     """GET on a fresh connection (as the client's urllib does), on asyncio streams alone:
     httpx costs this one process ~10x the CPU per request, which at 4,096 ranks on a busy
@@ -150,8 +211,10 @@ def summary(xs: list[float]) -> dict:
     return {"n": len(xs), "p50": round(median(xs), 4), "p99": round(percentile(xs, 0.99), 4), "max": round(xs[-1], 4)}
 
 
-async def storm(url: str, run: str, step: int, ranks: int, mode: str, pid: int | None = None) -> dict:
-    """One checkpoint of `ranks` simulated ranks; see the module docstring."""
+async def storm(url: str, run: str, step: int, ranks: int, mode: str, pid: int | None = None,
+                profile: Path | None = None) -> dict:
+    """One checkpoint of `ranks` simulated ranks; see the module docstring. `profile`: the
+    service runs under bench/profiling (--profile): its counts of the vote storm go there."""
     info = httpx.get(url + "/api/v1/info", timeout=30).json()
     chans = [grpc.aio.insecure_channel(info["grpc_target"], options=[("grpc.use_local_subchannel_pool", 1)])
              for _ in range((ranks + RANKS_PER_CHANNEL - 1) // RANKS_PER_CHANNEL)]
@@ -179,7 +242,9 @@ async def storm(url: str, run: str, step: int, ranks: int, mode: str, pid: int |
 
         tx0 = catalog_transactions(url)
         t0 = time.perf_counter()
+        out["windows"] = {"begin_storm": [time.monotonic()]}
         await asyncio.gather(*(begin(r) for r in range(ranks)))
+        out["windows"]["begin_storm"].append(time.monotonic())
         tx_begun = catalog_transactions(url)
         out["begin"] = {"latency_s": summary(lat), "errors": len(errors), "error_codes": sorted(set(errors)),
                         "checkpoint_ids": len(ids), "wall_s": round(time.perf_counter() - t0, 3)}
@@ -258,11 +323,25 @@ async def storm(url: str, run: str, step: int, ranks: int, mode: str, pid: int |
             statuses[r], heard[r] = status, time.time()
 
         body = rank_vote_wait if mode == "vote-wait" else rank_outcome
+        if profile:  # count from here (bench/profiling/sitecustomize.py)
+            Path(os.environ["LASTGOOD_BENCH_PROFILE_OUT"] + ".clear").touch()
+            await asyncio.sleep(0.5)
         cpu0 = cpu_seconds(pid) if pid else 0.0
         t0 = time.time()
+        out["windows"]["vote_storm"] = [time.monotonic()]
         with ThreadSampler(pid) as sampler:
             await asyncio.gather(*(body(r) for r in range(ranks)))
+        out["windows"]["vote_storm"].append(time.monotonic())
         out["vote_storm_wall_s"] = round(time.time() - t0, 3)
+        if profile:
+            dumped = Path(os.environ["LASTGOOD_BENCH_PROFILE_OUT"])
+            dumped.unlink(missing_ok=True)
+            Path(f"{dumped}.dump").touch()
+            for _ in range(3000):
+                await asyncio.sleep(0.1)
+                if dumped.exists():
+                    break
+            dumped.rename(profile)
         # catalog transactions of each phase, by the label of the code that ran them (the
         # service's own count: SQLite and PostgreSQL alike; "vote" includes the commit)
         out["catalog_transactions"] = {"begin_storm": _delta(tx_begun, tx0), "puts": _delta(tx_put, tx_begun),
@@ -329,9 +408,13 @@ class Catalog:
         self.engine.dispose()
 
 
-def one_checkpoint(svc: Service, catalog: Catalog, run: str, step: int, ranks: int, mode: str) -> dict:
+def one_checkpoint(svc: Service, catalog: Catalog, run: str, step: int, ranks: int, mode: str,
+                   profile: Path | None = None, beats: Beats | None = None) -> dict:
     before, w0 = catalog.counters(), wchar(svc.pid)
-    res = asyncio.run(storm(svc.url, run, step, ranks, mode, svc.pid))
+    res = asyncio.run(storm(svc.url, run, step, ranks, mode, svc.pid, profile))
+    windows = res.pop("windows")
+    if beats is not None:  # the heartbeats answered while the storms ran
+        res["heartbeats"] = {name: beats.window(*w) for name, w in windows.items()}
     time.sleep(1.5)  # PostgreSQL publishes a backend's counters within a second of its transactions
     after, w1 = catalog.counters(), wchar(svc.pid)
     last_vote, committed = catalog.times(res["checkpoint_id"])
@@ -346,9 +429,14 @@ def one_checkpoint(svc: Service, catalog: Catalog, run: str, step: int, ranks: i
     return res
 
 
-def run_catalog(kind: str, rank_counts: list[int], repeats: int, work: Path, modes=MODES, on_result=None) -> dict:
+def run_catalog(kind: str, rank_counts: list[int], repeats: int, work: Path, modes=MODES, on_result=None,
+                profile: Path | None = None, heartbeats: int = 0, compare: tuple[str, str] | None = None) -> dict:
     pg = None
     env = {"LASTGOOD_REAPER_INTERVAL": "30", "LASTGOOD_LEASE_SECONDS": "600", "LASTGOOD_GC_INTERVAL": "0"}
+    if profile:  # yappi in the service (bench/profiling/sitecustomize.py)
+        profile.mkdir(parents=True, exist_ok=True)
+        os.environ["LASTGOOD_BENCH_PROFILE_OUT"] = str(work / f"profile-{kind}.txt")
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench" / "profiling"), os.environ.get("PYTHONPATH", "")])
     if kind == "postgres":
         sys.path.insert(0, str(ROOT))
         from tests.pg import _as_postgres, PG_BIN, _start
@@ -360,35 +448,69 @@ def run_catalog(kind: str, rank_counts: list[int], repeats: int, work: Path, mod
             pw = pwd.getpwnam("postgres")
             os.chown(root, pw.pw_uid, pw.pw_gid)
         pg = _start(root)
-        db = pg.create_database("bench")
-        env["LASTGOOD_CATALOG_URL"] = pg.url(db)
-    svc = Service(work / kind, env).start(timeout=120)
-    catalog = Catalog(env.get("LASTGOOD_CATALOG_URL") or f"sqlite:///{work / kind / 'catalog.db'}")
+    codes = ["this"] + ([f"{compare[0]}"] if compare else [])
+    svcs, catalogs = {}, {}
+    for code in codes:  # one service (and catalog) per version of the code, side by side
+        cenv = dict(env)
+        if pg is not None:
+            cenv["LASTGOOD_CATALOG_URL"] = pg.url(pg.create_database(f"bench{len(svcs)}"))
+        if code != "this":
+            cenv["PYTHONPATH"] = compare[1]
+        svcs[code] = Service(work / kind / str(len(svcs)), cenv).start(timeout=120)
+        catalogs[code] = Catalog(cenv.get("LASTGOOD_CATALOG_URL") or
+                                 f"sqlite:///{work / kind / str(len(catalogs)) / 'catalog.db'}")
     results = []
+    beats = Beats(svcs["this"], heartbeats) if heartbeats else None
     try:
         step = 0
         for ranks in rank_counts:
             for rep in range(repeats):
-                for mode in (modes if rep % 2 == 0 else modes[::-1]):
-                    step += 1
-                    load = os.getloadavg()[0]
-                    try:
-                        r = one_checkpoint(svc, catalog, f"cp-{kind}", step, ranks, mode)
-                    except Exception as e:  # noqa: BLE001 - a failed checkpoint is a result too
-                        r = {"ranks": ranks, "mode": mode, "failed": f"{type(e).__name__}: {e}"[:2000]}
-                    r["loadavg_1m_before"] = round(load, 2)
-                    print(json.dumps({k: v for k, v in r.items() if k != "catalog"}), flush=True)
-                    results.append(r)
-                    if on_result:
-                        on_result({"catalog": kind, "checkpoints": results})
+                for code in (codes if rep % 2 == 0 else codes[::-1]):
+                    for mode in (modes if rep % 2 == 0 else modes[::-1]):
+                        step += 1
+                        load = os.getloadavg()[0]
+                        try:
+                            r = one_checkpoint(svcs[code], catalogs[code], f"cp-{kind}", step, ranks, mode,
+                                               profile and profile / f"{kind}-{ranks}-{mode}-{step}.txt", beats)
+                        except Exception as e:  # noqa: BLE001 - a failed checkpoint is a result too
+                            r = {"ranks": ranks, "mode": mode, "failed": f"{type(e).__name__}: {e}"[:2000]}
+                        r["code"], r["loadavg_1m_before"] = code, round(load, 2)
+                        print(json.dumps({k: v for k, v in r.items() if k != "catalog"}), flush=True)
+                        results.append(r)
+                        if on_result:
+                            on_result({"catalog": kind, "checkpoints": results})
     finally:
-        catalog.close()
-        svc.stop()
-        log = Path(tempfile.gettempdir()) / f"control-plane-service-{kind}.log"
-        log.write_bytes(svc.log.read_bytes())  # the service's own account of any failure
+        if beats is not None:
+            beats.stop()
+        for code, svc in svcs.items():
+            catalogs[code].close()
+            svc.stop()
+            log = Path(tempfile.gettempdir()) / f"control-plane-service-{kind}-{code}.log"
+            log.write_bytes(svc.log.read_bytes())  # the service's own account of any failure
         if pg is not None:
             _as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(pg.data_dir), "-m", "fast", "-w", "stop")
     return {"catalog": kind, "checkpoints": results}
+
+
+def older_code(ref: str, into: Path) -> str:
+    """The service and client of commit `ref`, unpacked under `into`: the PYTHONPATH that makes
+    a service process run them. httptools and uvloop, installed here, are hidden from it
+    unless that commit's service depends on them (uvicorn uses them whenever it can import them)."""
+    import io
+    import subprocess
+    import tarfile
+
+    into.mkdir(parents=True)
+    tar = subprocess.run(["git", "archive", ref, "service", "client", "migrations"], cwd=ROOT, check=True,
+                         capture_output=True).stdout
+    tarfile.open(fileobj=io.BytesIO(tar)).extractall(into, filter="data")
+    path = [str(into / "service"), str(into / "client")]
+    if "uvloop" not in (into / "service" / "pyproject.toml").read_text():
+        (into / "hide").mkdir()
+        for mod in ("uvloop", "httptools"):
+            (into / "hide" / f"{mod}.py").write_text(f"raise ImportError('{mod}: hidden by bench.control_plane')\n")
+        path.insert(0, str(into / "hide"))
+    return os.pathsep.join(path)
 
 
 def main() -> None:
@@ -411,17 +533,28 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1, help="pairs of (vote-wait, outcome) per rank count")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "control_plane.json"))
+    p.add_argument("--profile", type=Path, help="profile the service's vote storms with yappi (CPU time per "
+                   "function, the event loop's thread and all threads) into this folder; slows it")
+    p.add_argument("--heartbeats", type=int, default=0, metavar="N",
+                   help="N ranks of another run beating every 10 s throughout (bench/heartbeats.py's beat)")
+    p.add_argument("--compare-with", metavar="GIT_REF", help="also run the service of this commit, its "
+                   "checkpoints alternating with this code's (same run, same load): git archive of service/, "
+                   "client/ and migrations/, without httptools and uvloop unless that commit pins them")
     a = p.parse_args()
+    if a.compare_with and a.heartbeats:
+        p.error("--heartbeats beats this code's service only: run the comparison without it")
     report = {"machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "nice": os.nice(0), "runs": []}
     with tempfile.TemporaryDirectory(prefix="lastgood-cp-") as work:
         os.chmod(work, 0o755)
+        compare = (a.compare_with, older_code(a.compare_with, Path(work) / "older")) if a.compare_with else None
         for kind in a.catalogs.split(","):
             def partial(run: dict) -> None:  # written after every checkpoint: a long run that fails keeps its figures
                 Path(a.out).write_text(json.dumps({**report, "runs": report["runs"] + [run], "partial": True},
                                                   indent=1) + "\n")
             report["runs"].append(run_catalog(kind, [int(x) for x in a.ranks.split(",")], a.repeats, Path(work),
-                                              tuple(a.modes.split(",")), partial))
+                                              tuple(a.modes.split(",")), partial, a.profile, a.heartbeats,
+                                              compare))
     report["loadavg_end"] = os.getloadavg()
     Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {a.out}")

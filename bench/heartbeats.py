@@ -49,6 +49,23 @@ def post(host: str, port: int, path: str, body: bytes) -> int:
         conn.close()
 
 
+def beat_body(rank: int, ranks: int, k: int, gen: int, period: float) -> bytes:
+    """Rank `rank`'s k-th beat, as the client sends it (lastgood.health)."""
+    return json.dumps({"rank": rank, "world_size": ranks, "step": k, "step_seconds": 0.5 if k else None,
+                       "phase": "train", "attempt": "bench", "generation": gen,
+                       "max_step_seconds": 0.6 if k else None, "period_s": period, "save_stall_s": 2.0}).encode()
+
+
+def register(svc: Service, run: str, ranks: int) -> int:
+    """Register a launch of `ranks` ranks on `run`: its generation, which every beat carries."""
+    conn = http.client.HTTPConnection("127.0.0.1", svc.port, timeout=30)
+    conn.request("POST", f"/api/v1/runs/{run}/launches", json.dumps(
+        {"attempt": "bench", "world_size": ranks}), {"Content-Type": "application/json"})
+    gen = json.loads(conn.getresponse().read())["generation"]
+    conn.close()
+    return gen
+
+
 def phase(svc: Service, run: str, gen: int, ranks: int, period: float, compress: float, duration: float,
           warmup: float, threads: int) -> dict:
     every = period / compress  # one rank's beats, compressed
@@ -73,10 +90,7 @@ def phase(svc: Service, run: str, gen: int, ranks: int, period: float, compress:
             wait = sched - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
-            body = json.dumps({"rank": rank, "world_size": ranks, "step": k, "step_seconds": 0.5 if k else None,
-                               "phase": "train", "attempt": "bench", "generation": gen,
-                               "max_step_seconds": 0.6 if k else None, "period_s": period,
-                               "save_stall_s": 2.0}).encode()
+            body = beat_body(rank, ranks, k, gen, period)
             sent = time.monotonic()
             try:
                 status = post(host, port, path, body)
@@ -145,11 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
         svc = Service(Path(work) / "svc", {"LASTGOOD_GC_INTERVAL": "0"}).start()
         try:
             run = "bench-heartbeats"
-            conn = http.client.HTTPConnection("127.0.0.1", svc.port, timeout=30)
-            conn.request("POST", f"/api/v1/runs/{run}/launches", json.dumps(
-                {"attempt": "bench", "world_size": args.ranks}), {"Content-Type": "application/json"})
-            gen = json.loads(conn.getresponse().read())["generation"]
-            conn.close()
+            gen = register(svc, run, args.ranks)
             for c in (float(x) for x in args.compress.split(",")):
                 res = phase(svc, run, gen, args.ranks, args.period, c, args.duration, args.warmup, args.threads)
                 doc["phases"].append(res)

@@ -14,6 +14,7 @@ import re
 from collections.abc import Callable
 
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
 from fastapi.dependencies.utils import request_params_to_args
 
 from ..domain.errors import PermissionDenied
@@ -89,7 +90,16 @@ def make_authorizer(tokens: TokenStore, run_of_checkpoint: Callable[[int], str],
                     run_of_lease: Callable[[int], str]):
     """The app-wide dependency: authenticate, then check role and scope from POLICY."""
 
-    def authorize(request: Request) -> None:
+    async def authorize(request: Request) -> None:
+        # A caller without a token on a service that requires none is the anonymous admin:
+        # checking it reads nothing, so it runs on the event loop. Anything else may read the
+        # catalog (a token not cached, a scoped token's run) and runs in the thread pool:
+        # a thread hop per request, which 1,024 ranks waiting for an outcome at once felt.
+        if not tokens.required and not request.headers.get("authorization"):
+            return check(request)
+        return await run_in_threadpool(check, request)
+
+    def check(request: Request) -> None:
         route = request.scope.get("route")
         template = _CONVERTER.sub(r"{\1}", getattr(route, "path", ""))  # {name:path} -> {name}, as in OpenAPI
         policy = POLICY.get((request.method, template), (ADMIN, "global"))

@@ -46,34 +46,38 @@ class AppContext:
     direct_fs: DirectFS | None = None  # the direct-FS data path (domain/directfs.py), announced at /api/v1/info
 
 
-def context(request: Request) -> AppContext:
+# The lookups below are `async def` although they await nothing: FastAPI runs a plain `def`
+# dependency in its thread pool, a thread hop per dependency per request, which at 1,024
+# ranks asking for their outcome at once cost the event loop more than the answers did
+# (docs/control-plane.md). An attribute read needs no thread.
+async def context(request: Request) -> AppContext:
     return request.app.state.ctx
 
 
 Ctx = Annotated[AppContext, Depends(context)]
 
 
-def _commits(ctx: Ctx) -> CommitService:
+async def _commits(ctx: Ctx) -> CommitService:
     return ctx.commits
 
 
-def _queries(ctx: Ctx) -> Queries:
+async def _queries(ctx: Ctx) -> Queries:
     return ctx.queries
 
 
-def _curator(ctx: Ctx) -> Curator:
+async def _curator(ctx: Ctx) -> Curator:
     return ctx.curator
 
 
-def _gc(ctx: Ctx) -> GarbageCollector:
+async def _gc(ctx: Ctx) -> GarbageCollector:
     return ctx.gc
 
 
-def _tokens(ctx: Ctx) -> TokenStore:
+async def _tokens(ctx: Ctx) -> TokenStore:
     return ctx.tokens
 
 
-def _health(ctx: Ctx) -> Health:
+async def _health(ctx: Ctx) -> Health:
     if ctx.health is None:  # an app built without it (a test's context): the routes exist, the part does not
         raise Unavailable("run health is not served by this app")
     return ctx.health
@@ -81,15 +85,15 @@ def _health(ctx: Ctx) -> Health:
 
 async def _outcomes(ctx: Ctx) -> OutcomeNotifier:
     """The process's one notifier (main.Service); an app built without one (a test's
-    context) gets its own, told of the commits made through its CommitService. Async, so
-    that it runs on the event loop: no thread hop, and no race creating it."""
+    context) gets its own, told of the commits made through its CommitService. On the event
+    loop: no race creating it."""
     if ctx.outcomes is None:
         ctx.outcomes = OutcomeNotifier(ctx.commits.sessions, ctx.commits.settings.outcome_poll_interval)
         ctx.commits.listeners.append(ctx.outcomes.poke)
     return ctx.outcomes
 
 
-def _settings(ctx: Ctx) -> Settings:
+async def _settings(ctx: Ctx) -> Settings:
     return ctx.commits.settings
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 
 from ..contract import StrictJSONRoute, answers
 from ..deps import CkptId, OutcomesDep, SettingsDep
@@ -25,7 +25,7 @@ async def checkpoint_outcome(checkpoint_id: CkptId, notifier: OutcomesDep, setti
     or after `wait` seconds with the ranks that have not voted. Asking again is always
     safe: a rank whose connection dropped while waiting learns the outcome this way."""
     outcome = await notifier.wait(checkpoint_id, min(wait, settings.outcome_wait_max))
-    # json.dumps, not FastAPI's per-element encoder: a PENDING answer lists up to
-    # world_size-1 ranks, and thousands of them on the event loop delayed COMMITTED
-    # answers by seconds at 4,096 ranks (bench/control_plane.py)
-    return JSONResponse(outcome.view())
+    # the JSON made once per outcome (Outcome.body), not FastAPI's per-element encoder: a
+    # PENDING answer lists up to world_size-1 ranks, and thousands of them on the event loop
+    # delayed COMMITTED answers by seconds at 4,096 ranks (bench/control_plane.py)
+    return Response(outcome.body, media_type="application/json")

@@ -41,7 +41,8 @@ class CommitCore:
         self.store = blobs
         self.blobs = MeteredBlobStore(blobs, self.metrics)
         self._changed = threading.Condition()
-        self.listeners: list[Callable[[], None]] = []  # told of every change _notify announces (domain/outcomes.py)
+        # told of every change _notify announces, with what was decided if known (domain/outcomes.py)
+        self.listeners: list[Callable[[dict[int, str] | None], None]] = []
         # votes that arrive together are written in one transaction (votebatch.py)
         self.vote_batches = VoteBatcher(self, settings.vote_batch_window, settings.failpoint)
         self.launches = fencing.Launches(sessions, clock, notify=self._notify, metrics=self.metrics, gate=self.gate)
@@ -63,8 +64,11 @@ class CommitCore:
         if not 0 <= rank < ck.world_size:
             raise InvalidArgument(f"rank {rank} is outside world size {ck.world_size} of checkpoint {ck.id}")
 
-    def _notify(self) -> None:
+    def _notify(self, decided: dict[int, str] | None = None) -> None:
+        """Wake whoever waits on a change. `decided`: checkpoints whose new status the caller
+        knows and has committed (the commit's), passed on so that their waiters are answered
+        without a catalog read (domain/outcomes.py)."""
         with self._changed:
             self._changed.notify_all()
         for listener in self.listeners:
-            listener()
+            listener(decided)

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import select, text
 from sqlalchemy.exc import SQLAlchemyError
 
-from ...catalog.models import ABANDONED, CORRUPT, PENDING, Shard, Vote
+from ...catalog.models import ABANDONED, COMMITTED, CORRUPT, PENDING, Shard, Vote
 from .. import fencing
 from ..errors import Conflict, DomainError, FailedPrecondition, Unavailable
 from ..faults import as_domain_error
@@ -102,7 +102,8 @@ class VoteBatcher:
                 return result  # a voter is committing it: PENDING now, the caller waits as it may
             self._committing.add(checkpoint_id)
         try:
-            self.core.try_commit(checkpoint_id)
+            if self.core.try_commit(checkpoint_id):  # this call committed it: no need to read it back
+                return VoteResult(checkpoint_id, COMMITTED, [])
             return self.core.wait_for(checkpoint_id, 0.0)
         except Exception as e:
             log.warning("commit of checkpoint %s by rank %s's vote failed (its batch's other voters "

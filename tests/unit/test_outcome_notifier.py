@@ -1,0 +1,61 @@
+"""The outcome notifier (domain/outcomes.py): a commit made in this process answers every
+waiter of its checkpoint without a catalog read, with one answer made once; a poke that
+does not say what was decided (an abort, an expiry) reads the statuses, as before.
+
+The notifier's one seam to the catalog is `read(ids) -> {id: status}`; here it reads a dict
+and counts the reads (the service tests run the same code against a real catalog:
+tests/service/test_outcome_wait.py, tests/catalog/test_outcome_replicas.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from lastgood_service.domain.outcomes import OutcomeNotifier
+
+CID = 7
+WAITERS = 50
+
+
+class Catalog:
+    def __init__(self) -> None:
+        self.status = {CID: "PENDING"}
+        self.reads = 0
+
+    def read(self, ids) -> dict[int, str]:
+        self.reads += 1
+        return {i: self.status[i] for i in ids if i in self.status}
+
+
+async def _storm(decided: bool) -> tuple[list, int, list, int]:
+    """WAITERS ranks wait, the checkpoint commits, then 3 ranks ask: (the waiters' answers,
+    the reads so far, the late askers' answers, the reads in all)."""
+    catalog = Catalog()
+    notifier = OutcomeNotifier(sessions=None, interval=3600, read=catalog.read)  # no periodic poll in this test
+    waiters = [asyncio.create_task(notifier.wait(CID, 600)) for _ in range(WAITERS)]
+    while catalog.reads < 1:  # the first look at a newly watched checkpoint: still PENDING
+        await asyncio.sleep(0.01)
+    catalog.status[CID] = "COMMITTED"  # the commit's transaction has committed ...
+    # ... and then the committing thread (a gRPC worker, not the loop's) pokes the notifier
+    poke = threading.Thread(target=notifier.poke, args=({CID: "COMMITTED"},) if decided else ())
+    poke.start()
+    poke.join()
+    answers = await asyncio.wait_for(asyncio.gather(*waiters), 120)  # a bound on a hang, not a timing assert
+    reads = catalog.reads
+    again = [await asyncio.wait_for(notifier.wait(CID, 600), 120) for _ in range(3)]  # ranks asking right after
+    return answers, reads, again, catalog.reads
+
+
+def test_a_commit_answers_every_waiter_without_a_catalog_read_and_with_one_answer():
+    answers, reads, again, reads_in_all = asyncio.run(_storm(decided=True))
+    assert {(a.checkpoint_id, a.status, tuple(a.missing_ranks)) for a in answers + again} == {(CID, "COMMITTED", ())}
+    assert reads == 1  # the first look only: the commit's poke did not read
+    assert reads_in_all == 1  # nor did the ranks that asked after it
+    assert len({id(a.body) for a in answers + again}) == 1  # the JSON made once, sent to all
+    assert answers[0].body == b'{"checkpoint_id":7,"status":"COMMITTED","missing_ranks":[]}'
+
+
+def test_control_a_poke_that_does_not_say_what_was_decided_reads_the_catalog():
+    answers, reads, again, _ = asyncio.run(_storm(decided=False))
+    assert {a.status for a in answers + again} == {"COMMITTED"}
+    assert reads == 2  # the first look, then one read for the poke, shared by every waiter
