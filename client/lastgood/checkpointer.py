@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import config, distributed, names, readplan
+from . import config, distributed, names, readplan, replicas
 from . import health as _health
 from .config import ClientConfig
 from .errors import (Conflict, CorruptCheckpoint, DataLoss, FailedPrecondition, Fenced, FormatError, LastgoodError,
@@ -65,7 +65,7 @@ class Checkpointer:
                  token: str | None = None, staging_buffers: int = 2, commit_timeout: float | None = None,
                  retry: RetryPolicy | None = None, require_final: bool = True, new_run: bool | None = None,
                  interval: Interval | str | None = None, heartbeat_seconds: float | None = None,
-                 retention: str | None = None) -> None:
+                 retention: str | None = None, dedup: bool | None = None) -> None:
         """`retry`: how transient failures are retried (default: the LASTGOOD_RETRY_* settings);
         it also bounds how long a service that is starting is waited for, here and in
         restore(). `require_final`: wait()/close() raise SaveFailed when the newest save did
@@ -75,10 +75,12 @@ class Checkpointer:
         `heartbeat_seconds`: the beat period (default LASTGOOD_HEARTBEAT_SECONDS, 10 s; 0: no
         beats; docs/health.md). `retention`: the run's own retention policy, e.g.
         "latest:5,every:1000,tagged,last-good,branch-heads" (docs/training.md), sent once by
-        rank 0; None leaves the run's policy as it is. What is not passed comes from the
+        rank 0; None leaves the run's policy as it is. `dedup`: write replicated (DDP)
+        state once per checkpoint, spread over the ranks (default on; LASTGOOD_DEDUP=0 turns
+        it off; docs/replicated.md). What is not passed comes from the
         environment, resolved once (config.ClientConfig, kept as `self.config`)."""
         self.config = cfg = ClientConfig.resolve(url=url, token=token, run=run, attempt=attempt, new_run=new_run,
-                                                 retry=retry)
+                                                 retry=retry, dedup=dedup)
         if not cfg.url:
             raise LastgoodError(f"no service URL: pass Checkpointer(url, run=...) or set {config.ENV_URL}")
         self.run = names.check_run_name(distributed.run_name(cfg.run, cfg.new_run))
@@ -229,6 +231,8 @@ class Checkpointer:
 
     def _snapshot(self, step: int, state: TrainState) -> None:
         cap = state.capture(step, self.rank, self.world_size)
+        if self.config.dedup:  # replicated state: only this rank's share of it (collective; replicas.py)
+            cap = replicas.split(cap, state, self.rank, self.world_size)
         if self._pool.full():
             # every buffer is taken: while the service is away, give up the oldest waiting
             # snapshot instead of waiting for an upload that cannot finish (uploads.py)
@@ -532,6 +536,8 @@ class Checkpointer:
                 alloc = (lambda n: _held(held, self._pool.acquire(n))) if len(ranks) == 1 else (
                     lambda n: torch.empty(n, dtype=torch.uint8))
                 files.append(split.fetch_rank(self.transport, manifest, r, shard_file_name(r), alloc)[0])
+            # replicated tensors written once, by other ranks: found in their files (replicas.py)
+            files = replicas.complete(self.transport, manifest, files, min(self.rank, old_world - 1), shard_file_name)
         except BaseException:
             for buf in held:
                 self._pool.release(buf)
@@ -576,7 +582,7 @@ class Checkpointer:
         return self.transport.pin(self._target(checkpoint_id), pinned)
 
     def _apply(self, state: TrainState, manifest: Manifest, files: list, source: int) -> None:
-        src = next(f for f in files if f.rank == source)
+        src = replicas.join(next(f for f in files if f.rank == source), files)  # with others' replicas
         changed = manifest.world_size != self.world_size
         if changed:
             log.warning("lastgood: checkpoint %s was saved by %s ranks; restoring on %s", manifest.checkpoint_id,

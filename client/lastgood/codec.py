@@ -9,6 +9,8 @@ entries of the shard's tensor section; other non-JSON types get a small tagged f
                                              a DTensor (FSDP2): this rank's local shard, its
                                              global shape and where the shard starts in it
   {"__ndarray__": name}                      numpy.ndarray
+  {"__replica__": name, "rank": r}           a replicated tensor written once, in rank r's
+                                             file (replicas.py; the Checkpointer writes it)
   {"__tuple__": [...]}                       tuple (RNG states are tuples)
   {"__dict__": [[key, value], ...]}          dict with non-string keys (optimizer state)
   {"__float__": "nan" | "inf" | "-inf"}      non-finite floats (strict JSON has none)
@@ -29,9 +31,9 @@ import numpy as np
 import torch
 
 from .errors import LastgoodError
-from .format import TENSOR_REFS
+from .format import REPLICA_REF, TENSOR_REFS
 
-_TAGS = (*TENSOR_REFS, "__tuple__", "__dict__", "__float__", "__np__", "__bytes__",
+_TAGS = (*TENSOR_REFS, REPLICA_REF, "__tuple__", "__dict__", "__float__", "__np__", "__bytes__",
          "__dtype__", "__device__")
 
 
@@ -132,6 +134,8 @@ def decode(value, tensor: Callable[[str, str | None], torch.Tensor], array: Call
         return ShardRef(value["__dtensor__"], tuple(value["shape"]), tuple(value["offset"]))
     if "__tensor__" in value:
         return tensor(value["__tensor__"], value.get("device"))
+    if REPLICA_REF in value:  # written once, in another rank's file: `tensor` finds it (replicas.py)
+        return tensor(value[REPLICA_REF], value.get("device"))
     if "__ndarray__" in value:
         return array(value["__ndarray__"])
     if "__tuple__" in value:

@@ -10,6 +10,7 @@ fields down (the transport, the retry policy, the run and attempt). torch-free.
     LASTGOOD_ATTEMPT          this launch's attempt id, the same on every rank (else drawn)
     LASTGOOD_NEW_RUN          1: accept a run name torchrun --standalone drew at random
     LASTGOOD_SPOOL            0: never hand shards over through the service's spool; stream
+    LASTGOOD_DEDUP            0: every rank writes its replicated (DDP) state too (replicas.py)
     LASTGOOD_DIRECT_FS_MOUNT  where this host mounts the service's local store directory (direct-FS)
     LASTGOOD_RETRY_DEADLINE   seconds one call keeps retrying (default 120; 0 = no retries)
     LASTGOOD_RETRY_INITIAL    first backoff in seconds (default 0.1)
@@ -36,6 +37,7 @@ ENV_RUN = "LASTGOOD_RUN"
 ENV_ATTEMPT = "LASTGOOD_ATTEMPT"
 ENV_NEW_RUN = "LASTGOOD_NEW_RUN"
 ENV_SPOOL = "LASTGOOD_SPOOL"
+ENV_DEDUP = "LASTGOOD_DEDUP"
 ENV_DIRECT_FS_MOUNT = "LASTGOOD_DIRECT_FS_MOUNT"
 ENV_RETRY_DEADLINE = "LASTGOOD_RETRY_DEADLINE"
 ENV_RETRY_INITIAL = "LASTGOOD_RETRY_INITIAL"
@@ -61,6 +63,7 @@ class ClientConfig:
     attempt: str | None = None      # None: drawn per launch (distributed.launch_attempt)
     new_run: bool = False
     spool: bool = True
+    dedup: bool = True              # replicated (DDP) state written once per checkpoint (replicas.py)
     direct_fs_mount: str | None = None  # None: no direct-FS writes (directfs.py)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     heartbeat_seconds: float = DEFAULT_HEARTBEAT
@@ -70,7 +73,8 @@ class ClientConfig:
     def resolve(cls, *, url: str | None = None, token: str | None = None, run: str | None = None,
                 attempt: str | None = None, new_run: bool | None = None, spool: bool | None = None,
                 retry: RetryPolicy | None = None, heartbeat_seconds: float | None = None,
-                direct_fs_mount: str | None = None, file_bytes: int | None = None, env: Mapping[str, str] | None = None) -> "ClientConfig":
+                dedup: bool | None = None, direct_fs_mount: str | None = None, file_bytes: int | None = None,
+                env: Mapping[str, str] | None = None) -> "ClientConfig":
         """Each setting from its argument when given (not None; an empty string counts as
         not given for the strings), else from the environment (`env`, default os.environ),
         else its default. A malformed retry setting is a ValueError naming the variable."""
@@ -79,6 +83,7 @@ class ClientConfig:
                    run=run or env.get(ENV_RUN) or None, attempt=attempt or env.get(ENV_ATTEMPT) or None,
                    new_run=_flag(env, ENV_NEW_RUN, False) if new_run is None else new_run,
                    spool=_flag(env, ENV_SPOOL, True) if spool is None else spool,
+                   dedup=_flag(env, ENV_DEDUP, True) if dedup is None else dedup,
                    direct_fs_mount=direct_fs_mount or env.get(ENV_DIRECT_FS_MOUNT) or None,
                    retry=retry or retry_policy(env),
                    heartbeat_seconds=heartbeat_period(env) if heartbeat_seconds is None else heartbeat_seconds,

@@ -41,6 +41,8 @@ MAX_OFFSET = 2 ** 63 - 1   # a byte offset, as int64
 MAX_STATE_DEPTH = 200
 # The codec's references from the state document into the tensor section (see codec.py).
 TENSOR_REFS = ("__tensor__", "__dtensor__", "__ndarray__")
+# A replicated tensor that another rank's file holds (replicas.py): not a tensor of this file.
+REPLICA_REF = "__replica__"
 
 DTYPE_SIZES: dict[str, int] = {
     "F64": 8, "I64": 8, "U64": 8, "C64": 8,

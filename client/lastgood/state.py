@@ -20,6 +20,7 @@ from .dtypes import ST_TO_NUMPY, ST_TO_TORCH
 from .errors import LastgoodError
 
 STATE_VERSION = 1
+STATE_VERSION_REPLICAS = 2  # some replicated tensors are in other ranks' files (replicas.py)
 _RESERVED = {"extra", "rng", "step"}
 
 
@@ -226,7 +227,7 @@ class TrainState:
         rank's current shards. `reseed`: this rank did not exist when the checkpoint was
         saved; its RNGs are seeded from it instead of restored (see docs/training.md). With
         `world_changed`, loaders restore their global data position."""
-        if json_state.get("version") != STATE_VERSION:
+        if json_state.get("version") not in (STATE_VERSION, STATE_VERSION_REPLICAS):
             raise LastgoodError(f"unsupported state version {json_state.get('version')!r}")
         saved = json_state["components"]
         missing = sorted(set(self.components) - set(saved))

@@ -1,0 +1,253 @@
+"""Replicated state written once: which rank writes each replicated tensor, and where a
+restore finds a tensor another rank wrote (docs/replicated.md).
+
+Under DDP every rank holds the same weights and, since the gradients are all-reduced, the
+same optimizer moments; written by every rank, a checkpoint of N ranks stored the state N
+times and every rank uploaded all of it. Now each such tensor is written by one rank, its
+*owner*, and the other ranks' state documents name it instead of holding it:
+
+    {"__replica__": "optimizer.state.model.0.weight.exp_avg", "rank": 2}
+
+The rule, on purpose narrow (a tensor that is not truly identical on every rank would be
+restored from one rank's copy, silently): the **parameters** of a module wrapped in
+DistributedDataParallel over the whole world, and the per-parameter state of a plain
+optimizer over those parameters. Buffers (BatchNorm's running statistics are updated by
+each rank's own batch), plain modules and tensors, schedulers, loaders, RNGs and `extra`
+stay in each rank's own file. Before each save the ranks compare one fingerprint of the
+names, dtypes and shapes they would share (two integer all-reduces); if any rank differs
+(an optimizer that has not stepped everywhere, a ZeRO-sharded one), that save is written
+in full by every rank. `Checkpointer(dedup=False)` or LASTGOOD_DEDUP=0 turns it off.
+
+The owners are computed by every rank from the names, sizes and world size alone, without
+communication, as DCP's dedup planner does: largest tensor first (ties by name), each to
+the rank with the fewest bytes so far (ties: the lowest rank).
+
+Restore: every rank's state document still lists every tensor, so a restoring rank finds
+each `__replica__` in its owner's file through the manifest (that file's tensor index and
+range digests), and reads it by verified ranges, or, for a file without range digests,
+reads that whole file and checks its xxh3-128: every byte is verified as before. A
+tensor its owner's file does not hold is a damaged checkpoint (CorruptCheckpoint), which
+every rank falls back from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import logging
+
+import torch
+from torch import nn
+
+from . import distributed
+from .errors import CorruptCheckpoint
+from .format import REPLICA_REF as REF
+from .state import STATE_VERSION_REPLICAS, Captured
+
+log = logging.getLogger("lastgood")
+
+
+# ------------------------------------------------------------------ save: who writes what
+def shared_names(state, world_size: int) -> set[str]:
+    """The stored names of the tensors the rule above calls replicated, for `state`
+    (a TrainState) as capture() names them."""
+    ddp = [(c, o) for c, o in state.components.items() if isinstance(o, nn.parallel.DistributedDataParallel)
+           and state._kind(c) == "module" and _group_size(o) == world_size]
+    params: dict[int, str] = {}
+    for cname, o in ddp:
+        for pname, p in o.module.named_parameters(remove_duplicate=False):
+            params.setdefault(id(p), f"{cname}.{pname}")
+    out = set(params.values())
+    if not params:
+        return out
+    pnames = state._param_names()  # the names an optimizer's state is stored under
+    for cname, o in state.components.items():
+        if state._kind(cname) != "optimizer":
+            continue
+        for p in (p for g in o.param_groups for p in g["params"]):
+            st = o.state.get(p) if id(p) in params else None
+            for key, v in (st or {}).items():
+                if isinstance(v, torch.Tensor) and isinstance(key, str) and id(p) in pnames:
+                    out.add(f"{cname}.state.{pnames[id(p)]}.{key}")
+    return out
+
+
+def _group_size(ddp) -> int:
+    import torch.distributed as dist
+
+    try:
+        return dist.get_world_size(ddp.process_group)
+    except Exception:  # noqa: BLE001 - not a group we can size: not shared with every rank
+        return -1
+
+
+def assign(sizes: dict[str, int], world_size: int) -> dict[str, int]:
+    """name -> owner rank: largest first (ties by name), each to the least loaded rank
+    (ties: the lowest). The same answer on every rank for the same names and sizes."""
+    heap = [(0, r) for r in range(world_size)]
+    owner = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        load, r = heapq.heappop(heap)
+        owner[name] = r
+        heapq.heappush(heap, (load + sizes[name], r))
+    return owner
+
+
+def _fingerprint(tensors: dict, names) -> int:
+    h = hashlib.sha256()
+    for n in sorted(names):
+        t = tensors[n]
+        h.update(f"{n}\0{t.dtype}\0{tuple(t.shape)}\n".encode())
+    return int.from_bytes(h.digest()[:7], "little")  # fits the int64 of an all-reduce
+
+
+def split(cap: Captured, state, rank: int, world_size: int) -> Captured:
+    """This rank's part of a captured state: the replicated tensors other ranks own are
+    left out and named by reference. Collective (every rank calls it at every save)."""
+    if world_size <= 1 or not distributed.initialized():
+        return cap
+    names = {n for n in shared_names(state, world_size) if isinstance(cap.tensors.get(n), torch.Tensor)}
+    mine = _fingerprint(cap.tensors, names) if names else 0
+    if distributed.all_max(mine) != distributed.all_min(mine):
+        log.warning("lastgood: the ranks' replicated state differs in names or shapes: this save is written in "
+                    "full by every rank")
+        return cap
+    if not names:
+        return cap
+    owner = assign({n: cap.tensors[n].numel() * cap.tensors[n].element_size() for n in names}, world_size)
+    others = {n: r for n, r in owner.items() if r != rank}
+    json_state = {**cap.json_state, "version": STATE_VERSION_REPLICAS,
+                  "components": _refer(cap.json_state["components"], others)}
+    return Captured(json_state, {n: t for n, t in cap.tensors.items() if n not in others})
+
+
+def _refer(node, others: dict[str, int]):
+    if isinstance(node, list):
+        return [_refer(v, others) for v in node]
+    if not isinstance(node, dict):
+        return node
+    name = node.get("__tensor__")
+    if isinstance(name, str) and name in others:
+        return {REF: name, "rank": others[name], **({"device": node["device"]} if "device" in node else {})}
+    return {k: _refer(v, others) for k, v in node.items()}
+
+
+# ------------------------------------------------------------------ restore: where it is
+def needed(state: dict) -> dict[int, list[str]]:
+    """owner rank -> the names a stored state document refers to in other ranks' files."""
+    out: dict[int, list[str]] = {}
+    todo = [state]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if REF in node:
+                out.setdefault(node.get("rank"), []).append(node[REF])
+                continue
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return out
+
+
+def _check(cid, owner, names, world_size: int, held: dict | None) -> None:
+    if type(owner) is not int or not 0 <= owner < world_size:
+        raise CorruptCheckpoint(f"checkpoint {cid}: a replicated tensor is said to be in rank {owner!r}'s file, "
+                                f"of {world_size} ranks")
+    if held is not None:
+        lost = [n for n in names if not isinstance(n, str) or n not in held]
+        if lost:
+            raise CorruptCheckpoint(f"checkpoint {cid}: rank {owner}'s file does not hold the replicated "
+                                    f"tensor(s) {lost[:3]} other ranks refer to")
+
+
+def want(cid: int, source, files: list) -> int:
+    """Read plan (readplan.fetch): plan the whole tensors `source` (a RangedFile) names in
+    other old ranks' files on those files; their bytes. Checked against their headers."""
+    total = 0
+    by_rank = {f.rank: f for f in files}
+    for owner, names in needed(source.state).items():
+        _check(cid, owner, names, len(files), None)
+        f = by_rank[owner]
+        _check(cid, owner, names, len(files), f.tensors)
+        total += f.want_whole(sorted(set(names)))
+    return total
+
+
+def complete(transport, manifest, files: list, source: int, file_name) -> list:
+    """Whole-file restore (checkpointer): give the source file the replicated tensors it
+    names, read from their owners' files, which are in `files` already (a restore at
+    another world size reads every file) or are read here by verified ranges (whole and
+    hashed when the file has no range digests). The source file becomes a Joined."""
+    i, src = next((i, f) for i, f in enumerate(files) if f.rank == source)
+    wanted = needed(src.state)
+    if not wanted:
+        return files
+    by_rank = {f.rank: f for f in files}
+    for owner, names in wanted.items():
+        _check(manifest.checkpoint_id, owner, names, manifest.world_size, None)
+        if owner not in by_rank:
+            by_rank[owner] = _read(transport, manifest, owner, sorted(set(names)), file_name)
+        _check(manifest.checkpoint_id, owner, names, manifest.world_size, by_rank[owner].tensors)
+    out = list(files)
+    out[i] = Joined(src, {n: by_rank[r] for r, names in wanted.items() for n in names})
+    return out
+
+
+def _read(transport, manifest, rank: int, names: list[str], file_name):
+    """The named tensors of one old rank's file, every byte verified."""
+    from .manifest import IndexMismatch
+    from .readplan import RangeReader, RangedFile
+    from .sharding import StoredFile
+
+    cid, name = manifest.checkpoint_id, file_name(rank)
+    entry = next((f for f in manifest.files(rank) if f.name == name), None)
+    if entry is None:
+        raise CorruptCheckpoint(f"checkpoint {cid} has no file {name} for rank {rank}")
+    if entry.index is not None:
+        try:
+            indexed = entry.with_index(rank, transport.index_bytes(cid, rank, entry.name))
+        except IndexMismatch as e:
+            raise CorruptCheckpoint(f"checkpoint {cid}: {e}") from None
+        if indexed.digests is not None:
+            f = RangedFile(rank, indexed, RangeReader(transport, cid))
+            _check(cid, rank, names, manifest.world_size, f.tensors)
+            f.want_whole(names)
+            f.read_planned()
+            return f
+    buf = torch.empty(entry.size, dtype=torch.uint8)  # uninitialised: every byte is received
+    data, got = transport.read_file(cid, rank, entry.name, entry.size, into=buf.numpy())
+    if got != entry.xxh3_128:
+        raise CorruptCheckpoint(f"checkpoint {cid} (step {manifest.step}) rank {rank} file {entry.name}: "
+                                f"xxh3-128 {got} does not match the committed {entry.xxh3_128}")
+    return StoredFile(rank, data)
+
+
+def join(src, files: list):
+    """The file restore applies from, with the replicated tensors it names resolved from
+    their owners' files among `files` (already planned and read: readplan.want)."""
+    if isinstance(src, Joined):
+        return src
+    wanted = needed(src.state)
+    if not wanted:
+        return src
+    by_rank = {f.rank: f for f in files}
+    return Joined(src, {n: by_rank[r] for r, names in wanted.items() for n in names})
+
+
+class Joined:
+    """One rank's stored file plus the replicated tensors it names in other ranks' files:
+    restore applies from it as from the file itself (tensors, resolve, array, state)."""
+
+    def __init__(self, own, where: dict) -> None:
+        self.own, self._where = own, where
+        self.rank, self.state = own.rank, own.state
+        self.tensors = {**own.tensors, **{n: f.tensors[n] for n, f in where.items()}}
+
+    def resolve(self, name: str, device: str | None, copy: bool) -> torch.Tensor:
+        return self._where.get(name, self.own).resolve(name, device, copy)
+
+    def array(self, name: str):
+        return self._where.get(name, self.own).array(name)
+
+    def __getattr__(self, attr):  # piece, tensor, buf, start: the own file's
+        return getattr(self.own, attr)

@@ -1,0 +1,80 @@
+"""The pure parts of replicated state written once (lastgood/replicas.py): who owns what,
+which tensors the rule calls replicated, and the refs a rank's state holds instead. The
+torchrun round trips are tests/multiproc/test_ddp_dedup.py."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import lastgood
+from lastgood import replicas
+from lastgood.codec import decode
+from lastgood.config import ClientConfig
+
+
+def test_owners_are_balanced_by_bytes_and_the_same_whatever_order_the_names_come_in():
+    sizes = {f"t{i}": s for i, s in enumerate([1000] * 12 + [4, 8, 16, 1, 1])}
+    owner = replicas.assign(sizes, 4)
+    shuffled = list(sizes.items())
+    random.Random(1).shuffle(shuffled)
+    assert replicas.assign(dict(shuffled), 4) == owner  # no communication: every rank computes this
+    load = [sum(sizes[n] for n, r in owner.items() if r == k) for k in range(4)]
+    assert max(load) - min(load) <= 16 and sum(load) == sum(sizes.values())
+    assert set(replicas.assign(sizes, 1).values()) == {0}
+
+
+def test_the_dedup_switch_reads_the_client_words():
+    assert ClientConfig.resolve(env={}).dedup is True
+    assert ClientConfig.resolve(env={"LASTGOOD_DEDUP": "off"}).dedup is False
+    assert ClientConfig.resolve(dedup=True, env={"LASTGOOD_DEDUP": "0"}).dedup is True
+
+
+@pytest.fixture
+def world_of_one():
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    from tests.conftest import free_port
+
+    os.environ["MASTER_PORT"] = str(free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _trained(ddp):
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    net = nn.parallel.DistributedDataParallel(model) if ddp else model
+    opt = torch.optim.Adam(net.parameters())
+    net(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    return lastgood.TrainState(model=net, optimizer=opt, scheduler=sched)
+
+
+def test_only_ddp_parameters_and_their_optimizer_state_are_replicated(world_of_one):
+    shared = replicas.shared_names(_trained(ddp=True), 1)
+    assert shared == {"model.0.weight", "model.0.bias", "model.1.weight", "model.1.bias",
+                      *(f"optimizer.state.model.{p}.{k}" for p in ("0.weight", "0.bias", "1.weight", "1.bias")
+                        for k in ("step", "exp_avg", "exp_avg_sq"))}
+    assert not any("running" in n for n in shared)  # buffers: each rank's own batches
+    assert replicas.shared_names(_trained(ddp=True), 2) == set()  # DDP over a group that is not the world
+    assert replicas.shared_names(_trained(ddp=False), 1) == set()  # a plain module may differ per rank
+
+
+def test_a_rank_names_the_tensors_others_own_and_restore_finds_each_one():
+    cap = lastgood.state.Captured({"version": 1, "components": {"m": {"kind": "module", "state": {
+        "w": {"__tensor__": "m.w"}, "b": {"__tensor__": "m.b", "device": "cuda:1"}, "n": {"__tensor__": "m.n"}}}}},
+        {})
+    refs = replicas._refer(cap.json_state["components"], {"m.w": 2, "m.b": 3})
+    assert refs["m"]["state"] == {"w": {"__replica__": "m.w", "rank": 2},
+                                  "b": {"__replica__": "m.b", "rank": 3, "device": "cuda:1"},
+                                  "n": {"__tensor__": "m.n"}}
+    assert replicas.needed({"components": refs}) == {2: ["m.w"], 3: ["m.b"]}
+    seen = []
+    decode(refs, lambda name, device: seen.append((name, device)), lambda name: None)
+    assert sorted(seen) == [("m.b", "cuda:1"), ("m.n", None), ("m.w", None)]
