@@ -16,8 +16,10 @@ component's name (`model.` + `layers.0.self_attn.q_proj.weight`). Those under `p
 are exported; optimizer state, RNGs and everything else are skipped.
 
 A file is read only if the manifest's tensor index says it holds a tensor that is still
-missing, or one no state read so far has named: a DDP checkpoint, whose ranks all hold
-the same weights, is read from rank 0 alone; an FSDP2 one from every rank.
+missing, or one no state read so far has named: a DDP checkpoint is read from the ranks
+that own its weights (each written once, replicas.py; a rank's `__replica__` refs name
+nothing here), or from rank 0 alone when every rank holds them all; an FSDP2 one from
+every rank.
 """
 
 from __future__ import annotations
