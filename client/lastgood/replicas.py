@@ -53,11 +53,12 @@ def shared_names(state, world_size: int) -> set[str]:
     (a TrainState) as capture() names them."""
     ddp = [(c, o) for c, o in state.components.items() if isinstance(o, nn.parallel.DistributedDataParallel)
            and state._kind(c) == "module" and _group_size(o) == world_size]
-    params: dict[int, str] = {}
+    params: set[int] = set()
+    out: set[str] = set()
     for cname, o in ddp:
-        for pname, p in o.module.named_parameters(remove_duplicate=False):
-            params.setdefault(id(p), f"{cname}.{pname}")
-    out = set(params.values())
+        for pname, p in o.module.named_parameters(remove_duplicate=False):  # a tied weight under each name
+            params.add(id(p))
+            out.add(f"{cname}.{pname}")
     if not params:
         return out
     pnames = state._param_names()  # the names an optimizer's state is stored under
