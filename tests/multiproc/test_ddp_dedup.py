@@ -2,7 +2,8 @@
 checkpoint stores about one copy of the weights and Adam moments, not four (the catalog's
 recorded bytes), each rank uploading about a quarter; it restores bitwise at 4 ranks and at
 2, per-rank state (BatchNorm statistics, RNG, scheduler) from each rank's own file; the
-control without dedup stores four copies; a flipped byte in a tensor written once makes
+control without dedup stores four copies (and, holding no references, restores as a
+checkpoint written before dedup does); a flipped byte in a tensor written once makes
 every rank fall back."""
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def test_ddp_state_is_stored_once_and_restores_bitwise_at_4_and_2_ranks(service,
     assert_restored(tmp_path / "save", tmp_path / "on4", RANKS)
     restore(service, run_name, tmp_path / "on2", 2)
     assert_restored(tmp_path / "save", tmp_path / "on2", 2)
+    # a checkpoint without references (every one written before dedup has this layout) restores as before
+    restore(service, f"{run_name}-full", tmp_path / "full-on2", 2)
+    assert_restored(tmp_path / "full", tmp_path / "full-on2", 2)
 
 
 def test_a_damaged_tensor_written_once_falls_back_on_every_rank(make_service, run_name, tmp_path):
