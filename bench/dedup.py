@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()))
-    ap.add_argument("--smoke", action="store_true", help="a tiny model, into --out as smoke.json")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model, into --out as smoke-dedup.json")
     a = ap.parse_args()
     if a.smoke:
         a.layers, a.dim = 4, 128
@@ -90,7 +90,7 @@ def main() -> None:
                          "met": on["stored_vs_state"] <= 1.05 and on["max_uploaded_vs_state"] <= 0.3}
     result["machine"]["loadavg_end"] = os.getloadavg()
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / ("smoke.json" if a.smoke else "dedup.json")).write_text(json.dumps(result, indent=1))
+    (a.out / ("smoke-dedup.json" if a.smoke else "dedup.json")).write_text(json.dumps(result, indent=1))
     print(json.dumps({**result["same_run_ratios"], **result["targets"]}))
 
 
