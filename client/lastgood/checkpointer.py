@@ -523,6 +523,8 @@ class Checkpointer:
             planned = readplan.fetch(self.transport, state, manifest, self.rank, shard_file_name)
             if planned is not None:
                 files, source, counts = planned
+                # replicated tensors written once, by other ranks: found in their files (replicas.py)
+                files = replicas.complete(self.transport, manifest, files, source, shard_file_name)
                 self.restore_reads = {**counts, "bytes": self.transport.shard_bytes - before[0],
                                       "requests": self.transport.range_requests - before[1]}
                 log.info("lastgood: rank %s read checkpoint %s by ranges: %s", self.rank, cid, self.restore_reads)
@@ -582,7 +584,7 @@ class Checkpointer:
         return self.transport.pin(self._target(checkpoint_id), pinned)
 
     def _apply(self, state: TrainState, manifest: Manifest, files: list, source: int) -> None:
-        src = replicas.join(next(f for f in files if f.rank == source), files)  # with others' replicas
+        src = next(f for f in files if f.rank == source)
         changed = manifest.world_size != self.world_size
         if changed:
             log.warning("lastgood: checkpoint %s was saved by %s ranks; restoring on %s", manifest.checkpoint_id,

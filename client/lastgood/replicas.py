@@ -151,9 +151,9 @@ def needed(state: dict) -> dict[int, list[str]]:
 
 
 def _check(cid, owner, names, world_size: int, held: dict | None) -> None:
-    if type(owner) is not int or not 0 <= owner < world_size:
-        raise CorruptCheckpoint(f"checkpoint {cid}: a replicated tensor is said to be in rank {owner!r}'s file, "
-                                f"of {world_size} ranks")
+    if type(owner) is not int or not 0 <= owner < world_size or not all(isinstance(n, str) for n in names):
+        raise CorruptCheckpoint(f"checkpoint {cid}: a replicated tensor reference names rank {owner!r}'s file "
+                                f"(of {world_size} ranks) and {str(names)[:200]}")
     if held is not None:
         lost = [n for n in names if not isinstance(n, str) or n not in held]
         if lost:
@@ -161,29 +161,19 @@ def _check(cid, owner, names, world_size: int, held: dict | None) -> None:
                                     f"tensor(s) {lost[:3]} other ranks refer to")
 
 
-def want(cid: int, source, files: list) -> int:
-    """Read plan (readplan.fetch): plan the whole tensors `source` (a RangedFile) names in
-    other old ranks' files on those files; their bytes. Checked against their headers."""
-    total = 0
-    by_rank = {f.rank: f for f in files}
-    for owner, names in needed(source.state).items():
-        _check(cid, owner, names, len(files), None)
-        f = by_rank[owner]
-        _check(cid, owner, names, len(files), f.tensors)
-        total += f.want_whole(sorted(set(names)))
-    return total
-
-
 def complete(transport, manifest, files: list, source: int, file_name) -> list:
-    """Whole-file restore (checkpointer): give the source file the replicated tensors it
-    names, read from their owners' files, which are in `files` already (a restore at
-    another world size reads every file) or are read here by verified ranges (whole and
-    hashed when the file has no range digests). The source file becomes a Joined."""
+    """Restore (checkpointer): give the source file the replicated tensors it names, from
+    their owners' files: one read whole already (a restore at another world size without
+    range digests reads every file), else read here by verified ranges (whole and hashed
+    when the file has no range digests). The source file becomes a Joined; the other
+    files are left as they are (the read plan's, or the whole files)."""
+    from .sharding import StoredFile
+
     i, src = next((i, f) for i, f in enumerate(files) if f.rank == source)
     wanted = needed(src.state)
     if not wanted:
         return files
-    by_rank = {f.rank: f for f in files}
+    by_rank = {f.rank: f for f in files if isinstance(f, StoredFile)}
     for owner, names in wanted.items():
         _check(manifest.checkpoint_id, owner, names, manifest.world_size, None)
         if owner not in by_rank:
@@ -221,18 +211,6 @@ def _read(transport, manifest, rank: int, names: list[str], file_name):
         raise CorruptCheckpoint(f"checkpoint {cid} (step {manifest.step}) rank {rank} file {entry.name}: "
                                 f"xxh3-128 {got} does not match the committed {entry.xxh3_128}")
     return StoredFile(rank, data)
-
-
-def join(src, files: list):
-    """The file restore applies from, with the replicated tensors it names resolved from
-    their owners' files among `files` (already planned and read: readplan.want)."""
-    if isinstance(src, Joined):
-        return src
-    wanted = needed(src.state)
-    if not wanted:
-        return src
-    by_rank = {f.rank: f for f in files}
-    return Joined(src, {n: by_rank[r] for r, names in wanted.items() for n in names})
 
 
 class Joined:
