@@ -524,7 +524,7 @@ class Checkpointer:
             if planned is not None:
                 files, source, counts = planned
                 # replicated tensors written once, by other ranks: found in their files (replicas.py)
-                files = replicas.complete(self.transport, manifest, files, source, shard_file_name)
+                files = replicas.complete(self.transport, manifest, files, source)
                 self.restore_reads = {**counts, "bytes": self.transport.shard_bytes - before[0],
                                       "requests": self.transport.range_requests - before[1]}
                 log.info("lastgood: rank %s read checkpoint %s by ranges: %s", self.rank, cid, self.restore_reads)
@@ -539,7 +539,7 @@ class Checkpointer:
                     lambda n: torch.empty(n, dtype=torch.uint8))
                 files.append(split.fetch_rank(self.transport, manifest, r, shard_file_name(r), alloc)[0])
             # replicated tensors written once, by other ranks: found in their files (replicas.py)
-            files = replicas.complete(self.transport, manifest, files, min(self.rank, old_world - 1), shard_file_name)
+            files = replicas.complete(self.transport, manifest, files, min(self.rank, old_world - 1))
         except BaseException:
             for buf in held:
                 self._pool.release(buf)

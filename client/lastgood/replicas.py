@@ -42,9 +42,10 @@ from torch import nn
 from . import distributed
 from .errors import CorruptCheckpoint
 from .format import REPLICA_REF as REF
-from .state import STATE_VERSION_REPLICAS, Captured
+from .state import STATE_VERSION_REPLICAS, Captured, array_from_buffer, tensor_from_buffer
 
 log = logging.getLogger("lastgood")
+GAP = 64 * 1024  # restore: bytes between two replicated tensors of one file read rather than asked for apart
 
 
 # ------------------------------------------------------------------ save: who writes what
@@ -161,12 +162,11 @@ def _check(cid, owner, names, world_size: int, held: dict | None) -> None:
                                     f"tensor(s) {lost[:3]} other ranks refer to")
 
 
-def complete(transport, manifest, files: list, source: int, file_name) -> list:
+def complete(transport, manifest, files: list, source: int) -> list:
     """Restore (checkpointer): give the source file the replicated tensors it names, from
     their owners' files: one read whole already (a restore at another world size without
-    range digests reads every file), else read here by verified ranges (whole and hashed
-    when the file has no range digests). The source file becomes a Joined; the other
-    files are left as they are (the read plan's, or the whole files)."""
+    range digests reads every file), else read here (`_read`). The source file becomes a
+    Joined; the other files are left as they are (the read plan's, or the whole files)."""
     from .sharding import StoredFile
 
     i, src = next((i, f) for i, f in enumerate(files) if f.rank == source)
@@ -174,43 +174,103 @@ def complete(transport, manifest, files: list, source: int, file_name) -> list:
     if not wanted:
         return files
     by_rank = {f.rank: f for f in files if isinstance(f, StoredFile)}
+    where = {}
     for owner, names in wanted.items():
         _check(manifest.checkpoint_id, owner, names, manifest.world_size, None)
-        if owner not in by_rank:
-            by_rank[owner] = _read(transport, manifest, owner, sorted(set(names)), file_name)
-        _check(manifest.checkpoint_id, owner, names, manifest.world_size, by_rank[owner].tensors)
+        whole = by_rank.get(owner)
+        if whole is not None and all(n in whole.tensors for n in names):
+            where.update((n, whole) for n in names)
+        else:
+            got = _read(transport, manifest, owner, sorted(set(names)))
+            where.update((n, got) for n in names)
     out = list(files)
-    out[i] = Joined(src, {n: by_rank[r] for r, names in wanted.items() for n in names})
+    out[i] = Joined(src, where)
     return out
 
 
-def _read(transport, manifest, rank: int, names: list[str], file_name):
-    """The named tensors of one old rank's file, every byte verified."""
+def _read(transport, manifest, rank: int, names: list[str]) -> "Fetched":
+    """The named tensors of old rank `rank`, every byte verified. Which of the rank's files
+    holds each (its first, or any it was split into) comes from each file's tensor index
+    (its index object, checked against the root; or a monolithic manifest's own index):
+    read by ranges checked against the file's range digests, or, for a file without
+    them, the whole file, checked against its xxh3-128. A name none of them holds, or
+    none at all, is a damaged checkpoint."""
     from .manifest import IndexMismatch
-    from .readplan import RangeReader, RangedFile
-    from .sharding import StoredFile
+    from .ranges import RangeDigests
+    from .readplan import RangeReader
 
-    cid, name = manifest.checkpoint_id, file_name(rank)
-    entry = next((f for f in manifest.files(rank) if f.name == name), None)
-    if entry is None:
-        raise CorruptCheckpoint(f"checkpoint {cid} has no file {name} for rank {rank}")
-    if entry.index is not None:
+    cid, want = manifest.checkpoint_id, set(names)
+    out = Fetched()
+    for entry in manifest.files(rank):
+        if not want:
+            break
         try:
-            indexed = entry.with_index(rank, transport.index_bytes(cid, rank, entry.name))
+            if entry.tensors is None and entry.index is not None:
+                entry = entry.with_index(rank, transport.index_bytes(cid, rank, entry.name))
         except IndexMismatch as e:
             raise CorruptCheckpoint(f"checkpoint {cid}: {e}") from None
-        if indexed.digests is not None:
-            f = RangedFile(rank, indexed, RangeReader(transport, cid))
-            _check(cid, rank, names, manifest.world_size, f.tensors)
-            f.want_whole(names)
-            f.read_planned()
-            return f
-    buf = torch.empty(entry.size, dtype=torch.uint8)  # uninitialised: every byte is received
-    data, got = transport.read_file(cid, rank, entry.name, entry.size, into=buf.numpy())
-    if got != entry.xxh3_128:
-        raise CorruptCheckpoint(f"checkpoint {cid} (step {manifest.step}) rank {rank} file {entry.name}: "
-                                f"xxh3-128 {got} does not match the committed {entry.xxh3_128}")
-    return StoredFile(rank, data)
+        here = sorted(want & set(entry.tensors or ()))
+        if not here:
+            continue
+        want -= set(here)
+        if entry.digests is not None:
+            reader, digests = RangeReader(transport, cid), RangeDigests(entry.data_start, entry.tensors, entry.digests)
+            for lo, hi, group in _spans(entry.tensors, here, reader.window):
+                buf = torch.empty(hi - lo, dtype=torch.uint8)  # uninitialised: every byte is read
+                reader.read(rank, entry, digests, entry.data_start + lo, entry.data_start + hi, buf.numpy())
+                for n in group:
+                    out.add(n, buf.numpy(), entry.tensors[n], 0, -lo)
+            continue
+        buf = torch.empty(entry.size, dtype=torch.uint8)  # uninitialised: every byte is received
+        data, got = transport.read_file(cid, rank, entry.name, entry.size, into=buf.numpy())
+        if got != entry.xxh3_128:
+            raise CorruptCheckpoint(f"checkpoint {cid} (step {manifest.step}) rank {rank} file {entry.name}: "
+                                    f"xxh3-128 {got} does not match the committed {entry.xxh3_128}")
+        for n in here:
+            out.add(n, data, entry.tensors[n], entry.data_start, 0)
+    if want:
+        raise CorruptCheckpoint(f"checkpoint {cid}: rank {rank}'s files do not hold the replicated tensor(s) "
+                                f"{sorted(want)[:3]} other ranks refer to")
+    return out
+
+
+def _spans(tensors: dict, names: list[str], window: int, gap: int = GAP) -> list[tuple[int, int, list[str]]]:
+    """The named tensors' byte ranges (of the data section) as few requests: neighbours
+    less than `gap` apart are read together, up to `window` bytes a request (one tensor
+    larger than that is a request of its own). An owner's share lies mostly back to back
+    (its per-rank tensors are few and small), so it is read in a few requests, not one per
+    tensor; the gaps read are bounded by `gap` each."""
+    out: list[tuple[int, int, list[str]]] = []
+    for n in sorted(names, key=lambda n: tensors[n]["offsets"][0]):
+        a, b = tensors[n]["offsets"]
+        if out and a - out[-1][1] < gap and max(b, out[-1][1]) - out[-1][0] <= window:
+            lo, hi, group = out[-1]
+            out[-1] = (lo, max(hi, b), group + [n])
+        else:
+            out.append((a, b, [n]))
+    return out
+
+
+class Fetched:
+    """Replicated tensors read from one owner's files: each a verified buffer and where in
+    it the tensor lies; resolved as a stored file resolves its own (sharding.StoredFile)."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, dict] = {}  # name -> {dtype, shape, data_offsets}, as a header has them
+        self._bufs: dict[str, tuple[object, int]] = {}
+
+    def add(self, name: str, buf, spec: dict, data_start: int, shift: int) -> None:
+        a, b = spec["offsets"]
+        self.tensors[name] = {"dtype": spec["dtype"], "shape": spec["shape"], "data_offsets": [a + shift, b + shift]}
+        self._bufs[name] = (buf, data_start)
+
+    def resolve(self, name: str, device: str | None, copy: bool) -> torch.Tensor:
+        buf, start = self._bufs[name]
+        return tensor_from_buffer(buf, self.tensors[name], start, device, copy=copy)
+
+    def array(self, name: str):
+        buf, start = self._bufs[name]
+        return array_from_buffer(buf, self.tensors[name], start)
 
 
 class Joined:

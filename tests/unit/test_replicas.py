@@ -78,3 +78,13 @@ def test_a_rank_names_the_tensors_others_own_and_restore_finds_each_one():
     seen = []
     decode(refs, lambda name, device: seen.append((name, device)), lambda name: None)
     assert sorted(seen) == [("m.b", "cuda:1"), ("m.n", None), ("m.w", None)]
+
+
+def test_an_owners_tensors_are_read_in_few_requests_with_bounded_gaps():
+    t = {"a": {"offsets": [0, 100]}, "b": {"offsets": [100, 300]}, "gap": {"offsets": [300, 400]},
+         "c": {"offsets": [400, 500]}, "far": {"offsets": [10_000, 10_100]}, "big": {"offsets": [10_100, 50_000]}}
+    assert replicas._spans(t, ["c", "a", "b", "far"], window=1000, gap=200) == [
+        (0, 500, ["a", "b", "c"]), (10_000, 10_100, ["far"])]
+    # never more than a window a request, unless one tensor is larger
+    assert replicas._spans(t, ["far", "big"], window=1000, gap=200) == [(10_000, 10_100, ["far"]),
+                                                                        (10_100, 50_000, ["big"])]
