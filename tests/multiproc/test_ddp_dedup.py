@@ -26,8 +26,9 @@ def tensors(path: Path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def save(svc, run: str, out: Path, dedup: bool = True) -> dict:
-    res = torchrun(SCRIPT, ["save", svc.url, run, str(out)], nproc=RANKS, env={"LASTGOOD_DEDUP": "1" if dedup else "0"})
+def save(svc, run: str, out: Path, dedup: bool = True, **env: str) -> dict:
+    res = torchrun(SCRIPT, ["save", svc.url, run, str(out)], nproc=RANKS,
+                   env={"LASTGOOD_DEDUP": "1" if dedup else "0", **env})
     assert res.returncode == 0, why(res)
     lg = svc.get(f"/api/v1/runs/{run}/last-good").json()
     assert lg["step"] == 2 and lg["world_size"] == RANKS
@@ -101,3 +102,13 @@ def test_a_damaged_tensor_written_once_falls_back_on_every_rank(make_service, ru
         assert f"[rank {r}] restored step 1" in res.stdout, why(res)
     assert "does not match the committed" in res.stdout + res.stderr
     assert wait_status(svc, ckpt["id"], "CORRUPT")["status"] == "CORRUPT"
+
+
+def test_a_share_split_into_several_files_restores_at_another_world_size(service, run_name, tmp_path):
+    """Each rank's share of the replicated state split into several files (save/split.py,
+    LASTGOOD_FILE_BYTES): a tensor written once is found in whichever of its owner's files
+    holds it, through that file's tensor index."""
+    ckpt = save(service, run_name, tmp_path / "save", LASTGOOD_FILE_BYTES="100000")
+    assert all(len(r["files"]) > 1 for r in ckpt["manifest"]["ranks"])
+    restore(service, run_name, tmp_path / "on2", 2)
+    assert_restored(tmp_path / "save", tmp_path / "on2", 2)
