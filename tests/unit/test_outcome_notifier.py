@@ -59,3 +59,46 @@ def test_control_a_poke_that_does_not_say_what_was_decided_reads_the_catalog():
     answers, reads, again, _ = asyncio.run(_storm(decided=False))
     assert {a.status for a in answers + again} == {"COMMITTED"}
     assert reads == 2  # the first look, then one read for the poke, shared by every waiter
+
+
+async def _committed_then(change: str) -> tuple[str, str]:
+    """A commit answered from memory, then the status changes in the catalog (a scrub
+    marks it CORRUPT) and the changer pokes without saying what it decided: (the answer
+    right after the commit, the answer right after the change)."""
+    catalog = Catalog()
+    notifier = OutcomeNotifier(sessions=None, interval=3600, read=catalog.read)
+    waiter = asyncio.create_task(notifier.wait(CID, 600))
+    while catalog.reads < 1:
+        await asyncio.sleep(0.01)
+    catalog.status[CID] = "COMMITTED"
+    notifier.poke({CID: "COMMITTED"})
+    first = (await asyncio.wait_for(waiter, 120)).status
+    catalog.status[CID] = change
+    notifier.poke()
+    await asyncio.sleep(0.05)  # the poke runs on the loop
+    return first, (await asyncio.wait_for(notifier.wait(CID, 600), 120)).status
+
+
+def test_a_status_changed_after_the_commit_is_not_answered_from_memory():
+    """The decided outcome kept for late askers (DECIDED_KEPT_S) must not outlive a later
+    change: a checkpoint found CORRUPT right after its commit was answered COMMITTED for
+    up to two more seconds."""
+    assert asyncio.run(_committed_then("CORRUPT")) == ("COMMITTED", "CORRUPT")
+
+
+def test_an_outcome_found_by_a_read_is_not_kept():
+    """Only a commit's own poke (made after its transaction) is kept; a read may have raced
+    a later change, so what it found answers its waiters and is not remembered."""
+    async def run() -> int:
+        catalog = Catalog()
+        notifier = OutcomeNotifier(sessions=None, interval=3600, read=catalog.read)
+        waiter = asyncio.create_task(notifier.wait(CID, 600))
+        while catalog.reads < 1:
+            await asyncio.sleep(0.01)
+        catalog.status[CID] = "ABANDONED"
+        notifier.poke()
+        assert (await asyncio.wait_for(waiter, 120)).status == "ABANDONED"
+        before = catalog.reads
+        assert (await asyncio.wait_for(notifier.wait(CID, 600), 120)).status == "ABANDONED"
+        return catalog.reads - before
+    assert asyncio.run(run()) == 1

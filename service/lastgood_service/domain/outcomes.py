@@ -107,15 +107,19 @@ class OutcomeNotifier:
                 pass
 
     def _poked(self, decided: dict[int, str]) -> None:
+        if not decided:  # a change this poke does not name (abort, expiry, corruption):
+            self._decided = {}  # nothing remembered may outlive it
         for cid, status in decided.items():
-            self._resolve(cid, status)
+            self._resolve(cid, status, keep=True)
         self._wake.set()
 
-    def _resolve(self, cid: int, status: str | None) -> None:
+    def _resolve(self, cid: int, status: str | None, keep: bool = False) -> None:
         """Answer every waiter of a decided checkpoint (status None: it does not exist) with
-        one shared Outcome, and remember it for the ranks that ask shortly after."""
+        one shared Outcome; `keep` (a commit's own poke, made after its transaction)
+        remembers it for the ranks that ask shortly after. What a read found is not kept:
+        the read may have raced a later change whose poke already came."""
         outcome = Outcome(cid, status, []) if status is not None else None
-        if outcome is not None:
+        if outcome is not None and keep:
             now = self._loop.time()
             self._decided = {k: v for k, v in self._decided.items() if now - v[0] < DECIDED_KEPT_S}
             self._decided[cid] = (now, outcome)
