@@ -138,7 +138,12 @@ class PeerFallback:
         return hasher.hexdigest() if hasher.size == size else None
 
     def _mark_verified(self, checkpoint_id: int, rank: int, name: str) -> None:
-        with self.commits.sessions() as s, s.begin():
+        """Under the checkpoint's row lock, as a report marks its files (then the shards, the
+        same order): a report and this hash are serialised, so whichever commits last sees
+        no DECLARED file left and tries the commit (tests/catalog/test_peer_check_race.py)."""
+        c = self.commits
+        with c.sessions() as s, s.begin():
+            c._get_checkpoint(s, checkpoint_id, lock=True)
             sh = s.scalar(select(Shard).where(Shard.checkpoint_id == checkpoint_id, Shard.rank == rank,
                                               Shard.file_name == name, Shard.status == DECLARED))
             if sh is not None:
