@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from lastgood.errors import FormatError
+from lastgood.errors import CorruptCheckpoint, FormatError
 from lastgood.format import META_FILES, META_STATE, TensorSpec, parse_header, parse_state
+from lastgood.hashing import hash_bytes
+from lastgood.manifest import FileEntry, Manifest
 from lastgood.save import split
 
 MiB = 1 << 20
@@ -103,3 +106,33 @@ def test_run_all_waits_for_every_call_then_undoes_the_ones_that_succeeded():
         split.run_all([lambda: ok(0), bad, lambda: ok(2)], workers=3, undo=undone.append)
     assert sorted(done) == [0, 2] and sorted(undone) == [0, 2]
     assert split.run_all([lambda: 7, lambda: 8], workers=3) == [7, 8]
+
+
+class _Files:
+    """A transport's read_file over bytes in memory: what a rank's restore reads."""
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.files = files
+
+    def read_file(self, cid, rank, name, size, into):
+        into[:size] = self.files[name]
+        return into[:size], hash_bytes(self.files[name])
+
+
+def test_a_first_file_naming_further_files_the_manifest_lacks_is_corrupt():
+    """The manifest lists only the first file of the rank, whose header names further files:
+    CorruptCheckpoint (restore falls back to an older checkpoint), never a KeyError later."""
+    specs = [spec(f"t{i}", 1) for i in range(4)]
+    lays = split.layouts(specs, {META_STATE: json.dumps({"components": {}})}, 2 * MiB)
+    assert len(lays) == 2
+    first = lays[0].header + bytes(lays[0].size - len(lays[0].header))
+    name = "rank00000.safetensors"
+    man = Manifest(1, "run", 1, "a", 1, None, {0: [FileEntry(name, len(first), hash_bytes(first))]})
+    with pytest.raises(CorruptCheckpoint, match="further files"):
+        split.fetch_rank(_Files({name: first}), man, 0, name, lambda n: torch.empty(n, dtype=torch.uint8))
+    # control: a file that names none restores as one file
+    one = split.layouts(specs, {META_STATE: json.dumps({"components": {}})}, 0)[0]
+    whole = one.header + bytes(one.size - len(one.header))
+    man = Manifest(1, "run", 1, "a", 1, None, {0: [FileEntry(name, len(whole), hash_bytes(whole))]})
+    stored, _ = split.fetch_rank(_Files({name: whole}), man, 0, name, lambda n: torch.empty(n, dtype=torch.uint8))
+    assert sorted(stored.tensors) == [f"t{i}" for i in range(4)]

@@ -166,6 +166,10 @@ def fetch_rank(transport, manifest, rank: int, main: str, alloc: Callable[[int],
 
     datas = run_all([lambda i=i: read(i) for i in range(len(files))])
     if len(files) == 1:
+        _, meta = parse_header(datas[0], file_size=len(datas[0]))
+        if sibling_tensors(meta):  # its tensors would be missing at restore: a KeyError, no fallback
+            raise CorruptCheckpoint(f"checkpoint {cid} rank {rank}: {main} names {len(sibling_tensors(meta))} "
+                                    f"further files, the checkpoint holds none")
         return StoredFile(rank, datas[0]), buf
     return _split_file()(rank, datas[0], datas[1:], main), buf
 
