@@ -258,3 +258,12 @@ def snapshot(svc, *runs: str) -> dict:
 def assert_unchanged(before: dict, after: dict) -> None:
     assert after == before
     assert after["tmp"] == {}, f"temporary files left behind: {after['tmp']}"
+
+
+def lying_checker(transport, checkpoint_id: int):
+    """A peer check's `read` that reads nothing and reports the digest each file's writer
+    declared, taken from the catalog (GET .../shards: the assignment does not say it): the
+    check a control replaces the real read-back with."""
+    files = transport.get_json(f"/api/v1/checkpoints/{checkpoint_id}/shards")["ranks"]
+    declared = {f["name"]: f["xxh3_128"] for r in files for f in r["files"]}
+    return lambda _direct, f: declared[f["name"]]

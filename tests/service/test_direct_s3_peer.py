@@ -18,7 +18,7 @@ import lastgood
 from lastgood import directs3, peer
 from lastgood.errors import SaveFailed
 
-from .helpers import checkpoint, events, last_good_id, wait_status
+from .helpers import checkpoint, events, last_good_id, lying_checker, wait_status
 from .test_direct_s3 import MiB, metric, training, upload_corrupted
 
 NAME = "rank00000.bin"
@@ -70,11 +70,11 @@ def test_a_part_changed_after_its_checksum_never_commits_in_peer_mode(peer_svc, 
 
 
 def test_control_without_the_read_back_the_changed_part_commits_on_moto(peer_svc, run_name):
-    """The same upload, with the peer's read replaced by a check that trusts the digest it is
-    told: nothing else on moto stops it, and the bad bytes commit."""
+    """The same upload, with the peer's read replaced by a check that reports the declared digest
+    unread: nothing else on moto stops it, and the bad bytes commit."""
     t, cid, data, prepared = uploaded(peer_svc, run_name, corrupt=True)
     try:
-        peer.check(t, None, cid, 0, deadline=float("inf"), read=lambda _d, f: f["xxh3_128"])
+        peer.check(t, None, cid, 0, deadline=float("inf"), read=lying_checker(t, cid))
         assert t.commit_rank(cid, 0, [NAME], wait=5).status == "COMMITTED"
         view, digest = t.read_file(cid, 0, NAME, len(data))  # a presigned GET of the committed object
     finally:
@@ -90,6 +90,7 @@ def test_the_check_reads_through_a_presigned_get_the_service_grants(peer_svc, ru
         a = t.get_json(f"/api/v1/checkpoints/{cid}/ranks/0/peer-check")
         (f,) = a["files"]
         assert f["path"] is None and f["url"].startswith("http") and "X-Amz-Signature=" in f["url"]
+        assert "xxh3_128" not in f  # the checker reports what it read; it is never told what to say
         assert directs3.hash_object(f["url"], f["size"]) == prepared.xxh3_128
         assert peer.check(t, None, cid, 0, deadline=float("inf")) in ("PENDING", "COMMITTED")
         assert t.commit_rank(cid, 0, [NAME], wait=5).status == "COMMITTED"

@@ -27,7 +27,7 @@ from lastgood.save import default_path
 from lastgood.transport import Transport
 
 from ..conftest import FAST, ServiceProc
-from .helpers import checkpoint, events, last_good_id, make_shard, shard_blob, shard_name
+from .helpers import checkpoint, events, last_good_id, lying_checker, make_shard, shard_blob, shard_name
 
 
 @pytest.fixture(scope="module")
@@ -137,14 +137,14 @@ def test_peer_mode_a_file_changed_after_its_digest_never_commits(peer_svc, run_n
 
 
 def test_control_without_the_peer_read_the_changed_file_would_commit(peer_svc, run_name, tmp_path):
-    """The same changed file, with the peer's read replaced by a check that trusts the digest
-    it is told: the service commits it - the read-back is what stopped it above."""
+    """The same changed file, with the peer's read replaced by a check that reports the declared
+    digest unread: the service commits it - the read-back is what stopped it above."""
     data = make_shard(0, seed=11)
     t, direct, handle, digest, cid = handed_over(peer_svc, tmp_path, run_name, data, change_after_hashing=True)
     try:
         direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
         t.commit_rank(cid, 0, [shard_name(0)], wait=0)
-        assert peer.check(t, direct, cid, 0, deadline=float("inf"), read=lambda _d, f: f["xxh3_128"]) in ("PENDING", "COMMITTED")
+        assert peer.check(t, direct, cid, 0, deadline=float("inf"), read=lying_checker(t, cid)) in ("PENDING", "COMMITTED")
         assert t.commit_rank(cid, 0, [shard_name(0)], wait=5).status == "COMMITTED"
     finally:
         t.close()

@@ -76,3 +76,16 @@ def test_bad_registrations_are_refused_and_change_nothing(service, run_name):
     assert service.get(f"/api/v1/runs/{run_name}").status_code == 404
     r = service.post(f"/api/v1/checkpoints/1/tags", json={"name": "t"}, headers={GENERATION_HEADER: "-1"})
     assert r.status_code == 422
+
+
+def test_a_fenced_launch_gets_no_peer_check_assignment(service, client: Client, run_name):
+    """A zombie of a fenced launch is refused its assignment (on direct S3 it names presigned
+    GETs of the store's objects) as it is refused its report."""
+    old = register(service, run_name, "first")
+    pending = client.begin(run_name, 1, attempt="first", generation=old).checkpoint_id
+    assert service.get(f"/api/v1/checkpoints/{pending}/ranks/0/peer-check").status_code == 200  # control
+    assert register(service, run_name, "relaunch") == 2
+    for r in (service.get(f"/api/v1/checkpoints/{pending}/ranks/0/peer-check"),
+              service.post(f"/api/v1/checkpoints/{pending}/ranks/0/peer-check", json={"peer_rank": 0, "files": []})):
+        assert r.status_code == 409 and r.json()["error"]["code"] == FENCED, r.text
+        assert "relaunch" in r.json()["error"]["message"]

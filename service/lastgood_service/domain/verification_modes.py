@@ -25,8 +25,8 @@ same-host spool - are hashed as they pass, whatever the mode.
 
 A peer-checked file is recorded DECLARED, published but not yet VERIFIED; the commit
 (protocol.try_commit) waits until no DECLARED file is left. A rank asks which files to
-check (`assignment`: the peer's DECLARED files, their declared digest and their path in
-the store) and reports what it read (`report`): a match makes the file VERIFIED; a
+check (`assignment`: the peer's DECLARED files, their size and their path in the store,
+never the digest their writer declared: a checker cannot echo it) and reports what it read (`report`): a match makes the file VERIFIED; a
 mismatch records a hash_mismatch event and aborts the checkpoint (ABANDONED, with the
 reason); a file the checker could not read (it does not mount the store, the blob is
 missing) is hashed by the service itself, and so is a file no checker reported within a
@@ -158,12 +158,13 @@ class PeerChecks:
         return self.commits.settings.verification
 
     def assignment(self, checkpoint_id: int, rank: int) -> dict:
-        """What `rank` checks now: its peer's DECLARED files, with digest, size and where to
-        read each (`_where`: a path under the store's root, or a presigned GET)."""
+        """What `rank` checks now: its peer's DECLARED files, with size and where to read each (`_where`: a path under the store's root, or a presigned GET)."""
         c = self.commits
         with c.sessions() as s, s.begin():
             ck = c._get_checkpoint(s, checkpoint_id)
             c._check_rank(ck, rank)
+            # a zombie of a fenced launch gets no presigned GET of the store's objects
+            fencing.check(s, ck.run_id, ck.generation, f"peer check on checkpoint {ck.id}")
             peer = peer_of(rank, ck.world_size)
             voted = s.get(Vote, (checkpoint_id, peer)) is not None
             shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == checkpoint_id, Shard.rank == peer,
@@ -171,7 +172,8 @@ class PeerChecks:
             status = ck.status
         hashing = peer_fallback.of(c)  # files the service hashes itself are nobody's to check
         where = self._where() if shards and status == PENDING else None
-        files = [{"name": sh.file_name, "size": sh.size, "xxh3_128": sh.xxh3_128, **where(sh)} for sh in shards
+        # no declared digest: the checker reports what it read, the service compares (report)
+        files = [{"name": sh.file_name, "size": sh.size, **where(sh)} for sh in shards
                  if not hashing.hashing(checkpoint_id, peer, sh.file_name)] if where else []
         return {"verification": self.mode, "status": status, "peer_rank": peer, "peer_voted": voted,
                 "files": files if status == PENDING else []}

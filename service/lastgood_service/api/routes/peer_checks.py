@@ -35,10 +35,10 @@ def _checks(ctx) -> PeerChecks:
     return PeerChecks(ctx.commits, ctx.direct_fs)
 
 
-@router.get("/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/peer-check", responses=answers(400, 404))
+@router.get("/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/peer-check", responses=answers(400, 404, 409))
 def peer_assignment(checkpoint_id: CkptId, rank: Rank, ctx: Ctx):
     """The files this rank is to read back and check: its peer's (rank + 1 mod world) files
-    not yet checked, with the declared xxh3-128 and the path under the store's root."""
+    not yet checked, with their size and where to read each (the declared digest stays here)."""
     return _checks(ctx).assignment(checkpoint_id, rank)
 
 
