@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Iterator
 
@@ -109,6 +110,7 @@ class Transport(RestClient):
         # shard bytes received (whole files and ranges), ranged requests and those of them
         # answered with a link in the spool: what a restore read, and how
         self.shard_bytes = self.range_requests = self.lent_ranges = 0
+        self._counts = threading.Lock()  # a restore reads a rank's files and ranges on several threads
         _open.add(self)
         # the shard streams carry hand-framed chunks (see wire.py): raw bytes at this end
         self._put_shard = self._channel.stream_unary(
@@ -233,6 +235,12 @@ class Transport(RestClient):
         self._unary("AbortCheckpoint", self._stub.AbortCheckpoint,
                     pb.AbortCheckpointRequest(checkpoint_id=checkpoint_id, reason=reason, rank=rank))
 
+    def _count(self, nbytes: int, lent: int = 0, requests: int = 0) -> None:
+        with self._counts:
+            self.shard_bytes += nbytes
+            self.lent_ranges += lent
+            self.range_requests += requests
+
     def read_file(self, checkpoint_id: int, rank: int, file_name: str, size: int,
                   into=None) -> tuple[memoryview, str]:
         """The whole file, and the xxh3-128 of what arrived (hashed while receiving), written
@@ -268,7 +276,7 @@ class Transport(RestClient):
                     pos += n
             except grpc.RpcError as e:
                 raise _service_error(e, "GetShard") from None
-            self.shard_bytes += pos
+            self._count(pos)
             if pos != size:  # the whole stored file came, without an error: it is shorter
                 raise CorruptCheckpoint(f"checkpoint {checkpoint_id} rank {rank} {file_name}: the stored file ends "
                                         f"after {pos} of the committed {size} bytes")
@@ -311,11 +319,10 @@ class Transport(RestClient):
                         spool_id=spool["id"] if spool else ""), spool, pos):
                     if lent:
                         pos = _pread_lent(spool["dir"], lent, view, offset)
-                        self.shard_bytes += pos
-                        self.lent_ranges += 1
+                        self._count(pos, lent=1)
                         continue
                     n = len(chunk)
-                    self.shard_bytes += n
+                    self._count(n)
                     if pos + n > length:
                         raise CorruptCheckpoint(f"checkpoint {checkpoint_id} rank {rank} {file_name}: more than the "
                                                 f"{length} bytes asked for at offset {offset}")
@@ -327,7 +334,7 @@ class Transport(RestClient):
                 raise CorruptCheckpoint(f"checkpoint {checkpoint_id} rank {rank} {file_name}: the stored file ends "
                                         f"{pos} bytes after offset {offset}, {length} were committed")
 
-        self.range_requests += 1
+        self._count(0, requests=1)
         self._retrying(once, f"GetShard {checkpoint_id}/{rank}/{file_name} [{offset}, +{length})")
 
 
