@@ -116,3 +116,26 @@ def test_export_reads_a_split_checkpoint(service, run_name, monkeypatch, tmp_pat
     sd = model.state_dict()
     assert sorted(got) == sorted(sd) and doc["tensors"] == len(sd)
     assert all(torch.equal(got[k], sd[k]) for k in sd)
+
+
+def test_streamed_files_of_a_rank_use_at_most_two_streams(service, run_name, monkeypatch):
+    """The ranks of a host share a token's max_streams_per_client (16): a rank streams its
+    files over at most split.STREAM_WORKERS PutShard streams at once, not split.WORKERS."""
+    from lastgood.save import split
+
+    monkeypatch.setenv("LASTGOOD_FILE_BYTES", FILE_BYTES)
+    monkeypatch.setenv("LASTGOOD_SPOOL", "0")  # streamed
+    calls: list[tuple[int, int, bool]] = []
+    real = split.run_all
+
+    def run_all(fns, workers=split.WORKERS, **kw):
+        calls.append((len(fns), workers, "undo" in kw))  # undo: add_all's prepare, not a send
+        return real(fns, workers, **kw)
+
+    monkeypatch.setattr(split, "run_all", run_all)
+    model, opt = _training(0)
+    with lastgood.Checkpointer(service.url, run=run_name) as ckpt:
+        ckpt.save(1, lastgood.TrainState(model=model, optimizer=opt))
+        ckpt.wait()
+    sends = [w for n, w, prepare in calls if n >= 3 and not prepare]  # the hand-over of several files
+    assert sends and max(sends) <= split.STREAM_WORKERS < split.WORKERS, calls

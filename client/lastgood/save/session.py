@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from .. import peer
 from ..errors import GaveUp, SaveFailed, ServiceError
 from . import split
-from .paths import DataPath, Prepared, default_path
+from .paths import DataPath, Prepared, StreamPath, default_path
 
 log = logging.getLogger("lastgood")
 _SENT = memoryview(b"")  # what a sent file's handle holds instead of its bytes
@@ -220,7 +220,10 @@ class Upload:
             self.path.send(self.checkpoint_id, self.rank, handle)
             handle.data = _SENT  # the service has it: the writer's buffer is not held past the save
 
-        split.run_all([lambda h=h: send(h) for h in self.files[self._sent:]], transport=self.transport)
+        todo = self.files[self._sent:]
+        streamed = isinstance(self.path, StreamPath) and any(h.token is None for h in todo)  # not a hand-over by name
+        split.run_all([lambda h=h: send(h) for h in todo], workers=split.STREAM_WORKERS if streamed else split.WORKERS,
+                      transport=self.transport)
         self._sent = len(self.files)
 
     def commit(self, *, wait: bool = True, converging: Callable[[], bool] | None = None) -> None:

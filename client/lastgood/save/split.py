@@ -37,6 +37,9 @@ from ..format import META_FILES, Layout, TensorSpec, header_length, parse_header
 
 MAX_FILES = 64  # per rank: bounds the manifest's entries and the header's list
 WORKERS = 4     # threads per rank that write (or read) its files: hashing, os.write, gRPC release the GIL
+# PutShard streams a rank opens at once: the service allows max_streams_per_client (16) per
+# token, and the ranks of a host usually share one: four each would overrun it on 8 ranks
+STREAM_WORKERS = 2
 ALIGN = 64      # where each file starts in a buffer: every tensor stays aligned to its element size
 T = TypeVar("T")
 _FURTHER = re.compile(r".+-\d{3}\.safetensors")
