@@ -206,6 +206,13 @@ def test_store_mode_is_refused_at_start_by_a_file_store(tmp_path):
     assert "LASTGOOD_VERIFICATION=store: the blob store (LocalBlobStore) does not verify the checksums" in res.stderr
 
 
+class _GrantsDirect:
+    """What check_available asks of an S3 store (capabilities.GrantsDirectAccess), no more."""
+
+    def direct(self, public_endpoint=None):
+        raise AssertionError("check_available never signs")
+
+
 def test_direct_s3_uploads_need_store_or_peer_verification():
     """The service reads none of a direct upload's bytes, so with LASTGOOD_DIRECT_S3 the
     verification is the store's (`store`) or the ranks' read-back (`peer`,
@@ -218,8 +225,21 @@ def test_direct_s3_uploads_need_store_or_peer_verification():
         vm.check_available("service", None, direct_s3=True)
     with pytest.raises(vm.ModeUnavailable, match="does not verify the checksums"):
         vm.check_available("store", None, direct_s3=True)  # past the rule: no store that verifies
-    vm.check_available("peer", None, direct_s3=True)
+    vm.check_available("peer", _GrantsDirect(), direct_s3=True)
     vm.check_available("service", None, direct_s3=False)  # the same mode without direct uploads starts
+
+
+def test_direct_s3_uploads_on_a_store_that_grants_none_are_refused_at_start(tmp_path):
+    """LASTGOOD_DIRECT_S3=true on a local store does nothing (only an S3 store grants direct
+    access): refused at start, in `peer` mode too, rather than silently streaming. Control:
+    the same store without the setting starts in `peer` mode."""
+    from lastgood_service.blobstore import LocalBlobStore
+    from lastgood_service.domain import verification_modes as vm
+
+    local = LocalBlobStore(tmp_path / "blobs")
+    with pytest.raises(vm.ModeUnavailable, match=r"LASTGOOD_DIRECT_S3=true: the blob store \(LocalBlobStore\) grants"):
+        vm.check_available("peer", local, direct_s3=True)
+    vm.check_available("peer", local, direct_s3=False)
 
 
 def _catalog_transactions(svc) -> int:

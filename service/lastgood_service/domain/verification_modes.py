@@ -65,7 +65,8 @@ def check_available(mode: str, store, direct_s3: bool) -> None:
     takes it: a store that grants no direct access, or a service with them off, has
     nothing that would verify a file it does not hash. Direct uploads take `store` or
     `peer` (ranks read each other's objects back through presigned GETs: the one mode
-    that needs no checking store, so the one for a store that does not check, as moto)."""
+    that needs no checking store, so the one for a store that does not check, as moto).
+    Direct uploads on a store that grants no direct access (a file system) are refused."""
     if mode not in MODES:
         raise ModeUnavailable(f"LASTGOOD_VERIFICATION must be one of {', '.join(MODES)}, got {mode!r}")
     if direct_s3 and mode == SERVICE:
@@ -82,6 +83,10 @@ def check_available(mode: str, store, direct_s3: bool) -> None:
         raise ModeUnavailable(
             f"LASTGOOD_VERIFICATION=store: {why}, so nothing would verify a file the service does not hash; "
             f"use `service` (the service hashes every byte) or `peer` (ranks check each other's files)")
+    if direct_s3 and not isinstance(store, capabilities.GrantsDirectAccess):  # `peer`: past the rules above
+        raise ModeUnavailable(
+            f"LASTGOOD_DIRECT_S3=true: the blob store ({type(store).__name__}) grants no direct access (only an S3 "
+            f"store does), so the setting would do nothing; unset it, or use an S3 blob store")
 
 
 def service_hashes(mode: str) -> bool:
