@@ -40,9 +40,17 @@ def make_shard(rank: int = 0, seed: int = 0, n: int = 6) -> bytes:
         "train.step": np.array([seed, rank], dtype=np.int64),
         "rng.state": np.arange(5, dtype=np.uint8) + seed,
     }
-    dtypes = {np.dtype(np.float32): "F32", np.dtype(np.int64): "I64", np.dtype(np.uint8): "U8"}
-    specs = [TensorSpec(k, dtypes[v.dtype], tuple(v.shape)) for k, v in values.items()]
-    layout = plan_layout(specs, {"lastgood.format": "1", "rank": str(rank), "seed": str(seed)})
+    return safetensors_bytes(values, {"lastgood.format": "1", "rank": str(rank), "seed": str(seed)})
+
+
+DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.int64): "I64", np.dtype(np.uint8): "U8"}
+
+
+def safetensors_bytes(values: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes:
+    """A safetensors file of `values` (F32, I64 or U8 arrays) and `metadata`, laid out by
+    lastgood.format.plan_layout as a rank writes it."""
+    specs = [TensorSpec(k, DTYPES[v.dtype], tuple(v.shape)) for k, v in values.items()]
+    layout = plan_layout(specs, metadata)
     buf = bytearray(layout.size)
     buf[:layout.data_start] = layout.header
     for name, arr in values.items():

@@ -41,6 +41,24 @@ def training(seed: int):
     return model, opt
 
 
+def round_trip(url: str, run: str):
+    """Save a trained model and optimizer at step 3, restore them into another one, and
+    check every tensor bitwise: (the saved pair, the restored pair)."""
+    model, opt = training(0)
+    with lastgood.Checkpointer(url, run=run) as ckpt:
+        ckpt.save(3, lastgood.TrainState(model=model, optimizer=opt))
+        ckpt.wait()
+    model2, opt2 = training(1)
+    with lastgood.Checkpointer(url, run=run) as ckpt:
+        assert ckpt.restore(lastgood.TrainState(model=model2, optimizer=opt2)) == 3
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, model2.state_dict()[k]), k
+    for i, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, opt2.state_dict()["state"][i][k]), (i, k)
+    return (model, opt), (model2, opt2)
+
+
 def metric(svc, name: str) -> float:
     for line in svc.get("/metrics").text.splitlines():
         if line.startswith(name + " "):
@@ -60,18 +78,7 @@ def begin(t: Transport, run: str, step: int = 1) -> int:
 def test_direct_save_and_restore_round_trip_bitwise(make_service, tmp_path, localstack, ls_bucket, run_name):
     svc = direct_service(make_service, tmp_path, localstack, ls_bucket)
     assert svc.info["direct_s3"]["checksum"] == "crc32"
-    model, opt = training(0)
-    with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
-        ckpt.save(3, lastgood.TrainState(model=model, optimizer=opt))
-        ckpt.wait()
-    model2, opt2 = training(1)
-    with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
-        assert ckpt.restore(lastgood.TrainState(model=model2, optimizer=opt2)) == 3
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, model2.state_dict()[k]), k
-    for i, st in opt.state_dict()["state"].items():
-        for k, v in st.items():
-            assert torch.equal(v, opt2.state_dict()["state"][i][k]), (i, k)
+    round_trip(svc.url, run_name)
 
     # the bytes went to the store and came back from it, never through the service
     lg = svc.get(f"/api/v1/runs/{run_name}/last-good", params={"manifest": "true"}).json()

@@ -10,7 +10,7 @@ from lastgood.hashing import hash_bytes
 from lastgood.manifest import RANGE_DIGESTS, Manifest
 from lastgood.ranges import MIN_BLOCK, RangeDigests
 
-from .helpers import Client, http, make_shard, shard_name
+from .helpers import Client, http, make_shard, safetensors_bytes, shard_name
 
 
 def test_each_segment_of_a_ranged_read_verifies(make_service, run_name):
@@ -65,21 +65,14 @@ def sharded_file(offset: str = "[4, 0]") -> bytes:
 
     import numpy as np
 
-    from lastgood.format import META_STATE, TensorSpec, plan_layout
+    from lastgood.format import META_STATE
 
     values = {"w": np.ones((4, 2), np.float32), "w.exp_avg": np.zeros((4, 2), np.float32),
               "step": np.array([3], np.int64)}
     state = {"components": {"model": {"w": {"__dtensor__": "w", "shape": [16, 2], "offset": [4, 0]}},
                             "optim": {"m": {"__dtensor__": "w.exp_avg", "shape": [16, 2], "offset": [4, 0]},
                                       "step": {"__tensor__": "step"}}}}
-    specs = [TensorSpec(k, "F32" if v.dtype == np.float32 else "I64", v.shape) for k, v in values.items()]
-    lay = plan_layout(specs, {META_STATE: json.dumps(state).replace('"offset": [4, 0]', f'"offset": {offset}', 1)})
-    buf = bytearray(lay.size)
-    buf[:lay.data_start] = lay.header
-    for name, arr in values.items():
-        a, b = lay.offsets[name]
-        buf[a:b] = arr.tobytes()
-    return bytes(buf)
+    return safetensors_bytes(values, {META_STATE: json.dumps(state).replace('"offset": [4, 0]', f'"offset": {offset}', 1)})
 
 
 def commit_one(svc, run_name: str, data: bytes) -> Manifest:

@@ -61,15 +61,21 @@ def test_control_a_poke_that_does_not_say_what_was_decided_reads_the_catalog():
     assert reads == 2  # the first look, then one read for the poke, shared by every waiter
 
 
+async def _one_waiter():
+    """A notifier with one rank waiting on CID, after its first look (still PENDING)."""
+    catalog = Catalog()
+    notifier = OutcomeNotifier(sessions=None, interval=3600, read=catalog.read)  # no periodic poll
+    waiter = asyncio.create_task(notifier.wait(CID, 600))
+    while catalog.reads < 1:
+        await asyncio.sleep(0.01)
+    return catalog, notifier, waiter
+
+
 async def _committed_then(change: str) -> tuple[str, str]:
     """A commit answered from memory, then the status changes in the catalog (a scrub
     marks it CORRUPT) and the changer pokes without saying what it decided: (the answer
     right after the commit, the answer right after the change)."""
-    catalog = Catalog()
-    notifier = OutcomeNotifier(sessions=None, interval=3600, read=catalog.read)
-    waiter = asyncio.create_task(notifier.wait(CID, 600))
-    while catalog.reads < 1:
-        await asyncio.sleep(0.01)
+    catalog, notifier, waiter = await _one_waiter()
     catalog.status[CID] = "COMMITTED"
     notifier.poke({CID: "COMMITTED"})
     first = (await asyncio.wait_for(waiter, 120)).status
@@ -90,11 +96,7 @@ def test_an_outcome_found_by_a_read_is_not_kept():
     """Only a commit's own poke (made after its transaction) is kept; a read may have raced
     a later change, so what it found answers its waiters and is not remembered."""
     async def run() -> int:
-        catalog = Catalog()
-        notifier = OutcomeNotifier(sessions=None, interval=3600, read=catalog.read)
-        waiter = asyncio.create_task(notifier.wait(CID, 600))
-        while catalog.reads < 1:
-            await asyncio.sleep(0.01)
+        catalog, notifier, waiter = await _one_waiter()
         catalog.status[CID] = "ABANDONED"
         notifier.poke()
         assert (await asyncio.wait_for(waiter, 120)).status == "ABANDONED"
