@@ -270,10 +270,11 @@ def read_file(transport, checkpoint_id: int, rank: int, file_name: str, size: in
     return view, transport.retry.call(once, what)
 
 
-def _hash_body(resp, size: int, what: str, into: memoryview | None = None) -> str:
+def _hash_body(resp, size: int, what: str, into: memoryview | None = None, hasher=None) -> str:
     """The xxh3-128 of a GET's body, which must be `size` bytes (else CorruptCheckpoint),
-    read into `into`, or through one piece-sized buffer when the bytes are not kept."""
-    hasher, pos = StreamHasher(), 0
+    read into `into`, or through one piece-sized buffer when the bytes are not kept;
+    `hasher` (a StreamHasher by default) is fed every byte."""
+    hasher, pos = hasher or StreamHasher(), 0
     scratch = memoryview(bytearray(min(_PIECE, size))) if into is None else None
     try:
         while pos < size:
@@ -293,17 +294,20 @@ def _hash_body(resp, size: int, what: str, into: memoryview | None = None) -> st
     return hasher.hexdigest()
 
 
-def hash_object(url: str, size: int) -> str | None:
+def hash_object(url: str, size: int, ranges_rule: dict | None = None) -> tuple[str, str | None] | None:
     """The xxh3-128 of the object behind a presigned GET (a peer check, peer.py), read
-    through one buffer; None when it cannot be read whole (the service hashes it then)."""
+    through one buffer, and the fingerprint of its range digests recomputed in that read by
+    `ranges_rule` (None without: ranges.FileCheck); None when it cannot be read whole (the
+    service hashes it then)."""
     what = "peer check read"
+    check = ranges.FileCheck(ranges_rule)
     try:
         resp, conn = _request("GET", url, what=what)
     except (StoreRefused, StoreUnavailable) as e:
         log.warning("lastgood: %s", e)
         return None
     try:
-        return _hash_body(resp, size, what)
+        return _hash_body(resp, size, what, hasher=check), ranges.fingerprint(check.digests())
     except (CorruptCheckpoint, StoreUnavailable) as e:
         log.warning("lastgood: %s", e)
         return None

@@ -306,6 +306,9 @@ class FileCheck:
     def size(self) -> int:
         return self.hasher.size
 
+    def hexdigest(self) -> str:
+        return self.hasher.hexdigest()
+
     def update(self, data) -> None:
         self.hasher.update(data)
         if self._rule is None or self._bad:

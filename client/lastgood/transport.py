@@ -184,7 +184,8 @@ class Transport(RestClient):
                 pass
 
     def put_shard(self, checkpoint_id: int, rank: int, file_name: str, data: memoryview,
-                  xxh3: str, spooled: str | None = None, spool: dict | None = None) -> pb.PutShardResponse:
+                  xxh3: str, spooled: str | None = None, spool: dict | None = None,
+                  range_digests: str = "") -> pb.PutShardResponse:
         """Stream the shard, or hand over the file `spooled` holding the same bytes, in the
         spool (or the hand-over directory `spool`: direct-FS's staging directory).
         Whatever goes wrong with a hand-over, the bytes are streamed next, and that answer
@@ -199,6 +200,7 @@ class Transport(RestClient):
             spooled_header = pb.ShardHeader()
             spooled_header.CopyFrom(header)
             spooled_header.spool_file, spooled_header.spool_id = spooled, spool["id"]
+            spooled_header.range_digests = range_digests  # declared with a name only (directfs.py)
             try:
                 return self._put(lambda: iter((pb.PutShardRequest(header=spooled_header).SerializeToString(),)))
             except GaveUp:

@@ -8,6 +8,7 @@ store cannot provide is refused at start."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 import lastgood
-from lastgood import directfs, peer
+from lastgood import directfs, peer, ranges
 from lastgood.directfs import DirectFS
 from lastgood.manifest import RANGE_DIGESTS
 from lastgood.errors import SaveFailed
@@ -27,7 +28,7 @@ from lastgood.save import default_path
 from lastgood.transport import Transport
 
 from ..conftest import FAST, ServiceProc
-from .helpers import checkpoint, events, last_good_id, make_shard, shard_blob, shard_name
+from .helpers import checkpoint, events, last_good_id, make_shard, shard_blob, shard_name, wait_status
 
 
 @pytest.fixture(scope="module")
@@ -105,10 +106,16 @@ def test_a_direct_fs_save_restores_bitwise_and_its_blob_is_the_file_written(mode
     assert staging_files(svc) == []
     checked = [e for e in events(svc, run_name) if e["kind"] == "peer_verified"]
     assert len(checked) == (1 if mode == "peer" else 0), checked  # peer mode: a rank read it back
-    # range digests come from the service's own read: none for a file it read only the header
-    # of (peer mode; such a file is read whole at another world size), the service's otherwise
+    # range digests in both modes: the service's own read, or (peer mode, where it reads only
+    # the header) the writer's, declared with the name and recomputed by the peer - the same
+    # digests, so such a file is read by ranges at another world size, not whole
     index = svc.get(f"/api/v1/checkpoints/{cid}/ranks/0/index/{ckpt_file_name(0)}").json()
-    assert (RANGE_DIGESTS in index) == (mode == "service"), sorted(index)
+    blob = shard_blob(svc, cid, 0).read_bytes()
+    mine = ranges.RangeHasher(index["data_start"], index["tensors"], svc.info["range_block_bytes"])
+    mine.update(blob)
+    assert index.get(RANGE_DIGESTS) == mine.digests(), sorted(index)
+    root = svc.get(f"/api/v1/checkpoints/{cid}/manifest").json()
+    assert "chunks" in root["ranks"][0]["files"][0]["index"]  # where its shards lie, as for a hashed file
 
     model2 = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 8))
     opt2 = torch.optim.AdamW(model2.parameters())
@@ -261,3 +268,60 @@ def test_a_peer_report_that_leaves_files_to_check_attempts_no_commit(make_servic
     assert res["status"] == "COMMITTED"
     assert costs[0] == costs[1] == 2, costs  # the report, the status: no commit attempt
     assert costs[2] > costs[1], costs  # control: the last report attempts the commit, and commits
+
+
+    vm.check_available(mode, None, direct_s3=False)  # the same mode without direct uploads starts
+
+
+def declared_hand_over(svc, tmp_path, run: str, *, wrong_digest: bool):
+    """A direct-FS hand-over in peer mode that declares the file's range digests, one of
+    them (a tensor's, well formed) not of the bytes when `wrong_digest`."""
+    data = make_shard(0, seed=12, n=40_000)
+    t, direct, handle, digest, cid = handed_over(svc, tmp_path, run, data)
+    segments = ranges.hasher_of(data, svc.info["range_block_bytes"])
+    segments.update(data)
+    declared = segments.digests()
+    if wrong_digest:
+        name = next(iter(declared["tensors"]))
+        declared["tensors"][name][0] = "0" * 32
+    handle = directfs.Handle(handle.name, handle.size, json.dumps(declared))
+    direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
+    assert staging_files(svc) == []  # taken by name, not streamed
+    t.commit_rank(cid, 0, [shard_name(0)], wait=0)
+    return t, direct, cid
+
+
+def test_peer_mode_a_declared_range_digest_not_of_the_bytes_never_commits(peer_svc, run_name, tmp_path):
+    t, direct, cid = declared_hand_over(peer_svc, tmp_path, run_name, wrong_digest=True)
+    try:
+        with pytest.raises(SaveFailed, match="range digests .*not the declared"):
+            peer.check(t, direct, cid, 0, deadline=float("inf"))
+    finally:
+        t.close()
+    assert checkpoint(peer_svc, cid)["status"] == "ABANDONED"
+    assert last_good_id(peer_svc, run_name) is None
+
+
+def test_control_peer_mode_declared_range_digests_of_the_bytes_commit(peer_svc, run_name, tmp_path):
+    t, direct, cid = declared_hand_over(peer_svc, tmp_path, run_name, wrong_digest=False)
+    try:
+        assert peer.check(t, direct, cid, 0, deadline=float("inf")) in ("PENDING", "COMMITTED")
+        assert t.commit_rank(cid, 0, [shard_name(0)], wait=5).status == "COMMITTED"
+    finally:
+        t.close()
+    index = peer_svc.get(f"/api/v1/checkpoints/{cid}/ranks/0/index/{shard_name(0)}").json()
+    assert "digests" in index
+
+
+def test_peer_mode_the_service_s_own_read_checks_declared_range_digests_too(peer_svc, run_name, tmp_path):
+    """A checker that cannot read the file (no mount): the service reads it itself, and
+    recomputes the declared range digests as the peer would have."""
+    t, direct, cid = declared_hand_over(peer_svc, tmp_path, run_name, wrong_digest=True)
+    try:
+        peer.check(t, direct, cid, 0, deadline=float("inf"), read=lambda _d, _f: None)  # unread: the service reads it
+    finally:
+        t.close()
+    wait_status(peer_svc, cid, "ABANDONED", timeout=60)
+    mismatch = [e for e in events(peer_svc, run_name) if e["kind"] == "hash_mismatch"]
+    assert mismatch and "range digests" in str(mismatch[0]), mismatch
+    assert last_good_id(peer_svc, run_name) is None

@@ -55,3 +55,27 @@ def validate(cap: int, data_start: int, tensors: dict, header: bytes | memoryvie
                               "the file's header")
     return out
 
+
+
+def of_shard(commits, ckpt_prefix: str, sh) -> dict | None:
+    """The range digests in a file's index object (None: it has none, or no index object):
+    what a peer's read of a DECLARED file must reproduce."""
+    import json
+
+    from lastgood.manifest import FIXED_DIGESTS, RANGE_DIGESTS
+
+    from .commit import indexes
+
+    key = indexes.key_of(ckpt_prefix, sh)
+    if key is None:
+        return None
+    try:
+        body = json.loads(b"".join(commits.blobs.get(key)))
+    except FileNotFoundError:
+        return None
+    return body.get(RANGE_DIGESTS, body.get(FIXED_DIGESTS))  # manifest.py: where an index keeps them
+
+
+def rule_of(digests: dict | None) -> dict | None:
+    """The block rule a peer recomputes the digests by (ranges.Blocks.record's keys)."""
+    return None if digests is None else {k: digests[k] for k in ("block", "split", "floor") if k in digests}
