@@ -325,3 +325,24 @@ def test_peer_mode_the_service_s_own_read_checks_declared_range_digests_too(peer
     mismatch = [e for e in events(peer_svc, run_name) if e["kind"] == "hash_mismatch"]
     assert mismatch and "range digests" in str(mismatch[0]), mismatch
     assert last_good_id(peer_svc, run_name) is None
+
+
+def test_peer_mode_hostile_declared_digests_are_refused_and_the_file_streamed(peer_svc, run_name, tmp_path, caplog):
+    """Too many blocks for a tensor: the service refuses the hand-over (nothing recorded),
+    the client streams the same bytes, and the index object holds the service's own digests."""
+    data = make_shard(0, seed=13, n=40_000)
+    t, direct, handle, digest, cid = handed_over(peer_svc, tmp_path, run_name, data)
+    segments = ranges.hasher_of(data, peer_svc.info["range_block_bytes"])
+    segments.update(data)
+    good = segments.digests()
+    bad = {**good, "tensors": {k: v * 40 for k, v in good["tensors"].items()}}
+    try:
+        with caplog.at_level("WARNING", logger="lastgood"):
+            direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest,
+                             directfs.Handle(handle.name, handle.size, json.dumps(bad)))
+        assert "declared range digests refused" in caplog.text
+        assert t.commit_rank(cid, 0, [shard_name(0)], wait=5).status == "COMMITTED"  # streamed: hashed, VERIFIED
+        index = peer_svc.get(f"/api/v1/checkpoints/{cid}/ranks/0/index/{shard_name(0)}").json()
+        assert index.get("digests") == good, index  # computed by the service from the stream, not the declaration
+    finally:
+        t.close()
