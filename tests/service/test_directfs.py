@@ -357,6 +357,6 @@ def test_peer_mode_hostile_declared_digests_are_refused_and_the_file_streamed(pe
         assert "declared range digests refused" in caplog.text
         assert t.commit_rank(cid, 0, [shard_name(0)], wait=5).status == "COMMITTED"  # streamed: hashed, VERIFIED
         index = peer_svc.get(f"/api/v1/checkpoints/{cid}/ranks/0/index/{shard_name(0)}").json()
-        assert index.get("digests") == good, index  # computed by the service from the stream, not the declaration
+        assert index.get(RANGE_DIGESTS) == good, index  # computed by the service from the stream, not the declaration
     finally:
         t.close()
