@@ -97,7 +97,7 @@ def check(transport, direct, checkpoint_id: int, rank: int, deadline: float,
         if a["status"] != "PENDING":
             return a["status"]
         if a["files"]:
-            got = [_report(f["name"], read(direct, f)) for f in a["files"]]
+            got = [report_entry(f["name"], read(direct, f)) for f in a["files"]]
             r = transport.post_json(path, {"peer_rank": a["peer_rank"], "files": got})
             if r.get("mismatched"):
                 raise SaveFailed(f"checkpoint {checkpoint_id}: {r.get('reason', 'peer check failed')}")
@@ -110,7 +110,7 @@ def check(transport, direct, checkpoint_id: int, rank: int, deadline: float,
         time.sleep(_POLL)
 
 
-def _report(name: str, got) -> dict:
+def report_entry(name: str, got) -> dict:
     """One file of the report: what `read` returned (a digest, or digest and range digests'
     fingerprint, or None: unread)."""
     xxh3, ranges = got if isinstance(got, tuple) else (got, None)

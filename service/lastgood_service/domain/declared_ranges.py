@@ -70,7 +70,7 @@ def of_shard(commits, ckpt_prefix: str, sh) -> dict | None:
     if key is None:
         return None
     try:
-        body = json.loads(b"".join(commits.blobs.get(key)))
+        body = json.loads(b"".join(commits.store.get(key)))  # metadata, not shard bytes served (metered)
     except FileNotFoundError:
         return None
     return body.get(RANGE_DIGESTS, body.get(FIXED_DIGESTS))  # manifest.py: where an index keeps them
