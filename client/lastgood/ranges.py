@@ -27,7 +27,10 @@ The service computes them (RangeHasher) from the stream it already hashes and ch
 against the client's whole-file hash when the file is uploaded: one more hash pass over
 bytes in the CPU's cache, and the digests are of exactly the bytes the client committed.
 The index object's own hash is in the manifest's root, whose hash the service checks, so
-the chain from the commit to every segment is whole. A file whose index has no digests
+the chain from the commit to every segment is whole. A file the service never reads (a
+direct upload) gets them from its writer, by the same rule, checked for shape by the
+service and recomputed by a checking peer (hasher_of, check_declared, FileCheck below;
+the service's domain/declared_ranges.py). A file whose index has no digests
 (uploaded before them) is read whole, as before. This module is torch-free.
 """
 
