@@ -24,11 +24,12 @@ lease), send (hand the name over), discard (remove a file never handed over). Un
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
 
-from . import config, names
+from . import config, names, ranges
 from .hashing import StreamHasher, hash_bytes
 from .save.paths import Prepared, StreamPath
 
@@ -40,6 +41,22 @@ class Handle:
     """A rank's file written in the staging directory, not yet handed over."""
     name: str     # its name there (lastgood.names' hand-over pattern)
     size: int
+    range_digests: str = ""  # declared range digests, JSON (peer mode; ranges.py)
+
+
+class _Both:
+    """Feeds the whole-file hasher and the range digests from the one write pass."""
+
+    def __init__(self, hasher: StreamHasher, segments) -> None:
+        self.hasher, self.segments = hasher, segments
+
+    @property
+    def size(self) -> int:
+        return self.hasher.size
+
+    def update(self, data) -> None:
+        self.hasher.update(data)
+        self.segments.update(data)
 
 
 class DirectFS:
@@ -99,7 +116,8 @@ class DirectFS:
         """Hand the written file over by name (or stream `data`, the same bytes, when there is
         no handle or the service declines it): Transport.put_shard's answer."""
         return self.transport.put_shard(checkpoint_id, rank, file_name, data, digest,
-                                        spooled=handle.name if handle else None, spool=self.staging)
+                                        spooled=handle.name if handle else None, spool=self.staging,
+                                        range_digests=handle.range_digests if handle else "")
 
     def discard(self, handle: Handle | None) -> None:
         """Remove a written file that was never handed over (the service sweeps it otherwise)."""
@@ -137,10 +155,18 @@ class DirectFSPath(StreamPath):
     def prepare(self, name: str, data) -> Prepared:
         data = memoryview(data).cast("B")
         hasher = StreamHasher()  # fed as the file is written: one pass over the bytes
-        handle = self.direct.write(data, hasher)
+        # in `peer` mode the service reads only the header: the file's range digests are
+        # computed here, in the same pass, and declared with the name (a peer recomputes them)
+        segments = ranges.hasher_of(data, self.transport.info.get("range_block_bytes")) \
+            if self.direct.peer and name.endswith(".safetensors") else None
+        handle = self.direct.write(data, hasher if segments is None else _Both(hasher, segments))
         if handle is None:  # not writable here: streamed
             return super().prepare(name, data)
-        digest = hasher.hexdigest() if hasher.size == data.nbytes else hash_bytes(data)
+        whole = hasher.size == data.nbytes
+        digest = hasher.hexdigest() if whole else hash_bytes(data)
+        declared = segments.digests() if segments is not None and whole else None
+        handle = Handle(handle.name, handle.size, json.dumps(declared, separators=(",", ":"))
+                        if ranges.declarable(declared) else "")
         return Prepared(name, data, digest, expected_bytes=0, token=handle)
 
     def send(self, checkpoint_id: int, rank: int, handle: Prepared) -> None:

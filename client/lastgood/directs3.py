@@ -39,6 +39,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from . import ranges
 from .errors import CorruptCheckpoint, DirectOff, Refused, Unavailable
 from .hashing import StreamHasher
 
@@ -90,6 +91,7 @@ class Parts:
     xxh3_128: str
     part_size: int
     crc32: list[str]
+    digests: dict | None = None  # the file's range digests (ranges.py), declared at the hand-over
 
 
 @dataclass
@@ -101,9 +103,13 @@ class Handle:
     already_present: bool = False                    # the service had the file already (a retried save)
 
 
-def prepare(data, part_size: int) -> Parts:
-    """One pass over the file: its xxh3-128, and each part's CRC32."""
+def prepare(data, part_size: int, range_block: int | None = None) -> Parts:
+    """One pass over the file: its xxh3-128, each part's CRC32 and, when the service
+    writes range digests (`range_block`: its cap, GET /api/v1/info) and the file is a
+    safetensors file, its range digests (ranges.py): the service never reads these bytes,
+    so they are declared with the hand-over, as trustworthy as the xxh3-128 of the same pass."""
     view = memoryview(data).cast("B")
+    segments = ranges.hasher_of(view, range_block)
     part, n = part_layout(view.nbytes, part_size)
     hasher = StreamHasher()
     crcs = []
@@ -113,10 +119,12 @@ def prepare(data, part_size: int) -> Parts:
             piece = view[off:min(off + _PIECE, (i + 1) * part, view.nbytes)]
             hasher.update(piece)
             crc = zlib.crc32(piece, crc)
+            if segments is not None:
+                segments.update(piece)
         crcs.append(crc32_b64(crc))
     if view.nbytes == 0:
         hasher.update(b"")
-    return Parts(view.nbytes, hasher.hexdigest(), part, crcs)
+    return Parts(view.nbytes, hasher.hexdigest(), part, crcs, segments.digests() if segments is not None else None)
 
 
 def _store_error(status: int, body: bytes, what: str) -> Exception:
@@ -213,7 +221,8 @@ def hand_over(transport, checkpoint_id: int, rank: int, file_name: str, handle: 
         return {"already_present": True, "size": p.size, "xxh3_128": p.xxh3_128}
     return transport.post_json(f"/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/direct-files",
                                {"file_name": file_name, "size": p.size, "xxh3_128": p.xxh3_128,
-                                "part_size": p.part_size, "upload_id": handle.upload_id, "parts": handle.parts})
+                                "part_size": p.part_size, "upload_id": handle.upload_id, "parts": handle.parts,
+                                **({"digests": p.digests} if ranges.declarable(p.digests) else {})})
 
 
 def turned_off(transport, e: DirectOff) -> None:
@@ -261,10 +270,11 @@ def read_file(transport, checkpoint_id: int, rank: int, file_name: str, size: in
     return view, transport.retry.call(once, what)
 
 
-def _hash_body(resp, size: int, what: str, into: memoryview | None = None) -> str:
+def _hash_body(resp, size: int, what: str, into: memoryview | None = None, hasher=None) -> str:
     """The xxh3-128 of a GET's body, which must be `size` bytes (else CorruptCheckpoint),
-    read into `into`, or through one piece-sized buffer when the bytes are not kept."""
-    hasher, pos = StreamHasher(), 0
+    read into `into`, or through one piece-sized buffer when the bytes are not kept;
+    `hasher` (a StreamHasher by default) is fed every byte."""
+    hasher, pos = hasher or StreamHasher(), 0
     scratch = memoryview(bytearray(min(_PIECE, size))) if into is None else None
     try:
         while pos < size:
@@ -284,22 +294,62 @@ def _hash_body(resp, size: int, what: str, into: memoryview | None = None) -> st
     return hasher.hexdigest()
 
 
-def hash_object(url: str, size: int) -> str | None:
+def hash_object(url: str, size: int, ranges_rule: dict | None = None) -> tuple[str, str | None] | None:
     """The xxh3-128 of the object behind a presigned GET (a peer check, peer.py), read
-    through one buffer; None when it cannot be read whole (the service hashes it then)."""
+    through one buffer, and the fingerprint of its range digests recomputed in that read by
+    `ranges_rule` (None without: ranges.FileCheck); None when it cannot be read whole (the
+    service hashes it then)."""
     what = "peer check read"
+    check = ranges.FileCheck(ranges_rule)
     try:
         resp, conn = _request("GET", url, what=what)
     except (StoreRefused, StoreUnavailable) as e:
         log.warning("lastgood: %s", e)
         return None
     try:
-        return _hash_body(resp, size, what)
+        return _hash_body(resp, size, what, hasher=check), ranges.fingerprint(check.digests())
     except (CorruptCheckpoint, StoreUnavailable) as e:
         log.warning("lastgood: %s", e)
         return None
     finally:
         conn.close()
+
+
+def read_range(transport, checkpoint_id: int, rank: int, file_name: str, offset: int, into) -> None:
+    """Bytes [offset, offset + len(into)) of a committed file through a presigned GET with a
+    Range header (a resharding restore's ranges, docs/resharding.md; the caller verifies
+    them against the range digests). The store answering with other bytes than asked for,
+    or none (404), raises CorruptCheckpoint, as read_file does."""
+    view = memoryview(into).cast("B")
+    length = view.nbytes
+    what = f"direct ranged read of checkpoint {checkpoint_id} rank {rank} {file_name} [{offset}, +{length})"
+
+    def once() -> None:
+        g = transport.get_json(f"/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/read-grants/{file_name}")
+        try:
+            resp, conn = _request("GET", g["url"], headers={"Range": f"bytes={offset}-{offset + length - 1}"},
+                                  what=what)
+        except StoreRefused as e:
+            if e.status in (404, 416) or e.store_code in ("NoSuchKey", "InvalidRange"):
+                raise CorruptCheckpoint(f"{what}: the store has no such bytes ({e.store_code})") from None
+            raise
+        pos = 0
+        try:
+            if resp.status != 206 and not (offset == 0 and int(resp.getheader("Content-Length") or -1) == length):
+                raise CorruptCheckpoint(f"{what}: the store answered {resp.status}, not the range")
+            while pos < length:
+                n = resp.readinto(view[pos:min(pos + _PIECE, length)])
+                if not n:
+                    break
+                pos += n
+        except (OSError, http.client.HTTPException) as e:
+            raise StoreUnavailable(f"{what}: the store's answer was cut short: {e}") from None
+        finally:
+            conn.close()
+        if pos != length:
+            raise CorruptCheckpoint(f"{what}: the stored file ends {pos} bytes after the offset")
+
+    transport.retry.call(once, what)
 
 
 class DirectS3Path:
@@ -318,7 +368,8 @@ class DirectS3Path:
         from .save.paths import Prepared
 
         data = memoryview(data).cast("B")
-        parts = prepare(data, self.part_size)
+        parts = prepare(data, self.part_size, self.transport.info.get("range_block_bytes")
+                        if name.endswith(".safetensors") else None)
         return Prepared(name, data, parts.xxh3_128, expected_bytes=0, token=parts)  # the store's room, not ours
 
     def send(self, checkpoint_id: int, rank: int, handle) -> None:

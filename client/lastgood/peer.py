@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from . import directs3
 from .errors import SaveFailed
-from .hashing import StreamHasher
+from .ranges import FileCheck, fingerprint
 
 log = logging.getLogger("lastgood")
 _PIECE = 8 * 1024 * 1024
@@ -45,13 +45,15 @@ def wanted(transport) -> bool:
     return (getattr(transport, "info", None) or {}).get("verification") == "peer"
 
 
-def read_and_hash(direct, entry: dict) -> str | None:
+def read_and_hash(direct, entry: dict) -> tuple[str, str | None] | None:
     """The xxh3-128 of the stored file the service named, read through this host's mount
     (direct-FS) or through the presigned GET the service granted (`url`: direct S3, where
-    the rank holds no store credentials); None when it cannot be read whole (the service
-    then hashes it itself)."""
+    the rank holds no store credentials), and, when its writer declared range digests (the
+    entry's `ranges`: their rule), the fingerprint of those digests recomputed from the same
+    bytes in the same pass (ranges.FileCheck); None when it cannot be read whole (the
+    service then reads it itself)."""
     if entry.get("url"):
-        return directs3.hash_object(entry["url"], int(entry["size"]))
+        return directs3.hash_object(entry["url"], int(entry["size"]), entry.get("ranges"))
     if direct is None or not entry.get("path"):
         return None
     try:
@@ -59,7 +61,7 @@ def read_and_hash(direct, entry: dict) -> str | None:
     except (OSError, ValueError) as e:
         log.warning("lastgood: peer check cannot open %s: %s", entry.get("path"), e)
         return None
-    hasher = StreamHasher()
+    hasher = FileCheck(entry.get("ranges"))
     buf = bytearray(_PIECE)
     view = memoryview(buf)
     try:
@@ -74,7 +76,9 @@ def read_and_hash(direct, entry: dict) -> str | None:
         return None
     finally:
         os.close(fd)
-    return hasher.hexdigest() if hasher.size == entry.get("size") else None  # the service looks at it itself
+    if hasher.size != entry.get("size"):
+        return None  # the service looks at it itself
+    return hasher.hasher.hexdigest(), fingerprint(hasher.digests())
 
 
 def check(transport, direct, checkpoint_id: int, rank: int, deadline: float,
@@ -93,7 +97,7 @@ def check(transport, direct, checkpoint_id: int, rank: int, deadline: float,
         if a["status"] != "PENDING":
             return a["status"]
         if a["files"]:
-            got = [{"name": f["name"], "xxh3_128": read(direct, f)} for f in a["files"]]
+            got = [report_entry(f["name"], read(direct, f)) for f in a["files"]]
             r = transport.post_json(path, {"peer_rank": a["peer_rank"], "files": got})
             if r.get("mismatched"):
                 raise SaveFailed(f"checkpoint {checkpoint_id}: {r.get('reason', 'peer check failed')}")
@@ -104,3 +108,10 @@ def check(transport, direct, checkpoint_id: int, rank: int, deadline: float,
             raise SaveFailed(f"checkpoint {checkpoint_id}: rank {a['peer_rank']} did not vote in time for its peer "
                              f"check by rank {rank}")
         time.sleep(_POLL)
+
+
+def report_entry(name: str, got) -> dict:
+    """One file of the report: what `read` returned (a digest, or digest and range digests'
+    fingerprint, or None: unread)."""
+    xxh3, ranges = got if isinstance(got, tuple) else (got, None)
+    return {"name": name, "xxh3_128": xxh3, **({"ranges_xxh3_128": ranges} if ranges else {})}

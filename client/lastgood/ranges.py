@@ -27,7 +27,10 @@ The service computes them (RangeHasher) from the stream it already hashes and ch
 against the client's whole-file hash when the file is uploaded: one more hash pass over
 bytes in the CPU's cache, and the digests are of exactly the bytes the client committed.
 The index object's own hash is in the manifest's root, whose hash the service checks, so
-the chain from the commit to every segment is whole. A file whose index has no digests
+the chain from the commit to every segment is whole. A file the service never reads (a
+direct upload) gets them from its writer, by the same rule, checked for shape by the
+service and recomputed by a checking peer (hasher_of, check_declared, FileCheck below;
+the service's domain/declared_ranges.py). A file whose index has no digests
 (uploaded before them) is read whole, as before. This module is torch-free.
 """
 
@@ -238,3 +241,132 @@ class RangeDigests:
                 k += 1
             i += 1
         return out
+
+
+# ---------------------------------------------------------------- declared by the writer
+# A file the service never reads (a direct upload to S3, a direct-FS file a peer checks)
+# gets its digests from its writer, computed with the same rule (block_for) in the pass
+# that hashes the file for its upload; the service checks their shape (check_declared)
+# and, in `peer` mode, the checking rank recomputes them from the stored bytes (FileCheck).
+
+def hasher_of(data, cap: int | None) -> RangeHasher | None:
+    """A RangeHasher for the safetensors file in `data` (its header parsed from its first
+    bytes), to be fed the whole file; None when `cap` is 0/None (the service writes no
+    digests) or `data` is not a safetensors file (then it has no tensor index either)."""
+    from .format import header_length, parse_header, tensor_index
+
+    if not cap:
+        return None
+    view = memoryview(data).cast("B")
+    try:
+        n = header_length(view[:8])
+        tensors, _meta = parse_header(view[:n], file_size=view.nbytes)
+        return RangeHasher(n, tensor_index(tensors), cap)
+    except (FormatError, ValueError):
+        return None
+
+
+def check_declared(data_start: int, tensors: dict, digests, cap: int) -> dict:
+    """Range digests a writer declared, checked for shape before the service writes them
+    into the file's index object: the service's rule (cap `cap`, SPLIT, FLOOR), one list
+    per non-empty tensor of the file's own tensor index (no other names), exactly as many
+    digests as the rule cuts that tensor into, each an xxh3-128 hex. Bounded by the file:
+    a declaration of other counts is refused before its digests are looked at one by one.
+    Returns the canonical dict (known keys only); raises FormatError, saying what is wrong.
+    Whether the digests are *of the bytes* is the verification mode's business."""
+    if not isinstance(digests, dict) or not isinstance(digests.get("tensors"), dict):
+        raise FormatError("declared range digests must be an object with a \"tensors\" object")
+    rule = Blocks(check_block(cap)).record()
+    extra = sorted(set(digests) - set(rule) - {"header", "tensors"})
+    if extra:
+        raise FormatError(f"declared range digests have unknown keys {[str(k)[:40] for k in extra[:5]]}")
+    got = {k: digests.get(k) for k in rule}
+    if got != rule:
+        raise FormatError(f"declared range digests follow the rule {str(got)[:200]}, this service's is {rule}")
+    named = {name for _, _, name in _spans(data_start, tensors)[1:]}
+    per = digests["tensors"]
+    if len(per) != len(named) or set(per) != named:
+        raise FormatError(f"declared range digests name {len(per)} tensors; the file's header has {len(named)} "
+                          f"non-empty ones, and the names must be the same")
+    RangeDigests(data_start, tensors, digests)  # the count of each tensor's blocks, the hex: FormatError
+    return {**rule, "header": digests["header"], "tensors": per}
+
+
+class FileCheck:
+    """A peer's read of a whole stored file (peer.py, and the service's own when no peer
+    reported it): its xxh3-128 and, when the file's index object holds range digests under
+    `rule`, the digests recomputed from the same bytes in the same pass, to compare with
+    what the writer declared. Fed the file in order, any chunking."""
+
+    def __init__(self, rule: dict | None) -> None:
+        self.hasher = StreamHasher()
+        self._rule = Blocks.read(rule) if rule else None
+        self._head = bytearray()
+        self._ranges: RangeHasher | None = None
+        self._bad = False
+
+    @property
+    def size(self) -> int:
+        return self.hasher.size
+
+    def hexdigest(self) -> str:
+        return self.hasher.hexdigest()
+
+    def update(self, data) -> None:
+        self.hasher.update(data)
+        if self._rule is None or self._bad:
+            return
+        if self._ranges is not None:
+            try:
+                self._ranges.update(data)
+            except FormatError:
+                self._bad = True
+            return
+        from .format import header_length, parse_header, tensor_index
+
+        self._head += memoryview(data).cast("B")
+        try:
+            if len(self._head) < 8 or len(self._head) < header_length(self._head[:8]):
+                return
+            n = header_length(self._head[:8])
+            tensors, _ = parse_header(memoryview(self._head)[:n])
+            r = self._rule
+            self._ranges = RangeHasher(n, tensor_index(tensors), r.cap, r.split, r.floor)
+            self._ranges.update(self._head)
+        except (FormatError, ValueError):
+            self._bad = True
+        self._head = bytearray()
+
+    def digests(self) -> dict | None:
+        """The recomputed digests (RangeHasher.digests), None when there is no rule or the
+        bytes are not a whole file under it (then they cannot match a declaration)."""
+        if self._rule is None or self._bad or self._ranges is None:
+            return None
+        try:
+            return self._ranges.digests()
+        except FormatError:
+            return None
+
+
+DECLARE_BYTES = 768 * 1024  # under the service's default REST body limit (1 MiB) with room for the rest
+
+
+def declarable(digests: dict | None) -> bool:
+    """Whether a writer declares these digests: they fit one hand-over request. A file of
+    more (over ~20,000 blocks: ~0.3 GiB of 0.5-1 MiB tensors, ~20 GiB of large ones at the
+    default cap) declares none and is read whole at another world size, as before."""
+    import json
+
+    return digests is not None and len(json.dumps(digests, separators=(",", ":"))) <= DECLARE_BYTES
+
+
+def fingerprint(digests: dict | None) -> str | None:
+    """One xxh3-128 of a file's digests (canonical JSON): how a peer's recomputed digests
+    are compared with the declared ones, in one field of its report."""
+    import json
+
+    from .hashing import hash_bytes
+
+    if digests is None:
+        return None
+    return hash_bytes(json.dumps(digests, sort_keys=True, separators=(",", ":")).encode())

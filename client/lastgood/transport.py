@@ -186,7 +186,8 @@ class Transport(RestClient):
                 pass
 
     def put_shard(self, checkpoint_id: int, rank: int, file_name: str, data: memoryview,
-                  xxh3: str, spooled: str | None = None, spool: dict | None = None) -> pb.PutShardResponse:
+                  xxh3: str, spooled: str | None = None, spool: dict | None = None,
+                  range_digests: str = "") -> pb.PutShardResponse:
         """Stream the shard, or hand over the file `spooled` holding the same bytes, in the
         spool (or the hand-over directory `spool`: direct-FS's staging directory).
         Whatever goes wrong with a hand-over, the bytes are streamed next, and that answer
@@ -201,6 +202,7 @@ class Transport(RestClient):
             spooled_header = pb.ShardHeader()
             spooled_header.CopyFrom(header)
             spooled_header.spool_file, spooled_header.spool_id = spooled, spool["id"]
+            spooled_header.range_digests = range_digests  # declared with a name only (directfs.py)
             try:
                 return self._put(lambda: iter((pb.PutShardRequest(header=spooled_header).SerializeToString(),)))
             except GaveUp:
@@ -309,6 +311,14 @@ class Transport(RestClient):
         link the service makes in its spool. Every byte received is counted in `shard_bytes`."""
         view = memoryview(into).cast("B")
         length = view.nbytes
+        if self.info.get("direct_s3"):  # a ranged GET straight from the S3 store (directs3.py)
+            try:
+                directs3.read_range(self, checkpoint_id, rank, file_name, offset, view)
+                self.shard_bytes += length
+                self.range_requests += 1
+                return
+            except errors.DirectOff as e:  # turned off since we connected: through the service
+                directs3.turned_off(self, e)
 
         def once() -> None:  # a retry after a broken stream starts over
             pos = 0

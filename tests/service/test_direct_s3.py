@@ -148,8 +148,8 @@ def test_a_checkpointer_whose_bytes_change_after_checksumming_fails_the_save(mak
     svc = direct_service(make_service, tmp_path, localstack, ls_bucket)
     real = directs3.prepare
 
-    def prepare_then_corrupt(data, part_size):
-        prepared = real(data, part_size)
+    def prepare_then_corrupt(data, part_size, *rest):  # rest: the range digests' cap
+        prepared = real(data, part_size, *rest)
         data[len(data) // 2] ^= 0xFF  # the staging buffer changes after its checksums were computed
         return prepared
 

@@ -8,6 +8,7 @@ store cannot provide is refused at start."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 import lastgood
-from lastgood import directfs, peer
+from lastgood import directfs, peer, ranges, readplan
 from lastgood.directfs import DirectFS
 from lastgood.manifest import RANGE_DIGESTS
 from lastgood.errors import SaveFailed
@@ -27,7 +28,7 @@ from lastgood.save import default_path
 from lastgood.transport import Transport
 
 from ..conftest import FAST, ServiceProc
-from .helpers import checkpoint, events, last_good_id, lying_checker, make_shard, shard_blob, shard_name
+from .helpers import checkpoint, events, last_good_id, lying_checker, make_shard, shard_blob, shard_name, wait_status
 
 
 @pytest.fixture(scope="module")
@@ -105,10 +106,16 @@ def test_a_direct_fs_save_restores_bitwise_and_its_blob_is_the_file_written(mode
     assert staging_files(svc) == []
     checked = [e for e in events(svc, run_name) if e["kind"] == "peer_verified"]
     assert len(checked) == (1 if mode == "peer" else 0), checked  # peer mode: a rank read it back
-    # range digests come from the service's own read: none for a file it read only the header
-    # of (peer mode; such a file is read whole at another world size), the service's otherwise
+    # range digests in both modes: the service's own read, or (peer mode, where it reads only
+    # the header) the writer's, declared with the name and recomputed by the peer - the same
+    # digests, so such a file is read by ranges at another world size, not whole
     index = svc.get(f"/api/v1/checkpoints/{cid}/ranks/0/index/{ckpt_file_name(0)}").json()
-    assert (RANGE_DIGESTS in index) == (mode == "service"), sorted(index)
+    blob = shard_blob(svc, cid, 0).read_bytes()
+    mine = ranges.RangeHasher(index["data_start"], index["tensors"], svc.info["range_block_bytes"])
+    mine.update(blob)
+    assert index.get(RANGE_DIGESTS) == mine.digests(), sorted(index)
+    root = svc.get(f"/api/v1/checkpoints/{cid}/manifest").json()
+    assert "chunks" in root["ranks"][0]["files"][0]["index"]  # where its shards lie, as for a hashed file
 
     model2 = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 8))
     opt2 = torch.optim.AdamW(model2.parameters())
@@ -269,7 +276,7 @@ def test_a_peer_report_that_leaves_files_to_check_attempts_no_commit(make_servic
         costs = []
         for r in range(world):  # rank r checks rank r + 1: two files stay DECLARED, then one, then none
             a = t.get_json(f"/api/v1/checkpoints/{cid}/ranks/{r}/peer-check")
-            files = [{"name": f["name"], "xxh3_128": peer.read_and_hash(direct, f)} for f in a["files"]]
+            files = [peer.report_entry(f["name"], peer.read_and_hash(direct, f)) for f in a["files"]]
             idle = _catalog_transactions(peer_svc)
             before = _catalog_transactions(peer_svc)  # less what a scrape of /metrics costs itself:
             scrape = before - idle
@@ -281,3 +288,92 @@ def test_a_peer_report_that_leaves_files_to_check_attempts_no_commit(make_servic
     assert res["status"] == "COMMITTED"
     assert costs[0] == costs[1] == 2, costs  # the report, the status: no commit attempt
     assert costs[2] > costs[1], costs  # control: the last report attempts the commit, and commits
+
+
+def declared_hand_over(svc, tmp_path, run: str, *, wrong_digest: bool):
+    """A direct-FS hand-over in peer mode that declares the file's range digests, one of
+    them (a tensor's, well formed) not of the bytes when `wrong_digest`."""
+    data = make_shard(0, seed=12, n=40_000)
+    t, direct, handle, digest, cid = handed_over(svc, tmp_path, run, data)
+    segments = ranges.hasher_of(data, svc.info["range_block_bytes"])
+    segments.update(data)
+    declared = segments.digests()
+    if wrong_digest:
+        name = next(iter(declared["tensors"]))
+        declared["tensors"][name][0] = "0" * 32
+    handle = directfs.Handle(handle.name, handle.size, json.dumps(declared))
+    direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
+    assert staging_files(svc) == []  # taken by name, not streamed
+    t.commit_rank(cid, 0, [shard_name(0)], wait=0)
+    return t, direct, cid
+
+
+def test_peer_mode_a_declared_range_digest_not_of_the_bytes_never_commits(peer_svc, run_name, tmp_path):
+    t, direct, cid = declared_hand_over(peer_svc, tmp_path, run_name, wrong_digest=True)
+    try:
+        with pytest.raises(SaveFailed, match="range digests .*not the declared"):
+            peer.check(t, direct, cid, 0, deadline=float("inf"))
+    finally:
+        t.close()
+    assert checkpoint(peer_svc, cid)["status"] == "ABANDONED"
+    assert last_good_id(peer_svc, run_name) is None
+
+
+def test_control_peer_mode_declared_range_digests_of_the_bytes_commit(peer_svc, run_name, tmp_path):
+    t, direct, cid = declared_hand_over(peer_svc, tmp_path, run_name, wrong_digest=False)
+    try:
+        assert peer.check(t, direct, cid, 0, deadline=float("inf")) in ("PENDING", "COMMITTED")
+        assert t.commit_rank(cid, 0, [shard_name(0)], wait=5).status == "COMMITTED"
+    finally:
+        t.close()
+    # a restore at another world size reads it by ranges: one tensor's range, verified,
+    # costs its covering segments at the transport, not the file
+    r = Transport(peer_svc.url, spool=False)
+    try:
+        entry = r.manifest(cid).files(0)[0]
+        entry = entry.with_index(0, r.index_bytes(cid, 0, entry.name))
+        assert entry.digests is not None
+        name, t0 = max(entry.tensors.items(), key=lambda kv: kv[1]["offsets"][1] - kv[1]["offsets"][0])
+        a, b = entry.data_start + t0["offsets"][0], entry.data_start + t0["offsets"][1]
+        out = bytearray(b - a)
+        readplan.RangeReader(r, cid).read(0, entry, ranges.RangeDigests(entry.data_start, entry.tensors,
+                                                                         entry.digests), a, b, out)
+        assert bytes(out) == shard_blob(peer_svc, cid, 0).read_bytes()[a:b]
+        assert r.shard_bytes == b - a < entry.size and r.range_requests >= 1  # a whole tensor: its own bytes
+    finally:
+        r.close()
+
+
+def test_peer_mode_the_service_s_own_read_checks_declared_range_digests_too(peer_svc, run_name, tmp_path):
+    """A checker that cannot read the file (no mount): the service reads it itself, and
+    recomputes the declared range digests as the peer would have."""
+    t, direct, cid = declared_hand_over(peer_svc, tmp_path, run_name, wrong_digest=True)
+    try:
+        peer.check(t, direct, cid, 0, deadline=float("inf"), read=lambda _d, _f: None)  # unread: the service reads it
+    finally:
+        t.close()
+    wait_status(peer_svc, cid, "ABANDONED", timeout=60)
+    mismatch = [e for e in events(peer_svc, run_name) if e["kind"] == "hash_mismatch"]
+    assert mismatch and "range digests" in str(mismatch[0]), mismatch
+    assert last_good_id(peer_svc, run_name) is None
+
+
+def test_peer_mode_hostile_declared_digests_are_refused_and_the_file_streamed(peer_svc, run_name, tmp_path, caplog):
+    """Too many blocks for a tensor: the service refuses the hand-over (nothing recorded),
+    the client streams the same bytes, and the index object holds the service's own digests."""
+    data = make_shard(0, seed=13, n=40_000)
+    t, direct, handle, digest, cid = handed_over(peer_svc, tmp_path, run_name, data)
+    segments = ranges.hasher_of(data, peer_svc.info["range_block_bytes"])
+    segments.update(data)
+    good = segments.digests()
+    bad = {**good, "tensors": {k: v * 40 for k, v in good["tensors"].items()}}
+    try:
+        with caplog.at_level("WARNING", logger="lastgood"):
+            direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest,
+                             directfs.Handle(handle.name, handle.size, json.dumps(bad)))
+        assert "declared range digests refused" in caplog.text
+        assert t.commit_rank(cid, 0, [shard_name(0)], wait=5).status == "COMMITTED"  # streamed: hashed, VERIFIED
+        index = peer_svc.get(f"/api/v1/checkpoints/{cid}/ranks/0/index/{shard_name(0)}").json()
+        assert index.get(RANGE_DIGESTS) == good, index  # computed by the service from the stream, not the declaration
+    finally:
+        t.close()

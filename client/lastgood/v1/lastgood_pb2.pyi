@@ -37,7 +37,7 @@ class BeginCheckpointResponse(_message.Message):
     def __init__(self, checkpoint_id: _Optional[int] = ..., status: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class ShardHeader(_message.Message):
-    __slots__ = ("checkpoint_id", "rank", "file_name", "size", "xxh3_128", "spool_file", "spool_id")
+    __slots__ = ("checkpoint_id", "rank", "file_name", "size", "xxh3_128", "spool_file", "spool_id", "range_digests")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     FILE_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class ShardHeader(_message.Message):
     XXH3_128_FIELD_NUMBER: _ClassVar[int]
     SPOOL_FILE_FIELD_NUMBER: _ClassVar[int]
     SPOOL_ID_FIELD_NUMBER: _ClassVar[int]
+    RANGE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: int
     rank: int
     file_name: str
@@ -52,7 +53,8 @@ class ShardHeader(_message.Message):
     xxh3_128: str
     spool_file: str
     spool_id: str
-    def __init__(self, checkpoint_id: _Optional[int] = ..., rank: _Optional[int] = ..., file_name: _Optional[str] = ..., size: _Optional[int] = ..., xxh3_128: _Optional[str] = ..., spool_file: _Optional[str] = ..., spool_id: _Optional[str] = ...) -> None: ...
+    range_digests: str
+    def __init__(self, checkpoint_id: _Optional[int] = ..., rank: _Optional[int] = ..., file_name: _Optional[str] = ..., size: _Optional[int] = ..., xxh3_128: _Optional[str] = ..., spool_file: _Optional[str] = ..., spool_id: _Optional[str] = ..., range_digests: _Optional[str] = ...) -> None: ...
 
 class PutShardRequest(_message.Message):
     __slots__ = ("header", "chunk")

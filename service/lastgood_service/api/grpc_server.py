@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import threading
@@ -46,6 +47,16 @@ def _abort_unexpected(context, name: str, exc: Exception) -> None:
         _abort(context, mapped)
     log.exception("%s failed", name)
     context.abort(grpc.StatusCode.INTERNAL, f"{name} failed inside the service; see its log")
+
+
+def _declared(raw: str):
+    """The range digests a direct-FS hand-over declares (JSON; domain/declared_ranges.py)."""
+    if not raw:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError as e:
+        raise InvalidArgument(f"declared range digests refused: not JSON: {e}") from None
 
 
 class _Malformed:
@@ -211,7 +222,7 @@ class Servicer(pb_grpc.CheckpointsServicer):
         taken = spool.take(h.spool_file, h.spool_id, h.size)
         try:
             return self.commits.put_shard(header, taken.chunks(self.commits.settings.max_chunk_bytes), adopt=taken,
-                                          hashed=hashed)
+                                          hashed=hashed, declared=None if hashed else _declared(h.range_digests))
         finally:
             taken.close()  # the file is gone if it was published (renamed into the store)
 

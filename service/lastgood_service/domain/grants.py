@@ -52,7 +52,7 @@ from lastgood.format import header_length
 from ..blobstore import capabilities
 from ..blobstore.s3direct import StoredPart, composite
 from ..catalog.models import DECLARED, PENDING, VERIFIED, Checkpoint, Run, Shard
-from . import keys, verification_modes
+from . import declared_ranges, keys, verification_modes
 from .commit import indexes
 from .commit.core import key_prefix
 from .commit.protocol import PutResult, ShardHeader
@@ -161,9 +161,10 @@ class DirectUploads:
 
     # ------------------------------------------------------------ hand-over
     def hand_over(self, h: ShardHeader, upload_id: str, uploaded: list[UploadedPart],
-                  part_size: int | None = None) -> PutResult:
+                  part_size: int | None = None, digests: dict | None = None) -> PutResult:
         """Confirm the upload from the store's metadata, complete it, record the file (VERIFIED,
-        or DECLARED for a peer to read back)."""
+        or DECLARED for a peer to read back). `digests`: the range digests its writer declared
+        (declared_ranges.py)."""
         d = self._direct()
         if not upload_id or len(upload_id) > 1024:
             raise InvalidArgument("upload_id must be 1..1024 characters")
@@ -204,7 +205,11 @@ class DirectUploads:
         for other_key, other in d.uploads(key):  # a retried grant's upload of the same file
             if other_key == key and other != upload_id:
                 d.abort_upload(key, other)
-        index_json = self._index(key, h, pfx)
+        try:
+            index_json = self._index(key, h, pfx, digests)
+        except InvalidArgument:  # not a safetensors file, or declared digests refused: nothing of it is kept
+            self.commits.store.delete(key)
+            raise
         return self._record(h, key, index_json)
 
     def _shared(self, d, h: ShardHeader, key: str, crc32s: list[str]) -> bool:
@@ -292,8 +297,9 @@ class DirectUploads:
                       file=h.file_name, reason=problem[:500])
         raise HashMismatch(f"direct upload of rank {h.rank}'s {h.file_name!r} refused: {problem}")
 
-    def _index(self, key: str, h: ShardHeader, pfx: str) -> str | None:
-        """The tensor index object of a safetensors file, from its header alone (ranged reads)."""
+    def _index(self, key: str, h: ShardHeader, pfx: str, digests: dict | None = None) -> str | None:
+        """The tensor index object of a safetensors file, from its header alone (ranged reads),
+        with the range digests its writer declared, checked for shape (declared_ranges.py)."""
         if not h.file_name.endswith(".safetensors"):
             return None
         store = self.commits.store
@@ -304,8 +310,10 @@ class DirectUploads:
             raise InvalidArgument(f"not a valid safetensors file: {e}") from None
         if n > 8:
             head += b"".join(store.get(key, 8, min(n, h.size) - 8))
-        parsed = self.commits._try_index(bytearray(head), h.size, final=True)
-        return indexes.store(self.commits.blobs, pfx, h.rank, h.file_name, *parsed)
+        data_start, tensors, chunks = self.commits._try_header(bytearray(head), h.size, final=True)
+        digests = declared_ranges.validate(self.settings.range_block_bytes, data_start, tensors, head, digests)
+        return indexes.store(self.commits.blobs, pfx, h.rank, h.file_name, data_start, tensors, digests,
+                             chunks=chunks if digests is not None else None)  # as put_shard: only with digests
 
     def _record(self, h: ShardHeader, key: str, index_json: str | None) -> PutResult:
         c = self.commits

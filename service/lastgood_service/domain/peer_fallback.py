@@ -29,9 +29,10 @@ import time
 
 from sqlalchemy import func, select
 
-from lastgood.hashing import StreamHasher
+from lastgood.ranges import FileCheck, fingerprint
 
 from ..catalog.models import DECLARED, PENDING, VERIFIED, Checkpoint, Shard, Vote
+from . import declared_ranges
 
 log = logging.getLogger("lastgood.commit")
 
@@ -105,8 +106,14 @@ class PeerFallback:
                     if sh is None or ck is None or ck.status != PENDING:
                         continue  # a checker reported it meanwhile, or the checkpoint is decided
                     key, size, want = sh.blob_key, sh.size, sh.xxh3_128
-                got = self._hash(checkpoint_id, key, size)
-                if got == want:
+                    from .commit.core import key_prefix  # commit imports this module
+
+                    ranges = declared_ranges.of_shard(c, key_prefix(s, ck), sh)  # the writer's, if declared
+                got, got_ranges = self._hash(checkpoint_id, key, size, declared_ranges.rule_of(ranges))
+                if got == want and got_ranges != fingerprint(ranges):  # the bytes are, their range digests not
+                    bad.append((rank, name, want, f"{got}, range digests {got_ranges} (not the declared "
+                                                  f"{fingerprint(ranges)})"))
+                elif got == want:
                     self._mark_verified(checkpoint_id, rank, name)
                     log.info("checkpoint %s: the service hashed rank %s's %s (%s)", checkpoint_id, rank, name, why)
                 else:
@@ -121,10 +128,12 @@ class PeerFallback:
             with self._lock:
                 self._hashing.difference_update((checkpoint_id, r, n) for r, n in files)
 
-    def _hash(self, checkpoint_id: int, key: str, size: int) -> str | None:
-        """The blob's xxh3-128, renewing the lease as it reads; None if it cannot be read whole."""
+    def _hash(self, checkpoint_id: int, key: str, size: int, rule: dict | None = None
+              ) -> tuple[str | None, str | None]:
+        """The blob's xxh3-128 and the fingerprint of its range digests recomputed by `rule`
+        (None without), renewing the lease as it reads; None if it cannot be read whole."""
         c = self.commits
-        hasher = StreamHasher()
+        hasher = FileCheck(rule)
         renewed = time.monotonic()
         try:
             for chunk in c.blobs.get(key):
@@ -134,8 +143,10 @@ class PeerFallback:
                     renewed = time.monotonic()
         except OSError as e:  # missing, or EIO: the stored file is not what was declared
             log.warning("checkpoint %s: cannot read %s: %s", checkpoint_id, key, e)
-            return None
-        return hasher.hexdigest() if hasher.size == size else None
+            return None, None
+        if hasher.size != size:
+            return None, None
+        return hasher.hasher.hexdigest(), fingerprint(hasher.digests())
 
     def _mark_verified(self, checkpoint_id: int, rank: int, name: str) -> None:
         """Under the checkpoint's row lock, as a report marks its files (then the shards, the

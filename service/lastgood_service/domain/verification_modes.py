@@ -42,10 +42,13 @@ from sqlalchemy import select
 
 from lastgood.errors import FormatError
 from lastgood.format import header_length
+from lastgood.ranges import fingerprint
 
 from ..blobstore import capabilities
 from ..catalog.models import DECLARED, PENDING, VERIFIED, Shard, Vote
-from . import fencing, peer_fallback
+
+from . import declared_ranges, fencing, peer_fallback
+from .commit.core import key_prefix
 from .errors import InvalidArgument
 from .events import add_event
 
@@ -175,10 +178,13 @@ class PeerChecks:
             shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == checkpoint_id, Shard.rank == peer,
                                                         Shard.status == DECLARED).order_by(Shard.file_name)))
             status = ck.status
+            pfx = key_prefix(s, ck)
         hashing = peer_fallback.of(c)  # files the service hashes itself are nobody's to check
         where = self._where() if shards and status == PENDING else None
-        # no declared digest: the checker reports what it read, the service compares (report)
-        files = [{"name": sh.file_name, "size": sh.size, **where(sh)} for sh in shards
+        # no declared digest: the checker reports what it read, the service compares (report);
+        # each file's writer's range digests, if any, by their rule: recomputed by the checker (declared_ranges.py)
+        files = [{"name": sh.file_name, "size": sh.size, **where(sh),
+                  "ranges": declared_ranges.rule_of(declared_ranges.of_shard(c, pfx, sh))} for sh in shards
                  if not hashing.hashing(checkpoint_id, peer, sh.file_name)] if where else []
         return {"verification": self.mode, "status": status, "peer_rank": peer, "peer_voted": voted,
                 "files": files if status == PENDING else []}
@@ -202,17 +208,22 @@ class PeerChecks:
             ck.lease_expires_at = c._lease()  # a check is progressing: the checkpoint is alive
             declared = {sh.file_name: sh for sh in s.scalars(select(Shard).where(
                 Shard.checkpoint_id == checkpoint_id, Shard.rank == peer_rank, Shard.status == DECLARED))}
+            pfx = key_prefix(s, ck)
             verified, bad, unread = [], [], []
             for f in files:
                 sh = declared.get(f.get("name"))
                 if sh is None:
                     continue  # checked already (a retried report), or never declared
                 got = f.get("xxh3_128")
-                if got is None:
-                    unread.append((peer_rank, sh.file_name))
-                elif got == sh.xxh3_128:
+                ranges = declared_ranges.of_shard(c, pfx, sh) if got == sh.xxh3_128 else None
+                if got is None or (ranges is not None and f.get("ranges_xxh3_128") is None):
+                    unread.append((peer_rank, sh.file_name))  # the service reads it (and its ranges) itself
+                elif got == sh.xxh3_128 and fingerprint(ranges) in (None, f.get("ranges_xxh3_128")):
                     sh.status = VERIFIED
                     verified.append(sh.file_name)
+                elif got == sh.xxh3_128:  # the bytes are as declared, the declared range digests are not theirs
+                    bad.append((sh.file_name, sh.xxh3_128, f"{got}, range digests {f.get('ranges_xxh3_128')} (not "
+                                f"the declared {fingerprint(ranges)})", f"rank {rank} read it back from the store"))
                 else:
                     bad.append((sh.file_name, sh.xxh3_128, got, f"rank {rank} read it back from the store"))
             if verified:

@@ -54,6 +54,8 @@ class Part(BaseModel):
 class HandOverBody(FileBody):
     upload_id: str = Field(min_length=1, max_length=1024)
     parts: list[Part] = Field(min_length=1, max_length=MAX_PARTS)
+    digests: dict | None = Field(None, description="the file's range digests, computed by the rank with the "
+                                 "service's rule (lastgood/ranges.py; checked for shape: domain/declared_ranges.py)")
 
 
 def _header(checkpoint_id: int, rank: int, body: FileBody) -> ShardHeader:
@@ -71,7 +73,8 @@ def grant(checkpoint_id: CkptId, rank: Rank, body: GrantBody, direct: DirectDep)
 def hand_over(checkpoint_id: CkptId, rank: Rank, body: HandOverBody, direct: DirectDep):
     """The rank's file is uploaded: confirmed from the store's metadata, completed, recorded."""
     r = direct.hand_over(_header(checkpoint_id, rank, body), body.upload_id,
-                         [UploadedPart(p.number, p.etag, p.crc32) for p in body.parts], body.part_size)
+                         [UploadedPart(p.number, p.etag, p.crc32) for p in body.parts], body.part_size,
+                         body.digests)
     return {"already_present": r.already_present, "size": r.size, "xxh3_128": r.xxh3_128}
 
 

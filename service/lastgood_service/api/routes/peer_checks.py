@@ -24,6 +24,9 @@ class ReadFile(BaseModel):
     name: str = Field(min_length=1, max_length=200)
     xxh3_128: str | None = Field(None, pattern="^[0-9a-f]{32}$",
                                  description="what the checker read; null: it could not read the file")
+    ranges_xxh3_128: str | None = Field(None, pattern="^[0-9a-f]{32}$",
+                                        description="lastgood.ranges.fingerprint of the range digests the checker "
+                                                    "recomputed by the file's rule (the assignment's `ranges`)")
 
 
 class PeerReport(BaseModel):

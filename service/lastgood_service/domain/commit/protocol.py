@@ -40,7 +40,7 @@ from ...catalog import txtimer
 from ...catalog.models import (ABANDONED, COMMITTED, CORRUPT, DECLARED, PENDING, VERIFIED, Checkpoint, Run, Shard,
                                Vote)
 from ...blobstore import capabilities
-from .. import fencing, keys, last_good, verification_modes
+from .. import declared_ranges, fencing, keys, last_good, verification_modes
 from .. import branches  # stored branches (catalog)
 from ..errors import (Conflict, FailedPrecondition, Fenced, HashMismatch, InvalidArgument, NotFound, SpoolRefused,
                       StoreFull, TooLarge)
@@ -199,7 +199,8 @@ class CommitProtocol(CommitCore):
             raise TooLarge(f"shard of {header.size} bytes exceeds the limit of {self.settings.max_shard_bytes}")
 
     @txtimer.label("put")
-    def put_shard(self, header: ShardHeader, chunks: Iterable[bytes], adopt=None, hashed: bool = True) -> PutResult:
+    def put_shard(self, header: ShardHeader, chunks: Iterable[bytes], adopt=None, hashed: bool = True,
+                  declared: dict | None = None) -> PutResult:
         """Stream one shard file into a temporary blob, hashing as bytes arrive; publish it
         durably and record it VERIFIED only if size and hash match the client's.
 
@@ -207,7 +208,8 @@ class CommitProtocol(CommitCore):
         store that can make that very file the blob does so instead of copying it.
         `hashed=False` (an adopted direct-FS file outside the `service` verification mode,
         domain/verification_modes.py): the file is published unread but for its header, and
-        recorded DECLARED; the commit waits until a peer has checked it."""
+        recorded DECLARED; the commit waits until a peer has checked it. `declared`: the
+        range digests its writer declared for such a file (domain/declared_ranges.py)."""
         self.check_header(header)
         with self.sessions() as s, s.begin():
             ck, present = self.admit_file(s, header, "upload")
@@ -248,6 +250,9 @@ class CommitProtocol(CommitCore):
                     prefix += chunk
                     index_json = self._try_header(prefix, header.size)
                     if index_json is not None:
+                        if not hashed:  # declared_ranges.py: checked against this header, before publish
+                            declared = declared_ranges.validate(self.settings.range_block_bytes, *index_json[:2],
+                                                                prefix, declared)
                         segments = self._segments(index_json, prefix)
                         prefix = bytearray()
                 elif segments is not None:
@@ -259,6 +264,9 @@ class CommitProtocol(CommitCore):
                 raise InvalidArgument(f"stream ended after {hasher.size} of the declared {header.size} bytes")
             if want_index and index_json is None:
                 index_json = self._try_header(prefix, header.size, final=True)
+                if not hashed:
+                    declared = declared_ranges.validate(self.settings.range_block_bytes, *index_json[:2], prefix,
+                                                        declared)
                 segments = self._segments(index_json, prefix)
             digest = hasher.hexdigest()
             if digest != header.xxh3_128:
@@ -266,13 +274,13 @@ class CommitProtocol(CommitCore):
                 raise HashMismatch(f"xxh3-128 of the received bytes is {digest}, the client declared "
                                    f"{header.xxh3_128}: shard rejected")
             w.publish()
-        if not hashed:  # the service read only the header: no range digests (read whole at another world size)
-            segments = None
+        digests = segments.digests() if segments is not None and hashed else None
+        if not hashed:  # the service read only the header: the writer's digests, checked above (or none)
+            digests = declared
         if index_json is not None:  # the file's tensor index, as an object of its own (indexes.py)
-            index_json = indexes.store(self.blobs, pfx, header.rank, header.file_name, *index_json[:2],
-                                       segments.digests() if segments is not None else None,
+            index_json = indexes.store(self.blobs, pfx, header.rank, header.file_name, *index_json[:2], digests,
                                        # where its shards lie, in the root: only with digests (layout.py)
-                                       chunks=index_json[2] if segments is not None else None)
+                                       chunks=index_json[2] if digests is not None else None)
 
         with self.sessions() as s:
             try:

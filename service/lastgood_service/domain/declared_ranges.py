@@ -1,0 +1,81 @@
+"""Range digests declared by a file's writer, for files the service does not read.
+
+A direct upload to S3 (grants.py) and a direct-FS file in `peer` mode (verification_modes.py)
+pass no byte through the service, so it cannot compute their range digests as put_shard
+does for streamed files; without them a restore at another world size reads such files
+whole (docs/resharding.md). Their writer computes them instead, with the same rule
+(lastgood.ranges.block_for) in the pass that hashes the file for its upload, and declares
+them with the hand-over. Here they are checked for shape (lastgood.ranges.check_declared:
+the service's rule, the header's tensors and their extents, the counts) and, cheaply, the
+header's digest against the header the service reads anyway; then they go into the file's
+index object as if the service had computed them, with the root's `chunks`.
+
+Trust: they are as good as the file's declared xxh3-128 in the mode. `store`: the store
+checked each part's CRC32 of the bytes the writer hashed in that same pass. `peer`: the
+checking rank recomputes them from the stored bytes as it re-reads the file
+(lastgood.ranges.FileCheck), and a mismatch aborts the checkpoint as an xxh3-128 mismatch
+does; so does the service's own read when no peer reported (peer_fallback.py).
+
+Digests under another rule than the service's (it restarted with another
+LASTGOOD_RANGE_BLOCK_BYTES since the writer asked) are dropped, not refused: the file is
+then read whole at another world size, as before, and the save goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from lastgood.errors import FormatError
+from lastgood.hashing import hash_bytes
+from lastgood.ranges import Blocks, check_declared
+
+from .errors import InvalidArgument
+
+log = logging.getLogger("lastgood")
+
+
+def validate(cap: int, data_start: int, tensors: dict, header: bytes | memoryview, digests) -> dict | None:
+    """The declared digests to write into the index object, or None (none declared, the
+    service writes none, or another rule). InvalidArgument when their shape is wrong or
+    the header's digest is not of the header: the hand-over is refused, nothing recorded."""
+    if digests is None or not cap:
+        return None
+    rule = Blocks(cap).record()
+    if isinstance(digests, dict) and {k: digests.get(k) for k in rule} != rule \
+            and all(type(digests.get(k)) is int for k in rule):
+        log.warning("declared range digests under the rule %s, not this service's %s: dropped (the file is "
+                    "read whole at another world size)", {k: digests.get(k) for k in rule}, rule)
+        return None
+    try:
+        out = check_declared(data_start, tensors, digests, cap)
+    except FormatError as e:
+        raise InvalidArgument(f"declared range digests refused: {e}") from None
+    if out["header"] != hash_bytes(memoryview(header)[:data_start]):
+        raise InvalidArgument("declared range digests refused: the header's digest is not the xxh3-128 of "
+                              "the file's header")
+    return out
+
+
+
+def of_shard(commits, ckpt_prefix: str, sh) -> dict | None:
+    """The range digests in a file's index object (None: it has none, or no index object):
+    what a peer's read of a DECLARED file must reproduce."""
+    import json
+
+    from lastgood.manifest import FIXED_DIGESTS, RANGE_DIGESTS
+
+    from .commit import indexes
+
+    key = indexes.key_of(ckpt_prefix, sh)
+    if key is None:
+        return None
+    try:
+        body = json.loads(b"".join(commits.store.get(key)))  # metadata, not shard bytes served (metered)
+    except FileNotFoundError:
+        return None
+    return body.get(RANGE_DIGESTS, body.get(FIXED_DIGESTS))  # manifest.py: where an index keeps them
+
+
+def rule_of(digests: dict | None) -> dict | None:
+    """The block rule a peer recomputes the digests by (ranges.Blocks.record's keys)."""
+    return None if digests is None else {k: digests[k] for k in ("block", "split", "floor") if k in digests}

@@ -1,0 +1,112 @@
+"""Range digests of files the service never reads (docs/resharding.md, "Who computes
+them"; service domain/declared_ranges.py): a direct S3 upload declares them with its
+hand-over, the service checks their shape and writes them into the file's index object,
+and a restore at another world size then reads that file by ranges (presigned ranged
+GETs, counted at the transport) instead of whole. Hostile declarations are refused and
+leave nothing behind. Against LocalStack's S3, which checks the parts' CRC32s (`store`)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from safetensors.torch import save as st_save
+
+import lastgood
+from lastgood import directs3, readplan
+from lastgood.errors import InvalidArgument
+from lastgood.ranges import RangeHasher
+from lastgood.transport import Transport
+
+from tests.service.test_direct_s3 import MiB, begin, direct_service, training
+
+pytestmark = pytest.mark.slow  # LocalStack
+
+
+def test_a_direct_upload_declares_its_range_digests_and_is_read_by_ranges(make_service, tmp_path, localstack,
+                                                                          ls_bucket, run_name):
+    svc = direct_service(make_service, tmp_path, localstack, ls_bucket)
+    cap = svc.info["range_block_bytes"]
+    model, opt = training(0)
+    with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
+        ckpt.save(3, lastgood.TrainState(model=model, optimizer=opt))
+        ckpt.wait()
+    cid = svc.get(f"/api/v1/runs/{run_name}/last-good").json()["id"]
+    t = Transport(svc.url)
+    entry = t.manifest(cid).files(0)[0]
+    assert "chunks" in entry.index  # the root says where its shards lie, as for a service-verified file
+    whole, digest = t.read_file(cid, 0, entry.name, entry.size)
+    assert digest == entry.xxh3_128
+
+    assert readplan._open(t, 0, entry, readplan.RangeReader(t, cid)) is not None, \
+        "the index object of a directly uploaded file has no range digests (read whole at another world size)"
+    entry = entry.with_index(0, t.index_bytes(cid, 0, entry.name))
+    ranges = RangeHasher(entry.data_start, entry.tensors, cap)  # the service's rule over the stored bytes
+    ranges.update(whole)
+    assert entry.digests == ranges.digests()
+
+    # one tensor's middle: ranged GETs of its covering segments, not the file
+    name, t0 = max(entry.tensors.items(), key=lambda kv: kv[1]["offsets"][1] - kv[1]["offsets"][0])
+    a = entry.data_start + t0["offsets"][0] + 1000
+    b = a + 300 * 1024
+    before, requests = t.shard_bytes, t.range_requests
+    out = bytearray(b - a)
+    readplan.RangeReader(t, cid).read(0, entry, readplan.RangeDigests(entry.data_start, entry.tensors, entry.digests),
+                                      a, b, out)
+    assert bytes(out) == bytes(whole[a:b])
+    read = t.shard_bytes - before
+    assert t.range_requests > requests and b - a <= read <= b - a + 2 * cap < entry.size // 4
+    t.close()
+
+
+def safetensors_file(size: int) -> bytes:
+    g = torch.Generator().manual_seed(0)
+    return st_save({"a": torch.randn(size // 8, generator=g), "b": torch.randn(size // 8, generator=g)})
+
+
+def mangled(digests: dict, how: str) -> dict:
+    d = {**digests, "tensors": {k: list(v) for k, v in digests["tensors"].items()}}
+    if how == "too_many_blocks":
+        d["tensors"]["a"] = d["tensors"]["a"] * 300  # ~0.5 MB: under the body limit
+    elif how == "wrong_extents":
+        d["tensors"]["a"] = d["tensors"]["a"][:-1]
+        d["tensors"]["b"] = d["tensors"]["b"] + ["0" * 32]
+    elif how == "unknown_tensor":
+        d["tensors"]["c"] = ["0" * 32]
+    elif how == "header_not_the_header":
+        d["header"] = "0" * 32
+    elif how == "not_hex":
+        d["tensors"]["b"] = ["zz" * 16] * len(d["tensors"]["b"])
+    return d
+
+
+@pytest.mark.parametrize("how", ["too_many_blocks", "wrong_extents", "unknown_tensor", "header_not_the_header",
+                                 "not_hex", "control"])
+def test_hostile_declared_digests_are_refused_and_change_nothing(make_service, tmp_path, localstack, ls_bucket,
+                                                                run_name, how):
+    svc = direct_service(make_service, tmp_path, localstack, ls_bucket)
+    t = Transport(svc.url)
+    cid = begin(t, run_name)
+    data = safetensors_file(6 * MiB)
+    prepared = directs3.prepare(data, 5 * MiB, svc.info["range_block_bytes"])
+    assert prepared.digests is not None
+    if how != "control":
+        prepared = directs3.Parts(prepared.size, prepared.xxh3_128, prepared.part_size, prepared.crc32,
+                                  mangled(prepared.digests, how))
+    handle = directs3.upload(t, cid, 0, "rank00000.safetensors", data, prepared)
+    if how == "control":
+        directs3.hand_over(t, cid, 0, "rank00000.safetensors", handle)
+        assert [f["name"] for f in svc.get(f"/api/v1/checkpoints/{cid}/shards").json()["ranks"][0]["files"]] \
+            == ["rank00000.safetensors"]
+        return
+    with pytest.raises(InvalidArgument, match="declared range digests refused"):  # posted as is, however large
+        t.post_json(f"/api/v1/checkpoints/{cid}/ranks/0/direct-files",
+                    {"file_name": "rank00000.safetensors", "size": prepared.size, "xxh3_128": prepared.xxh3_128,
+                     "part_size": prepared.part_size, "upload_id": handle.upload_id, "parts": handle.parts,
+                     "digests": prepared.digests})
+    # nothing recorded, nothing left under the file's key, and the rank cannot vote with it
+    assert svc.get(f"/api/v1/checkpoints/{cid}/shards").json()["ranks"] == []
+    assert [o for o in localstack.client().list_objects(ls_bucket, prefix="ckpt/", recursive=True)
+            if o.object_name.endswith(prepared.xxh3_128)] == []
+    t.close()
