@@ -10,8 +10,9 @@ times and every rank uploaded all of it. Now each such tensor is written by one 
 
 The rule, on purpose narrow (a tensor that is not truly identical on every rank would be
 restored from one rank's copy, silently): the **parameters** of a module wrapped in
-DistributedDataParallel over the whole world, and the per-parameter state of a plain
-optimizer over those parameters. Buffers (BatchNorm's running statistics are updated by
+DistributedDataParallel over the whole world, except those DDP ignores and any of a DDP
+with a communication hook other than plain all-reduce (Local SGD), and the per-parameter
+state of a plain optimizer (not Local SGD's) over those parameters. Buffers (BatchNorm's running statistics are updated by
 each rank's own batch), plain modules and tensors, schedulers, loaders, RNGs and `extra`
 stay in each rank's own file. Before each save the ranks compare one fingerprint of the
 names, dtypes and shapes they would share (two integer all-reduces); if any rank differs
@@ -53,18 +54,20 @@ def shared_names(state, world_size: int) -> set[str]:
     """The stored names of the tensors the rule above calls replicated, for `state`
     (a TrainState) as capture() names them."""
     ddp = [(c, o) for c, o in state.components.items() if isinstance(o, nn.parallel.DistributedDataParallel)
-           and state._kind(c) == "module" and _group_size(o) == world_size]
+           and state._kind(c) == "module" and _group_size(o) == world_size and _plain_hooks(o)]
     params: set[int] = set()
     out: set[str] = set()
     for cname, o in ddp:
+        ignored = getattr(o, "parameters_to_ignore", ())  # DDP never syncs these: they may differ per rank
         for pname, p in o.module.named_parameters(remove_duplicate=False):  # a tied weight under each name
-            params.add(id(p))
-            out.add(f"{cname}.{pname}")
+            if pname not in ignored:
+                params.add(id(p))
+                out.add(f"{cname}.{pname}")
     if not params:
         return out
     pnames = state._param_names()  # the names an optimizer's state is stored under
     for cname, o in state.components.items():
-        if state._kind(cname) != "optimizer":
+        if state._kind(cname) != "optimizer" or _local_sgd(o):
             continue
         for p in (p for g in o.param_groups for p in g["params"]):
             st = o.state.get(p) if id(p) in params else None
@@ -72,6 +75,27 @@ def shared_names(state, world_size: int) -> set[str]:
                 if isinstance(v, torch.Tensor) and isinstance(key, str) and id(p) in pnames:
                     out.add(f"{cname}.state.{pnames[id(p)]}.{key}")
     return out
+
+
+def _plain_hooks(ddp) -> bool:
+    """Does DDP still all-reduce every gradient into the same value on every rank? Not with
+    a Python communication hook other than the plain allreduce / fp16 / bf16 ones: Local
+    SGD's post_localSGD_hook, for one, averages the parameters only every few steps, so
+    they and the optimizer's moments differ in between while names and shapes match. (The
+    C++ built-in hooks, ALLREDUCE and FP16_COMPRESS, are plain all-reduces.)"""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as d
+
+    plain = (d.allreduce_hook, d.fp16_compress_hook, d.bf16_compress_hook)
+    return all(hook in plain for hook, _ in getattr(ddp, "_comm_hooks", ()))
+
+
+def _local_sgd(opt) -> bool:
+    """An optimizer that averages the parameters itself every few steps (Local SGD's
+    PostLocalSGDOptimizer, or any wrapper holding a model averager): its state differs per rank."""
+    from torch.distributed.algorithms.model_averaging.averagers import ModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    return isinstance(opt, PostLocalSGDOptimizer) or any(isinstance(v, ModelAverager) for v in vars(opt).values())
 
 
 def _group_size(ddp) -> int:

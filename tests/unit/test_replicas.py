@@ -88,3 +88,49 @@ def test_an_owners_tensors_are_read_in_few_requests_with_bounded_gaps():
     # never more than a window a request, unless one tensor is larger
     assert replicas._spans(t, ["far", "big"], window=1000, gap=200) == [(10_000, 10_100, ["far"]),
                                                                         (10_100, 50_000, ["big"])]
+
+
+def _ddp_state(prepare=None, hook=None, wrap_opt=None):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    if prepare:
+        prepare(model)
+    net = nn.parallel.DistributedDataParallel(model)
+    if hook is not None:
+        net.register_comm_hook(None, hook)
+    opt = torch.optim.Adam(net.parameters())
+    net(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return lastgood.TrainState(model=net, optimizer=wrap_opt(opt) if wrap_opt else opt)
+
+
+def test_parameters_ddp_is_told_to_ignore_are_not_replicated(world_of_one):
+    """DDP never syncs them, so they may differ per rank: each rank keeps its own."""
+    ignore = lambda m: nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(  # noqa: E731
+        m, ["1.weight"])
+    shared = replicas.shared_names(_ddp_state(prepare=ignore), 1)
+    assert "model.0.weight" in shared and "optimizer.state.model.0.weight.exp_avg" in shared
+    assert not any("1.weight" in n for n in shared)
+    assert {n for n in replicas.shared_names(_ddp_state(), 1) if "1.weight" in n}  # control: without it, shared
+
+
+def test_a_ddp_module_with_a_communication_hook_is_not_replicated_unless_the_hook_is_plain_allreduce(world_of_one):
+    """A hook such as Local SGD's averages only now and then: parameters and moments differ
+    between periods while names and shapes match, so the fingerprint cannot tell."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def my_hook(state, bucket):
+        return default_hooks.allreduce_hook(None, bucket)
+
+    assert replicas.shared_names(_ddp_state(hook=my_hook), 1) == set()
+    for plain in (default_hooks.allreduce_hook, default_hooks.fp16_compress_hook):  # bf16: NCCL only
+        assert "model.0.weight" in replicas.shared_names(_ddp_state(hook=plain), 1)
+
+
+def test_a_local_sgd_optimizer_state_is_not_replicated(world_of_one):
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    wrap = lambda opt: PostLocalSGDOptimizer(opt, PeriodicModelAverager(period=4, warmup_steps=0))  # noqa: E731
+    shared = replicas.shared_names(_ddp_state(wrap_opt=wrap), 1)
+    assert "model.0.weight" in shared and not any(n.startswith("optimizer.") for n in shared)
+    assert any(n.startswith("optimizer.") for n in replicas.shared_names(_ddp_state(), 1))  # control
