@@ -167,7 +167,10 @@ def needed(state: dict) -> dict[int, list[str]]:
         node = todo.pop()
         if isinstance(node, dict):
             if REF in node:
-                out.setdefault(node.get("rank"), []).append(node[REF])
+                owner, name = node.get("rank"), node[REF]
+                if type(owner) is not int or not isinstance(name, str):  # checked before use as a key
+                    raise CorruptCheckpoint(f"a replicated tensor reference is malformed: {str(node)[:200]}")
+                out.setdefault(owner, []).append(name)
                 continue
             todo.extend(node.values())
         elif isinstance(node, list):

@@ -134,3 +134,13 @@ def test_a_local_sgd_optimizer_state_is_not_replicated(world_of_one):
     shared = replicas.shared_names(_ddp_state(wrap_opt=wrap), 1)
     assert "model.0.weight" in shared and not any(n.startswith("optimizer.") for n in shared)
     assert any(n.startswith("optimizer.") for n in replicas.shared_names(_ddp_state(), 1))  # control
+
+
+@pytest.mark.parametrize("ref", [{"__replica__": "m.w", "rank": [1]}, {"__replica__": "m.w", "rank": {"a": 1}},
+                                 {"__replica__": ["m.w"], "rank": 1}, {"__replica__": "m.w", "rank": True}])
+def test_a_malformed_reference_is_a_damaged_checkpoint_that_ranks_fall_back_from(ref):
+    """Not a TypeError, which would fail the restore instead of falling back."""
+    from lastgood.errors import CorruptCheckpoint
+
+    with pytest.raises(CorruptCheckpoint, match="replicated tensor reference"):
+        replicas.needed({"components": {"m": {"state": {"w": ref}}}})
