@@ -215,7 +215,7 @@ class Checkpointer:
         """Snapshot `state` into CPU memory and return; the upload continues in the background."""
         if self._closed:
             raise LastgoodError("Checkpointer is closed")
-        if self._fenced is not None:
+        if self._fenced is not None and not self.config.dedup:  # with dedup: raised in the collective (_snapshot)
             raise self._fenced
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -232,7 +232,12 @@ class Checkpointer:
     def _snapshot(self, step: int, state: TrainState) -> None:
         cap = state.capture(step, self.rank, self.world_size)
         if self.config.dedup:  # replicated state: only this rank's share of it (collective; replicas.py)
-            cap = replicas.split(cap, state, self.rank, self.world_size)
+            try:  # a fenced rank enters the collective too: every rank raises Fenced at this save
+                cap = replicas.split(cap, state, self.rank, self.world_size, fenced=self._fenced is not None)
+            except Fenced as e:
+                self._fenced = self._fenced or e
+            if self._fenced is not None:
+                raise self._fenced
         if self._pool.full():
             # every buffer is taken: while the service is away, give up the oldest waiting
             # snapshot instead of waiting for an upload that cannot finish (uploads.py)

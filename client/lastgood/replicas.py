@@ -41,11 +41,12 @@ import torch
 from torch import nn
 
 from . import distributed
-from .errors import CorruptCheckpoint
+from .errors import CorruptCheckpoint, Fenced
 from .format import REPLICA_REF as REF
 from .state import STATE_VERSION_REPLICAS, Captured, array_from_buffer, tensor_from_buffer
 
 log = logging.getLogger("lastgood")
+FENCED_BIT = 1 << 60  # save: in the fingerprint's all-reduce, "this rank is fenced"
 GAP = 64 * 1024  # restore: bytes between two replicated tensors of one file read rather than asked for apart
 
 
@@ -127,14 +128,20 @@ def _fingerprint(tensors: dict, names) -> int:
     return int.from_bytes(h.digest()[:7], "little")  # fits the int64 of an all-reduce
 
 
-def split(cap: Captured, state, rank: int, world_size: int) -> Captured:
+def split(cap: Captured, state, rank: int, world_size: int, fenced: bool = False) -> Captured:
     """This rank's part of a captured state: the replicated tensors other ranks own are
-    left out and named by reference. Collective (every rank calls it at every save)."""
+    left out and named by reference. Collective (every rank calls it at every save, a
+    fenced one too): `fenced`, this rank knows its launch is fenced; if any rank does,
+    every rank raises Fenced here, at the same save, instead of some raising while the
+    others wait in the all-reduce."""
     if world_size <= 1 or not distributed.initialized():
         return cap
     names = {n for n in shared_names(state, world_size) if isinstance(cap.tensors.get(n), torch.Tensor)}
-    mine = _fingerprint(cap.tensors, names) if names else 0
-    if distributed.all_max(mine) != distributed.all_min(mine):
+    mine = _fingerprint(cap.tensors, names) if names else 0  # < 2**56: FENCED_BIT rides along
+    top = distributed.all_max(mine | (FENCED_BIT if fenced else 0))
+    if top & FENCED_BIT:
+        raise Fenced(f"rank {rank}: a rank of this launch is fenced by a newer launch of the job; stop training")
+    if top != distributed.all_min(mine):
         log.warning("lastgood: the ranks' replicated state differs in names or shapes: this save is written in "
                     "full by every rank")
         return cap

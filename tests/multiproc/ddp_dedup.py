@@ -4,6 +4,9 @@ written once (lastgood/replicas.py), restored at the same or another world size.
     save    URL RUN OUT         train 3 steps, each rank on its own batches; save steps 1 and 2
     restore URL RUN OUT [STEP]  a fresh, differently initialised model: restore (expecting
                                 STEP, default 2)
+    fenced  URL RUN OUT         rank 1 is fenced (as a refused upload leaves it), the others do
+                                not know yet; every rank saves once and writes what it raised
+                                to OUT/fenced-rank<R>.txt
 
 Both write OUT/<phase>-rank<R>.safetensors: the rank's module state (weights, and the
 BatchNorm's running statistics, which differ per rank), its optimizer state by parameter
@@ -14,7 +17,9 @@ in the environment writes every rank's state in full (the control).
 from __future__ import annotations
 
 import json
+import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -48,11 +53,30 @@ def dump(ddp, opt, sched, out: Path, phase: str, rank: int) -> None:
     (out / f"{phase}-rank{rank}.json").write_text(json.dumps(sched.state_dict()))
 
 
+def fenced(url: str, run: str, out: Path, rank: int) -> None:
+    ddp, opt, sched = build(seed=0)
+    ddp(torch.randn(4, WIDTH)).sum().backward()
+    opt.step()
+    ckpt = lastgood.Checkpointer(url, run=run)
+    if rank == 1:  # what _run sets when the service refuses this launch's upload
+        ckpt._fenced = lastgood.Fenced("run: this launch is fenced by a newer launch")
+    try:
+        ckpt.save(1, lastgood.TrainState(model=ddp, optimizer=opt, scheduler=sched))
+        got = "saved"
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        got = type(e).__name__
+    (out / f"fenced-rank{rank}.txt").write_text(got)
+    print(f"[rank {rank}] {got}", flush=True)
+    os._exit(0)  # a fenced launch stops here; its peers' state does not matter
+
+
 def main() -> None:
     phase, url, run, out = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4])
     out.mkdir(parents=True, exist_ok=True)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
+    if phase == "fenced":
+        return fenced(url, run, out, rank)
     ddp, opt, sched = build(seed=0 if phase == "save" else 1)
     torch.manual_seed(100 + rank)  # each rank's own RNG stream: per-rank state
     state = lastgood.TrainState(model=ddp, optimizer=opt, scheduler=sched)

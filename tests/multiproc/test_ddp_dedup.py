@@ -112,3 +112,13 @@ def test_a_share_split_into_several_files_restores_at_another_world_size(service
     assert all(len(r["files"]) > 1 for r in ckpt["manifest"]["ranks"])
     restore(service, run_name, tmp_path / "on2", 2)
     assert_restored(tmp_path / "save", tmp_path / "on2", 2)
+
+
+def test_a_save_raises_fenced_on_every_rank_together_when_one_rank_knows_it_is_fenced(service, run_name, tmp_path):
+    """Ranks of a fenced launch learn it at different times (each from its own refused
+    upload). The save's collective (the replicated state's fingerprint) must still be entered
+    by every rank, the fenced one too, and all raise Fenced at the same save; else the fenced
+    rank raises while the others block in the all-reduce."""
+    res = torchrun(SCRIPT, ["fenced", service.url, run_name, str(tmp_path)], nproc=2)
+    assert res.returncode == 0, why(res)
+    assert [(tmp_path / f"fenced-rank{r}.txt").read_text() for r in range(2)] == ["Fenced", "Fenced"], why(res)
