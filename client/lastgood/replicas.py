@@ -34,7 +34,6 @@ every rank falls back from.
 from __future__ import annotations
 
 import hashlib
-import heapq
 import logging
 
 import torch
@@ -43,6 +42,7 @@ from torch import nn
 from . import distributed
 from .errors import CorruptCheckpoint, Fenced
 from .format import REPLICA_REF as REF
+from .save.split import balance
 from .state import STATE_VERSION_REPLICAS, Captured, array_from_buffer, tensor_from_buffer
 
 log = logging.getLogger("lastgood")
@@ -111,13 +111,7 @@ def _group_size(ddp) -> int:
 def assign(sizes: dict[str, int], world_size: int) -> dict[str, int]:
     """name -> owner rank: largest first (ties by name), each to the least loaded rank
     (ties: the lowest). The same answer on every rank for the same names and sizes."""
-    heap = [(0, r) for r in range(world_size)]
-    owner = {}
-    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        load, r = heapq.heappop(heap)
-        owner[name] = r
-        heapq.heappush(heap, (load + sizes[name], r))
-    return owner
+    return balance(sizes, world_size)  # the rule a rank's files are balanced by too
 
 
 def _fingerprint(tensors: dict, names) -> int:

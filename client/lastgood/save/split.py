@@ -51,14 +51,22 @@ def plan(specs: list[TensorSpec], file_bytes: int, max_files: int = MAX_FILES) -
     n = 1 if file_bytes <= 0 else max(1, min(total // file_bytes, max_files, len(specs)))
     if n == 1:
         return [list(specs)]
-    heap = [(0, i) for i in range(n)]  # (bytes so far, file index): the least-filled first
-    where: dict[str, int] = {}
-    for s in sorted(specs, key=lambda s: (-s.nbytes, s.name)):
-        load, i = heapq.heappop(heap)
-        where[s.name] = i
-        heapq.heappush(heap, (load + s.nbytes, i))
+    where = balance({s.name: s.nbytes for s in specs}, n)
     files = [[s for s in specs if where[s.name] == i] for i in range(n)]
     return [f for f in files if f]
+
+
+def balance(sizes: dict[str, int], bins: int) -> dict[str, int]:
+    """name -> bin: largest first (ties by name), each into the bin with the fewest bytes so
+    far (ties: the lowest index). Depends only on the names, sizes and `bins`, never on
+    their order: ranks computing it apart agree (replicas.assign relies on it)."""
+    heap = [(0, i) for i in range(bins)]
+    where: dict[str, int] = {}
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        load, i = heapq.heappop(heap)
+        where[name] = i
+        heapq.heappush(heap, (load + sizes[name], i))
+    return where
 
 
 def layouts(specs: list[TensorSpec], metadata: dict[str, str], file_bytes: int) -> list[Layout]:
