@@ -233,6 +233,33 @@ def parse_state(meta: dict[str, str], tensors: dict) -> dict:
     return state
 
 
+def dangling_replicas(states: dict[int, dict], held: dict[int, set[str]], world_size: int,
+                      limit: int = 10) -> list[tuple[int, str]]:
+    """(rank, what) for each replicated-tensor reference (REPLICA_REF, client replicas.py) in
+    a rank's state document that resolves to nothing: its rank is not an int below
+    `world_size`, or that rank's files (`held`: rank -> the tensor names of all its files)
+    do not hold its name. The service's verify marks such a checkpoint CORRUPT; at most
+    `limit` are listed."""
+    out: list[tuple[int, str]] = []
+    for rank, state in sorted(states.items()):
+        todo: list[object] = [state]
+        while todo and len(out) < limit:
+            node = todo.pop()
+            if isinstance(node, dict):
+                if REPLICA_REF in node:
+                    owner, name = node.get("rank"), node[REPLICA_REF]
+                    if type(owner) is not int or not 0 <= owner < world_size:
+                        out.append((rank, f"a replicated tensor reference names rank {str(owner)[:50]} "
+                                          f"of {world_size}"))
+                    elif not isinstance(name, str) or name not in held.get(owner, ()):
+                        out.append((rank, f"replicated tensor {str(name)[:200]!r} is not in rank {owner}'s files"))
+                    continue
+                todo.extend(node.values())
+            elif isinstance(node, list):
+                todo.extend(node)
+    return out
+
+
 def sibling_tensors(meta: dict[str, str]) -> list[list[str]]:
     """The tensor names each further file of a rank holds (META_FILES; empty when the rank
     wrote one file), checked: a JSON list of lists of strings, no name twice."""

@@ -8,7 +8,7 @@ import logging
 from sqlalchemy import select
 
 from lastgood.errors import FormatError
-from lastgood.format import META_STATE, header_length, parse_header, parse_state
+from lastgood.format import META_STATE, dangling_replicas, header_length, parse_header, parse_state
 from lastgood.hashing import StreamHasher, hash_bytes
 
 from ...catalog.models import COMMITTED, CORRUPT, Shard
@@ -34,7 +34,10 @@ class CommitVerification(CommitCore):
             shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == checkpoint_id)
                                     .order_by(Shard.rank, Shard.file_name)))
             pfx = key_prefix(s, ck)
+            world = ck.world_size
         bad = []
+        held: dict[int, set[str]] = {}  # rank -> the tensors of its files; states: their documents
+        states: dict[int, dict] = {}
         try:
             got = hash_bytes(self.store.read_all(ck.manifest_key))
         except FileNotFoundError:
@@ -56,6 +59,13 @@ class CommitVerification(CommitCore):
             elif (problem := head.state_problem()) is not None:
                 bad.append({"rank": sh.rank, "file": sh.file_name, "expected": "a readable lastgood.state",
                             "found": problem})
+            else:  # for the replicated-tensor references below
+                held.setdefault(sh.rank, set()).update(head.tensors)
+                if head.state is not None:
+                    states[sh.rank] = head.state
+        for rank, what in dangling_replicas(states, held, world):  # DDP state written once (replicas.py)
+            bad.append({"rank": rank, "file": "lastgood.state", "expected": "every __replica__ resolves",
+                        "found": what})
         for sh in shards:  # the tensor index objects the manifest names (indexes.py)
             if (key := indexes.key_of(pfx, sh)) is not None and (got := indexes.found(self.store, key)) != \
                     (want := indexes.ref_of(sh)["xxh3_128"]):
@@ -88,6 +98,8 @@ class _HeadReader:
         self.want = sh.file_name.endswith(".safetensors")
         self.buf = bytearray()
         self.need = 8
+        self.tensors: dict = {}            # after state_problem(): the header's tensors
+        self.state: dict | None = None     # and its lastgood.state, if it has one
 
     def feed(self, chunk: bytes) -> None:
         view = memoryview(chunk)
@@ -105,9 +117,9 @@ class _HeadReader:
         if not self.want:
             return None
         try:
-            tensors, meta = parse_header(bytes(self.buf), file_size=self.size)
+            self.tensors, meta = parse_header(bytes(self.buf), file_size=self.size)
             if META_STATE in meta:  # a shard with lastgood's state: a restore must be able to read it
-                parse_state(meta, tensors)
+                self.state = parse_state(meta, self.tensors)
         except FormatError as e:
             return str(e)[:300]
         return None
