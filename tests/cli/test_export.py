@@ -190,3 +190,21 @@ def test_the_docs_example_runs_as_shown(service, tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     assert "torch.bfloat16 torch.Size([1, 3, 64])" in res.stdout, res.stdout
     assert (tmp_path / "tiny-llama-hf" / "config.json").exists()
+
+
+def test_a_model_tensor_written_once_whose_owner_lacks_it_fails_the_export(service, tmp_path):
+    """A DDP checkpoint's weight is written once (replicas.py); if the rank the reference
+    names does not hold it, export says so instead of writing a model without it. Control:
+    the same checkpoint with the reference resolving exports both tensors."""
+    from tests.service.test_replica_refs import commit, rank_file
+
+    run = unique_run("export-replica")
+    ok = commit(service, run, 1, 0, [rank_file(["model.b"], {"w": {"__replica__": "model.w", "rank": 1}}),
+                                     rank_file(["model.w"], {})])
+    bad = commit(service, run, 2, ok, [rank_file(["model.b"], {"w": {"__replica__": "model.w", "rank": 1}}),
+                                       rank_file(["model.x"], {})])
+    lastgood("export", str(ok), str(tmp_path / "ok"), url=service.url)
+    assert sorted(tensors(tmp_path / "ok" / "model.safetensors")) == ["b", "w"]
+    res = lastgood("export", str(bad), str(tmp_path / "bad"), url=service.url, code=None)
+    assert res.code != 0 and "model.w" in res.err and "rank 1" in res.err, res.err
+    assert not (tmp_path / "bad").exists()

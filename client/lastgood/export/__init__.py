@@ -248,6 +248,9 @@ def _read(st, cid: int, manifest, src: Collector, lease, tail: str, progress) ->
             except FormatError as e:
                 raise FormatError(f"checkpoint {cid}: {e} (export reads checkpoints that "
                                   f"lastgood.Checkpointer saved)") from None
+    if lost := src.missing():  # written once, by a rank whose files do not hold it (replicas.py)
+        raise FormatError(f"checkpoint {cid}: model tensor(s) {', '.join(lost[:3])} written once by another rank "
+                          f"are not in that rank's files: the checkpoint is damaged")
     if not src.tensors:
         comps = ", ".join(f"{n} ({k})" for n, k in src.components.items()) or "none"
         raise ExportError(f"checkpoint {cid} has no module tensors under prefix {src.prefix!r}; its "

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from math import prod
 
 from ..errors import FormatError
-from ..format import META_STATE, header_length, parse_header, parse_state, sibling_tensors
+from ..format import META_STATE, REPLICA_REF, header_length, parse_header, parse_state, sibling_tensors
 from ..save.split import sibling_name
 from ..manifest import FileEntry
 
@@ -75,7 +75,7 @@ class Tensor:
 def _refs(node, path: str) -> Iterable[tuple[str, dict]]:
     """(state-dict key path, tensor ref) for every tensor in a module's encoded state."""
     if isinstance(node, dict):
-        if "__tensor__" in node or "__dtensor__" in node:
+        if "__tensor__" in node or "__dtensor__" in node or REPLICA_REF in node:
             yield path, node
             return
         if any(k.startswith("__") and k.endswith("__") for k in node):  # tuples, int-keyed dicts, ...
@@ -99,6 +99,7 @@ class Collector:
         self.tensors: dict[str, Tensor] = {}   # key -> tensor, in the order the state lists them
         self._selected: dict[str, str] = {}    # stored tensor name -> key
         self._other: set[str] = set()          # stored names that are not exported
+        self.replicas: dict[str, tuple] = {}   # key -> (owner rank, stored name): written once by another rank
         self.components: dict[str, str] = {}   # component name -> kind (for messages)
         self.extra = None                      # the first file's encoded `extra`
         self.files_read: list[tuple[int, str, int]] = []
@@ -200,6 +201,9 @@ class Collector:
             for key, ref in _refs(comp.get("state"), cname):
                 if not key.startswith(self.prefix):
                     continue
+                if REPLICA_REF in ref:  # in its owner's file, read for it (wants); missing(): it was not there
+                    self.replicas.setdefault(key, (ref.get("rank"), ref[REPLICA_REF]))
+                    continue
                 stored = ref.get("__tensor__", ref.get("__dtensor__"))
                 # parse_state checked that every ref names a tensor of the file or of the rank's others
                 spec, at, into = tensors.get(stored), start, plan
@@ -212,6 +216,12 @@ class Collector:
                     into.append((at + a, at + b, piece.pos))
         self._other.update(n for n in [*tensors, *outside] if n not in chosen)
         return sorted(plan)
+
+    def missing(self) -> list[str]:
+        """After every file wanted was read: the model tensors a rank names as written once by
+        another rank (replicas.py) that no file read held: a damaged checkpoint."""
+        return [f"{key} (rank {str(owner)[:20]}'s {str(name)[:200]!r})"
+                for key, (owner, name) in self.replicas.items() if key not in self.tensors]
 
     def _elsewhere(self, rank: int, name: str, stored: str) -> tuple[dict, int, list]:
         """(spec, data start, plan) of a tensor in a further file of the rank, from its index."""
