@@ -12,8 +12,8 @@ The rule, on purpose narrow (a tensor that is not truly identical on every rank 
 restored from one rank's copy, silently): the **parameters** of a module wrapped in
 DistributedDataParallel over the whole world, except those DDP ignores and any of a DDP
 with a communication hook other than plain all-reduce (Local SGD), and the per-parameter
-state of a plain optimizer (not Local SGD's) over those parameters. Buffers (BatchNorm's running statistics are updated by
-each rank's own batch), plain modules and tensors, schedulers, loaders, RNGs and `extra`
+state of a plain optimizer (not Local SGD's) over those parameters. Buffers (BatchNorm's
+running statistics are updated by each rank's own batch), plain modules and tensors, schedulers, loaders, RNGs and `extra`
 stay in each rank's own file. Before each save the ranks compare one fingerprint of the
 names, dtypes and shapes they would share (two integer all-reduces); if any rank differs
 (an optimizer that has not stepped everywhere, a ZeRO-sharded one), that save is written
