@@ -28,7 +28,8 @@ from lastgood.save import default_path
 from lastgood.transport import Transport
 
 from ..conftest import FAST, ServiceProc
-from .helpers import checkpoint, events, last_good_id, lying_checker, make_shard, shard_blob, shard_name, wait_status
+from .helpers import (checkpoint, events, index_blob, last_good_id, lying_checker, make_shard, shard_blob, shard_name,
+                      wait_status)
 
 
 @pytest.fixture(scope="module")
@@ -375,5 +376,32 @@ def test_peer_mode_hostile_declared_digests_are_refused_and_the_file_streamed(pe
         assert t.commit_rank(cid, 0, [shard_name(0)], wait=5).status == "COMMITTED"  # streamed: hashed, VERIFIED
         index = peer_svc.get(f"/api/v1/checkpoints/{cid}/ranks/0/index/{shard_name(0)}").json()
         assert index.get(RANGE_DIGESTS) == good, index  # computed by the service from the stream, not the declaration
+    finally:
+        t.close()
+
+
+def test_the_peer_check_reads_no_index_object_from_the_store(peer_svc, run_name, tmp_path):
+    """The assignment (every poll) and the report (under the checkpoint's row lock) compare the
+    declared range digests from the catalog's row, not from the file's index object: at 1,024
+    ranks a store read per file there was 1,024 GETs serialised under the lock. The index
+    object is made unreadable (a directory in its place) while the check runs; before, the
+    assignment's read of it failed the check."""
+    data = make_shard(0, seed=13)
+    t, direct, handle, digest, cid = handed_over(peer_svc, tmp_path, run_name, data)
+    try:
+        direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
+        t.commit_rank(cid, 0, [shard_name(0)], wait=0)
+        index = index_blob(peer_svc, cid, 0)
+        assert RANGE_DIGESTS not in json.loads(index.read_bytes())  # a file too small to have any: no read either
+        body = index.read_bytes()
+        index.unlink()
+        index.mkdir()
+        try:
+            assert peer.check(t, direct, cid, 0, deadline=float("inf")) in ("PENDING", "COMMITTED")
+        finally:
+            index.rmdir()
+            index.write_bytes(body)
+        assert checkpoint(peer_svc, cid)["status"] == "COMMITTED"  # (the view reads the index object)
+        assert [e["kind"] for e in events(peer_svc, run_name)].count("peer_verified") == 1
     finally:
         t.close()

@@ -58,24 +58,36 @@ def validate(cap: int, data_start: int, tensors: dict, header: bytes | memoryvie
 
 
 def of_shard(commits, ckpt_prefix: str, sh) -> dict | None:
-    """The range digests in a file's index object (None: it has none, or no index object):
-    what a peer's read of a DECLARED file must reproduce."""
+    """{"rule", "fingerprint"} of the range digests a DECLARED file's writer declared (None:
+    it declared none): what a peer's read of it must reproduce. From the catalog's row
+    (indexes.store noted them at the hand-over), not the store: this runs for every file on
+    every assignment poll and in the report, under the checkpoint's row lock. A row recorded
+    before that note has its index object read, as then."""
     import json
 
     from lastgood.manifest import FIXED_DIGESTS, RANGE_DIGESTS
+    from lastgood.ranges import fingerprint
 
     from .commit import indexes
 
-    key = indexes.key_of(ckpt_prefix, sh)
-    if key is None:
+    ref = indexes.ref_of(sh)
+    if ref is None:
         return None
-    try:
-        body = json.loads(b"".join(commits.store.get(key)))  # metadata, not shard bytes served (metered)
+    if indexes.DECLARED_RANGES in ref:
+        return ref[indexes.DECLARED_RANGES]
+    try:  # a row from before the note
+        body = json.loads(b"".join(commits.store.get(indexes.key_of(ckpt_prefix, sh))))
     except FileNotFoundError:
         return None
-    return body.get(RANGE_DIGESTS, body.get(FIXED_DIGESTS))  # manifest.py: where an index keeps them
+    digests = body.get(RANGE_DIGESTS, body.get(FIXED_DIGESTS))  # manifest.py: where an index keeps them
+    return None if digests is None else {"rule": indexes.rule_of(digests), "fingerprint": fingerprint(digests)}
 
 
-def rule_of(digests: dict | None) -> dict | None:
+def rule_of(declared: dict | None) -> dict | None:
     """The block rule a peer recomputes the digests by (ranges.Blocks.record's keys)."""
-    return None if digests is None else {k: digests[k] for k in ("block", "split", "floor") if k in digests}
+    return None if declared is None else declared["rule"]
+
+
+def fingerprint_of(declared: dict | None) -> str | None:
+    """What the peer's `ranges_xxh3_128` must be (lastgood.ranges.fingerprint)."""
+    return None if declared is None else declared["fingerprint"]

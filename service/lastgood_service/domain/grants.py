@@ -313,7 +313,8 @@ class DirectUploads:
         data_start, tensors, chunks = self.commits._try_header(bytearray(head), h.size, final=True)
         digests = declared_ranges.validate(self.settings.range_block_bytes, data_start, tensors, head, digests)
         return indexes.store(self.commits.blobs, pfx, h.rank, h.file_name, data_start, tensors, digests,
-                             chunks=chunks if digests is not None else None)  # as put_shard: only with digests
+                             chunks=chunks if digests is not None else None,  # as put_shard: only with digests
+                             declared=not self.store_verifies)  # DECLARED: a peer reproduces them
 
     def _record(self, h: ShardHeader, key: str, index_json: str | None) -> PutResult:
         c = self.commits

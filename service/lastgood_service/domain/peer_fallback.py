@@ -33,6 +33,7 @@ from lastgood.ranges import FileCheck, fingerprint
 
 from ..catalog.models import DECLARED, PENDING, VERIFIED, Checkpoint, Shard, Vote
 from . import declared_ranges
+from .declared_ranges import fingerprint_of
 
 log = logging.getLogger("lastgood.commit")
 
@@ -110,9 +111,9 @@ class PeerFallback:
 
                     ranges = declared_ranges.of_shard(c, key_prefix(s, ck), sh)  # the writer's, if declared
                 got, got_ranges = self._hash(checkpoint_id, key, size, declared_ranges.rule_of(ranges))
-                if got == want and got_ranges != fingerprint(ranges):  # the bytes are, their range digests not
+                if got == want and got_ranges != fingerprint_of(ranges):  # the bytes are, their range digests not
                     bad.append((rank, name, want, f"{got}, range digests {got_ranges} (not the declared "
-                                                  f"{fingerprint(ranges)})"))
+                                                  f"{fingerprint_of(ranges)})"))
                 elif got == want:
                     self._mark_verified(checkpoint_id, rank, name)
                     log.info("checkpoint %s: the service hashed rank %s's %s (%s)", checkpoint_id, rank, name, why)

@@ -42,13 +42,13 @@ from sqlalchemy import select
 
 from lastgood.errors import FormatError
 from lastgood.format import header_length
-from lastgood.ranges import fingerprint
 
 from ..blobstore import capabilities
 from ..catalog.models import DECLARED, PENDING, VERIFIED, Shard, Vote
 
 from . import declared_ranges, fencing, peer_fallback
 from .commit.core import key_prefix
+from .declared_ranges import fingerprint_of
 from .errors import InvalidArgument
 from .events import add_event
 
@@ -218,12 +218,12 @@ class PeerChecks:
                 ranges = declared_ranges.of_shard(c, pfx, sh) if got == sh.xxh3_128 else None
                 if got is None or (ranges is not None and f.get("ranges_xxh3_128") is None):
                     unread.append((peer_rank, sh.file_name))  # the service reads it (and its ranges) itself
-                elif got == sh.xxh3_128 and fingerprint(ranges) in (None, f.get("ranges_xxh3_128")):
+                elif got == sh.xxh3_128 and fingerprint_of(ranges) in (None, f.get("ranges_xxh3_128")):
                     sh.status = VERIFIED
                     verified.append(sh.file_name)
                 elif got == sh.xxh3_128:  # the bytes are as declared, the declared range digests are not theirs
                     bad.append((sh.file_name, sh.xxh3_128, f"{got}, range digests {f.get('ranges_xxh3_128')} (not "
-                                f"the declared {fingerprint(ranges)})", f"rank {rank} read it back from the store"))
+                                f"the declared {fingerprint_of(ranges)})", f"rank {rank} read it back from the store"))
                 else:
                     bad.append((sh.file_name, sh.xxh3_128, got, f"rank {rank} read it back from the store"))
             if verified:

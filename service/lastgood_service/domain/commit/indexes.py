@@ -17,20 +17,34 @@ import json
 
 from lastgood.hashing import hash_bytes
 from lastgood.manifest import FileEntry, index_bytes, index_ref
+from lastgood.ranges import fingerprint
 
 from ...catalog.models import Shard
 from .. import keys
 
 
 def store(blobs, ckpt_prefix: str, rank: int, file_name: str, data_start: int, tensors: dict,
-          digests: dict | None = None, chunks: dict | None = None) -> str:
+          digests: dict | None = None, chunks: dict | None = None, declared: bool = False) -> str:
     """Write one file's index object, with its range digests when given (lastgood/ranges.py);
     what `shards.index_json` keeps of it: the reference, with the file's `chunks` when
-    given (lastgood/layout.py), which the commit copies into the root."""
+    given (lastgood/layout.py), which the commit copies into the root. `declared`: the
+    digests are its writer's, for a peer to reproduce; the row also keeps their rule and
+    fingerprint (DECLARED_RANGES), so that the peer check compares them without reading
+    the index object back from the store (declared_ranges.of_shard)."""
     body = index_bytes(rank, file_name, data_start, tensors, digests)
     ref = index_ref(body, len(tensors), chunks)
     blobs.put_bytes(keys.index_key(ckpt_prefix, rank, ref["xxh3_128"]), body)
+    if declared:
+        ref[DECLARED_RANGES] = None if digests is None else {"rule": rule_of(digests), "fingerprint": fingerprint(digests)}
     return json.dumps(ref, sort_keys=True, separators=(",", ":"))
+
+
+DECLARED_RANGES = "declared_ranges"  # the row's own note, never copied into the root (entry)
+
+
+def rule_of(digests: dict) -> dict:
+    """The block rule a peer recomputes the digests by (ranges.Blocks.record's keys)."""
+    return {k: digests[k] for k in ("block", "split", "floor") if k in digests}
 
 
 def ref_of(sh: Shard) -> dict | None:
@@ -51,6 +65,7 @@ def entry(blobs, ckpt_prefix: str, sh: Shard) -> FileEntry:
     ref = None
     if sh.index_json:
         d = json.loads(sh.index_json)
+        d.pop(DECLARED_RANGES, None)
         ref = d if "xxh3_128" in d else json.loads(
             store(blobs, ckpt_prefix, sh.rank, sh.file_name, d["data_start"], d["tensors"]))
     return FileEntry(sh.file_name, sh.size, sh.xxh3_128, index=ref)

@@ -280,7 +280,8 @@ class CommitProtocol(CommitCore):
         if index_json is not None:  # the file's tensor index, as an object of its own (indexes.py)
             index_json = indexes.store(self.blobs, pfx, header.rank, header.file_name, *index_json[:2], digests,
                                        # where its shards lie, in the root: only with digests (layout.py)
-                                       chunks=index_json[2] if digests is not None else None)
+                                       chunks=index_json[2] if digests is not None else None,
+                                       declared=not hashed)  # a peer reproduces them (declared_ranges.of_shard)
 
         with self.sessions() as s:
             try:
