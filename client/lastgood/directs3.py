@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import http.client
+import json
 import logging
 import math
 import re
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from . import ranges
-from .errors import CorruptCheckpoint, DirectOff, Refused, Unavailable
+from .errors import CorruptCheckpoint, DirectOff, Refused, TooLarge, Unavailable
 from .hashing import StreamHasher
 
 log = logging.getLogger("lastgood")
@@ -219,10 +220,21 @@ def hand_over(transport, checkpoint_id: int, rank: int, file_name: str, handle: 
     p = handle.prepared
     if handle.already_present:
         return {"already_present": True, "size": p.size, "xxh3_128": p.xxh3_128}
-    return transport.post_json(f"/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/direct-files",
-                               {"file_name": file_name, "size": p.size, "xxh3_128": p.xxh3_128,
-                                "part_size": p.part_size, "upload_id": handle.upload_id, "parts": handle.parts,
-                                **({"digests": p.digests} if ranges.declarable(p.digests) else {})})
+    path = f"/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/direct-files"
+    body = {"file_name": file_name, "size": p.size, "xxh3_128": p.xxh3_128, "part_size": p.part_size,
+            "upload_id": handle.upload_id, "parts": handle.parts}
+    declared = {**body, "digests": p.digests} if ranges.declarable(p.digests) else None
+    # the digests are optional, the file is not: a body over the service's limit (its parts
+    # list counts too) goes without them, and so does the retry of a 413 from a service
+    # that does not announce its limit (the file is then read whole at another world size)
+    limit = (getattr(transport, "info", None) or {}).get("max_request_bytes")
+    if declared is not None and (limit is None or len(json.dumps(declared).encode()) <= limit):
+        try:
+            return transport.post_json(path, declared)
+        except TooLarge:
+            log.warning("lastgood: the hand-over of %s is over the service's body limit with its range digests: "
+                        "sent without them", file_name)
+    return transport.post_json(path, body)
 
 
 def turned_off(transport, e: DirectOff) -> None:

@@ -8,6 +8,7 @@ leave nothing behind. Against LocalStack's S3, which checks the parts' CRC32s (`
 from __future__ import annotations
 
 import io
+import json
 
 import pytest
 import torch
@@ -109,4 +110,31 @@ def test_hostile_declared_digests_are_refused_and_change_nothing(make_service, t
     assert svc.get(f"/api/v1/checkpoints/{cid}/shards").json()["ranks"] == []
     assert [o for o in localstack.client().list_objects(ls_bucket, prefix="ckpt/", recursive=True)
             if o.object_name.endswith(prepared.xxh3_128)] == []
+    t.close()
+
+
+def test_digests_that_would_overflow_the_hand_over_body_are_dropped_and_the_save_goes_on(
+        make_service, tmp_path, localstack, ls_bucket, run_name):
+    """The digests fit DECLARE_BYTES, the whole hand-over (parts list and all, as serialised)
+    does not fit the service's body limit: before, the hand-over got 413 and the save failed
+    (it worked before digests existed). Now the writer measures the body against the limit
+    the service announces and declares no digests (the file is read whole at another world
+    size, as before); and a writer that does not know the limit retries a 413 without them."""
+    svc = direct_service(make_service, tmp_path, localstack, ls_bucket, LASTGOOD_RANGE_BLOCK_BYTES=str(64 * 1024),
+                         LASTGOOD_MAX_REQUEST_BYTES="2048")
+    assert svc.info["max_request_bytes"] == 2048
+    t = Transport(svc.url)
+    data = safetensors_file(6 * MiB)
+    for name, knows_the_limit in (("rank00000.safetensors", True), ("other.safetensors", False)):
+        cid = begin(t, f"{run_name}-{knows_the_limit}")
+        prepared = directs3.prepare(data, 5 * MiB, svc.info["range_block_bytes"])
+        assert prepared.digests is not None and len(json.dumps(prepared.digests)) > 2048
+        if not knows_the_limit:
+            t.info = {k: v for k, v in t.info.items() if k != "max_request_bytes"}  # an older service's answer
+        handle = directs3.upload(t, cid, 0, name, data, prepared)
+        directs3.hand_over(t, cid, 0, name, handle)
+        assert [f["name"] for f in svc.get(f"/api/v1/checkpoints/{cid}/shards").json()["ranks"][0]["files"]] == [name]
+        assert t.commit_rank(cid, 0, [name], wait=5).status == "COMMITTED"
+        entry = t.manifest(cid).files(0)[0]
+        assert entry.with_index(0, t.index_bytes(cid, 0, name)).digests is None  # declared none: read whole
     t.close()

@@ -26,7 +26,8 @@ def info(ctx: Ctx):
             "lease_seconds": s.lease_seconds, "spool": ctx.spool.info() if ctx.spool else None,
             "direct_s3": DirectUploads(ctx.commits).info(),  # direct S3 uploads (domain/grants.py)
             "verification": s.verification, "direct_fs": ctx.direct_fs.info() if ctx.direct_fs else None,
-            "range_block_bytes": s.range_block_bytes}  # writers that upload directly declare digests by it
+            "range_block_bytes": s.range_block_bytes,  # writers that upload directly declare digests by it
+            "max_request_bytes": s.max_request_bytes}  # api/limits.py: a hand-over that would not fit drops them
 
 
 @router.get("/metrics", include_in_schema=False)
