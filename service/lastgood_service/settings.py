@@ -147,7 +147,9 @@ class Settings(BaseSettings):
                           "with EIO; hold_manifest holds every commit before its manifest write until the file "
                           "<data_dir>/hold_manifest.release exists; vote_fails_on_checkpoint_<id> makes the part of every vote "
                           "batch on that checkpoint fail with an SQL error; crash_after_direct_complete exits "
-                          "after a direct upload's completion, before the file is recorded")
+                          "after a direct upload's completion, before the file is recorded; hold_declared_index holds a "
+                          "direct hand-over that declares range digests before they are checked, until "
+                          "<data_dir>/hold_declared_index.release exists")
 
     @model_validator(mode="after")
     def _streams_leave_workers(self) -> "Settings":

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -137,4 +139,45 @@ def test_digests_that_would_overflow_the_hand_over_body_are_dropped_and_the_save
         assert t.commit_rank(cid, 0, [name], wait=5).status == "COMMITTED"
         entry = t.manifest(cid).files(0)[0]
         assert entry.with_index(0, t.index_bytes(cid, 0, name)).digests is None  # declared none: read whole
+    t.close()
+
+
+def test_a_refused_declaration_does_not_delete_the_object_another_file_was_recorded_on(
+        make_service, tmp_path, localstack, ls_bucket, run_name):
+    """Two files of a rank with the same bytes share one object (its key is the xxh3-128).
+    One hand-over is held (the hold_declared_index failpoint) after completing the object,
+    before its declared digests are checked; the other file is recorded on that object
+    meanwhile; then the held one's digests are refused. Before, the refusal deleted the
+    object under the recorded file, and (store mode) its checkpoint would commit with a
+    missing blob; now the object stays while a row holds it."""
+    svc = direct_service(make_service, tmp_path, localstack, ls_bucket, LASTGOOD_FAILPOINT="hold_declared_index")
+    t = Transport(svc.url)
+    cid = begin(t, run_name)
+    data = safetensors_file(6 * MiB)
+    good = directs3.prepare(data, 5 * MiB, svc.info["range_block_bytes"])
+    bad = directs3.Parts(good.size, good.xxh3_128, good.part_size, good.crc32, mangled(good.digests, "not_hex"))
+    held_up = directs3.upload(t, cid, 0, "held.safetensors", data, bad)
+    other_up = directs3.upload(t, cid, 0, "rank00000.safetensors", data,
+                               directs3.Parts(good.size, good.xxh3_128, good.part_size, good.crc32))  # declares none
+    refused = []
+
+    def held():
+        try:
+            directs3.hand_over(t, cid, 0, "held.safetensors", held_up)
+        except InvalidArgument as e:
+            refused.append(e)
+
+    th = threading.Thread(target=held)
+    th.start()
+    time.sleep(3)  # the held hand-over reaches its hold (nothing observable to wait on)
+    directs3.hand_over(t, cid, 0, "rank00000.safetensors", other_up)  # completes and records the same key
+    (tmp_path / "svc" / "hold_declared_index.release").touch()
+    th.join(60)
+    assert refused and "declared range digests refused" in str(refused[0])
+    keys = [o.object_name for o in localstack.client().list_objects(ls_bucket, prefix="ckpt/", recursive=True)
+            if o.object_name.endswith(good.xxh3_128)]
+    assert len(keys) == 1, "the object the recorded file points to was deleted with the refusal"
+    assert t.commit_rank(cid, 0, ["rank00000.safetensors"], wait=5).status == "COMMITTED"
+    _, digest = t.read_file(cid, 0, "rank00000.safetensors", len(data))
+    assert digest == good.xxh3_128
     t.close()

@@ -205,12 +205,24 @@ class DirectUploads:
         for other_key, other in d.uploads(key):  # a retried grant's upload of the same file
             if other_key == key and other != upload_id:
                 d.abort_upload(key, other)
+        if digests is not None:
+            self.commits._failpoint("hold_declared_index")  # testing only: another file records this key meanwhile
         try:
             index_json = self._index(key, h, pfx, digests)
         except InvalidArgument:  # not a safetensors file, or declared digests refused: nothing of it is kept
-            self.commits.store.delete(key)
+            self._drop_unless_recorded(h, key)
             raise
         return self._record(h, key, index_json)
+
+    def _drop_unless_recorded(self, h: ShardHeader, key: str) -> None:
+        """Delete the refused file's object, unless a recorded file lies on it: another file
+        of the rank with the same bytes (the key is their xxh3-128), recorded since `_shared`
+        looked. Checked under the checkpoint's row lock, which recording a file takes."""
+        with self.commits.sessions() as s, s.begin():
+            s.get(Checkpoint, h.checkpoint_id, with_for_update=True)
+            if s.scalar(select(Shard.id).where(Shard.checkpoint_id == h.checkpoint_id,
+                                               Shard.blob_key == key).limit(1)) is None:
+                self.commits.store.delete(key)
 
     def _shared(self, d, h: ShardHeader, key: str, crc32s: list[str]) -> bool:
         """Whether another file of the checkpoint is recorded under this key already (the
