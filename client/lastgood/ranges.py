@@ -252,7 +252,9 @@ class RangeDigests:
 def hasher_of(data, cap: int | None) -> RangeHasher | None:
     """A RangeHasher for the safetensors file in `data` (its header parsed from its first
     bytes), to be fed the whole file; None when `cap` is 0/None (the service writes no
-    digests) or `data` is not a safetensors file (then it has no tensor index either)."""
+    digests), `data` is not a safetensors file (then it has no tensor index either), or
+    the header says there would be too many digests to declare (`declarable`): the
+    writers call this, and would hash the file a second time for nothing."""
     from .format import header_length, parse_header, tensor_index
 
     if not cap:
@@ -261,7 +263,8 @@ def hasher_of(data, cap: int | None) -> RangeHasher | None:
     try:
         n = header_length(view[:8])
         tensors, _meta = parse_header(view[:n], file_size=view.nbytes)
-        return RangeHasher(n, tensor_index(tensors), cap)
+        hasher = RangeHasher(n, tensor_index(tensors), cap)
+        return hasher if hasher._n * DIGEST_JSON_BYTES <= DECLARE_BYTES else None
     except (FormatError, ValueError):
         return None
 
@@ -349,6 +352,7 @@ class FileCheck:
 
 
 DECLARE_BYTES = 768 * 1024  # under the service's default REST body limit (1 MiB) with room for the rest
+DIGEST_JSON_BYTES = 35  # one digest in the declaration's JSON: 32 hex digits, quotes, a comma
 
 
 def declarable(digests: dict | None) -> bool:

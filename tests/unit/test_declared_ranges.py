@@ -59,3 +59,19 @@ def test_a_peer_recomputes_the_declared_digests_from_the_bytes_and_notices_a_cha
     check.update(changed)
     assert fingerprint(check.digests()) != fingerprint(digests)
     assert FileCheck(None).digests() is None  # no rule: nothing declared, nothing to recompute
+
+
+@pytest.mark.parametrize("mib, declared", [(96, False), (64, True)])
+def test_a_writer_computes_no_digests_it_could_not_declare(mib, declared):
+    """Over ~22,000 segments the digests pass DECLARE_BYTES and are never sent: the writers
+    (directs3.prepare, directfs) used to compute them anyway, a second xxh3 pass and a dict
+    of hex strings thrown away. The header says how many there would be, so none are
+    computed; the control, under the limit, still gets them. (At the smallest cap, 4 KiB,
+    96 MiB of tensors is ~24,600 segments, 64 MiB ~16,400.)"""
+    from lastgood import directs3, ranges
+
+    data = save({f"t{i}": np.zeros(mib * 1024 * 1024 // 4 // 64, dtype=np.float32) for i in range(64)})
+    parts = directs3.prepare(data, 64 * 1024 * 1024, ranges.MIN_BLOCK)
+    assert (parts.digests is not None) is declared
+    if declared:
+        assert ranges.declarable(parts.digests)
