@@ -181,3 +181,35 @@ def test_a_refused_declaration_does_not_delete_the_object_another_file_was_recor
     _, digest = t.read_file(cid, 0, "rank00000.safetensors", len(data))
     assert digest == good.xxh3_128
     t.close()
+
+
+@pytest.mark.parametrize("wrong", [True, False])
+def test_verify_recomputes_declared_range_digests(make_service, tmp_path, localstack, ls_bucket, run_name, wrong):
+    """In `store` mode nobody reads a direct upload's bytes, so digests of the right shape
+    but of other bytes (here: of the file with its last byte changed) are accepted, and the
+    checkpoint stays last-good while every restore at another world size falls back from
+    its ranged reads. verify() recomputes them in its pass over the bytes: CORRUPT. The
+    control (the file's own digests) verifies ok."""
+    svc = direct_service(make_service, tmp_path, localstack, ls_bucket)
+    t = Transport(svc.url)
+    cid = begin(t, run_name)
+    data = safetensors_file(6 * MiB)
+    prepared = directs3.prepare(data, 5 * MiB, svc.info["range_block_bytes"])
+    if wrong:
+        other = bytearray(data)
+        other[-1] ^= 0xFF
+        digests = directs3.prepare(bytes(other), 5 * MiB, svc.info["range_block_bytes"]).digests
+        assert digests != prepared.digests
+        prepared = directs3.Parts(prepared.size, prepared.xxh3_128, prepared.part_size, prepared.crc32, digests)
+    handle = directs3.upload(t, cid, 0, "rank00000.safetensors", data, prepared)
+    directs3.hand_over(t, cid, 0, "rank00000.safetensors", handle)
+    assert t.commit_rank(cid, 0, ["rank00000.safetensors"], wait=5).status == "COMMITTED"
+    r = svc.post(f"/api/v1/checkpoints/{cid}/verify")
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["ok"] is not wrong, out
+    if wrong:
+        assert out["status"] == "CORRUPT" and "range digests" in out["bad"][0]["file"], out
+        lg = svc.get(f"/api/v1/runs/{run_name}/last-good")
+        assert lg.status_code != 200 or lg.json()["id"] != cid, lg.text  # last-good moved off it
+    t.close()

@@ -326,7 +326,7 @@ class DirectUploads:
         digests = declared_ranges.validate(self.settings.range_block_bytes, data_start, tensors, head, digests)
         return indexes.store(self.commits.blobs, pfx, h.rank, h.file_name, data_start, tensors, digests,
                              chunks=chunks if digests is not None else None,  # as put_shard: only with digests
-                             declared=not self.store_verifies)  # DECLARED: a peer reproduces them
+                             declared=True)  # a peer (DECLARED) and verify reproduce them
 
     def _record(self, h: ShardHeader, key: str, index_json: str | None) -> PutResult:
         c = self.commits

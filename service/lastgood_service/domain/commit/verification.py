@@ -10,6 +10,7 @@ from sqlalchemy import select
 from lastgood.errors import FormatError
 from lastgood.format import META_STATE, dangling_replicas, header_length, parse_header, parse_state
 from lastgood.hashing import StreamHasher, hash_bytes
+from lastgood.ranges import FileCheck, fingerprint
 
 from ...catalog.models import COMMITTED, CORRUPT, Shard
 from .. import last_good
@@ -45,7 +46,8 @@ class CommitVerification(CommitCore):
         if got != ck.manifest_hash:
             bad.append({"file": "manifest", "expected": ck.manifest_hash, "found": got})
         for sh in shards:
-            h = StreamHasher()
+            declared = _declared(sh)  # range digests its writer declared: recomputed in the same pass
+            h = StreamHasher() if declared is None else FileCheck(declared["rule"])
             head = _HeadReader(sh)
             try:
                 for chunk in self.store.get(sh.blob_key):
@@ -56,6 +58,9 @@ class CommitVerification(CommitCore):
                 got = "missing"
             if got != sh.xxh3_128:
                 bad.append({"rank": sh.rank, "file": sh.file_name, "expected": sh.xxh3_128, "found": got})
+            elif declared is not None and (fp := fingerprint(h.digests())) != declared["fingerprint"]:
+                bad.append({"rank": sh.rank, "file": f"{sh.file_name} (range digests)",
+                            "expected": declared["fingerprint"], "found": fp})
             elif (problem := head.state_problem()) is not None:
                 bad.append({"rank": sh.rank, "file": sh.file_name, "expected": "a readable lastgood.state",
                             "found": problem})
@@ -86,6 +91,15 @@ class CommitVerification(CommitCore):
             if first:
                 add_event(s, "corrupt", ck.run_id, ck.id, bad=bad, last_good=now_last_good)
         self._notify()
+
+
+def _declared(sh: Shard) -> dict | None:
+    """{"rule", "fingerprint"} of the range digests the file's writer declared (the service
+    never read its bytes, indexes.DECLARED_RANGES); None for digests the service computed,
+    or none. Declared digests of other bytes would send every ranged read of the file to
+    its fallback while the checkpoint stays last-good."""
+    ref = indexes.ref_of(sh)
+    return ref.get(indexes.DECLARED_RANGES) if ref else None
 
 
 class _HeadReader:
