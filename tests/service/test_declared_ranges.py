@@ -169,7 +169,10 @@ def test_a_refused_declaration_does_not_delete_the_object_another_file_was_recor
 
     th = threading.Thread(target=held)
     th.start()
-    time.sleep(3)  # the held hand-over reaches its hold (nothing observable to wait on)
+    deadline = time.monotonic() + 60
+    while "failpoint hold_declared_index: holding" not in svc.log.read_text():  # the hand-over is held
+        assert time.monotonic() < deadline and th.is_alive(), svc.log.read_text()[-2000:]
+        time.sleep(0.05)
     directs3.hand_over(t, cid, 0, "rank00000.safetensors", other_up)  # completes and records the same key
     (tmp_path / "svc" / "hold_declared_index.release").touch()
     th.join(60)
