@@ -17,6 +17,25 @@ CID = 7
 WAITERS = 50
 
 
+def run(coro):
+    """asyncio.run(coro) on a thread of its own: in the whole suite the browser tests' sync
+    Playwright keeps an event loop running on the main thread, where asyncio.run refuses."""
+    out: dict = {}
+
+    def main() -> None:
+        try:
+            out["value"] = asyncio.run(coro)
+        except BaseException as e:  # re-raised on the test's thread
+            out["error"] = e
+
+    t = threading.Thread(target=main)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 class Catalog:
     def __init__(self) -> None:
         self.status = {CID: "PENDING"}
@@ -47,7 +66,7 @@ async def _storm(decided: bool) -> tuple[list, int, list, int]:
 
 
 def test_a_commit_answers_every_waiter_without_a_catalog_read_and_with_one_answer():
-    answers, reads, again, reads_in_all = asyncio.run(_storm(decided=True))
+    answers, reads, again, reads_in_all = run(_storm(decided=True))
     assert {(a.checkpoint_id, a.status, tuple(a.missing_ranks)) for a in answers + again} == {(CID, "COMMITTED", ())}
     assert reads == 1  # the first look only: the commit's poke did not read
     assert reads_in_all == 1  # nor did the ranks that asked after it
@@ -56,7 +75,7 @@ def test_a_commit_answers_every_waiter_without_a_catalog_read_and_with_one_answe
 
 
 def test_control_a_poke_that_does_not_say_what_was_decided_reads_the_catalog():
-    answers, reads, again, _ = asyncio.run(_storm(decided=False))
+    answers, reads, again, _ = run(_storm(decided=False))
     assert {a.status for a in answers + again} == {"COMMITTED"}
     assert reads == 2  # the first look, then one read for the poke, shared by every waiter
 
@@ -89,13 +108,13 @@ def test_a_status_changed_after_the_commit_is_not_answered_from_memory():
     """The decided outcome kept for late askers (DECIDED_KEPT_S) must not outlive a later
     change: a checkpoint found CORRUPT right after its commit was answered COMMITTED for
     up to two more seconds."""
-    assert asyncio.run(_committed_then("CORRUPT")) == ("COMMITTED", "CORRUPT")
+    assert run(_committed_then("CORRUPT")) == ("COMMITTED", "CORRUPT")
 
 
 def test_an_outcome_found_by_a_read_is_not_kept():
     """Only a commit's own poke (made after its transaction) is kept; a read may have raced
     a later change, so what it found answers its waiters and is not remembered."""
-    async def run() -> int:
+    async def look() -> int:
         catalog, notifier, waiter = await _one_waiter()
         catalog.status[CID] = "ABANDONED"
         notifier.poke()
@@ -103,4 +122,4 @@ def test_an_outcome_found_by_a_read_is_not_kept():
         before = catalog.reads
         assert (await asyncio.wait_for(notifier.wait(CID, 600), 120)).status == "ABANDONED"
         return catalog.reads - before
-    assert asyncio.run(run()) == 1
+    assert run(look()) == 1
