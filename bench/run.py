@@ -305,6 +305,10 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
     one_file = lastgood.Checkpointer(svc.url, run=run, attempt=attempt)
     one_file.config = dataclasses.replace(one_file.config, file_bytes=0)
     ckpt.config = dataclasses.replace(ckpt.config, file_bytes=SPLIT_FILE_BYTES)
+    # one job holds one Checkpointer, so one staging pool: the three here exist only to
+    # compare data paths in one run, and three pools (a state-sized buffer each) would
+    # leave a 4 GiB state's writes too little page cache, which no real job suffers
+    streamer._pool = one_file._pool = ckpt._pool
     assert ckpt.transport.spool is not None and streamer.transport.spool is None
     files = work / "files"
     files.mkdir(exist_ok=True)
