@@ -14,12 +14,15 @@ the saves run: the worst case, where a scheduled pass runs once an hour. Blocks 
 with GC on and off alternate; ratios are between figures of this one run. Transaction
 times come from the catalog engine's own timer (catalog/txtimer.py); "write" transactions
 are those that take SQLite's write lock (queries and GC's planning read without it).
+Once the domain is built, its objects are frozen out of Python's cyclic garbage collector
+as the service's start-up does (pygc.py; `LASTGOOD_PYTHON_GC_FREEZE=false`: not).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc as python_gc
 import json
 import os
 import shutil
@@ -29,6 +32,7 @@ import time
 from pathlib import Path
 
 from lastgood.hashing import hash_bytes
+from lastgood_service import pygc
 from lastgood_service.blobstore import MemoryBlobStore
 from lastgood_service.catalog import txtimer
 from lastgood_service.catalog.db import make_engine, make_sessionmaker, read_sessionmaker
@@ -66,6 +70,22 @@ def _ms(x: float) -> float:
     return round(x * 1000, 2)
 
 
+class FullCollections:
+    """Python's generation-2 collections while the bench runs (gc.callbacks): how many, the longest."""
+
+    def __init__(self) -> None:
+        self.count, self.longest, self._began = 0, 0.0, {}
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._began[threading.get_ident()] = time.perf_counter()
+        elif (t0 := self._began.pop(threading.get_ident(), None)) is not None:
+            self.count += 1
+            self.longest = max(self.longest, time.perf_counter() - t0)
+
+
 def save_once(commits: CommitService, run: str, step: int, ranks: int, parent: int | None) -> tuple[int, float]:
     t0 = time.perf_counter()
     cid = 0
@@ -92,10 +112,16 @@ def bench_catalog(url: str, runs: int, checkpoints: int, ranks: int, backlog: in
     sessions = make_sessionmaker(engine)
     timer = txtimer.of(sessions)
     blobs = MemoryBlobStore()
-    commits = CommitService(Settings(lease_seconds=300, commit_wait_max=5), sessions, blobs)
+    settings = Settings(lease_seconds=300, commit_wait_max=5)
+    commits = CommitService(settings, sessions, blobs)
     reads = read_sessionmaker(engine)  # as the service wires them (main.py)
     gc = GarbageCollector(sessions, blobs, Retention.parse(POLICY), 3600, batch_size=batch_size, read_sessions=reads)
     queries = Queries(reads)
+    for r in range(ranks):  # the shards' maker imported and run: the bench's own start-up, frozen with the rest
+        shard(r)
+    out["python_gc_frozen_objects"] = pygc.freeze_startup(settings)  # start-up done, as the service's main()
+    collections = FullCollections()
+    python_gc.callbacks.append(collections)
     try:
         # ---- GC passes
         passes = {}
@@ -202,7 +228,9 @@ def bench_catalog(url: str, runs: int, checkpoints: int, ranks: int, backlog: in
         writes = [r for r in timer.records if not r.read_only]
         out["longest_write_transaction_ms"] = _ms(max((r.hold for r in writes), default=0))
         out["longest_write_transaction_by"] = max(writes, key=lambda r: r.hold).label if writes else None
+        out["python_full_collections"] = {"count": collections.count, "longest_ms": _ms(collections.longest)}
     finally:
+        python_gc.callbacks.remove(collections)
         engine.dispose()
     return out
 

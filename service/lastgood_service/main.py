@@ -17,7 +17,7 @@ from pathlib import Path
 
 import uvicorn
 
-from . import alloc
+from . import alloc, pygc
 from .api.grpc_server import Servicer, start_grpc_server
 from .api.deps import AppContext
 from .api.rest import create_app
@@ -315,9 +315,10 @@ def main(argv: list[str] | None = None) -> None:
     log.info("gRPC on %s; REST on http://%s:%s (catalog %s, blobs %s, auth %s)", service.grpc_target,
              settings.host, settings.port, catalog, settings.resolved_blob_url(),
              "required" if settings.auth_required else "off (loopback only)")
+    app = BodyLimit(service.app(), settings.max_request_bytes)
+    pygc.freeze_startup(settings)  # start-up is done: its objects are never walked by Python's GC again
     try:
-        uvicorn.run(BodyLimit(service.app(), settings.max_request_bytes), host=settings.host, port=settings.port,
-                    log_level="warning")
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level="warning")
     finally:
         service.stop()
 

@@ -6,6 +6,7 @@ checkpoints is read from the catalog at scrape time, so every replica reports th
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -50,6 +51,8 @@ class Metrics:
                                 ["verdict"], registry=r)
         self.ranks_by_verdict = Gauge("lastgood_ranks", "Ranks of recently beating runs by verdict, at the last "
                                       "health sweep", ["verdict"], registry=r)
+        Gauge("lastgood_python_gc_frozen_objects", "Objects exempt from Python's cyclic garbage collector "
+              "(frozen once start-up is done: pygc.py)", registry=r).set_function(gc.get_freeze_count)
         if pending is not None:
             Gauge("lastgood_pending_checkpoints", "Checkpoints begun and not yet committed or abandoned",
                   registry=r).set_function(pending)
