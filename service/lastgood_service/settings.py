@@ -139,7 +139,7 @@ class Settings(BaseSettings):
                               "memory back to the system (glibc's malloc_trim; a no-op elsewhere)")
     python_gc_freeze: bool = Field(True, description="once started, exempt the service's start-up objects from "
                                    "Python's cyclic garbage collector (gc.freeze): its full collections then "
-                                   "take ~1 ms, not 60-100 ms inside whichever call triggers one (pygc.py)")
+                                   "take a few ms, not 60-100 ms inside whichever call triggers one (pygc.py)")
     event_retention_seconds: float = Field(30 * 24 * 3600.0, ge=0, description="events of a checkpoint GC deleted "
                                            "this long ago are pruned (its gc_delete event stays); 0 keeps them all")
     failpoint: str | None = Field(
