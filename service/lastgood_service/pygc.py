@@ -6,16 +6,16 @@ holds about 110,000 that will never be garbage (the modules, classes and functio
 SQLAlchemy, FastAPI, gRPC, pydantic and our own). Such a collection takes 60-100 ms of
 CPU, in whichever thread happens to allocate when it is due: that query, or that GC
 batch holding the catalog's write lock, takes 60-100 ms longer. At 100,000 checkpoints
-every query p99 over 50 ms and the longest GC write transaction were one of these
-(bench/catalog.py, measured with `gc.callbacks`).
+about one query in 70 had one inside it: those were the p99s over 50 ms
+(bench/README.md, "The catalog at scale": timed with `gc.callbacks`).
 
 `gc.freeze()` moves every object alive at that moment to a permanent generation the
 collector never walks again; later collections walk only what was allocated since
-(a generation-2 collection: 0.4-5 ms measured). It is called once, when start-up is done (main.py),
-after a full collection so that start-up's garbage is not frozen with it. The price: a
-frozen object that later ends up in a garbage cycle is never freed, and start-up's
-objects live as long as the process anyway. `LASTGOOD_PYTHON_GC_FREEZE=false` turns it
-off. Benchmarks that run the domain in their own process call the same function.
+(0.4-5 ms measured). It is called once, when start-up is done (main.py), after a full
+collection so that start-up's garbage is not frozen with it. The price: a frozen object
+that later ends up in a garbage cycle is never freed, and start-up's objects live as long
+as the process anyway. `LASTGOOD_PYTHON_GC_FREEZE=false` turns it off. Benchmarks that
+run the domain in their own process call the same function.
 """
 
 from __future__ import annotations
