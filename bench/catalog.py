@@ -140,7 +140,7 @@ def bench_catalog(url: str, runs: int, checkpoints: int, ranks: int, backlog: in
                             "write_transactions": len(holds),
                             "write_transaction_p50_ms": _ms(pct(holds, 50)), "write_transaction_p99_ms": _ms(pct(holds, 99)),
                             "longest_write_transaction_ms": _ms(max(holds, default=0)),
-                            "first_write_transaction_ms": _ms(holds[0] if holds else 0),  # its first batch: SQLAlchemy compiles its statements
+                            "first_write_transaction_ms": _ms(holds[0] if holds else 0),  # its first batch: the statements' first use
                             # its own CPU (SQLite: its SQL too): what it holds on a machine without other load
                             "longest_write_transaction_cpu_ms": _ms(max((r.cpu for r in writes), default=0))}
         out["gc"] = passes

@@ -40,4 +40,3 @@ def freeze_startup(settings: "Settings") -> int:
     frozen = gc.get_freeze_count()
     log.info("froze %d start-up objects: Python's cyclic GC will not walk them again", frozen)
     return frozen
-
