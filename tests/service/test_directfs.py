@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -259,8 +260,9 @@ def _catalog_transactions(svc) -> int:
 def test_a_peer_report_that_leaves_files_to_check_attempts_no_commit(make_service, run_name, tmp_path):
     """The commit check reads every vote and file of the checkpoint: run on every report, a
     checkpoint's reports cost O(world²) (bench/cluster.py measured it). A report that leaves
-    a file DECLARED is the report's own transaction and the status read, no commit attempt;
-    the control is the last report, whose commit attempt (and commit) costs more. The
+    a file DECLARED is the report's own transaction alone: no commit attempt, and no second
+    transaction to read back the status it already knows (PENDING); the control is the last
+    report, whose commit attempt (and commit) costs more. The
     service's reaper is slowed so that only the calls made here touch the catalog."""
     peer_svc = make_service(LASTGOOD_VERIFICATION="peer", LASTGOOD_LEASE_SECONDS="60", LASTGOOD_REAPER_INTERVAL="60")
     world = 3
@@ -287,8 +289,45 @@ def test_a_peer_report_that_leaves_files_to_check_attempts_no_commit(make_servic
     finally:
         t.close()
     assert res["status"] == "COMMITTED"
-    assert costs[0] == costs[1] == 2, costs  # the report, the status: no commit attempt
+    assert costs[0] == costs[1] == 1, costs  # the report: no commit attempt, no status read
     assert costs[2] > costs[1], costs  # control: the last report attempts the commit, and commits
+
+
+@pytest.mark.parametrize("mode", ["peer", "service"])
+def test_a_completing_vote_with_files_left_to_check_attempts_no_commit(mode, make_service, run_name, tmp_path):
+    """In `peer` mode the ranks vote before their peers check their files: the vote that
+    completes the checkpoint found it uncommittable (files DECLARED) only in its commit
+    attempt, two transactions more than a vote. It costs what any vote does, and the last
+    report, serialised with it by the checkpoint's row lock, commits. Control (`service`
+    mode, nothing left to check): the completing vote attempts the commit, and commits."""
+    svc = make_service(LASTGOOD_VERIFICATION=mode, LASTGOOD_LEASE_SECONDS="60", LASTGOOD_REAPER_INTERVAL="60")
+    world = 2
+    t = Transport(svc.url, spool=False)
+    direct = DirectFS.find(t, str(mount_of(svc, tmp_path)))
+    try:
+        cid = t.begin(run_name, 1, world, None, "a1", 0).checkpoint_id
+        for r in range(world):
+            data = make_shard(r, seed=37)
+            hasher = StreamHasher()
+            handle = direct.write(data, hasher)
+            direct.hand_over(cid, r, shard_name(r), memoryview(data), hasher.hexdigest(), handle)
+        costs, statuses = [], []
+        for r in range(world):
+            idle = _catalog_transactions(svc)
+            before = _catalog_transactions(svc)  # less what a scrape of /metrics costs itself
+            statuses.append(t.commit_rank(cid, r, [shard_name(r)], wait=0).status)
+            costs.append(_catalog_transactions(svc) - before - (before - idle))
+        if mode == "peer":
+            assert statuses == ["PENDING", "PENDING"]
+            assert costs[1] == costs[0], costs  # the completing vote: its batch, no commit attempt
+            for r in range(world):  # the checks; the last report commits
+                assert peer.check(t, direct, cid, r, time.monotonic() + 60) in ("PENDING", "COMMITTED")
+            wait_status(svc, cid, "COMMITTED")
+        else:
+            assert statuses == ["PENDING", "COMMITTED"]
+            assert costs[1] > costs[0], costs  # control: the completing vote commits
+    finally:
+        t.close()
 
 
 def declared_hand_over(svc, tmp_path, run: str, *, wrong_digest: bool):

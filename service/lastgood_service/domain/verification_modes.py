@@ -44,7 +44,7 @@ from lastgood.errors import FormatError
 from lastgood.format import header_length
 
 from ..blobstore import capabilities
-from ..catalog.models import DECLARED, PENDING, VERIFIED, Shard, Vote
+from ..catalog.models import COMMITTED, DECLARED, PENDING, VERIFIED, Shard, Vote
 
 from . import declared_ranges, fencing, peer_fallback
 from .commit.core import key_prefix
@@ -236,10 +236,16 @@ class PeerChecks:
             peer_fallback.of(c).start(checkpoint_id, unread, f"rank {rank} could not read it")
         if bad:
             return self._refuse(checkpoint_id, rank, peer_rank, bad, verified)
-        if not left:
-            c.try_commit(checkpoint_id)
-        with c.sessions() as s, s.begin():
-            status = c._get_checkpoint(s, checkpoint_id).status
+        # the status as this call knows it, without another transaction: PENDING while a
+        # file is left (as of the locked read above), COMMITTED when its own try_commit
+        # committed; read back only when the last report's try_commit did not commit
+        if left:
+            status = PENDING
+        elif c.try_commit(checkpoint_id):
+            status = COMMITTED
+        else:
+            with c.sessions() as s, s.begin():
+                status = c._get_checkpoint(s, checkpoint_id).status
         return {"status": status, "verified": verified, "mismatched": []}
 
     def _refuse(self, checkpoint_id: int, rank: int, peer_rank: int, bad: list, verified: list) -> dict:

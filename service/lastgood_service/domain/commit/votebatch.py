@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import select, text
 from sqlalchemy.exc import SQLAlchemyError
 
-from ...catalog.models import ABANDONED, COMMITTED, CORRUPT, PENDING, Shard, Vote
+from ...catalog.models import ABANDONED, COMMITTED, CORRUPT, DECLARED, PENDING, Shard, Vote
 from .. import fencing
 from ..errors import Conflict, DomainError, FailedPrecondition, Unavailable
 from ..faults import as_domain_error
@@ -244,6 +244,12 @@ class VoteBatcher:
             for a in accepted:
                 a.error = FailedPrecondition(f"checkpoint {cid} is {ck.status}")
             return
-        completes = ck.status == PENDING and not missing_ranks
+        # in `peer` mode the votes come before the checks: a completing vote with a file still
+        # DECLARED cannot commit, and its try_commit (every vote and file read back, then a
+        # read of the status) was wasted. The last report to verify a file, serialised with
+        # this batch by the checkpoint's row lock, sees every vote and commits it instead
+        # (verification_modes.py, report; peer_fallback.py)
+        completes = ck.status == PENDING and not missing_ranks and s.scalar(select(Shard.id).where(
+            Shard.checkpoint_id == cid, Shard.status == DECLARED).limit(1)) is None
         for a in accepted:
             a.status, a.missing, a.completes = ck.status, missing_ranks, completes
