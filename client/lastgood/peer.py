@@ -101,6 +101,8 @@ def check(transport, direct, checkpoint_id: int, rank: int, deadline: float,
             r = transport.post_json(path, {"peer_rank": a["peer_rank"], "files": got})
             if r.get("mismatched"):
                 raise SaveFailed(f"checkpoint {checkpoint_id}: {r.get('reason', 'peer check failed')}")
+            if r.get("status", "PENDING") != "PENDING":
+                return r["status"]  # decided (this report's commit, most often): nothing left to ask
             continue
         if a["peer_voted"] or not wait_for_peer:
             return a["status"]

@@ -203,6 +203,24 @@ def test_a_file_the_checker_cannot_read_is_hashed_by_the_service(peer_svc, run_n
         t.close()
 
 
+def test_a_peer_check_whose_report_commits_asks_nothing_more(peer_svc, run_name, tmp_path):
+    """The report that commits says so (COMMITTED): the check ends there, without asking for
+    its assignment again only to hear the same. A rank's save is one request shorter."""
+    data = make_shard(0, seed=41)
+    t, direct, handle, digest, cid = handed_over(peer_svc, tmp_path, run_name, data)
+    asked = []
+    get_json = t.get_json
+    t.get_json = lambda path, *a, **kw: asked.append(path) or get_json(path, *a, **kw)
+    try:
+        direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
+        assert t.commit_rank(cid, 0, [shard_name(0)], wait=0).status == "PENDING"  # its own file is left
+        assert peer.check(t, direct, cid, 0, deadline=time.monotonic() + 60) == "COMMITTED"
+        assert len(asked) == 1, asked  # the assignment; the report's answer said COMMITTED
+        assert checkpoint(peer_svc, cid)["status"] == "COMMITTED"
+    finally:
+        t.close()
+
+
 @pytest.mark.slow
 def test_store_mode_is_refused_at_start_by_a_file_store(tmp_path):
     """`store` needs a store that verifies declared checksums (direct S3 uploads); the

@@ -247,13 +247,16 @@ class Upload:
         # vote without waiting, then wait for the outcome where a waiting rank costs the
         # service no thread (a long-poll on its event loop: docs/control-plane.md)
         res = self.transport.commit_rank(cid, self.rank, names, wait=0.0)
+        status, missing = res.status, list(res.missing_ranks)
         if res.status == "PENDING" and peer.wanted(self.transport):  # peer.py: read back another rank's files
             from .. import directfs
 
-            peer.check(self.transport, directfs.of(self.transport), cid, self.rank, deadline, wait_for_peer=wait)
+            checked = peer.check(self.transport, directfs.of(self.transport), cid, self.rank, deadline,
+                                 wait_for_peer=wait)
+            if checked == "COMMITTED":  # heard already (often its own report committed): no outcome call
+                status = checked
         if not wait:
             return
-        status, missing = res.status, list(res.missing_ranks)
         while status != "COMMITTED":
             if status != "PENDING":  # decided otherwise: the vote, asked again, raises why (fenced, ...)
                 status = self.transport.commit_rank(cid, self.rank, names, wait=0.0).status
