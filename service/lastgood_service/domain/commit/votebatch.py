@@ -23,7 +23,9 @@ batch was being written, and within `vote_batch_window` seconds after - and writ
   (rolled back as a whole) and every voter in it hears Unavailable: vote again;
 - the batch that completes a checkpoint has one of its voters commit it (the protocol's
   try_commit, as the completing vote always did), unless a commit of that checkpoint is
-  already under way in this process (a vote sent again while the manifest is written);
+  already under way in this process (a vote sent again while the manifest is written), or
+  a file of it is still DECLARED (peer mode: the report or the service's own hash that
+  verifies the last one commits, under the same row lock: verification_modes.py);
   the others answer PENDING at once, with no missing ranks, like any vote of an incomplete
   checkpoint: the caller waits for the outcome as its wait_seconds allows (protocol.vote,
   bounded by commit_wait_max and the gRPC waiters' limit), never for a slow manifest write
