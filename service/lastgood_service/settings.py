@@ -152,7 +152,8 @@ class Settings(BaseSettings):
                           "batch on that checkpoint fail with an SQL error; crash_after_direct_complete exits "
                           "after a direct upload's completion, before the file is recorded; hold_declared_index holds a "
                           "direct hand-over that declares range digests before they are checked, until "
-                          "<data_dir>/hold_declared_index.release exists")
+                          "<data_dir>/hold_declared_index.release exists; commit_fails_once fails the process's first commit "
+                          "attempt (try_commit) before it reads anything, as a transient catalog error would")
 
     @model_validator(mode="after")
     def _streams_leave_workers(self) -> "Settings":

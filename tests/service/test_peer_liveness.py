@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 
 import pytest
 
@@ -37,6 +38,29 @@ def test_a_checker_that_never_reports_does_not_stop_the_commit(peer_svc, run_nam
     wait_status(peer_svc, cid, "COMMITTED", timeout=60)
     kinds = [e["kind"] for e in events(peer_svc, run_name)]
     assert "commit" in kinds and "peer_verified" not in kinds and "expired" not in kinds
+
+
+def test_a_commit_that_fails_after_the_services_hash_is_tried_again(make_service, run_name, tmp_path):
+    """The service hashed the file nobody checked, then its commit attempt failed (a
+    transient catalog error: the commit_fails_once failpoint). Nothing else would commit
+    the checkpoint - every rank voted, no file is DECLARED any more, so the hash is not
+    started again - and before the fix it sat PENDING until its lease ran out: ABANDONED,
+    a save lost to the service's own hiccup. The sweep tries the commit again."""
+    svc = make_service(LASTGOOD_VERIFICATION="peer", LASTGOOD_FAILPOINT="commit_fails_once", **PEER_SETTINGS)
+    data = make_shard(0, seed=26)
+    t, direct, handle, digest, cid = handed_over(svc, tmp_path, run_name, data)
+    try:
+        direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
+        assert t.commit_rank(cid, 0, [shard_name(0)], wait=0).status == "PENDING"  # voted; never checked
+    finally:
+        t.close()
+    deadline = time.monotonic() + 60
+    while (view := checkpoint(svc, cid))["status"] == "PENDING" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert view["status"] == "COMMITTED", view  # before the fix: ABANDONED when the lease ran out
+    assert "failpoint commit_fails_once" in svc.log.read_text()  # the first attempt did fail
+    kinds = [e["kind"] for e in events(svc, run_name)]
+    assert "commit" in kinds and "expired" not in kinds
 
 
 @pytest.mark.slow  # waits for a lease to run out

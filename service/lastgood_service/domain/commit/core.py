@@ -45,6 +45,7 @@ class CommitCore:
         self.listeners: list[Callable[[dict[int, str] | None], None]] = []
         # votes that arrive together are written in one transaction (votebatch.py)
         self.vote_batches = VoteBatcher(self, settings.vote_batch_window, settings.failpoint)
+        self._fail_commit_once = settings.failpoint == "commit_fails_once"  # testing only (protocol.try_commit)
         self.launches = fencing.Launches(sessions, clock, notify=self._notify, metrics=self.metrics, gate=self.gate)
 
     def _lease(self) -> dt.datetime:

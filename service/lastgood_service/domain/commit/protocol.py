@@ -424,6 +424,9 @@ class CommitProtocol(CommitCore):
 
     def try_commit(self, checkpoint_id: int, *, recovering: bool = False) -> bool:
         """Write the manifest, then commit in one transaction. True if this call committed."""
+        if self._fail_commit_once:  # testing only: a transient catalog error on the first attempt
+            self._fail_commit_once = False
+            raise RuntimeError("failpoint commit_fails_once: the commit's catalog transaction fails")
         with self.sessions() as s, s.begin():
             ck = self._get_checkpoint(s, checkpoint_id)
             if ck.status != PENDING:
