@@ -8,7 +8,10 @@ None of that may cost the commit, so:
 
   once every rank of a checkpoint has voted, a DECLARED file no checker has reported
   within `peer_check_grace_seconds` (default: half the lease) is hashed by the service
-  itself, in the background, and the checkpoint's lease is renewed while it does.
+  itself, in the background, and the checkpoint's lease is renewed while it does; and
+  such a checkpoint with no DECLARED file left, still PENDING after the grace (the commit
+  attempt after the last check or hash failed: a transient catalog or store error, or the
+  service stopped inside it), is committed by the service.
 
 The grace is shorter than the lease, and the last vote renewed the lease, so a fully voted
 checkpoint never expires waiting for a check: either a rank reports in time or the service
@@ -51,6 +54,7 @@ class PeerFallback:
         self.commits = commits
         self._lock = threading.Lock()
         self._hashing: set[tuple[int, int, str]] = set()  # (checkpoint, rank, file) being hashed here
+        self._committing: set[int] = set()  # checkpoints the sweep is trying to commit again here
 
     def hashing(self, checkpoint_id: int, rank: int, name: str) -> bool:
         with self._lock:
@@ -58,31 +62,69 @@ class PeerFallback:
 
     def sweep(self) -> list[int]:
         """One pass (the lease reaper's): start hashing the fully voted checkpoints' DECLARED
-        files whose grace is over. Returns the checkpoints it started on."""
+        files whose grace is over, and in `peer` mode try again the commit of those with none
+        left (the commit that followed a hash or the last report failed: nothing else would
+        try it, and the lease would abandon a checkpoint every rank saved). Only in `peer`
+        mode: there the ranks vote before the checks, so the commit is the service's; in the
+        other modes the completing vote commits, a rank whose vote failed votes again, and a
+        commit cut short by a crash before its manifest is left to the lease
+        (lifecycle.recover, tests/service/test_recovery.py). Returns the checkpoints it
+        started hashing.
+
+        Its first query is all a pass costs while nothing is that old: only a checkpoint
+        begun before the grace started can have a last vote as old (votes follow the begin)."""
         c = self.commits
         grace = grace_seconds(c.settings)
         if grace >= c.settings.lease_seconds:
             return []  # the rule is off: the lease decides
         due = c.clock() - dt.timedelta(seconds=grace)
         with c.sessions() as s, s.begin():
-            pending = {ck_id: world for ck_id, world in s.execute(
-                select(Checkpoint.id, Checkpoint.world_size).where(Checkpoint.status == PENDING))}
-            if not pending:
+            old = {ck_id: world for ck_id, world in s.execute(
+                select(Checkpoint.id, Checkpoint.world_size).where(Checkpoint.status == PENDING,
+                                                                   Checkpoint.created_at <= due))}
+            if not old:
                 return []
-            declared = list(s.execute(select(Shard.checkpoint_id, Shard.rank, Shard.file_name).where(
-                Shard.checkpoint_id.in_(pending), Shard.status == DECLARED)))
-            ids = sorted({cid for cid, _r, _n in declared})
             votes = {cid: (n, last) for cid, n, last in s.execute(
                 select(Vote.checkpoint_id, func.count(), func.max(Vote.created_at))
-                .where(Vote.checkpoint_id.in_(ids)).group_by(Vote.checkpoint_id))} if ids else {}
+                .where(Vote.checkpoint_id.in_(old)).group_by(Vote.checkpoint_id))}
+            ready = sorted(cid for cid, (n, last) in votes.items() if n == old[cid] and last <= due)
+            declared = list(s.execute(select(Shard.checkpoint_id, Shard.rank, Shard.file_name).where(
+                Shard.checkpoint_id.in_(ready), Shard.status == DECLARED))) if ready else []
         started = []
-        for cid in ids:
-            n, last = votes.get(cid, (0, None))
-            if n == pending[cid] and last is not None and last <= due:
-                files = [(r, name) for c_id, r, name in declared if c_id == cid]
+        for cid in ready:
+            files = [(r, name) for c_id, r, name in declared if c_id == cid]
+            if files:
                 if self.start(cid, files, "no checker reported it within the grace"):
                     started.append(cid)
+            elif c.settings.verification == "peer":
+                self.commit_again(cid)
         return started
+
+    def commit_again(self, checkpoint_id: int) -> bool:
+        """Try the commit of a fully voted checkpoint with every file verified, on a thread,
+        unless this process is at it already (hashing its files, whose thread commits after;
+        a voter committing it; a try of this one). try_commit is safe beside any other
+        committer, here or on another replica: the manifest it writes is the same bytes,
+        and only one conditional update from PENDING wins."""
+        if self.commits.vote_batches.committing(checkpoint_id):
+            return False
+        with self._lock:
+            if checkpoint_id in self._committing or any(k[0] == checkpoint_id for k in self._hashing):
+                return False
+            self._committing.add(checkpoint_id)
+        threading.Thread(target=self._commit, args=(checkpoint_id,), daemon=True,
+                         name=f"peer-commit-{checkpoint_id}").start()
+        return True
+
+    def _commit(self, checkpoint_id: int) -> None:
+        try:
+            if self.commits.try_commit(checkpoint_id):
+                log.warning("checkpoint %s: committed by the sweep (no earlier commit attempt succeeded)", checkpoint_id)
+        except Exception as e:  # noqa: BLE001 - the next sweep tries again, until the lease decides
+            log.warning("checkpoint %s: the sweep's commit attempt failed; will retry: %s", checkpoint_id, e)
+        finally:
+            with self._lock:
+                self._committing.discard(checkpoint_id)
 
     def start(self, checkpoint_id: int, files: list[tuple[int, str]], why: str) -> bool:
         """Hash these (rank, file) of the checkpoint on a thread, unless already hashing them."""
@@ -123,7 +165,7 @@ class PeerFallback:
                 refuse(c, checkpoint_id, [(r, n, w, g, f"the service hashed it: {why}") for r, n, w, g in bad])
             else:
                 c.try_commit(checkpoint_id)
-        except Exception:  # the next sweep starts over on what is still DECLARED
+        except Exception:  # the next sweep starts over on what is still DECLARED, or commits (sweep)
             log.exception("checkpoint %s: the service's hash of unchecked files failed; will retry", checkpoint_id)
         finally:
             with self._lock:

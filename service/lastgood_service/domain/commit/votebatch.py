@@ -85,6 +85,11 @@ class VoteBatcher:
         self._committing: set[int] = set()  # checkpoints a voter of this process is committing
         self.batches = 0  # transactions written, for tests and the benchmark
 
+    def committing(self, checkpoint_id: int) -> bool:
+        """Is a voter of this process committing the checkpoint (peer_fallback.py asks)?"""
+        with self._cv:
+            return checkpoint_id in self._committing
+
     def vote(self, checkpoint_id: int, rank: int, files: list[str]):
         """Record the vote (durably, in some batch's transaction), commit if its batch
         completed the checkpoint; the VoteResult as of then. Raises the vote's own refusal."""
