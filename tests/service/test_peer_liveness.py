@@ -63,6 +63,34 @@ def test_a_commit_that_fails_after_the_services_hash_is_tried_again(make_service
     assert "commit" in kinds and "expired" not in kinds
 
 
+def _reaper_transactions(svc) -> tuple[int, int]:
+    """The lease reaper's catalog transactions so far: its expiry passes, its peer-check passes."""
+    counts = {line.split('"')[1]: int(float(line.split()[-1])) for line in svc.get("/metrics").text.splitlines()
+              if line.startswith("lastgood_catalog_transactions_total{")}
+    return counts.get("expire", 0), counts.get("peer_sweep", 0)
+
+
+@pytest.mark.parametrize("grace,every_pass", [("20", False), ("1", True)])
+def test_the_peer_check_pass_runs_a_tenth_of_the_grace_apart(grace, every_pass, make_service):
+    """The reaper looks for expired leases every pass (0.2 s here); the peer-check pass needs
+    to run only every tenth of the grace or of what the lease leaves after it (2 s with a
+    20 s grace of a 40 s lease): every second, it was most of an idle service's CPU and made a
+    pending save cost more the longer it took. Counted in passes, not seconds. Control: a
+    grace whose tenth is shorter than the reaper's pass runs it on every pass."""
+    svc = make_service(LASTGOOD_VERIFICATION="peer", LASTGOOD_LEASE_SECONDS="40",
+                       LASTGOOD_PEER_CHECK_GRACE_SECONDS=grace)
+    expire0, sweep0 = _reaper_transactions(svc)
+    deadline = time.monotonic() + 120
+    while (now := _reaper_transactions(svc))[0] - expire0 < 25:
+        assert time.monotonic() < deadline, now
+        time.sleep(0.2)
+    passes, sweeps = now[0] - expire0, now[1] - sweep0
+    if every_pass:
+        assert sweeps >= passes - 2, (passes, sweeps)
+    else:  # 10 passes apart; a third leaves room for passes a loaded machine delays
+        assert 1 <= sweeps <= passes / 3, (passes, sweeps)
+
+
 @pytest.mark.slow  # waits for a lease to run out
 def test_control_with_the_rule_off_the_unchecked_checkpoint_is_abandoned(make_service, run_name, tmp_path):
     svc = make_service(LASTGOOD_LEASE_SECONDS="6", LASTGOOD_VERIFICATION="peer",

@@ -15,7 +15,8 @@ None of that may cost the commit, so:
 
 The grace is shorter than the lease, and the last vote renewed the lease, so a fully voted
 checkpoint never expires waiting for a check: either a rank reports in time or the service
-takes over before the lease is out. A file a checker reports unread is handed over at
+takes over before the lease is out (the reaper looks every `sweep_interval`, a tenth of
+what the lease leaves after the grace, or of the grace if shorter). A file a checker reports unread is handed over at
 once. The hash runs on a thread of this module, never inside a request (a multi-GB file
 would outlast the client's timeout, and each retry would start another hash); a file
 already being hashed is not hashed again, and ranks are not asked to check it. A grace at
@@ -45,6 +46,17 @@ def grace_seconds(settings) -> float:
     """How long after the last vote a DECLARED file waits for its checker."""
     g = settings.peer_check_grace_seconds
     return settings.lease_seconds / 2 if g is None else g
+
+
+def sweep_interval(settings) -> float:
+    """How often the lease reaper runs `sweep`: a tenth of the shorter of the grace and what
+    the lease leaves after it, so the service's hash (or commit) starts at most that late
+    and still well before the lease runs out; never more often than the reaper's own pass.
+    Every second, it was most of what an idle service spent, and it made a pending save
+    cost more the longer it took (bench/README.md, "Data paths")."""
+    grace = grace_seconds(settings)
+    room = min(grace, settings.lease_seconds - grace)
+    return max(settings.reaper_interval, room / 10)
 
 
 class PeerFallback:
