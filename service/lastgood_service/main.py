@@ -12,7 +12,6 @@ import logging
 import os
 import sys
 import threading
-import time
 from pathlib import Path
 
 import uvicorn
@@ -36,15 +35,15 @@ from .domain.errors import DomainError
 from .domain.retention import Retention
 from .domain.directfs import DirectFS
 from .domain.spool import Spool
-from .domain import peer_fallback, verification_modes
+from .domain import verification_modes
 from .domain.tokens import TokenStore
 from .api.limits import BodyLimit
 from .metrics import Metrics
+from .reaper import Reaper
 from .domain.queries import Queries
 from .settings import Settings
 
 log = logging.getLogger("lastgood")
-SPOOL_SWEEP_INTERVAL = 60.0
 
 
 def _sqlite_dir(url: str) -> Path | None:
@@ -119,7 +118,7 @@ class Service:
         self.grpc_server, self.grpc_port = start_grpc_server(
             Servicer(self.commits, self.queries, self.tokens, self.spool, self.direct_fs), s.grpc_host, s.grpc_port, s.grpc_workers,
             s.max_chunk_bytes, s.grpc_stream_window)
-        threading.Thread(target=self._reaper, name="lease-reaper", daemon=True).start()
+        threading.Thread(target=Reaper(self).run, args=(self._stop,), name="lease-reaper", daemon=True).start()
         if s.gc_interval > 0:
             threading.Thread(target=self._gc_loop, name="gc", daemon=True).start()
         if s.health_interval > 0:
@@ -128,32 +127,6 @@ class Service:
     @property
     def grpc_target(self) -> str:
         return self.settings.grpc_advertise or f"{self.settings.grpc_host}:{self.grpc_port}"
-
-    def _reaper(self) -> None:
-        swept = float("-inf")  # the first pass sweeps the spool: a service that restarts often still cleans it
-        checked, check_every = float("-inf"), peer_fallback.sweep_interval(self.settings)
-        while not self._stop.wait(self.settings.reaper_interval):
-            if time.monotonic() - checked >= check_every - self.settings.reaper_interval / 2:
-                checked = time.monotonic()
-                try:  # peer verification's liveness rule: unchecked files of fully voted checkpoints
-                    with txtimer.labelled("peer_sweep"):  # /metrics counts each pass's transactions
-                        peer_fallback.of(self.commits).sweep()
-                except Exception:
-                    log.exception("peer-check fallback pass failed; will retry")
-            try:
-                with txtimer.labelled("expire"):
-                    self.commits.expire_leases()
-            except Exception:
-                log.exception("lease reaper pass failed; will retry")
-            if self.spool and time.monotonic() - swept > SPOOL_SWEEP_INTERVAL:
-                swept = time.monotonic()
-                try:  # files whose writer died before handing them over, links whose reader died
-                    self.spool.sweep(max(self.settings.gc_grace_seconds, self.settings.lease_seconds))
-                    self.spool.sweep_lent(max(self.settings.lease_seconds, SPOOL_SWEEP_INTERVAL))
-                    if self.direct_fs:  # direct-FS writers that died before handing over
-                        self.direct_fs.sweep(max(self.settings.gc_grace_seconds, self.settings.lease_seconds))
-                except Exception:
-                    log.exception("spool sweep failed; will retry")
 
     def _gc_loop(self) -> None:
         while not self._stop.wait(self.settings.gc_interval):

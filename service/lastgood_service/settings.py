@@ -39,7 +39,9 @@ class Settings(BaseSettings):
                                   "MALLOC_ARENA_MAX is set); 0: glibc's default")
 
     lease_seconds: float = Field(60.0, gt=0, description="a pending checkpoint with no rank activity for this long is ABANDONED")
-    reaper_interval: float = Field(1.0, gt=0, description="how often expired leases are looked for")
+    reaper_interval: float = Field(1.0, gt=0, description="the shortest time between two passes of the lease "
+                                   "reaper, which looks for expired leases only once the earliest pending lease can "
+                                   "have run out (reaper.py)")
     commit_wait_max: float = Field(5.0, ge=0, description="longest one CommitRank call waits for the other ranks")
     outcome_wait_max: float = Field(30.0, ge=0, le=3600, description="longest one GET .../outcome?wait= call waits "
                                     "for a checkpoint's outcome (a coroutine, no thread, per waiting rank)")

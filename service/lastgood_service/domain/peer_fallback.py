@@ -15,8 +15,9 @@ None of that may cost the commit, so:
 
 The grace is shorter than the lease, and the last vote renewed the lease, so a fully voted
 checkpoint never expires waiting for a check: either a rank reports in time or the service
-takes over before the lease is out (the reaper looks every `sweep_interval`, a tenth of
-what the lease leaves after the grace, or of the grace if shorter). A file a checker reports unread is handed over at
+takes over before the lease is out (the reaper runs the pass once a pending checkpoint is
+older than the grace, then every `sweep_interval`: a tenth of what the lease leaves after
+the grace, or of the grace if shorter). A file a checker reports unread is handed over at
 once. The hash runs on a thread of this module, never inside a request (a multi-GB file
 would outlast the client's timeout, and each retry would start another hash); a file
 already being hashed is not hashed again, and ranks are not asked to check it. A grace at
@@ -49,11 +50,11 @@ def grace_seconds(settings) -> float:
 
 
 def sweep_interval(settings) -> float:
-    """How often the lease reaper runs `sweep`: a tenth of the shorter of the grace and what
-    the lease leaves after it, so the service's hash (or commit) starts at most that late
-    and still well before the lease runs out; never more often than the reaper's own pass.
-    Every second, it was most of what an idle service spent, and it made a pending save
-    cost more the longer it took (bench/README.md, "Data paths")."""
+    """How often the lease reaper runs `sweep` while a checkpoint older than the grace is
+    pending (before, it has nothing to do: reaper.py): a tenth of the shorter of the grace
+    and what the lease leaves after it, so the service's hash (or commit) starts at most
+    that late and still well before the lease runs out; never more often than the reaper's
+    own pass."""
     grace = grace_seconds(settings)
     room = min(grace, settings.lease_seconds - grace)
     return max(settings.reaper_interval, room / 10)
@@ -67,6 +68,7 @@ class PeerFallback:
         self._lock = threading.Lock()
         self._hashing: set[tuple[int, int, str]] = set()  # (checkpoint, rank, file) being hashed here
         self._committing: set[int] = set()  # checkpoints the sweep is trying to commit again here
+        self.next_in = 0.0  # seconds until a sweep can next find work, as of the last one (reaper.py)
 
     def hashing(self, checkpoint_id: int, rank: int, name: str) -> bool:
         with self._lock:
@@ -88,12 +90,20 @@ class PeerFallback:
         c = self.commits
         grace = grace_seconds(c.settings)
         if grace >= c.settings.lease_seconds:
-            return []  # the rule is off: the lease decides
-        due = c.clock() - dt.timedelta(seconds=grace)
+            self.next_in = c.settings.lease_seconds  # the rule is off: the lease decides
+            return []
+        now = c.clock()
+        due = now - dt.timedelta(seconds=grace)
         with c.sessions() as s, s.begin():
-            old = {ck_id: world for ck_id, world in s.execute(
-                select(Checkpoint.id, Checkpoint.world_size).where(Checkpoint.status == PENDING,
-                                                                   Checkpoint.created_at <= due))}
+            pending = s.execute(select(Checkpoint.id, Checkpoint.world_size, Checkpoint.created_at)
+                                .where(Checkpoint.status == PENDING)).all()
+            old = {ck_id: world for ck_id, world, created in pending if created <= due}
+            # nothing to do until the grace has passed since the earliest begin of those
+            # pending (one begun later: later still); while one that old is pending, every
+            # sweep_interval (its last vote may be recent, a hash may have failed)
+            young = [created for _id, _w, created in pending if created > due]
+            self.next_in = sweep_interval(c.settings) if old else (
+                (min(young) - due).total_seconds() if young else grace)
             if not old:
                 return []
             votes = {cid: (n, last) for cid, n, last in s.execute(

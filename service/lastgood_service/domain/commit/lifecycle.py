@@ -4,9 +4,10 @@ between the manifest and the commit transaction)."""
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 
 from ...catalog.models import ABANDONED, PENDING, Checkpoint, Shard, Vote
 from .. import keys
@@ -39,8 +40,12 @@ class CommitLifecycle(CommitProtocol):
         self._end_direct([checkpoint_id])
         return ABANDONED
 
+    next_expiry: dt.datetime | None = None  # the earliest lease left PENDING by the last expire_leases
+
     def expire_leases(self) -> list[int]:
-        """Mark PENDING checkpoints whose lease ran out ABANDONED (a rank died)."""
+        """Mark PENDING checkpoints whose lease ran out ABANDONED (a rank died). Notes the
+        earliest lease still pending in `next_expiry` (None: nothing pending): the lease
+        reaper has nothing to do before it (reaper.py)."""
         now = self.clock()
         with self.sessions() as s, s.begin():
             # updated (row-locked) in id order, as vote batches lock them: in any other order
@@ -57,6 +62,9 @@ class CommitLifecycle(CommitProtocol):
                     voted = sorted(s.scalars(select(Vote.rank).where(Vote.checkpoint_id == ck.id)))
                     add_event(s, "expired", ck.run_id, ck.id, step=ck.step, voted_ranks=voted)
                     expired.append(ck.id)
+            # an index seek (ix_checkpoints_status_lease)
+            self.next_expiry = s.scalar(select(func.min(Checkpoint.lease_expires_at))
+                                        .where(Checkpoint.status == PENDING))
         if expired:
             for cid in expired:
                 log.warning("lease expired: checkpoint %s abandoned (a rank stopped)", cid,
