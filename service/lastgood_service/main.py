@@ -261,7 +261,7 @@ class _Server(uvicorn.Server):
             counter = (counter + 10) % 864000  # on_tick does its once-a-second work when counter % 10 == 0
             try:
                 await asyncio.wait_for(self._wake.wait(), 1.0)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # the builtin only from Python 3.11
                 pass
             should_exit = await self.on_tick(counter)
 
@@ -322,6 +322,8 @@ def main(argv: list[str] | None = None) -> None:
     pygc.freeze_startup(settings)  # start-up is done: its objects are never walked by Python's GC again
     try:
         _Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning")).run()
+    except KeyboardInterrupt:  # Ctrl+C: uvicorn shut down gracefully, then re-raised SIGINT (as uvicorn.run, a clean exit)
+        pass
     finally:
         service.stop()
 

@@ -175,7 +175,7 @@ class OutcomeNotifier:
         while self._watched:
             try:
                 await asyncio.wait_for(self._wake.wait(), self.interval)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # the builtin only from Python 3.11
                 pass
             self._wake.clear()
             ids = list(self._watched)
