@@ -9,9 +9,11 @@ took (bench/README.md, "Data paths"). Each pass now says when it can next have w
 the thread sleeps until the earliest of them:
 
 - expiry: the earliest lease of a PENDING checkpoint, or a lease from now when none is
-  pending. A checkpoint begun or renewed later expires later than that (every lease is
-  `lease_seconds` from its last renewal), so an expiry is never found later than before;
-  a replica with a shorter lease expires its own checkpoints with its own reaper;
+  pending, and never more than EXPIRY_RECHECK_S. A checkpoint begun or renewed later
+  expires later than that (every lease is `lease_seconds` from its last renewal), so an
+  expiry is never found later than before. The cap is for replicas sharing a catalog
+  with different leases (a rolling change of `LASTGOOD_LEASE_SECONDS`): a checkpoint
+  begun by a replica with a shorter lease, which then stops, is found at most that late;
 - the peer pass: `peer_fallback.PeerFallback.next_in` (the grace of the youngest
   checkpoint's begin, or every `sweep_interval` while an older one is pending);
 - the spool: every SPOOL_SWEEP_INTERVAL.
@@ -32,6 +34,7 @@ from .domain import peer_fallback
 log = logging.getLogger("lastgood")
 
 SPOOL_SWEEP_INTERVAL = 60.0
+EXPIRY_RECHECK_S = 30.0  # the longest the expiry pass sleeps, whatever this replica's lease (see above)
 
 
 class Reaper:
@@ -65,7 +68,8 @@ class Reaper:
                 try:
                     with txtimer.labelled("expire"):
                         svc.commits.expire_leases()
-                    expire_at = time.monotonic() + max(every, self.until(svc.commits.next_expiry, s.lease_seconds))
+                    expire_at = time.monotonic() + max(every, self.until(svc.commits.next_expiry,
+                                                                       min(s.lease_seconds, EXPIRY_RECHECK_S)))
                 except Exception:
                     log.exception("lease reaper pass failed; will retry")
             if now >= spool_at:
