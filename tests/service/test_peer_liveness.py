@@ -63,6 +63,38 @@ def test_a_commit_that_fails_after_the_services_hash_is_tried_again(make_service
     assert "commit" in kinds and "expired" not in kinds
 
 
+@pytest.mark.slow  # waits for a lease to run out
+def test_the_retried_commit_does_not_commit_a_file_lost_since_it_was_verified(make_service, run_name, tmp_path):
+    """The rank's own report verified its file, and the report's commit attempt failed
+    (commit_fails_once). Before the sweep tries the commit again, the file is gone from the
+    store (a host crash lost what was published but not on disk). The sweep's retry must
+    not commit a checkpoint whose file is missing - as recovery at start-up checks every
+    file's presence first (lifecycle.shards_present), so does the retry: the lease decides,
+    ABANDONED. Before the fix (a review finding) it committed with the file missing."""
+    svc = make_service(LASTGOOD_VERIFICATION="peer", LASTGOOD_FAILPOINT="commit_fails_once",
+                       LASTGOOD_LEASE_SECONDS="20", LASTGOOD_PEER_CHECK_GRACE_SECONDS="6")
+    data = make_shard(0, seed=27)
+    t, direct, handle, digest, cid = handed_over(svc, tmp_path, run_name, data)
+    try:
+        direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
+        assert t.commit_rank(cid, 0, [shard_name(0)], wait=0).status == "PENDING"  # voted
+        a = t.get_json(peer._path(cid, 0))
+        assert [f["name"] for f in a["files"]] == [shard_name(0)]
+        # the report verifies the file; its commit attempt fails (the failpoint). Sent once,
+        # not through the transport, whose retry would commit at once
+        svc.post(peer._path(cid, 0), json={"peer_rank": a["peer_rank"],
+                                           "files": [peer.report_entry(shard_name(0), digest)]})
+    finally:
+        t.close()
+    assert "failpoint commit_fails_once" in svc.log.read_text()
+    blobs = [p for p in svc.blob_root.rglob("*") if p.is_file() and p.stat().st_size == len(data)]
+    assert len(blobs) == 1, blobs
+    os.chmod(blobs[0].parent, 0o755)
+    blobs[0].unlink()  # lost before the sweep's retry (grace: 6 s after begin)
+    wait_status(svc, cid, "ABANDONED", timeout=60)  # before the fix: COMMITTED, its file missing
+    assert "commit" not in [e["kind"] for e in events(svc, run_name)]
+
+
 def _reaper_transactions(svc) -> tuple[int, int]:
     """The lease reaper's catalog transactions so far: its expiry passes, its peer-check passes."""
     counts = {line.split('"')[1]: int(float(line.split()[-1])) for line in svc.get("/metrics").text.splitlines()

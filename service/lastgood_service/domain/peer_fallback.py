@@ -140,7 +140,9 @@ class PeerFallback:
 
     def _commit(self, checkpoint_id: int) -> None:
         try:
-            if self.commits.try_commit(checkpoint_id):
+            if not self.commits.shards_present(checkpoint_id):  # lost since they were verified: the lease decides
+                log.warning("checkpoint %s: a verified file is missing from the store; not committed", checkpoint_id)
+            elif self.commits.try_commit(checkpoint_id):
                 log.warning("checkpoint %s: committed by the sweep (no earlier commit attempt succeeded)", checkpoint_id)
         except Exception as e:  # noqa: BLE001 - the next sweep tries again, until the lease decides
             log.warning("checkpoint %s: the sweep's commit attempt failed; will retry: %s", checkpoint_id, e)

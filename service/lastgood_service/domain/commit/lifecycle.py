@@ -81,6 +81,15 @@ class CommitLifecycle(CommitProtocol):
 
             DirectUploads(self).end(checkpoint_ids)
 
+    def shards_present(self, checkpoint_id: int) -> bool:
+        """Is every shard row's blob in the store at its recorded size (a stat each, no
+        read)? Asked before a commit that does not follow the call that verified the files
+        (recovery at start-up, peer mode's retried commit: peer_fallback.py): a crash of the
+        host since may have lost blobs that were published but not yet on disk."""
+        with self.sessions() as s, s.begin():
+            shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == checkpoint_id)))
+        return all((info := self.blobs.stat(sh.blob_key)) is not None and info.size == sh.size for sh in shards)
+
     def recover(self) -> list[int]:
         """At start-up: roll a PENDING checkpoint forward when every rank voted, its manifest
         blob is written and every verified shard is present; leave the rest to expiry."""
@@ -91,9 +100,7 @@ class CommitLifecycle(CommitProtocol):
         for cid, key in pending:
             if self.blobs.stat(key) is None:
                 continue
-            with self.sessions() as s, s.begin():
-                shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == cid)))
-            if all((info := self.blobs.stat(sh.blob_key)) is not None and info.size == sh.size for sh in shards):
+            if self.shards_present(cid):
                 if self.try_commit(cid, recovering=True):
                     rolled.append(cid)
         if rolled:
