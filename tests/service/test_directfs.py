@@ -269,6 +269,18 @@ def test_direct_s3_uploads_on_a_store_that_grants_none_are_refused_at_start(tmp_
     vm.check_available("peer", local, direct_s3=False)
 
 
+def _handed_over_ranks(t, direct, run: str, world: int, seed: int) -> int:
+    """A checkpoint of `world` ranks begun, each rank's file written in place and handed
+    over (no vote yet): its id."""
+    cid = t.begin(run, 1, world, None, "a1", 0).checkpoint_id
+    for r in range(world):
+        data = make_shard(r, seed=seed)
+        hasher = StreamHasher()
+        handle = direct.write(data, hasher)
+        direct.hand_over(cid, r, shard_name(r), memoryview(data), hasher.hexdigest(), handle)
+    return cid
+
+
 def _catalog_transactions(svc) -> int:
     """The service's catalog transactions so far, all labels (/metrics)."""
     return sum(int(float(line.split()[-1])) for line in svc.get("/metrics").text.splitlines()
@@ -287,12 +299,8 @@ def test_a_peer_report_that_leaves_files_to_check_attempts_no_commit(make_servic
     t = Transport(peer_svc.url, spool=False)
     direct = DirectFS.find(t, str(mount_of(peer_svc, tmp_path)))
     try:
-        cid = t.begin(run_name, 1, world, None, "a1", 0).checkpoint_id
+        cid = _handed_over_ranks(t, direct, run_name, world, seed=31)
         for r in range(world):
-            data = make_shard(r, seed=31)
-            hasher = StreamHasher()
-            handle = direct.write(data, hasher)
-            direct.hand_over(cid, r, shard_name(r), memoryview(data), hasher.hexdigest(), handle)
             t.commit_rank(cid, r, [shard_name(r)], wait=0)
         costs = []
         for r in range(world):  # rank r checks rank r + 1: two files stay DECLARED, then one, then none
@@ -323,12 +331,7 @@ def test_a_completing_vote_with_files_left_to_check_attempts_no_commit(mode, mak
     t = Transport(svc.url, spool=False)
     direct = DirectFS.find(t, str(mount_of(svc, tmp_path)))
     try:
-        cid = t.begin(run_name, 1, world, None, "a1", 0).checkpoint_id
-        for r in range(world):
-            data = make_shard(r, seed=37)
-            hasher = StreamHasher()
-            handle = direct.write(data, hasher)
-            direct.hand_over(cid, r, shard_name(r), memoryview(data), hasher.hexdigest(), handle)
+        cid = _handed_over_ranks(t, direct, run_name, world, seed=37)
         costs, statuses = [], []
         for r in range(world):
             idle = _catalog_transactions(svc)

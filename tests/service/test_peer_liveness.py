@@ -25,16 +25,23 @@ GRACE = "2"
 PEER_SETTINGS = {"LASTGOOD_LEASE_SECONDS": "20", "LASTGOOD_PEER_CHECK_GRACE_SECONDS": GRACE}  # conftest's peer_svc
 
 
-def test_a_checker_that_never_reports_does_not_stop_the_commit(peer_svc, run_name, tmp_path):
-    """Every rank voted, no rank checks (it crashed after its vote): the service hashes the
-    file once the grace is over and the checkpoint commits, well before its lease."""
-    data = make_shard(0, seed=21)
-    t, direct, handle, digest, cid = handed_over(peer_svc, tmp_path, run_name, data)
+def voted_unchecked(svc, tmp_path, run: str, seed: int) -> int:
+    """A one-rank checkpoint whose rank handed its file over and voted, and never checked
+    (it crashed after its vote): the checkpoint's id."""
+    data = make_shard(0, seed=seed)
+    t, direct, handle, digest, cid = handed_over(svc, tmp_path, run, data)
     try:
         direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
         assert t.commit_rank(cid, 0, [shard_name(0)], wait=0).status == "PENDING"  # voted; never checked
     finally:
         t.close()
+    return cid
+
+
+def test_a_checker_that_never_reports_does_not_stop_the_commit(peer_svc, run_name, tmp_path):
+    """Every rank voted, no rank checks (it crashed after its vote): the service hashes the
+    file once the grace is over and the checkpoint commits, well before its lease."""
+    cid = voted_unchecked(peer_svc, tmp_path, run_name, seed=21)
     wait_status(peer_svc, cid, "COMMITTED", timeout=60)
     kinds = [e["kind"] for e in events(peer_svc, run_name)]
     assert "commit" in kinds and "peer_verified" not in kinds and "expired" not in kinds
@@ -47,13 +54,7 @@ def test_a_commit_that_fails_after_the_services_hash_is_tried_again(make_service
     started again - and before the fix it sat PENDING until its lease ran out: ABANDONED,
     a save lost to the service's own hiccup. The sweep tries the commit again."""
     svc = make_service(LASTGOOD_VERIFICATION="peer", LASTGOOD_FAILPOINT="commit_fails_once", **PEER_SETTINGS)
-    data = make_shard(0, seed=26)
-    t, direct, handle, digest, cid = handed_over(svc, tmp_path, run_name, data)
-    try:
-        direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
-        assert t.commit_rank(cid, 0, [shard_name(0)], wait=0).status == "PENDING"  # voted; never checked
-    finally:
-        t.close()
+    cid = voted_unchecked(svc, tmp_path, run_name, seed=26)
     deadline = time.monotonic() + 60
     while (view := checkpoint(svc, cid))["status"] == "PENDING" and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -136,13 +137,7 @@ def test_the_reaper_reads_the_catalog_only_when_something_can_be_due(make_servic
 def test_control_with_the_rule_off_the_unchecked_checkpoint_is_abandoned(make_service, run_name, tmp_path):
     svc = make_service(LASTGOOD_LEASE_SECONDS="6", LASTGOOD_VERIFICATION="peer",
                        LASTGOOD_PEER_CHECK_GRACE_SECONDS="6")  # at the lease: the service never takes over
-    data = make_shard(0, seed=21)
-    t, direct, handle, digest, cid = handed_over(svc, tmp_path, run_name, data)
-    try:
-        direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
-        assert t.commit_rank(cid, 0, [shard_name(0)], wait=0).status == "PENDING"
-    finally:
-        t.close()
+    cid = voted_unchecked(svc, tmp_path, run_name, seed=21)
     wait_status(svc, cid, "ABANDONED", timeout=60)
     assert "expired" in [e["kind"] for e in events(svc, run_name)]
 
