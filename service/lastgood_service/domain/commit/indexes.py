@@ -17,7 +17,7 @@ import json
 
 from lastgood.hashing import hash_bytes
 from lastgood.manifest import FileEntry, index_bytes, index_ref
-from lastgood.ranges import fingerprint
+from lastgood.ranges import Blocks, fingerprint
 
 from ...catalog.models import Shard
 from .. import keys
@@ -43,8 +43,8 @@ DECLARED_RANGES = "declared_ranges"  # the row's own note, never copied into the
 
 
 def rule_of(digests: dict) -> dict:
-    """The block rule a peer recomputes the digests by (ranges.Blocks.record's keys)."""
-    return {k: digests[k] for k in ("block", "split", "floor") if k in digests}
+    """The block rule a peer recomputes the digests by: ranges.Blocks, which owns its keys."""
+    return Blocks.read(digests).record()
 
 
 def ref_of(sh: Shard) -> dict | None:
