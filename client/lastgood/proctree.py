@@ -191,12 +191,25 @@ class RankWatch(threading.Thread):
         self.interval = interval
         self.deaths: list[tuple[int, int, int | None]] = []  # (tick, local rank, wait status or None)
         self._ranks: dict[tuple[int, int], int] = {}          # (pid, start) -> local rank
-        self._envs: dict[tuple[int, int], str | None] = {}
+        self._envs: dict[tuple[int, int], str] = {}              # (pid, start) -> LOCAL_RANK
         self._halt = threading.Event()
 
     def stop(self) -> None:
         self._halt.set()
         self.join(5)
+
+    def _local_rank(self, p: Proc) -> str | None:
+        """LOCAL_RANK from the process's environment. Only a value is kept: a process seen
+        between its fork and its exec still shows its launcher's environment (torchrun forks
+        each rank, then execs it with LOCAL_RANK set), so an absent one is read again at the
+        next look, or that rank would never be watched and a peer dying after it be blamed."""
+        key = (p.pid, p.start)
+        if key not in self._envs:
+            local = environ(p.pid).get("LOCAL_RANK")
+            if local is None:
+                return None
+            self._envs[key] = local
+        return self._envs[key]
 
     def _scan(self) -> None:
         procs = table()
@@ -204,16 +217,9 @@ class RankWatch(threading.Thread):
             key = (p.pid, p.start)
             if key in self._ranks or p.dead:
                 continue
-            if key not in self._envs:
-                self._envs[key] = environ(p.pid).get("LOCAL_RANK")
             parent = procs.get(p.ppid)
-            parent_rank = None
-            if parent is not None:
-                pkey = (parent.pid, parent.start)
-                if pkey not in self._envs:
-                    self._envs[pkey] = environ(parent.pid).get("LOCAL_RANK")
-                parent_rank = self._envs[pkey]
-            local = self._envs[key]
+            parent_rank = None if parent is None else self._local_rank(parent)
+            local = self._local_rank(p)
             if local is not None and local.isdigit() and parent_rank is None:
                 self._ranks[key] = int(local)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -97,3 +98,31 @@ def test_the_first_rank_to_fail_is_blamed_only_when_it_is_clear(deaths, blamed):
     watch.deaths = deaths
     first = watch.first_failure()
     assert (first[0] if first else None) == blamed
+
+
+LAUNCHER = """
+import os, sys, time
+pid = os.fork()
+if pid == 0:  # a rank between fork and exec: its environment is still the launcher's
+    time.sleep(0.6)
+    os.execve(sys.executable, [sys.executable, "-c", "import sys, time; time.sleep(1.5); sys.exit(1)"],
+              dict(os.environ, LOCAL_RANK="3"))
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_rank_first_seen_before_its_exec_is_still_watched():
+    """torchrun forks each rank and then execs it with LOCAL_RANK set: a look that falls in
+    between sees the launcher's environment. That look must not settle that the process is
+    no rank, or its death goes unseen and a peer that fails after it is blamed instead."""
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+    watch = RankWatch()
+    watch.start()  # with no rank known yet it looks every tick: it sees the fork before the exec
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], env=env)
+    try:
+        assert launcher.wait(timeout=60) == 0
+        time.sleep(10 * watch.interval)
+    finally:
+        watch.stop()
+    first = watch.first_failure()
+    assert first is not None and first[0] == 3, watch.summary()
