@@ -49,7 +49,10 @@ def test_a_tensor_larger_than_a_file_is_never_cut():
 def test_deterministic_and_bounded():
     specs = [spec(f"t{i}", (i % 5) + 1) for i in range(200)]
     assert split.plan(specs, MiB) == split.plan(list(specs), MiB)
-    assert len(split.plan(specs, 1)) == split.MAX_FILES
+    # at most one file per writer thread: a larger state gets larger files, not more
+    assert len(split.plan(specs, 1)) == split.WORKERS
+    sizes = [sum(s.nbytes for s in f) for f in split.plan(specs, MiB)]
+    assert len(sizes) == split.WORKERS and min(sizes) >= MiB
     assert len(split.plan([spec("x", 1), spec("y", 1)], 1)) == 2  # never more files than tensors
 
 
