@@ -14,6 +14,7 @@ the rows a change can affect), so a lineage page reads its own rows, not the who
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 
 from sqlalchemy import func, select
@@ -66,52 +67,77 @@ def tags_by_checkpoint(s: Session, run: Run, ids: list[int] | None = None,
 _NODE_COLUMNS = (Checkpoint.id, Checkpoint.step, Checkpoint.status, Checkpoint.parent_id, Checkpoint.branch,
                  Checkpoint.bytes, Checkpoint.world_size, Checkpoint.attempt, Checkpoint.created_at,
                  Checkpoint.committed_at)
-_NO_TAGS: list = []  # shared by every untagged node: the answer is serialized, never changed
+# the REST answer's encoder (Starlette's JSONResponse renders with exactly these options):
+# the page's text below is built from its pieces, so it is byte for byte what a dict a node
+# rendered by the route was (tests/catalog/test_lineage_answer.py holds that answer)
+_json = json.JSONEncoder(ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode
+_NODE = ('{{"id":{},"step":{},"status":{},"parent_id":{},"branch":{},"tags":{},"bytes":{},"world_size":{},'
+         '"attempt":{},"last_good":{},"created_at":"{}","committed_at":{},"save_seconds":{},"commit_seconds":{}}}')
+_EDGE = '{{"from":{},"to":{}}}'
 
 
 def _seconds(a, b):
-    return None if a is None or b is None else round((b - a).total_seconds(), 6)
+    return "null" if a is None or b is None else repr(round((b - a).total_seconds(), 6))
 
 
-def lineage(s: Session, run: Run, limit: int, offset: int) -> dict:
-    """One page of the run's lineage in creation order: an index range of the run's
-    checkpoints with their stored branches; the total and the branch count come from the
-    run's counters and the (run_id, branch) index, so a page costs its own rows."""
+def _page_span(s: Session, run: Run, limit: int, offset: int) -> tuple[int, int] | None:
+    """The first and last checkpoint id of the page: an index-only range of (run_id, id)."""
+    ids = (select(Checkpoint.id).where(Checkpoint.run_id == run.id).order_by(Checkpoint.id)
+           .limit(limit).offset(offset).subquery())
+    lo, hi = s.execute(select(func.min(ids.c.id), func.max(ids.c.id))).one()
+    return None if lo is None else (lo, hi)
+
+
+def lineage_json(s: Session, run: Run, limit: int, offset: int) -> bytes:
+    """One page of the run's lineage in creation order, as the REST answer's JSON text: an
+    index range of the run's checkpoints with their stored branches; the total and the
+    branch count come from the run's counters and the (run_id, branch) index, so a page
+    costs its own rows.
+
+    Why text and not a dict a node: a whole run's page (1,000 nodes) held a row, a node dict
+    and an edge dict per node at once, ~3,000 objects that Python's cyclic GC counts: 5-7
+    young collections a call and a full one every 15-20 calls, the lineage's p99 (bench/
+    README.md, #20). Rows are read one at a time and each becomes one string; what the call
+    holds is strings, which the collector never walks."""
     stats = s.get(RunStats, run.id)
     total = sum(stats.by_status().values()) if stats is not None else 0
     top = s.scalar(select(func.max(Checkpoint.branch)).where(Checkpoint.run_id == run.id))
-    page = s.execute(select(*_NODE_COLUMNS).where(Checkpoint.run_id == run.id)
-                     .order_by(Checkpoint.id).limit(limit).offset(offset)).all()
-    last_votes: dict = {}
-    tags: dict = {}
-    if page:
+    good = run.last_good_id
+    nodes: list[str] = []
+    edges: list[str] = []
+    span = _page_span(s, run, limit, offset)
+    if span is not None:
         # the page is an id range of the run: its votes found from the run's (run_id, id)
         # index range, each checkpoint's by the votes' key (no IN list of 1,000 ids; not a
         # range of votes' ids, which holds every run's checkpoints saved meanwhile)
-        lo, hi = page[0][0], page[-1][0]
-        last_votes = dict(s.execute(
+        lo, hi = span
+        db = s.connection()  # Core: rows one at a time (the ORM's execute fetches all first)
+        last_votes = {cid: at for cid, at in db.execute(
             select(Checkpoint.id, func.max(Vote.created_at))
             .join(Vote, Vote.checkpoint_id == Checkpoint.id)
             .where(Checkpoint.run_id == run.id, Checkpoint.id.between(lo, hi))
-            .group_by(Checkpoint.id)).all())
-        tags = tags_by_checkpoint(s, run, span=(lo, hi))
-    good = run.last_good_id
-    nodes, edges = [], []
-    for cid, step, status, parent, branch, nbytes, world, attempt, created, committed in page:
-        nodes.append({
-            "id": cid, "step": step, "status": status, "parent_id": parent, "branch": branch,
-            "tags": tags.get(cid, _NO_TAGS), "bytes": nbytes, "world_size": world, "attempt": attempt,
-            "last_good": good == cid,
-            "created_at": created.isoformat(), "committed_at": committed.isoformat() if committed else None,
-            # save: begin to commit; commit: the last rank's vote to the commit transaction
-            "save_seconds": _seconds(created, committed),
-            "commit_seconds": _seconds(last_votes.get(cid), committed),
-        })
-        if parent is not None:
-            edges.append({"from": parent, "to": cid})
-    return {"run": run.name, "last_good_id": good, "nodes": nodes, "edges": edges,
-            "branches": top + 1 if top is not None else 0, "total": total,
-            "limit": limit, "offset": offset}
+            .group_by(Checkpoint.id))}
+        tags = {cid: _json(t) for cid, t in tags_by_checkpoint(s, run, span=span).items()}
+        texts: dict = {}  # statuses and attempts repeat: each encoded once a page
+        rows = db.execute(select(*_NODE_COLUMNS).where(Checkpoint.run_id == run.id, Checkpoint.id.between(lo, hi))
+                         .order_by(Checkpoint.id).limit(limit))
+        for cid, step, status, parent, branch, nbytes, world, attempt, created, committed in rows:
+            if (st := texts.get(status)) is None:
+                st = texts[status] = _json(status)
+            if (at := texts.get((attempt,))) is None:
+                at = texts[(attempt,)] = _json(attempt)
+            nodes.append(_NODE.format(
+                cid, step, st, "null" if parent is None else parent, branch, tags.get(cid, "[]"), nbytes, world,
+                at, "true" if good == cid else "false", created.isoformat(),
+                '"%s"' % committed.isoformat() if committed else "null",
+                # save: begin to commit; commit: the last rank's vote to the commit transaction
+                _seconds(created, committed), _seconds(last_votes.get(cid), committed)))
+            if parent is not None:
+                edges.append(_EDGE.format(parent, cid))
+    head = '{"run":%s,"last_good_id":%s,"nodes":[' % (_json(run.name), "null" if good is None else good)
+    tail = '],"branches":%d,"total":%d,"limit":%d,"offset":%d}' % (top + 1 if top is not None else 0, total,
+                                                                   limit, offset)
+    return "".join((head, ",".join(nodes), '],"edges":[', ",".join(edges), tail)).encode()
 
 
 def parents_of(s: Session, run_id: int) -> dict[int, int | None]:

@@ -206,11 +206,16 @@ class Queries:
                 raise NotFound(f"lease {lease_id} does not exist")
             return self._checkpoint(s, lease.checkpoint_id)[1].name
 
-    def lineage(self, run_name: str, limit: int = LINEAGE_PAGE, offset: int = 0) -> dict:
+    def lineage_json(self, run_name: str, limit: int = LINEAGE_PAGE, offset: int = 0) -> bytes:
+        """A lineage page as the REST answer's JSON text (domain/lineage.py says why text)."""
         if not 1 <= limit <= MAX_LINEAGE or offset < 0:
             raise InvalidArgument(f"limit must be 1..{MAX_LINEAGE} and offset >= 0")
         with self.sessions() as s, s.begin():
-            return lineage.lineage(s, self._run(s, run_name), limit, offset)
+            return lineage.lineage_json(s, self._run(s, run_name), limit, offset)
+
+    def lineage(self, run_name: str, limit: int = LINEAGE_PAGE, offset: int = 0) -> dict:
+        """The same page as plain values (tests, tools): the text parsed, one builder of it."""
+        return json.loads(self.lineage_json(run_name, limit, offset))
 
     def ancestors(self, checkpoint_id: int) -> dict:
         with self.sessions() as s, s.begin():
