@@ -94,11 +94,12 @@ class PostgresServer:
             c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def _start(root: Path) -> PostgresServer:
+def _start(root: Path, initdb: bool = True) -> PostgresServer:
+    """`initdb=False`: start on the data directory already in root (bench/catalog.py's kept copy)."""
     data = root / "data"
     r = _as_postgres(str(PG_BIN / "initdb"), "-D", str(data), "-U", PG_USER, "-A", "trust", "-E", "UTF8",
-                     "--no-sync", "--locale=C")
-    if r.returncode != 0:
+                     "--no-sync", "--locale=C") if initdb else None
+    if r is not None and r.returncode != 0:
         raise RuntimeError(f"initdb failed:\n{r.stdout}\n{r.stderr}")
     last = ""
     for _ in range(5):  # a free port can be taken by someone else before postgres binds it

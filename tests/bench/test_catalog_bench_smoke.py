@@ -24,6 +24,27 @@ def test_catalog_bench_smoke_has_every_figure(tmp_path):
                                    "events by kind (the page)", "checkpoints by status"}
 
 
+def test_catalog_bench_reuses_a_kept_seeded_catalog_for_the_queries_alone(tmp_path):
+    """`--seeded DIR` seeds once and keeps it; a second run starts from a copy of it, and
+    `--only-queries` times the page's queries without the GC passes and the saves."""
+    def bench(*more):
+        proc = subprocess.run([sys.executable, "-m", "bench.catalog", "--backend", "sqlite", "--runs", "3",
+                               "--checkpoints", "10", "--ranks", "2", "--backlog", "1", "--query-reps", "2",
+                               "--seeded", str(tmp_path / "kept"), "--only-queries", "--out", str(tmp_path), *more],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return json.loads((tmp_path / "catalog.json").read_text())["sqlite"]
+
+    kept = tmp_path / "kept" / "3x10x2x1" / "sqlite"
+    first = bench()
+    seeded_at = (kept / "seeded.json").stat().st_mtime_ns, (kept / "catalog.db").stat().st_mtime_ns
+    again = bench()
+    assert ((kept / "seeded.json").stat().st_mtime_ns, (kept / "catalog.db").stat().st_mtime_ns) == seeded_at
+    assert first["seed"]["kept_up"]["checkpoints"] == again["seed"]["kept_up"]["checkpoints"] == 20
+    assert again["only_queries"] and "gc" not in again and "saves" not in again
+    assert again["queries"]["lineage (a whole run)"]["p99_ms"] > 0
+
+
 def test_soak_smoke_reports_every_window(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.soak", "--minutes", "0.4", "--windows", "2", "--writers", "1",
                            "--gc-interval", "5", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
