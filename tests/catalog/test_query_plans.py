@@ -62,7 +62,9 @@ def full_scans(plan: str, dialect: str) -> list[str]:
 VIEWS = {
     "runs list": (lambda q: q.list_runs(limit=100), ["run_stats"]),
     "overview": (lambda q: q.overview(limit=100), ["run_stats", "ix_events_run_id", "ix_events_run_kind_at"]),
-    "lineage page": (lambda q: q.lineage("plan-00002", limit=100, offset=50), ["ix_checkpoints_run_id"]),
+    # its rows by (run_id, id), each one's last vote by the votes' key (checkpoint_id, rank)
+    "lineage page": (lambda q: q.lineage_json("plan-00002", limit=100, offset=50),
+                     ["ix_checkpoints_run_id", "SEARCH votes USING INDEX"]),
     "events by kind": (lambda q: q.events("plan-00002", kinds=["spike", "rollback", "restart"]),
                        ["ix_events_run_kind_at"]),
     "events": (lambda q: q.events("plan-00002", limit=100), ["ix_events_run_at"]),
