@@ -208,6 +208,7 @@ def bench_catalog(url: str, runs: int, checkpoints: int, ranks: int, backlog: in
         for name, fn in views.items():
             fn()
             xs, cpu = [], []
+            full = collections.count
             for _ in range(query_reps):
                 t0, c0 = time.perf_counter(), time.thread_time()
                 fn()
@@ -215,7 +216,8 @@ def bench_catalog(url: str, runs: int, checkpoints: int, ranks: int, backlog: in
                 cpu.append(time.thread_time() - c0)
             # cpu: this thread's CPU (SQLite works in it): what the query costs whatever the load
             q[name] = {"p50_ms": _ms(pct(xs, 50)), "p99_ms": _ms(pct(xs, 99)), "cpu_p50_ms": _ms(pct(cpu, 50)),
-                       "cpu_p99_ms": _ms(pct(cpu, 99))}
+                       "cpu_p99_ms": _ms(pct(cpu, 99)), "max_ms": _ms(max(xs, default=0)),
+                       "python_full_collections": collections.count - full}  # Python's, during these calls
         out["queries"] = q
         writes = [r for r in timer.records if not r.read_only]
         out["longest_write_transaction_ms"] = _ms(max((r.hold for r in writes), default=0))
