@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gc as python_gc
+import hashlib
 import json
 import os
 import shutil
@@ -44,7 +45,7 @@ from lastgood.hashing import hash_bytes
 from lastgood_service import pygc
 from lastgood_service.blobstore import MemoryBlobStore
 from lastgood_service.catalog import txtimer
-from lastgood_service.catalog.db import make_engine, make_sessionmaker, read_sessionmaker
+from lastgood_service.catalog.db import alembic_config, make_engine, make_sessionmaker, read_sessionmaker
 from lastgood_service.domain.commit import CommitService
 from lastgood_service.domain.commit.protocol import ShardHeader
 from lastgood_service.domain.gc import GarbageCollector
@@ -118,12 +119,22 @@ def seed_catalog(url: str, runs: int, checkpoints: int, ranks: int, backlog: int
     return {"kept_up": done, "backlog": behind}
 
 
-SEEDED = "seeded.json"  # beside a pristine catalog: its sizes and what seeding it took
+SEEDED = "seeded.json"  # beside a pristine catalog: what it is (stamp) and what seeding it took
+
+
+def stamp(sizes: tuple[int, ...]) -> dict:
+    """What a kept catalog must match to be reused: its sizes, the migrations' head and the
+    seeder (a catalog kept before a new migration or seeder is seeded again)."""
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config("sqlite://", ROOT / "migrations")).get_current_head()
+    seeder = hashlib.sha256((ROOT / "bench" / "seed.py").read_bytes()).hexdigest()[:16]
+    return {"sizes": list(sizes), "migrations_head": head, "seeder": seeder}
 
 
 def _pristine(where: Path, sizes: tuple[int, ...]) -> dict | None:
     info = where / SEEDED
-    if info.exists() and (got := json.loads(info.read_text()))["sizes"] == list(sizes):
+    if info.exists() and (got := json.loads(info.read_text())).get("stamp") == stamp(sizes):
         return got
     shutil.rmtree(where, ignore_errors=True)
     where.mkdir(parents=True)
@@ -133,7 +144,7 @@ def _pristine(where: Path, sizes: tuple[int, ...]) -> dict | None:
 def pristine_sqlite(where: Path, sizes: tuple[int, ...]) -> dict:
     """A seeded SQLite catalog of these sizes at where/catalog.db, seeded now if not there."""
     if (got := _pristine(where, sizes)) is None:
-        got = {"sizes": list(sizes), "seed": seed_catalog(f"sqlite:///{where / 'catalog.db'}", *sizes)}
+        got = {"stamp": stamp(sizes), "seed": seed_catalog(f"sqlite:///{where / 'catalog.db'}", *sizes)}
         (where / SEEDED).write_text(json.dumps(got))  # last: a seeding cut short is seeded again
     return got
 
@@ -160,7 +171,7 @@ def pristine_postgresql(where: Path, sizes: tuple[int, ...]) -> dict:
     server = _start(root)
     try:
         database = server.create_database("bench")
-        got = {"sizes": list(sizes), "database": database, "seed": seed_catalog(server.url(database), *sizes)}
+        got = {"stamp": stamp(sizes), "database": database, "seed": seed_catalog(server.url(database), *sizes)}
     finally:
         _as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(server.data_dir), "-m", "fast", "-w", "stop")
     subprocess.run(["cp", "-a", str(root / "data"), str(where / "data")], check=True)
