@@ -11,7 +11,6 @@ import gc
 import json
 from collections import defaultdict
 
-import pytest
 from sqlalchemy import func, insert, select, update
 
 from bench.seed import seed

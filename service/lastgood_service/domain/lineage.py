@@ -103,8 +103,8 @@ def lineage_json(s: Session, run: Run, limit: int, offset: int) -> bytes:
     Why text and not a dict a node: a whole run's page (1,000 nodes) held a row, a node dict
     and an edge dict per node at once, ~3,000 objects that Python's cyclic GC counts: 11
     young collections an answer rendered and a full one every 10-15 answers, the lineage's
-    p99 at 100,000 checkpoints (bench/README.md, #20). Rows are read one at a time and each becomes one string; what the call
-    holds is strings, which the collector never walks."""
+    p99 at 100,000 checkpoints (bench/README.md, #20). Rows are read one at a time and each
+    becomes one string; what the call holds is strings, which the collector never walks."""
     stats = s.get(RunStats, run.id)
     total = sum(stats.by_status().values()) if stats is not None else 0
     top = s.scalar(select(func.max(Checkpoint.branch)).where(Checkpoint.run_id == run.id))
