@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -156,6 +157,7 @@ class Service:
             self.grpc_server.stop(grace=2).wait()
         self.engine.dispose()
         self.health_engine.dispose()
+        log.info("service stopped")
 
 
 class JsonFormatter(logging.Formatter):
@@ -320,12 +322,26 @@ def main(argv: list[str] | None = None) -> None:
              "required" if settings.auth_required else "off (loopback only)")
     app = BodyLimit(service.app(), settings.max_request_bytes)
     pygc.freeze_startup(settings)  # start-up is done: its objects are never walked by Python's GC again
+    # uvicorn shuts HTTP down gracefully on SIGINT or SIGTERM, then raises the signal again
+    # into the handler it found: SIGINT's raises KeyboardInterrupt, and SIGTERM's must not be
+    # the default one, which would end the process before service.stop() (gRPC's grace for
+    # the calls in flight, the catalog closed)
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         _Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning")).run()
-    except KeyboardInterrupt:  # Ctrl+C: uvicorn shut down gracefully, then re-raised SIGINT (as uvicorn.run, a clean exit)
+    except (KeyboardInterrupt, _Terminated):  # a clean exit, as uvicorn.run's
         pass
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the stop at once
         service.stop()
+
+
+class _Terminated(Exception):
+    """SIGTERM, raised again by uvicorn after its graceful shutdown (main())."""
+
+
+def _terminated(signum, frame) -> None:
+    raise _Terminated()
 
 
 if __name__ == "__main__":
