@@ -18,7 +18,7 @@ fields down (the transport, the retry policy, the run and attempt). torch-free.
     LASTGOOD_HEARTBEAT_SECONDS  seconds between a rank's heartbeats (default 10; 0: none)
     LASTGOOD_DEBUG            1: the command line prints a traceback on an unexpected error
     LASTGOOD_FILE_BYTES       a rank's state of at least twice this size is split into files of
-                              at least this size (at most 4), written and read in parallel
+                              this size or more on average (at most 4), written and read in parallel
                               (default 0: one file per rank; e.g. 256M; K/M/G accepted; save/split.py)
 """
 

@@ -178,6 +178,9 @@ def terminate(marker: tuple[str, str] | None, grace: float, *, root: int | None,
 
 
 # ---------------------------------------------------------------- which rank died first
+EXEC_SETTLE_S = 2.0  # RankWatch: a process read without LOCAL_RANK this long after the first such read has exec'd
+
+
 class RankWatch(threading.Thread):
     """Notes, every `interval` seconds, when each rank process of the supervisor's launch
     dies, so that a rank that keeps failing can be drained. torchrun's own "first observed
@@ -191,7 +194,9 @@ class RankWatch(threading.Thread):
         self.interval = interval
         self.deaths: list[tuple[int, int, int | None]] = []  # (tick, local rank, wait status or None)
         self._ranks: dict[tuple[int, int], int] = {}          # (pid, start) -> local rank
-        self._envs: dict[tuple[int, int], str] = {}              # (pid, start) -> LOCAL_RANK
+        self._envs: dict[tuple[int, int], str | None] = {}       # (pid, start) -> LOCAL_RANK, once final
+        self._absent: dict[tuple[int, int], float] = {}          # (pid, start) -> when first read without one
+        self._sessions: set[int] = set()                         # the sessions of the ranks found
         self._halt = threading.Event()
 
     def stop(self) -> None:
@@ -199,17 +204,21 @@ class RankWatch(threading.Thread):
         self.join(5)
 
     def _local_rank(self, p: Proc) -> str | None:
-        """LOCAL_RANK from the process's environment. Only a value is kept: a process seen
-        between its fork and its exec still shows its launcher's environment (torchrun forks
-        each rank, then execs it with LOCAL_RANK set), so an absent one is read again at the
-        next look, or that rank would never be watched and a peer dying after it be blamed."""
+        """LOCAL_RANK from the process's environment. A process seen between its fork and its
+        exec still shows its launcher's environment (torchrun forks each rank, then execs it
+        with LOCAL_RANK set): an absent one is read again at later looks, or that rank would
+        never be watched and a peer dying after it be blamed; only once it has been absent
+        for EXEC_SETTLE_S (an exec follows its fork within milliseconds) is that final, so a
+        job with no rank is not read at every tick forever."""
         key = (p.pid, p.start)
-        if key not in self._envs:
-            local = environ(p.pid).get("LOCAL_RANK")
-            if local is None:
-                return None
+        if key in self._envs:
+            return self._envs[key]
+        local = environ(p.pid).get("LOCAL_RANK")
+        now = time.monotonic()
+        if local is not None or now - self._absent.setdefault(key, now) >= EXEC_SETTLE_S:
             self._envs[key] = local
-        return self._envs[key]
+            self._absent.pop(key, None)
+        return local
 
     def _scan(self) -> None:
         procs = table()
@@ -220,8 +229,14 @@ class RankWatch(threading.Thread):
             parent = procs.get(p.ppid)
             parent_rank = None if parent is None else self._local_rank(parent)
             local = self._local_rank(p)
+            if p.sid in self._sessions and p.sid != p.pid:
+                # a rank's data-loader worker (torchrun starts each rank in a session of its
+                # own), re-parented to the supervisor when its rank died: no rank itself
+                continue
             if local is not None and local.isdigit() and parent_rank is None:
                 self._ranks[key] = int(local)
+                if p.sid == p.pid:  # the leader of its own session: its workers are in it
+                    self._sessions.add(p.sid)
 
     def run(self) -> None:
         tick, last_scan = 0, 0.0

@@ -89,7 +89,7 @@ class StagingPool:
 
 
 def snapshot(step: int, json_state: dict, tensors: dict, pool: StagingPool, file_bytes: int = 0) -> Snapshot:
-    """`file_bytes`: split the state into files of at least this size (save/split.py; 0: one file)."""
+    """`file_bytes`: split the state into files of this size or more on average (save/split.py; 0: one file)."""
     specs = [TensorSpec(name, st_dtype(t), tuple(t.shape)) for name, t in tensors.items()]
     meta = {META_FORMAT: FORMAT_VERSION,
             META_STATE: json.dumps(json_state, separators=(",", ":"), allow_nan=False)}

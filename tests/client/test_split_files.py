@@ -10,6 +10,7 @@ from safetensors.numpy import load as st_load
 from torch import nn
 
 import lastgood
+from lastgood.save import split
 from tests.service.helpers import ckpt_dir
 
 FILE_BYTES = "16K"  # a ~100 KiB state: several files
@@ -139,3 +140,25 @@ def test_streamed_files_of_a_rank_use_at_most_two_streams(service, run_name, mon
         ckpt.wait()
     sends = [w for n, w, prepare in calls if n >= 3 and not prepare]  # the hand-over of several files
     assert sends and max(sends) <= split.STREAM_WORKERS < split.WORKERS, calls
+
+
+def test_a_rank_written_as_more_files_than_today_still_restores_bitwise(service, run_name, monkeypatch):
+    """Checkpoints written before the split's cap of one file per writer thread hold up to 64
+    files a rank; the reader takes any number, more than its threads (save/split.py)."""
+    monkeypatch.setenv("LASTGOOD_FILE_BYTES", FILE_BYTES)
+    plan = split.plan
+    monkeypatch.setattr(split, "plan", lambda specs, file_bytes: plan(specs, file_bytes, max_files=64))
+    model, opt = _training(0)
+    with lastgood.Checkpointer(service.url, run=run_name) as ckpt:
+        ckpt.save(5, lastgood.TrainState(model=model, optimizer=opt))
+        ckpt.wait()
+        cid = ckpt.last_saved.checkpoint_id
+    monkeypatch.setattr(split, "plan", plan)
+    assert len(_files(service, cid)) > 2 * split.WORKERS, sorted(_files(service, cid))
+    want = _state(model, opt)
+    model2, opt2 = _training(1)
+    with lastgood.Checkpointer(service.url, run=run_name) as ckpt:
+        assert ckpt.restore(lastgood.TrainState(model=model2, optimizer=opt2)) == 5
+    got = _state(model2, opt2)
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -126,3 +127,67 @@ def test_a_rank_first_seen_before_its_exec_is_still_watched():
         watch.stop()
     first = watch.first_failure()
     assert first is not None and first[0] == 3, watch.summary()
+
+
+def test_a_process_that_is_no_rank_is_read_only_until_its_exec_has_surely_happened(monkeypatch):
+    """An absent LOCAL_RANK is read again at later looks (above), but not forever: a job
+    with no rank would have every process's environment read fifty times a second."""
+    monkeypatch.setattr(proctree, "EXEC_SETTLE_S", 0.3)
+    reads = []
+    real = proctree.environ
+    monkeypatch.setattr(proctree, "environ", lambda pid: reads.append(pid) or real(pid))
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=env)
+    try:
+        watch = RankWatch()
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            watch._scan()
+            time.sleep(0.02)
+        settled = reads.count(child.pid)
+        for _ in range(20):
+            watch._scan()
+    finally:
+        child.kill()
+        child.wait()
+    assert 1 <= settled < 40 and reads.count(child.pid) == settled, (settled, reads.count(child.pid))
+
+
+ORPHANED_WORKER = """
+import json, os, signal, subprocess, sys, time
+from lastgood import proctree
+assert proctree.set_subreaper()
+watch = proctree.RankWatch()
+watch.start()
+rank = subprocess.Popen([sys.executable, "-c", '''
+import os, sys, time
+if os.fork() == 0:  # a data-loader worker: inherits LOCAL_RANK, stays in the rank's session
+    time.sleep(5)
+    sys.exit(0)
+time.sleep(60)
+'''], env=dict(os.environ, LOCAL_RANK="2"), start_new_session=True)
+time.sleep(2.5)  # the rank is found (a look every tick until then, then every second)
+os.kill(rank.pid, signal.SIGKILL)
+rank.wait()
+time.sleep(2.5)  # looks after the worker was re-parented to this process
+ranks = sorted(watch._ranks.values())
+watch.stop()
+while True:
+    try:
+        os.wait()
+    except ChildProcessError:
+        break
+print(json.dumps({"ranks_left": ranks, "deaths": [[r, s] for _, r, s in watch.deaths]}))
+"""
+
+
+def test_a_dead_ranks_data_loader_worker_is_not_taken_for_a_rank():
+    """When a rank dies its forked workers are re-parented to the supervisor (a subreaper),
+    which has no LOCAL_RANK: a worker of the rank's session must not then count as a rank
+    (its death, or its exit, would be blamed). Run in a process of its own: it becomes a
+    subreaper, which pytest's must not."""
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+    out = subprocess.run([sys.executable, "-c", ORPHANED_WORKER], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["ranks_left"] == [] and [r for r, _ in got["deaths"]] == [2], got

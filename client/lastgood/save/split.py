@@ -10,9 +10,9 @@ them, the checkpoint commits once, and a file missing or damaged makes the check
 unusable like any damage (docs/recovery.md).
 
 The rule (`plan`), deterministic for the same tensors and setting:
-  n = total bytes // file_bytes files (at least 1, at most WORKERS; file_bytes 0: 1);
-  so file_bytes is the least size of a file, and a larger state gets larger files, not
-  more: a file beyond one per writer thread adds no parallelism, only per-file work (a
+  n = total bytes // file_bytes files (at least 1, at most MAX_FILES; file_bytes 0: 1);
+  so the files are file_bytes or more on average, and a larger state gets larger files,
+  not more: a file beyond one per writer thread adds no parallelism, only per-file work (a
   spool file and its fsync, a hand-over the service verifies and records, a manifest
   entry). Measured at 4 GiB: 4 files of 1 GiB committed about 10 % sooner than 16 of
   256 MiB (bench/README.md);
@@ -40,8 +40,9 @@ from typing import TypeVar
 from ..errors import CorruptCheckpoint, FormatError
 from ..format import META_FILES, Layout, TensorSpec, header_length, parse_header, plan_layout, sibling_tensors
 
-WORKERS = 4     # threads per rank that write (or read) its files: hashing, os.write, gRPC release the GIL;
-                # also the most files a rank's state is split into (see the rule above)
+WORKERS = 4     # threads per rank that write (or read) its files: hashing, os.write, gRPC release the GIL
+MAX_FILES = WORKERS  # the most files a rank's state is split into: one per writer thread (the rule above);
+                     # a reader takes any number (checkpoints written before held up to 64)
 # PutShard streams a rank opens at once: the service allows max_streams_per_client (16) per
 # token, and the ranks of a host usually share one: four each would overrun it on 8 ranks
 STREAM_WORKERS = 2
@@ -50,7 +51,7 @@ T = TypeVar("T")
 _FURTHER = re.compile(r".+-\d{3}\.safetensors")
 
 
-def plan(specs: list[TensorSpec], file_bytes: int, max_files: int = WORKERS) -> list[list[TensorSpec]]:
+def plan(specs: list[TensorSpec], file_bytes: int, max_files: int = MAX_FILES) -> list[list[TensorSpec]]:
     """The rank's tensors as files (lists of specs, the first holding the state): see above."""
     total = sum(s.nbytes for s in specs)
     n = 1 if file_bytes <= 0 else max(1, min(total // file_bytes, max_files, len(specs)))

@@ -34,19 +34,22 @@ class UTCDateTime(TypeDecorator):
         return value.astimezone(dt.timezone.utc) if value is not None else None
 
     def process_result_value(self, value, dialect):
-        if value is not None and value.tzinfo is None:
-            value = value.replace(tzinfo=dt.timezone.utc)
-        return value
+        return None if value is None else as_utc(value)
+
+
+def as_utc(value: dt.datetime) -> dt.datetime:
+    """The catalog's rule for a time read back: a naive one (SQLite keeps no zone) is UTC."""
+    return value.replace(tzinfo=dt.timezone.utc) if value.tzinfo is None else value
 
 
 # a UTCDateTime column read without the decorator (type_coerce(column, RAW_UTC)): a hot read
-# of thousands of values (a lineage page) skips its Python call a value; iso_utc then gives
-# what the decorated value's isoformat() is (a naive value is UTC, as above)
+# of thousands of values (a lineage page) skips SQLAlchemy's call a value; iso_utc then gives
+# what the decorated value's isoformat() is, by the same rule
 RAW_UTC = DateTime(timezone=True)
 
 
 def iso_utc(value: dt.datetime) -> str:
-    return value.isoformat() if value.tzinfo is not None else value.isoformat() + "+00:00"
+    return as_utc(value).isoformat()
 
 
 def utcnow() -> dt.datetime:
