@@ -319,6 +319,30 @@ def test_a_peer_report_that_leaves_files_to_check_attempts_no_commit(make_servic
     assert costs[2] > costs[1], costs  # control: the last report attempts the commit, and commits
 
 
+def test_a_peer_save_costs_seven_catalog_transactions(make_service, run_name, tmp_path):
+    """What a one-rank direct-FS save in `peer` mode costs the catalog, call by call: begin
+    (1), the hand-over by name (2: admitted, then recorded once the file is in the store),
+    the vote (1), the assignment (1), and the report that verifies the last file (2: its
+    own, which also reads what the commit writes while it holds the checkpoint's row lock,
+    and the commit's). The commit's read was a transaction of its own after the report's
+    (8 in all): the service CPU of such a save is mostly its fixed control-plane cost
+    (bench/dataplane.py). The reaper is slowed so that only these calls touch the catalog."""
+    svc = make_service(LASTGOOD_VERIFICATION="peer", LASTGOOD_LEASE_SECONDS="60", LASTGOOD_REAPER_INTERVAL="60")
+    t = Transport(svc.url, spool=False)
+    direct = DirectFS.find(t, str(mount_of(svc, tmp_path)))
+    try:
+        idle = _catalog_transactions(svc)
+        before = _catalog_transactions(svc)  # less what a scrape of /metrics costs itself
+        cid = _handed_over_ranks(t, direct, run_name, 1, seed=41)
+        assert t.commit_rank(cid, 0, [shard_name(0)], wait=0).status == "PENDING"
+        assert peer.check(t, direct, cid, 0, time.monotonic() + 60) == "COMMITTED"
+        spent = _catalog_transactions(svc) - before - (before - idle)
+    finally:
+        t.close()
+    assert checkpoint(svc, cid)["status"] == "COMMITTED"
+    assert spent == 7, spent
+
+
 @pytest.mark.parametrize("mode", ["peer", "service"])
 def test_a_completing_vote_with_files_left_to_check_attempts_no_commit(mode, make_service, run_name, tmp_path):
     """In `peer` mode the ranks vote before their peers check their files: the vote that

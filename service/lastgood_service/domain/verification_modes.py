@@ -49,7 +49,7 @@ from ..catalog.models import COMMITTED, DECLARED, PENDING, VERIFIED, Shard, Vote
 from . import declared_ranges, fencing, peer_fallback
 from .commit.core import key_prefix
 from .declared_ranges import fingerprint_of
-from .errors import InvalidArgument
+from .errors import FailedPrecondition, InvalidArgument
 from .events import add_event
 
 
@@ -232,6 +232,14 @@ class PeerChecks:
             # made a checkpoint's reports cost O(world²) (bench/cluster.py); only once none is left
             left = s.scalar(select(Shard.id).where(Shard.checkpoint_id == checkpoint_id,
                                                    Shard.status == DECLARED).limit(1)) is not None
+            # the last file verified: what the commit writes is read here, under the row lock
+            # this report holds, not again in a transaction of its own (try_commit's plan)
+            plan = None
+            if not left and not unread and not bad:
+                try:
+                    plan = c.commit_plan(s, ck)
+                except FailedPrecondition:  # votes and files disagree: try_commit says so, after
+                    pass  # this report's checks are recorded
         if unread:  # the checker could not read them: the service hashes them, on its own thread
             peer_fallback.of(c).start(checkpoint_id, unread, f"rank {rank} could not read it")
         if bad:
@@ -241,7 +249,7 @@ class PeerChecks:
         # committed; read back only when the last report's try_commit did not commit
         if left:
             status = PENDING
-        elif c.try_commit(checkpoint_id):
+        elif c.try_commit(checkpoint_id, plan=plan):
             status = COMMITTED
         else:
             with c.sessions() as s, s.begin():

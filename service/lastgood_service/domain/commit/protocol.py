@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -65,6 +65,15 @@ class PutResult:
     already_present: bool
     size: int
     xxh3_128: str
+
+
+@dataclass(frozen=True)
+class CommitPlan:
+    """What a commit writes, read while the checkpoint was PENDING with every file verified."""
+    manifest: Manifest
+    key: str       # the manifest's blob key
+    run_id: int
+    last_vote: object  # datetime of the last vote (the commit_seconds metric)
 
 
 @dataclass(frozen=True)
@@ -294,7 +303,8 @@ class CommitProtocol(CommitCore):
                                 size=header.size, xxh3_128=digest, blob_key=key,
                                 status=VERIFIED if hashed else DECLARED,
                                 index_json=index_json, created_at=self.clock()))
-                    ck.lease_expires_at = self._lease()
+                    if ck.lease_expires_at < self._lease() - self._lease_slack():  # as above: renewed when stale
+                        ck.lease_expires_at = self._lease()
             except IntegrityError:  # the same file arrived twice at once
                 with s.begin():
                     return self._same_or_conflict(self._find_shard(s, header), header)
@@ -422,38 +432,51 @@ class CommitProtocol(CommitCore):
             voted = set(s.scalars(select(Vote.rank).where(Vote.checkpoint_id == checkpoint_id)))
             return VoteResult(ck.id, ck.status, sorted(set(range(ck.world_size)) - voted))
 
-    def try_commit(self, checkpoint_id: int, *, recovering: bool = False) -> bool:
-        """Write the manifest, then commit in one transaction. True if this call committed."""
+    def commit_plan(self, s: Session, ck: Checkpoint) -> "CommitPlan | None":
+        """The manifest a PENDING checkpoint commits with, read in the caller's transaction;
+        None while it cannot commit (not PENDING, a rank has not voted, a file is DECLARED)."""
+        if ck.status != PENDING:
+            return None
+        checkpoint_id = ck.id
+        run = s.get(Run, ck.run_id)
+        # plain rows, not ORM objects: at 1,024 ranks building 2,048 instances was a third
+        # of the commit's CPU, on the path every rank waits on (docs/control-plane.md)
+        rows = s.execute(select(Vote.rank, Vote.files_json, Vote.created_at)
+                         .where(Vote.checkpoint_id == checkpoint_id)).all()
+        votes = {rank: set(json.loads(files)) for rank, files, _at in rows}
+        shards = s.execute(select(Shard.rank, Shard.file_name, Shard.size, Shard.xxh3_128, Shard.status,
+                                  Shard.index_json).where(Shard.checkpoint_id == checkpoint_id)).all()
+        if set(votes) != set(range(ck.world_size)):
+            return None
+        if any(sh.status == DECLARED for sh in shards):  # a peer has yet to check it (verification_modes.py)
+            return None
+        by_rank: dict[int, list[FileEntry]] = {r: [] for r in votes}
+        pfx = key_prefix(s, ck)
+        for sh in shards:
+            if sh.status != VERIFIED or sh.file_name not in votes.get(sh.rank, ()):
+                raise FailedPrecondition(f"shard {sh.file_name!r} of rank {sh.rank} is not part of a vote")
+            by_rank[sh.rank].append(indexes.entry(self.blobs, pfx, sh))  # a reference: O(files)
+        if any({f.name for f in by_rank[r]} != votes[r] for r in votes):
+            raise FailedPrecondition(f"checkpoint {checkpoint_id}: votes and verified shards disagree")
+        manifest = Manifest(ck.id, run.name, ck.step, ck.attempt, ck.world_size, ck.parent_id, by_rank,
+                            ck.generation or 0, version=2)
+        # the last vote's time (the commit_seconds metric) from the rows read here: every rank
+        # has voted, so no vote can come after it
+        return CommitPlan(manifest, keys.manifest_key(pfx), run.id, max(at for _r, _f, at in rows))
+
+    def try_commit(self, checkpoint_id: int, *, recovering: bool = False, plan: "CommitPlan | None" = None) -> bool:
+        """Write the manifest, then commit in one transaction. True if this call committed.
+        `plan`: what `commit_plan` found in the caller's own transaction, still holding the
+        checkpoint's row lock (the peer report that verified the last file): not read again."""
         if self._fail_commit_once:  # testing only: a transient catalog error on the first attempt
             self._fail_commit_once = False
             raise RuntimeError("failpoint commit_fails_once: the commit's catalog transaction fails")
-        with self.sessions() as s, s.begin():
-            ck = self._get_checkpoint(s, checkpoint_id)
-            if ck.status != PENDING:
+        if plan is None:
+            with self.sessions() as s, s.begin():
+                plan = self.commit_plan(s, self._get_checkpoint(s, checkpoint_id))
+            if plan is None:
                 return False
-            run = s.get(Run, ck.run_id)
-            run_id = run.id
-            # plain rows, not ORM objects: at 1,024 ranks building 2,048 instances was a third
-            # of the commit's CPU, on the path every rank waits on (docs/control-plane.md)
-            votes = {rank: set(json.loads(files)) for rank, files in
-                     s.execute(select(Vote.rank, Vote.files_json).where(Vote.checkpoint_id == checkpoint_id))}
-            shards = s.execute(select(Shard.rank, Shard.file_name, Shard.size, Shard.xxh3_128, Shard.status,
-                                      Shard.index_json).where(Shard.checkpoint_id == checkpoint_id)).all()
-            if set(votes) != set(range(ck.world_size)):
-                return False
-            if any(sh.status == DECLARED for sh in shards):  # a peer has yet to check it (verification_modes.py)
-                return False
-            by_rank: dict[int, list[FileEntry]] = {r: [] for r in votes}
-            pfx = key_prefix(s, ck)
-            for sh in shards:
-                if sh.status != VERIFIED or sh.file_name not in votes.get(sh.rank, ()):
-                    raise FailedPrecondition(f"shard {sh.file_name!r} of rank {sh.rank} is not part of a vote")
-                by_rank[sh.rank].append(indexes.entry(self.blobs, pfx, sh))  # a reference: O(files)
-            if any({f.name for f in by_rank[r]} != votes[r] for r in votes):
-                raise FailedPrecondition(f"checkpoint {checkpoint_id}: votes and verified shards disagree")
-            manifest = Manifest(ck.id, run.name, ck.step, ck.attempt, ck.world_size, ck.parent_id, by_rank,
-                                ck.generation or 0, version=2)
-            key = keys.manifest_key(pfx)
+        manifest, key, run_id, last_vote = plan.manifest, plan.key, plan.run_id, plan.last_vote
         body = manifest.to_bytes()
         self._failpoint("crash_before_manifest")
         stored = self.blobs.stat(key)
@@ -475,13 +498,11 @@ class CommitProtocol(CommitCore):
                             .values(status=COMMITTED, committed_at=now, bytes=manifest.total_bytes(),
                                     manifest_key=key, manifest_hash=hash_bytes(body))).rowcount == 1
             if won:
-                ck = s.get(Checkpoint, checkpoint_id)
-                s.refresh(ck)
+                ck = s.get(Checkpoint, checkpoint_id)  # not loaded before in this session: the updated row
                 branches.settle(s, ck.run_id, ck.id)  # committed: its stored branch and later ones'
                 moved = last_good.advance(s, ck)
                 add_event(s, "commit", ck.run_id, ck.id, step=ck.step, bytes=ck.bytes, last_good=moved,
                           recovered=recovering)
-                last_vote = s.scalar(select(func.max(Vote.created_at)).where(Vote.checkpoint_id == ck.id))
                 save_s, commit_s = (now - ck.created_at).total_seconds(), (now - last_vote).total_seconds()
         if won:
             log.info("committed checkpoint %s (%s step %s)", checkpoint_id, manifest.run, manifest.step,
