@@ -99,6 +99,20 @@ def save_one(url: str, run: str, step: int, data: bytes, path: str, *, mount: st
 
 
 # ---------------------------------------------------------------------------- 1. CPU per GiB
+def _drop_large_blobs(root: Path, size: int) -> None:
+    """Delete the measured saves' shard files (nothing reads them again): the next path's
+    saves then need room for their own bytes only (3 paths x 4 GiB did not fit on a shared
+    disk with 11 GiB free). Outside any measured interval."""
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            try:
+                if os.lstat(path).st_size >= size:
+                    os.unlink(path)
+            except OSError:
+                pass
+
+
 def cpu_per_gib(work: Path, size: int, saves: int) -> list[dict]:
     rows = []
     for mode, paths in (("service", ("streamed", "spool", "direct")), ("peer", ("direct",))):
@@ -125,6 +139,7 @@ def cpu_per_gib(work: Path, size: int, saves: int) -> list[dict]:
                 for i in range(saves):
                     save_one(svc.url, f"cpu-{path}", i + 1, data, path, mount=str(mount))
                 wall, cpu = time.perf_counter() - t0, cpu_seconds(svc.pid) - cpu0
+                _drop_large_blobs(svc.data_dir / "blobs", size)
                 gib = saves * size / GiB
                 label = path if path != "direct" else f"direct-FS ({mode} mode)"
                 per_byte = max(cpu - idle * wall - fixed, 0.0) / gib
