@@ -326,8 +326,8 @@ def main(argv: list[str] | None = None) -> None:
     # into the handler it found: SIGINT's raises KeyboardInterrupt, and SIGTERM's must not be
     # the default one, which would end the process before service.stop() (gRPC's grace for
     # the calls in flight, the catalog closed)
-    signal.signal(signal.SIGTERM, _terminated)
     try:
+        signal.signal(signal.SIGTERM, _terminated)
         _Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning")).run()
     except (KeyboardInterrupt, _Terminated):  # a clean exit, as uvicorn.run's
         pass
@@ -341,6 +341,7 @@ class _Terminated(Exception):
 
 
 def _terminated(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # once: a second SIGTERM ends the process at once
     raise _Terminated()
 
 

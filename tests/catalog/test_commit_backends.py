@@ -151,6 +151,19 @@ def test_new_steps_move_last_good_and_an_abort_does_not(commits, sessions):
     assert last_good(sessions, "run-e") == two
 
 
+def test_a_recorded_file_renews_the_lease_in_full(commits, sessions, clock):
+    """A file the service records is rank activity: the lease runs a whole lease_seconds
+    (60 here) from it, as settings.lease_seconds says, not from an earlier renewal."""
+    cid = commits.begin("run-lease", 1, 2, None, ATTEMPT).id
+    clock.advance(10)
+    put(commits, cid, 0, make_shard(0, seed=3))
+    clock.advance(55)  # 65 s after begin, 55 s after the file
+    assert commits.expire_leases() == []
+    assert status(sessions, cid) == "PENDING"
+    clock.advance(10)  # control: 65 s after the file, nothing since
+    assert commits.expire_leases() == [cid]
+
+
 def test_lease_expiry_abandons_a_half_voted_checkpoint(commits, sessions, clock):
     good = save(commits, "run-f", 1)
     cid = commits.begin("run-f", 2, 2, good, ATTEMPT).id

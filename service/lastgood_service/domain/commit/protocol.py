@@ -303,8 +303,9 @@ class CommitProtocol(CommitCore):
                                 size=header.size, xxh3_128=digest, blob_key=key,
                                 status=VERIFIED if hashed else DECLARED,
                                 index_json=index_json, created_at=self.clock()))
-                    if ck.lease_expires_at < self._lease() - self._lease_slack():  # as above: renewed when stale
-                        ck.lease_expires_at = self._lease()
+                    # a recorded file is rank activity: a whole lease from here (settings.lease_seconds),
+                    # not only when stale as at admission, which a hand-over reaches a moment before
+                    ck.lease_expires_at = self._lease()
             except IntegrityError:  # the same file arrived twice at once
                 with s.begin():
                     return self._same_or_conflict(self._find_shard(s, header), header)
