@@ -24,7 +24,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 import grpc  # noqa: E402
 
-from . import directs3, errors, names, wire
+from . import directs3, durable, errors, names, wire
 from .errors import CorruptCheckpoint, GaveUp, ServiceError, ServiceUnreachable, SpoolNotShared
 from .hashing import StreamHasher
 from .rest import HttpError, RestClient
@@ -163,9 +163,11 @@ class Transport(RestClient):
                     piece = view[off:off + _SPOOL_WRITE]
                     if hasher is not None:
                         hasher.update(piece)
+                    start = off
                     while piece.nbytes:
                         n = os.write(fd, piece)
                         piece, off = piece[n:], off + n
+                    durable.start_writeback(fd, start, off - start)  # the disk works while the next piece is written
                 if fsync:
                     os.fsync(fd)
             finally:
