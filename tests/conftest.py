@@ -79,3 +79,24 @@ def make_service(tmp_path):
 @pytest.fixture
 def run_name(request) -> str:
     return f"{request.node.name[:40].replace('[', '-').replace(']', '')}-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture
+def spool_inodes(monkeypatch) -> set[int]:
+    """The inodes of the files this process writes into a spool, written whole before the
+    hand-over (Transport.spool_write) or while the service follows them (put_followed):
+    both start each piece's writeback through lastgood.durable, which is watched here (the
+    real function still runs)."""
+    import os
+
+    from lastgood import durable
+
+    seen: set[int] = set()
+    real = durable.start_writeback
+
+    def watched(fd: int, offset: int, length: int) -> None:
+        seen.add(os.fstat(fd).st_ino)
+        real(fd, offset, length)
+
+    monkeypatch.setattr(durable, "start_writeback", watched)
+    return seen

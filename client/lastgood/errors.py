@@ -20,7 +20,7 @@ an older or newer service) is classified by its HTTP status or gRPC code instead
     │   ├── NotFound ── NoCheckpoint
     │   ├── InvalidArgument, OutOfRange, TooLarge, Conflict
     │   ├── Unauthenticated, PermissionDenied
-    │   └── FailedPrecondition ── Fenced, NoUsableCheckpoint, DirectOff, SpoolRefused ── SpoolNotShared
+    │   └── FailedPrecondition ── Fenced, NoUsableCheckpoint, DirectOff, SpoolRefused ── SpoolNotShared, FollowRefused
     ├── DataLoss                 the service's stored bytes differ from the commit
     ├── CatalogBehind, StoreFull an operator has to act (rebuild, free space): not retried
     └── GaveUp                   the client stopped retrying (a newer save wants the buffer)
@@ -191,6 +191,13 @@ class SpoolNotShared(SpoolRefused):
     reason = "spool_not_shared"
 
 
+class FollowRefused(SpoolRefused):
+    """The service cannot take a file while it is written (a followed hand-over: its store
+    cannot adopt the spool's files): the client streams that shard, and hands its files
+    over once written from then on."""
+    reason = "spool_follow_refused"
+
+
 class DirectOff(FailedPrecondition):
     """The service does not (or no longer) offer direct uploads to its store: the client
     refreshes the service's info and sends that file, and later ones, through the service."""
@@ -241,6 +248,7 @@ TABLE: dict[str, tuple[type[ServiceError], int, str]] = {
     "no_usable_checkpoint": (NoUsableCheckpoint, 409, "FAILED_PRECONDITION"),
     "spool_refused": (SpoolRefused, 409, "FAILED_PRECONDITION"),
     "spool_not_shared": (SpoolNotShared, 409, "FAILED_PRECONDITION"),
+    "spool_follow_refused": (FollowRefused, 409, "FAILED_PRECONDITION"),
     "direct_off": (DirectOff, 409, "FAILED_PRECONDITION"),
     "hash_mismatch": (DataLoss, 422, "DATA_LOSS"),
     "unavailable": (Unavailable, 503, "UNAVAILABLE"),

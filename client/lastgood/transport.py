@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import queue
 import threading
 import weakref
 from collections.abc import Iterator
@@ -25,8 +26,8 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 import grpc  # noqa: E402
 
 from . import directs3, durable, errors, names, wire
-from .errors import CorruptCheckpoint, GaveUp, ServiceError, ServiceUnreachable, SpoolNotShared
-from .hashing import StreamHasher
+from .errors import CorruptCheckpoint, FollowRefused, GaveUp, ServiceError, ServiceUnreachable, SpoolNotShared
+from .hashing import StreamHasher, hash_bytes
 from .rest import HttpError, RestClient
 from .retry import RetryPolicy
 from .v1 import lastgood_pb2 as pb
@@ -224,6 +225,80 @@ class Transport(RestClient):
                 yield wire.frame(wire.PUT_CHUNK, data[off:off + self.chunk])
 
         return self._put(messages)
+
+    def put_followed(self, checkpoint_id: int, rank: int, file_name: str, data) -> str:
+        """Write the shard into the service's spool while the service reads it behind the
+        writer (a followed hand-over, ShardHeader.follow; the service's domain/spool.Followed):
+        each 8 MiB piece is hashed, written, its writeback started, and reported written;
+        the last report carries the hash. The service has then hashed nearly every byte
+        already, and the disk has written most of them. Returns the file's xxh3-128.
+
+        Whatever goes wrong on the way, the file is handed over as put_shard does (written
+        whole into the spool, then named; streamed when that fails too), with put_shard's
+        retries: this one call is not retried, its file is the service's once taken. A
+        service whose store cannot adopt followed files (FollowRefused) is not asked to
+        follow again by this client."""
+        view = memoryview(data).cast("B")
+        spool, hasher, name, fd = self.spool, StreamHasher(), names.new_spool_name(), -1
+        try:
+            if spool is None or not spool.get("follow"):
+                raise FollowRefused("spool: this service takes spooled files once written")
+            fd = os.open(os.path.join(spool["dir"], name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            header = pb.ShardHeader(checkpoint_id=checkpoint_id, rank=rank, file_name=file_name, size=view.nbytes,
+                                    spool_file=name, spool_id=spool["id"], follow=True)
+            reports: queue.SimpleQueue = queue.SimpleQueue()
+
+            def messages() -> Iterator[bytes]:  # gRPC's own thread sends them as they come
+                yield pb.PutShardRequest(header=header).SerializeToString()
+                while (message := reports.get()) is not None:
+                    yield message
+
+            def report(written: int, digest: str = "") -> None:
+                reports.put(pb.PutShardRequest(progress=pb.SpoolProgress(written=written, xxh3_128=digest))
+                            .SerializeToString())
+
+            call = self._put_shard.future(messages(), timeout=max(self.timeout, 3600.0), metadata=self._md)
+            try:
+                off = 0
+                while off < view.nbytes and not call.done():  # done early: refused, read below
+                    piece, start = view[off:off + _SPOOL_WRITE], off
+                    hasher.update(piece)  # in the CPU's cache now, as spool_write does
+                    while piece.nbytes:
+                        n = os.write(fd, piece)
+                        piece, off = piece[n:], off + n
+                    durable.start_writeback(fd, start, off - start)
+                    report(off)
+                if off == view.nbytes:
+                    os.close(fd)  # before the last report: nothing is written after it
+                    fd = -1
+                    report(off, hasher.hexdigest())
+            finally:
+                reports.put(None)  # the stream ends here; without the last report the service refuses it
+            try:
+                call.result()
+            except grpc.RpcError as e:
+                raise _service_error(e, "PutShard") from None
+            return hasher.hexdigest()
+        except GaveUp:
+            raise
+        except (ServiceError, OSError) as e:
+            if isinstance(e, FollowRefused) and spool is not None:
+                spool["follow"] = False
+            elif spool is not None:
+                log.warning("lastgood: handing %s over while writing it failed (%s); handing it over whole", file_name, e)
+            if isinstance(e, SpoolNotShared) and spool is self.spool:
+                self.spool = None
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            self.spool_discard(name, spool)  # gone already when the service took it
+        done = hasher.size == view.nbytes
+        again = StreamHasher() if not done else None
+        spooled = self.spool_write(view, again)
+        digest = hasher.hexdigest() if done else (again.hexdigest() if spooled and again.size == view.nbytes
+                                                  else hash_bytes(view))
+        self.put_shard(checkpoint_id, rank, file_name, view, digest, spooled=spooled)
+        return digest
 
     def _put(self, messages) -> pb.PutShardResponse:
         """One PutShard call; `messages()` makes the stream anew for each try."""

@@ -102,7 +102,8 @@ class Service:
         self.spool = None
         if spool_dir := settings.resolved_spool_dir():
             try:
-                self.spool = Spool(spool_dir)
+                # files handed over while they are written are adopted by rename (domain/spool.Followed)
+                self.spool = Spool(spool_dir, follow=lambda d: capabilities.adopts_from(blobs, d))
             except OSError as e:
                 log.warning("no spool (same-host hand-over off; clients stream): %s", e)
         self._stop = threading.Event()

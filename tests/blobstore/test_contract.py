@@ -290,6 +290,16 @@ def test_an_adopted_file_becomes_the_blob(backend, tmp_path):
     assert not taken.path.exists()  # the file is the blob now, not a copy
 
 
+def test_a_store_that_adopts_files_says_so_before_one_is_there(backend, tmp_path):
+    """A followed hand-over (domain/spool.Followed) is adopted only once its hash names the
+    blob, so whether the spool's files can be adopted is asked of the directory first."""
+    needs(backend, AdoptsFiles)
+    (tmp_path / "spool").mkdir()
+    assert backend.store.adopts_from(tmp_path / "spool")
+    assert capabilities.adopts_from(backend.store, tmp_path / "spool")
+    assert not capabilities.adopts_from(MemoryBlobStore(), tmp_path / "spool")  # no capability: no
+
+
 def test_an_aborted_adoption_leaves_the_file_to_its_owner(backend, tmp_path):
     needs(backend, AdoptsFiles)
     s = backend.store

@@ -7,7 +7,6 @@ single-rank mode): the session is the same code for every rank."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -86,25 +85,19 @@ def test_a_lost_reply_with_the_manifest_unreadable_is_unknown_not_failed(make_se
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_a_dcp_save_hands_its_files_over_through_the_spool(service, run_name, monkeypatch):
+@pytest.mark.parametrize("follow", [True, False], ids=["followed", "written-whole"])
+def test_a_dcp_save_hands_its_files_over_through_the_spool(service, run_name, spool_inodes, follow):
     """On the service's host the shard and DCP's metadata are written into the spool and
-    adopted as the blobs (the very inodes), not streamed."""
+    adopted as the blobs (the very inodes), not streamed: followed by the service as they
+    are written, or handed over once written."""
     writer = lgdcp.StorageWriter(service.url, run=run_name)
-    assert writer.transport.spool is not None
-    spool_write, written = writer.transport.spool_write, []
-
-    def observed(data, hasher=None):  # the real method; remember the inodes it wrote
-        name = spool_write(data, hasher)
-        if name:
-            written.append(os.stat(os.path.join(writer.transport.spool["dir"], name)).st_ino)
-        return name
-
-    monkeypatch.setattr(writer.transport, "spool_write", observed)
+    assert writer.transport.spool is not None and writer.transport.spool["follow"]
+    writer.transport.spool["follow"] = follow
     dcp.save(state(), storage_writer=writer, checkpoint_id="5", planner=lgdcp.SavePlanner())
     lg = assert_loads_back(service.url, run_name)
     blobs = {p.stat().st_ino for p in (ckpt_dir(service, lg["id"]) / "r0").iterdir()
              if p.is_file() and not p.name.endswith(".index")}
-    assert len(written) == 2 and set(written) == blobs, (written, blobs)  # the shard and the metadata
+    assert len(spool_inodes) == 2 and spool_inodes == blobs, (spool_inodes, blobs)  # the shard and the metadata
 
 
 @pytest.mark.slow

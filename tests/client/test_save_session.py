@@ -25,15 +25,18 @@ def spool_files(t: Transport) -> list[str]:
     return sorted(n for n in os.listdir(t.spool["dir"]) if not n.startswith("."))
 
 
-@pytest.mark.parametrize("path", [StreamPath, SpoolPath])
-def test_a_rank_saves_several_files_in_one_checkpoint(transport, run_name, path):
+@pytest.mark.parametrize("path, follow", [(StreamPath, False), (SpoolPath, False), (SpoolPath, True)],
+                         ids=["stream", "spool-written-whole", "spool-followed"])
+def test_a_rank_saves_several_files_in_one_checkpoint(transport, run_name, path, follow):
     files = {f"part{i}.bin": os.urandom(1000 + 7 * i) for i in range(3)}
+    transport.spool["follow"] = follow
     session = SaveSession(transport, run_name, 0, commit_timeout=60, path=path(transport))
     up = session.checkpoint(1)
     for name, data in files.items():
         up.add(name, data)
-    # on the service's host the spool takes the bytes before begin: the store has them already
-    assert [h.expected_bytes for h in up.files] == ([0, 0, 0] if path is SpoolPath else
+    # on the service's host the spool takes the bytes before begin: the store has them
+    # already; a followed file is written after begin, and begin checks there is room for it
+    assert [h.expected_bytes for h in up.files] == ([0, 0, 0] if path is SpoolPath and not follow else
                                                     [len(d) for d in files.values()])
     cid = up.begin(1, "a1")
     up.commit()
@@ -45,6 +48,7 @@ def test_a_rank_saves_several_files_in_one_checkpoint(transport, run_name, path)
 
 
 def test_what_a_path_prepared_is_discarded_when_begin_is_refused(transport, run_name):
+    transport.spool["follow"] = False  # written into the spool before begin
     session = SaveSession(transport, run_name, 0, commit_timeout=60, path=SpoolPath(transport))
     up = session.checkpoint(1)
     up.add("a.bin", b"x" * 4096)

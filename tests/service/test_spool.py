@@ -61,29 +61,24 @@ def hand_over(svc, spool: Path, run_name: str, data: bytes) -> tuple[Path, int]:
     return blob, inode
 
 
-def test_the_checkpointer_hands_its_shard_over_and_the_blob_is_that_file(svc, run_name):
+@pytest.mark.parametrize("follow", [True, False], ids=["followed", "written-whole"])
+def test_the_checkpointer_hands_its_shard_over_and_the_blob_is_that_file(svc, run_name, spool_inodes, follow):
     spool, _ = spool_of(svc)
     blob, inode = hand_over(svc, spool, run_name, make_shard(0, seed=4))
     assert blob.stat().st_ino == inode  # adopted, not copied
+    spool_inodes.clear()
 
-    # the whole Checkpointer path: saved through the spool, restored bit-exactly
+    # the whole Checkpointer path: saved through the spool (followed by the service as it
+    # is written, or handed over once written), restored bit-exactly
     model = torch.nn.Linear(64, 64)
     with lastgood.Checkpointer(svc.url, run=run_name + "-ck") as ckpt:
-        assert ckpt.transport.spool is not None
-        written = []
-        spool_write = ckpt.transport.spool_write
-
-        def observed(data, hasher=None):  # the real method; remember which inode it wrote
-            name = spool_write(data, hasher)
-            written.append((spool / name).stat().st_ino)
-            return name
-
-        ckpt.transport.spool_write = observed
+        assert ckpt.transport.spool is not None and ckpt.transport.spool["follow"]
+        ckpt.transport.spool["follow"] = follow
         ckpt.save(3, lastgood.TrainState(model=model))
         ckpt.wait()
         cid = ckpt.last_saved.checkpoint_id
     assert spool_files(spool) == []
-    assert written == [shard_blob(svc, cid, 0).stat().st_ino]  # handed over, not streamed
+    assert spool_inodes == {shard_blob(svc, cid, 0).stat().st_ino}  # handed over, not streamed
     other = torch.nn.Linear(64, 64)
     with lastgood.Checkpointer(svc.url, run=run_name + "-ck") as ckpt:
         assert ckpt.restore(lastgood.TrainState(model=other)) == 3

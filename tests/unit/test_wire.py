@@ -38,7 +38,7 @@ def test_other_encodings_are_left_to_protobuf():
     data = b"abcdef"
     chunk = wire.frame(wire.PUT_CHUNK, data)
     header = pb.PutShardRequest(header=pb.ShardHeader(checkpoint_id=1, file_name="x")).SerializeToString()
-    unknown_field = bytes((3 << 3 | 2, len(data))) + data
+    unknown_field = bytes((7 << 3 | 2, len(data))) + data  # no field 7 in PutShardRequest
     twice = wire.frame(wire.PUT_CHUNK, b"zz") + chunk  # the last one wins
     for raw, body in ((b"", None), (header, "header"), (unknown_field, None), (twice, "chunk")):
         assert wire.unframe(raw, wire.PUT_CHUNK) is None, raw

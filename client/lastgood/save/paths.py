@@ -10,10 +10,13 @@ three calls:
 
 `prepare` does what needs no checkpoint: hashing, and writing the bytes somewhere the
 service will take them from. Done before begin, a long write never runs into the
-checkpoint's lease. Its handle carries what the protocol needs:
+checkpoint's lease. (The spool's followed hand-over writes in `send` instead, while the
+service reads behind it and renews the lease as the bytes come: below.) Its handle
+carries what the protocol needs:
 
 - `digest`: the whole file's xxh3-128, sent with the file and compared with the manifest
-  when a reply was lost (the session's lost-reply check);
+  when a reply was lost (the session's lost-reply check); None until `send` for a file
+  written as it is sent;
 - `expected_bytes`: what begin tells the service the store must still find room for (the
   service refuses a begin the store cannot hold): the file's size when its bytes travel
   to the service, 0 when they are already written where the service takes them from.
@@ -29,8 +32,11 @@ Two paths today, chosen per save by `default_path`:
 
 - `StreamPath`: the bytes go over gRPC (PutShard, chunked).
 - `SpoolPath`: on the service's host, the file is written into its spool, hashed as it is
-  written, and only its name is sent (docs/architecture.md, *The spool*). Anything that
-  fails on the way falls back to the stream, so it is never worse than streaming.
+  written, and only its name is sent (docs/architecture.md, *The spool*). Where the
+  service offers it (GET /api/v1/info: spool.follow), the file is written in `send`,
+  after begin, and the service hashes each piece a moment after it is written instead
+  of re-reading the whole file afterwards (Transport.put_followed). Anything that fails on
+  the way falls back to the stream, so it is never worse than streaming.
 
 A `direct` path (the rank writes to the store itself: a shared file system, S3 through
 grants) is a third implementation of the same three calls; `default_path` is the one
@@ -54,9 +60,12 @@ class Prepared:
 
     name: str
     data: memoryview
-    digest: str
+    digest: str | None  # None: written as it is sent (SpoolPath, FOLLOW), known once sent
     expected_bytes: int
     token: object = None
+
+
+FOLLOW = "follow"  # a SpoolPath handle's token: the file is written while the service follows it
 
 
 @runtime_checkable
@@ -97,6 +106,9 @@ class SpoolPath(StreamPath):
 
     def prepare(self, name: str, data) -> Prepared:
         data = memoryview(data).cast("B")
+        if (self.transport.spool or {}).get("follow"):  # written in send(), behind the checkpoint's begin
+            # its bytes are still to be written on the service's disk: begin checks there is room
+            return Prepared(name, data, None, expected_bytes=data.nbytes, token=FOLLOW)
         hasher = StreamHasher()  # fed as the spool file is written: one pass over the bytes
         spooled = self.transport.spool_write(data, hasher)
         if not spooled:  # no spool here, or writing failed: streamed
@@ -107,6 +119,10 @@ class SpoolPath(StreamPath):
         return Prepared(name, data, digest, expected_bytes=0, token=(spooled, self.transport.spool))
 
     def send(self, checkpoint_id: int, rank: int, handle: Prepared) -> None:
+        if handle.token is FOLLOW:  # written now, read by the service as it is written
+            handle.digest = self.transport.put_followed(checkpoint_id, rank, handle.name, handle.data)
+            handle.token = None
+            return
         # a hand-over that fails for any reason is streamed, and the spool file removed
         name, spool = handle.token
         try:
@@ -116,7 +132,7 @@ class SpoolPath(StreamPath):
         handle.token = None
 
     def discard(self, handle: Prepared) -> None:
-        if handle.token is not None:
+        if handle.token is not None and handle.token is not FOLLOW:  # a followed file is not written yet
             self.transport.spool_discard(*handle.token)
         handle.token = None
 

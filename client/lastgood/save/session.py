@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 from .. import peer
 from ..errors import GaveUp, SaveFailed, ServiceError
+from ..hashing import hash_bytes
 from . import split
 from .paths import DataPath, Prepared, StreamPath, default_path
 
@@ -149,7 +150,8 @@ class Upload:
 
     @property
     def digests(self) -> tuple[tuple[str, str], ...]:
-        return tuple((h.name, h.digest) for h in self.files)
+        # a file written as it is sent (paths.FOLLOW) has its hash once sent; before, from its bytes
+        return tuple((h.name, h.digest if h.digest is not None else hash_bytes(h.data)) for h in self.files)
 
     def add(self, name: str, data) -> Prepared:
         """Prepare one more file of this rank (any number, before or after begin)."""

@@ -37,7 +37,7 @@ class BeginCheckpointResponse(_message.Message):
     def __init__(self, checkpoint_id: _Optional[int] = ..., status: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class ShardHeader(_message.Message):
-    __slots__ = ("checkpoint_id", "rank", "file_name", "size", "xxh3_128", "spool_file", "spool_id", "range_digests")
+    __slots__ = ("checkpoint_id", "rank", "file_name", "size", "xxh3_128", "spool_file", "spool_id", "range_digests", "follow")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     FILE_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class ShardHeader(_message.Message):
     SPOOL_FILE_FIELD_NUMBER: _ClassVar[int]
     SPOOL_ID_FIELD_NUMBER: _ClassVar[int]
     RANGE_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: int
     rank: int
     file_name: str
@@ -54,15 +55,26 @@ class ShardHeader(_message.Message):
     spool_file: str
     spool_id: str
     range_digests: str
-    def __init__(self, checkpoint_id: _Optional[int] = ..., rank: _Optional[int] = ..., file_name: _Optional[str] = ..., size: _Optional[int] = ..., xxh3_128: _Optional[str] = ..., spool_file: _Optional[str] = ..., spool_id: _Optional[str] = ..., range_digests: _Optional[str] = ...) -> None: ...
+    follow: bool
+    def __init__(self, checkpoint_id: _Optional[int] = ..., rank: _Optional[int] = ..., file_name: _Optional[str] = ..., size: _Optional[int] = ..., xxh3_128: _Optional[str] = ..., spool_file: _Optional[str] = ..., spool_id: _Optional[str] = ..., range_digests: _Optional[str] = ..., follow: _Optional[bool] = ...) -> None: ...
+
+class SpoolProgress(_message.Message):
+    __slots__ = ("written", "xxh3_128")
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    XXH3_128_FIELD_NUMBER: _ClassVar[int]
+    written: int
+    xxh3_128: str
+    def __init__(self, written: _Optional[int] = ..., xxh3_128: _Optional[str] = ...) -> None: ...
 
 class PutShardRequest(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunk", "progress")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     header: ShardHeader
     chunk: bytes
-    def __init__(self, header: _Optional[_Union[ShardHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+    progress: SpoolProgress
+    def __init__(self, header: _Optional[_Union[ShardHeader, _Mapping]] = ..., chunk: _Optional[bytes] = ..., progress: _Optional[_Union[SpoolProgress, _Mapping]] = ...) -> None: ...
 
 class PutShardResponse(_message.Message):
     __slots__ = ("already_present", "size", "xxh3_128")

@@ -21,6 +21,7 @@ TABLE: dict[type[e.DomainError], tuple[int, grpc.StatusCode, str]] = {
     e.Fenced: (409, grpc.StatusCode.FAILED_PRECONDITION, FENCED),
     e.SpoolRefused: (409, grpc.StatusCode.FAILED_PRECONDITION, "spool_refused"),
     e.SpoolNotShared: (409, grpc.StatusCode.FAILED_PRECONDITION, "spool_not_shared"),
+    e.FollowRefused: (409, grpc.StatusCode.FAILED_PRECONDITION, "spool_follow_refused"),
     e.DirectOff: (409, grpc.StatusCode.FAILED_PRECONDITION, "direct_off"),
     e.FailedPrecondition: (409, grpc.StatusCode.FAILED_PRECONDITION, "failed_precondition"),
     e.HashMismatch: (422, grpc.StatusCode.DATA_LOSS, "hash_mismatch"),

@@ -19,10 +19,10 @@ from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
 
 from ..domain.commit import CommitService
 from ..domain.commit.protocol import ShardHeader
-from ..domain.errors import DomainError, InvalidArgument, SpoolNotShared
+from ..domain.errors import DomainError, FollowRefused, InvalidArgument, SpoolNotShared
 from ..domain.faults import as_domain_error
 from ..domain import verification_modes
-from ..domain.spool import Spool
+from ..domain.spool import Followed, Spool
 from ..domain.tokens import READER, WRITER, Principal, TokenStore
 from ..domain.queries import Queries
 from .errors import bounded, lookup
@@ -134,6 +134,15 @@ def _chunks(raw_messages):
         yield chunk
 
 
+def _progress(raw_messages):
+    """A followed hand-over's messages after its header, as (written, xxh3_128) pairs."""
+    for raw in raw_messages:
+        msg = _put_message(raw)
+        if msg.WhichOneof("body") != "progress":
+            raise InvalidArgument("a PutShard that follows a spooled file carries progress messages only")
+        yield msg.progress.written, msg.progress.xxh3_128
+
+
 def _timed(messages, watched):
     """The client's messages, with the idle clock running only while we wait for one."""
     while True:
@@ -204,6 +213,8 @@ class Servicer(pb_grpc.CheckpointsServicer):
             h = first.header
             self._allow(context, WRITER, checkpoint_id=h.checkpoint_id, principal=principal)
             header = ShardHeader(h.checkpoint_id, h.rank, h.file_name, h.size, h.xxh3_128)
+            if h.follow and not h.spool_file:
+                raise InvalidArgument("follow names a spooled file (spool_file) that is being written")
             if h.spool_file or h.spool_id:
                 res = self._put_spooled(h, header, messages)
             else:
@@ -217,6 +228,18 @@ class Servicer(pb_grpc.CheckpointsServicer):
             spool, hashed = self.direct_fs.staging, verification_modes.service_hashes(self.commits.settings.verification)
         if spool is None:
             raise SpoolNotShared("spool: this service takes no spooled files; stream the shard")
+        if h.follow:
+            if spool is not self.spool:  # direct-FS hands over finished files (directfs.py)
+                raise InvalidArgument("only a file in the spool can be handed over while it is written")
+            if not spool.follow:
+                raise FollowRefused("spool: this service takes spooled files once written; stream the shard")
+            taken = spool.take(h.spool_file, h.spool_id, h.size, growing=True)
+            try:
+                followed = Followed(taken, _progress(request_iterator), h.file_name)
+                return self.commits.put_shard(header, followed.chunks(self.commits.settings.max_chunk_bytes),
+                                              adopt=taken, follow=followed)
+            finally:
+                taken.close()
         if next(request_iterator, None) is not None:
             raise InvalidArgument("a spooled PutShard carries its header only, no chunks")
         taken = spool.take(h.spool_file, h.spool_id, h.size)

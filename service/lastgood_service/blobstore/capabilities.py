@@ -30,6 +30,11 @@ class AdoptsFiles(Protocol):
         through the descriptor and passes the pieces on), `publish` makes that file the
         blob, `abort` leaves it to its owner. None when this file cannot be adopted."""
 
+    def adopts_from(self, directory: Path) -> bool:
+        """Can files in `directory` be adopted (adopt_writer not None)? Asked before a file
+        is there: a file handed over while it is written (domain/spool.Followed) is
+        adopted only once its hash, which names its blob, is known."""
+
 
 @runtime_checkable
 class LendsLocalPaths(Protocol):
@@ -45,6 +50,10 @@ class ReportsFreeSpace(Protocol):
 
 def adopt_writer(store: BlobStore, key: str, taken) -> BlobWriter | None:
     return store.adopt_writer(key, taken) if isinstance(store, AdoptsFiles) else None
+
+
+def adopts_from(store: BlobStore, directory: Path) -> bool:
+    return isinstance(store, AdoptsFiles) and store.adopts_from(directory)
 
 
 def local_path(store: BlobStore, key: str) -> Path | None:

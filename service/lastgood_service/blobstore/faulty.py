@@ -36,6 +36,9 @@ class WriteEIO(BlobStore, AdoptsFiles, ReportsFreeSpace):
     def adopt_writer(self, key: str, taken):
         return None  # every hand-over goes through the failing writer
 
+    def adopts_from(self, directory) -> bool:
+        return False
+
     def free_bytes(self):
         return capabilities.free_bytes(self.inner)
 

@@ -120,6 +120,9 @@ class LocalBlobStore(BlobStore, AdoptsFiles, LendsLocalPaths, ReportsFreeSpace):
         written one, when its directory can rename into this store; else it is copied."""
         return _AdoptedWriter(self, key, taken) if self._renames_from(taken.path.parent) else None
 
+    def adopts_from(self, directory: Path) -> bool:
+        return self._renames_from(Path(directory))
+
     def _renames_from(self, directory: Path) -> bool:
         """Can a file in `directory` be renamed into this store? Same st_dev is not enough
         (two bind mounts of one file system): try it once per directory with an empty file."""

@@ -51,6 +51,9 @@ class MeteredBlobStore(BlobStore, AdoptsFiles, LendsLocalPaths, ReportsFreeSpace
         writer = capabilities.adopt_writer(self.inner, key, taken)
         return _MeteredWriter(writer, self.metrics) if writer is not None else None
 
+    def adopts_from(self, directory) -> bool:
+        return capabilities.adopts_from(self.inner, directory)
+
     def get(self, key: str, offset: int = 0, length: int | None = None) -> Iterator[bytes]:
         return self._served(self.inner.get(key, offset, length))  # a missing key raises here, as inner's does
 

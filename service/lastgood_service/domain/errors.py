@@ -37,6 +37,11 @@ class SpoolNotShared(SpoolRefused):
     or it takes none): the client streams from now on."""
 
 
+class FollowRefused(SpoolRefused):
+    """A followed hand-over (domain/spool.Followed) this store cannot adopt: the client
+    streams the shard, and hands its files over once written from then on."""
+
+
 class DirectOff(FailedPrecondition):
     """A grant or read grant of a direct upload asked of a service that offers none (any
     more): the client refreshes the service's info and streams instead (domain/grants.py)."""

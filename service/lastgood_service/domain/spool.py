@@ -30,7 +30,7 @@ import secrets
 import shutil
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from lastgood import names
@@ -43,16 +43,25 @@ class Taken:
 
     def __init__(self, path: Path, fd: int, size: int) -> None:
         self.path, self.fd, self.size = path, fd, size
+        self._buf: memoryview | None = None
 
-    def chunks(self, chunk: int) -> Iterator[memoryview]:
-        """The file's bytes through the descriptor, in pieces of at most `chunk`, through
-        one reused buffer: a consumer that keeps a piece must copy it."""
-        buf = bytearray(chunk)
-        view = memoryview(buf)
-        pos = 0
-        while n := os.preadv(self.fd, [view], pos):
+    def chunks(self, chunk: int, start: int = 0, end: int | None = None) -> Iterator[memoryview]:
+        """The file's bytes [start, end) (to its end by default) through the descriptor, in
+        pieces of at most `chunk`, through one reused buffer: a consumer that keeps a piece
+        must copy it. A file that ends before `end` ends the pieces early."""
+        if self._buf is None or self._buf.nbytes != chunk:  # one buffer for all of a followed file's ranges
+            self._buf = memoryview(bytearray(chunk))
+        view = self._buf
+        pos = start
+        while end is None or pos < end:
+            n = os.preadv(self.fd, [view if end is None else view[:min(chunk, end - pos)]], pos)
+            if not n:
+                return
             pos += n
             yield view[:n]
+
+    def size_now(self) -> int:
+        return os.fstat(self.fd).st_size
 
     def close(self) -> None:
         """Close the descriptor and remove the file unless it was published (renamed away)."""
@@ -62,8 +71,59 @@ class Taken:
             self.path.unlink(missing_ok=True)
 
 
+class Followed:
+    """A spooled file its writer is still writing (a followed hand-over, ShardHeader.follow):
+    its bytes, read behind the writer as it reports them written.
+
+    Why: handed over only once written, a file is hashed by the service after the writer
+    is done, while the disk is idle, and its fsync waits for all of it; followed, the
+    service hashes each range a moment after it is written, while it is still in the
+    page cache, the writer's early writeback (lastgood.durable) keeps the disk busy, and
+    the hand-over ends a few milliseconds after the last byte instead of a whole re-read
+    later (docs/performance.md). The trust is the spool's: the writer is the service's own
+    user, trusted not to change bytes it has reported, and a later change is caught by
+    every restore's and verify's hash.
+
+    `reports` yields (written, xxh3_128) pairs in the order the writer sent them:
+    `written` never goes back and never beyond the declared size; the last pair carries
+    the writer's hash of the whole file (else ""), reports the whole file, and comes after
+    the writer closed it. `digest` is that hash once `chunks()` has yielded every byte."""
+
+    def __init__(self, taken: Taken, reports: Iterator[tuple[int, str]], name: str) -> None:
+        self.taken, self.reports, self.name = taken, reports, name
+        self.digest: str | None = None
+
+    def chunks(self, chunk: int) -> Iterator[memoryview]:
+        pos, size = 0, self.taken.size
+        for written, digest in self.reports:
+            if not pos <= written <= size:
+                raise InvalidArgument(f"followed hand-over of {self.name}: written went from {pos} to {written} "
+                                      f"(declared size {size})")
+            for piece in self.taken.chunks(chunk, pos, written):
+                pos += piece.nbytes
+                yield piece
+            if pos != written:
+                raise InvalidArgument(f"followed hand-over of {self.name}: {written} bytes reported written, "
+                                      f"the file holds {pos}")
+            if digest:
+                if written != size:
+                    raise InvalidArgument(f"followed hand-over of {self.name}: the last message reports {written} "
+                                          f"of the declared {size} bytes")
+                if next(self.reports, None) is not None:
+                    raise InvalidArgument(f"followed hand-over of {self.name}: a message after the last")
+                if self.taken.size_now() != size:
+                    raise InvalidArgument(f"followed hand-over of {self.name}: the file holds "
+                                          f"{self.taken.size_now()} bytes, the header declares {size}")
+                self.digest = digest
+                return
+        raise InvalidArgument(f"followed hand-over of {self.name} ended after {pos} of {size} bytes, "
+                              f"without its last message")
+
+
 class Spool:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, follow: Callable[[Path], bool] | None = None) -> None:
+        """`follow(taken_dir)`: can the blob store adopt files from there? Then the spool
+        offers followed hand-overs (Followed; GET /api/v1/info: spool.follow)."""
         self.dir = Path(directory).resolve()
         self.taken_dir = self.dir / ".taken"
         self.out_dir = self.dir / names.SPOOL_OUT_DIR
@@ -85,13 +145,15 @@ class Spool:
         for stale in self.taken_dir.iterdir():  # taken by a process that died before publishing
             _remove(stale)
         self.sweep_lent(0)
+        self.follow = bool(follow and follow(self.taken_dir))
 
     def info(self) -> dict:
-        return {"dir": str(self.dir), "id": self.id}
+        return {"dir": str(self.dir), "id": self.id, "follow": self.follow}
 
-    def take(self, name: str, spool_id: str, size: int) -> Taken:
+    def take(self, name: str, spool_id: str, size: int, growing: bool = False) -> Taken:
         """Move the client's file out of its reach and check it; the caller owns the result
-        and must close() it."""
+        and must close() it. `growing`: its writer is still writing it (Followed), so it
+        may hold fewer bytes than `size` yet, never more."""
         if spool_id != self.id:
             raise SpoolNotShared("spool: the header names another spool (another host or data directory); "
                                      "stream the shard instead")
@@ -121,7 +183,7 @@ class Spool:
         except BaseException:
             _remove(taken)
             raise
-        if st2.st_size != size:
+        if st2.st_size > size or (st2.st_size != size and not growing):
             Taken(taken, fd, st2.st_size).close()
             raise InvalidArgument(f"spool_file {name} holds {st2.st_size} bytes, the header declares {size}")
         return Taken(taken, fd, size)

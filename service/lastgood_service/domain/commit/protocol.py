@@ -23,7 +23,7 @@ import math
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sqlalchemy import or_, select, update
 from sqlalchemy.exc import IntegrityError
@@ -40,10 +40,11 @@ from ...catalog import txtimer
 from ...catalog.models import (ABANDONED, COMMITTED, CORRUPT, DECLARED, PENDING, VERIFIED, Checkpoint, Run, Shard,
                                Vote)
 from ...blobstore import capabilities
+from ...blobstore.base import BlobWriter
 from .. import declared_ranges, fencing, keys, last_good, verification_modes
 from .. import branches  # stored branches (catalog)
-from ..errors import (Conflict, FailedPrecondition, Fenced, HashMismatch, InvalidArgument, NotFound, SpoolRefused,
-                      StoreFull, TooLarge)
+from ..errors import (Conflict, FailedPrecondition, Fenced, FollowRefused, HashMismatch, InvalidArgument, NotFound,
+                      SpoolRefused, StoreFull, TooLarge)
 from ..events import add_event
 from . import indexes
 from .core import CommitCore, key_prefix
@@ -58,6 +59,20 @@ class ShardHeader:
     file_name: str
     size: int
     xxh3_128: str
+
+
+class _HashOnly(BlobWriter):
+    """The writer of a followed file while it grows: the bytes are in the file already, and
+    which blob it becomes is known only from its hash, at the end (put_shard)."""
+
+    def write(self, data) -> None:
+        pass
+
+    def publish(self) -> None:
+        raise AssertionError("a followed file is published by the writer that adopts it")
+
+    def abort(self) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -191,16 +206,17 @@ class CommitProtocol(CommitCore):
             return ck
 
     # ---------------------------------------------------------------- put
-    def check_header(self, header: ShardHeader) -> None:
+    def check_header(self, header: ShardHeader, digest: bool = True) -> None:
         """What a file's header must be before anything is read or granted for it (every
         data path: the stream, the spool, direct uploads): the catalog open for writes, a
-        valid name, a digest, a size within the limit."""
+        valid name, a digest, a size within the limit. `digest=False`: the digest comes
+        with the last byte (a followed hand-over) and is checked then."""
         self.gate.check()
         try:
             names.check_file_name(header.file_name)
         except names.InvalidName as e:
             raise InvalidArgument(str(e)) from None
-        if not is_valid_hex(header.xxh3_128):
+        if digest and not is_valid_hex(header.xxh3_128):
             raise InvalidArgument("xxh3_128 must be 32 lowercase hex digits")
         if header.size < 0:
             raise InvalidArgument(f"size must be >= 0, got {header.size}")
@@ -209,7 +225,7 @@ class CommitProtocol(CommitCore):
 
     @txtimer.label("put")
     def put_shard(self, header: ShardHeader, chunks: Iterable[bytes], adopt=None, hashed: bool = True,
-                  declared: dict | None = None) -> PutResult:
+                  declared: dict | None = None, follow=None) -> PutResult:
         """Stream one shard file into a temporary blob, hashing as bytes arrive; publish it
         durably and record it VERIFIED only if size and hash match the client's.
 
@@ -218,18 +234,26 @@ class CommitProtocol(CommitCore):
         `hashed=False` (an adopted direct-FS file outside the `service` verification mode,
         domain/verification_modes.py): the file is published unread but for its header, and
         recorded DECLARED; the commit waits until a peer has checked it. `declared`: the
-        range digests its writer declared for such a file (domain/declared_ranges.py)."""
-        self.check_header(header)
+        range digests its writer declared for such a file (domain/declared_ranges.py).
+        `follow`: `chunks` come from a spooled file its writer is still writing
+        (domain/spool.Followed, `adopt` its Taken); the header has no hash, the writer's
+        arrives with the last byte and is checked then, and the blob's key, which derives
+        from it, is chosen then."""
+        self.check_header(header, digest=follow is None)
         with self.sessions() as s, s.begin():
+            if follow is not None and self._find_shard(s, header) is not None:  # a hash to compare with comes last
+                raise SpoolRefused(f"spool: {header.file_name} of rank {header.rank} is recorded already; "
+                                   f"stream it to compare")
             ck, present = self.admit_file(s, header, "upload")
             if present is not None:
                 return present
             if ck.lease_expires_at < self._lease() - self._lease_slack():  # fresh: a put storm writes nothing here
                 ck.lease_expires_at = self._lease()
             # The key derives from the declared hash, so an S3 multipart upload can start now;
-            # bytes that do not match it are aborted and never become visible.
+            # bytes that do not match it are aborted and never become visible. (A followed
+            # file's hash comes with its last byte: its key is chosen then, below.)
             pfx = key_prefix(s, ck)
-            key = keys.shard_key(pfx, header.rank, header.xxh3_128)
+            key = keys.shard_key(pfx, header.rank, header.xxh3_128) if follow is None else None
 
         hasher = StreamHasher()
         index_json = None
@@ -240,7 +264,10 @@ class CommitProtocol(CommitCore):
         last_renew = time.monotonic()
         if adopt is None:
             self._require_room(header.size)
-        writer = capabilities.adopt_writer(self.blobs, key, adopt) if adopt is not None else None
+        if follow is not None:
+            writer = _HashOnly()  # the file is hashed as it grows; adopted once its hash names the key
+        else:
+            writer = capabilities.adopt_writer(self.blobs, key, adopt) if adopt is not None else None
         if not hashed and writer is None:
             raise SpoolRefused("spool: this hand-over cannot be renamed into the store; stream the shard")
         if not hashed:  # verification_modes.py: a peer checks the bytes; only the header is read here
@@ -278,6 +305,15 @@ class CommitProtocol(CommitCore):
                                                         declared)
                 segments = self._segments(index_json, prefix)
             digest = hasher.hexdigest()
+            if follow is not None:  # the writer's hash, sent after its last byte; the key derives from it
+                if not is_valid_hex(follow.digest):
+                    raise InvalidArgument("xxh3_128 must be 32 lowercase hex digits")
+                header = replace(header, xxh3_128=follow.digest)
+                key = keys.shard_key(pfx, header.rank, header.xxh3_128)
+                w = capabilities.adopt_writer(self.blobs, key, adopt)  # its abort, like _HashOnly's, leaves the file
+                if w is None:  # the client hands its files over once written from then on (those are copied)
+                    raise FollowRefused("spool: a file handed over while it is written cannot be renamed into "
+                                        "this store; stream the shard")
             if digest != header.xxh3_128:
                 self._record_mismatch(header, digest)
                 raise HashMismatch(f"xxh3-128 of the received bytes is {digest}, the client declared "

@@ -1,0 +1,238 @@
+"""The followed hand-over (ShardHeader.follow): the service takes a spool file while its
+writer is still writing it and hashes each range the writer reports written. The file is
+adopted as the blob only when the service's hash of every byte equals the writer's hash
+in the last message. Every lie about progress, size or hash is refused and changes
+nothing. A store that cannot adopt the spool's files offers no following; the client
+then hands its files over once they are written."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from lastgood import errors
+from lastgood.hashing import hash_bytes
+from lastgood.transport import Transport
+from lastgood.v1 import lastgood_pb2 as pb
+
+from .helpers import Client, assert_unchanged, make_shard, rpc_error, shard_blob, shard_name, snapshot
+
+SC = grpc.StatusCode
+
+
+def spool_of(svc) -> tuple[Path, str, bool]:
+    info = svc.get("/api/v1/info").json()["spool"]
+    return Path(info["dir"]), info["id"], info["follow"]
+
+
+def spool_files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
+
+
+def progress(written: int, digest: str = "") -> pb.PutShardRequest:
+    return pb.PutShardRequest(progress=pb.SpoolProgress(written=written, xxh3_128=digest))
+
+
+def followed_put(cl, cid: int, name: str, spool_id: str, size: int, messages, *, file_name: str | None = None,
+                 spool_file: str | None = None):
+    """A followed PutShard by hand: the header, then `messages` as given (the file's bytes
+    are in the spool already, or written by the caller's messages generator)."""
+    header = pb.ShardHeader(checkpoint_id=cid, rank=0, file_name=file_name or shard_name(0), size=size,
+                            spool_file=name if spool_file is None else spool_file, spool_id=spool_id, follow=True)
+    return cl.stub.PutShard(iter([pb.PutShardRequest(header=header), *messages]), timeout=30)
+
+
+def test_a_followed_file_is_hashed_as_it_grows_and_becomes_the_blob(svc, run_name, spool_inodes):
+    spool, _sid, follow = spool_of(svc)
+    assert follow, "a local store on the spool's file system adopts followed files"
+    data = os.urandom(3 * (8 << 20) + 12345)  # several 8 MiB pieces and a short one: several reports
+    t = Transport(svc.url)
+    try:
+        cid = t.begin(run_name, 1, 1, None, "a1", 0).checkpoint_id
+        assert t.put_followed(cid, 0, "part.bin", data) == hash_bytes(data)
+        assert t.commit_rank(cid, 0, ["part.bin"], wait=2).status == "COMMITTED"
+    finally:
+        t.close()
+    blob = shard_blob(svc, cid, 0)
+    assert blob.read_bytes() == data
+    assert spool_inodes == {blob.stat().st_ino}  # the very file the client wrote: adopted, not copied
+    assert spool_files(spool) == [] and list((spool / ".taken").iterdir()) == []
+
+
+def test_followed_hand_overs_that_lie_change_nothing(svc, run_name):
+    """Every way a follower's reports can disagree with the file, or with themselves, is
+    refused before anything is recorded, and the taken file is removed. Control: the
+    same file with honest reports is accepted."""
+    spool, sid, _ = spool_of(svc)
+    cl = Client(svc.grpc_target)
+    cid = cl.begin(run_name).checkpoint_id
+    data = make_shard(0, seed=21)
+    n, half, good = len(data), len(data) // 2, hash_bytes(data)
+    before = snapshot(svc, run_name)
+    cases = [  # (what, status, bytes in the file, declared size, messages after the header)
+        ("another file's hash", SC.DATA_LOSS, data, n, [progress(half), progress(n, hash_bytes(b"x"))]),
+        ("written goes back", SC.INVALID_ARGUMENT, data, n, [progress(half), progress(half - 1), progress(n, good)]),
+        ("written beyond the size", SC.INVALID_ARGUMENT, data, n, [progress(n + 1, good)]),
+        ("more reported than written", SC.INVALID_ARGUMENT, data[:half], n, [progress(n, good)]),
+        ("no last message", SC.INVALID_ARGUMENT, data, n, [progress(half), progress(n)]),
+        ("last message short", SC.INVALID_ARGUMENT, data, n, [progress(half, good)]),
+        ("a message after the last", SC.INVALID_ARGUMENT, data, n, [progress(n, good), progress(n)]),
+        ("a chunk", SC.INVALID_ARGUMENT, data, n, [progress(half), pb.PutShardRequest(chunk=data[half:])]),
+        ("longer than declared", SC.INVALID_ARGUMENT, data + b"x", n, [progress(n, good)]),
+        ("not a hash", SC.INVALID_ARGUMENT, data, n, [progress(n, "Z" * 32)]),
+    ]
+    for i, (what, status, content, size, messages) in enumerate(cases):
+        name = f"{i:x}" * 32 + ".part"
+        (spool / name).write_bytes(content)
+        err = rpc_error(status, followed_put, cl, cid, name, sid, size, messages)
+        assert spool_files(spool) == [] and list((spool / ".taken").iterdir()) == [], what
+        assert len(err.details()) < 1100, what
+    # a follow that names no spooled file, and one that names another spool: refused, nothing taken
+    rpc_error(SC.INVALID_ARGUMENT, followed_put, cl, cid, "", sid, n, [progress(n, good)], spool_file="")
+    (spool / ("e" * 32 + ".part")).write_bytes(data)
+    err = rpc_error(SC.FAILED_PRECONDITION, followed_put, cl, cid, "e" * 32 + ".part", "f" * 32, n, [])
+    assert err.details().startswith("spool:") and spool_files(spool) == ["e" * 32 + ".part"]
+    (spool / ("e" * 32 + ".part")).unlink()
+    assert_unchanged(before, snapshot(svc, run_name))
+
+    # control: the same bytes, reported honestly
+    (spool / ("f" * 32 + ".part")).write_bytes(data)
+    res = followed_put(cl, cid, "f" * 32 + ".part", sid, n, [progress(half), progress(n, good)])
+    assert (res.size, res.xxh3_128, res.already_present) == (n, good, False)
+    # the same file again, followed: recorded already, so the client is told to stream it (and compare)
+    (spool / ("a" * 32 + ".part")).write_bytes(data)
+    err = rpc_error(SC.FAILED_PRECONDITION, followed_put, cl, cid, "a" * 32 + ".part", sid, n, [progress(n, good)])
+    assert errors.from_grpc("PutShard", err.code().name, err.details(), err.trailing_metadata()).reason == \
+        "spool_refused"
+    assert spool_files(spool) == [] and list((spool / ".taken").iterdir()) == []
+    cl.close()
+
+
+def test_a_file_written_while_it_is_followed_arrives_whole(svc, run_name):
+    """The reports race the writer as they do in a real save: each range is written just
+    before it is reported, with pauses, and the service reads what is there by then."""
+    spool, sid, _ = spool_of(svc)
+    cl = Client(svc.grpc_target)
+    cid = cl.begin(run_name).checkpoint_id
+    data = os.urandom((3 << 20) + 1234)  # one GetShard chunk reads it back
+    name = "9" * 32 + ".part"
+    fd = os.open(spool / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+
+    def messages():
+        for off in range(0, len(data), 256 << 10):
+            os.write(fd, data[off:off + (256 << 10)])
+            time.sleep(0.02)
+            yield progress(min(off + (256 << 10), len(data)))
+        os.close(fd)
+        yield progress(len(data), hash_bytes(data))
+
+    header = pb.ShardHeader(checkpoint_id=cid, rank=0, file_name="part.bin", size=len(data), spool_file=name,
+                            spool_id=sid, follow=True)
+    res = cl.stub.PutShard(_chain(pb.PutShardRequest(header=header), messages()), timeout=30)
+    assert (res.size, res.xxh3_128) == (len(data), hash_bytes(data))
+    assert cl.vote(cid, 0, ["part.bin"], wait=2).status == "COMMITTED"
+    assert cl.read(cid, 0, "part.bin") == data
+    cl.close()
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest
+
+
+@pytest.mark.slow
+def test_a_followed_file_keeps_its_checkpoint_alive(make_service, run_name):
+    """A followed file that takes longer than the lease keeps the checkpoint PENDING: each
+    report renews the lease as streamed chunks do. Control: a checkpoint with no activity
+    over the same time is ABANDONED."""
+    svc = make_service(LASTGOOD_LEASE_SECONDS="2")
+    spool, sid, _ = spool_of(svc)
+    cl = Client(svc.grpc_target)
+    idle = cl.begin(run_name, step=1).checkpoint_id
+    cid = cl.begin(run_name, step=2).checkpoint_id
+    data = os.urandom(1 << 20)
+    (spool / ("5" * 32 + ".part")).write_bytes(data)
+
+    def slow():
+        for i in range(1, 9):  # 4 s in all, twice the lease
+            time.sleep(0.5)
+            yield progress(len(data) * i // 8)
+        yield progress(len(data), hash_bytes(data))
+
+    header = pb.ShardHeader(checkpoint_id=cid, rank=0, file_name="part.bin", size=len(data),
+                            spool_file="5" * 32 + ".part", spool_id=sid, follow=True)
+    assert cl.stub.PutShard(_chain(pb.PutShardRequest(header=header), slow()), timeout=30).size == len(data)
+    assert cl.vote(cid, 0, ["part.bin"], wait=2).status == "COMMITTED"
+    assert svc.get(f"/api/v1/checkpoints/{idle}").json()["status"] == "ABANDONED"  # control
+    cl.close()
+
+
+@pytest.mark.slow
+def test_a_store_that_cannot_adopt_offers_no_following_and_the_client_hands_over_whole(
+        make_service, run_name, tmp_path, caplog):
+    """A spool on another file system than the store (here tmpfs) cannot be renamed into it:
+    the service does not offer following, refuses a followed header with its own error
+    code, and a client that follows anyway hands the file over once written from then on."""
+    spool_dir = Path("/dev/shm") / f"lastgood-test-{os.getpid()}-{run_name[-6:]}"
+    svc = make_service(LASTGOOD_SPOOL_DIR=str(spool_dir))
+    try:
+        spool, sid, follow = spool_of(svc)
+        assert not follow
+        cl = Client(svc.grpc_target)
+        cid = cl.begin(run_name).checkpoint_id
+        data = make_shard(0, seed=3)
+        (spool / ("c" * 32 + ".part")).write_bytes(data)
+        err = rpc_error(SC.FAILED_PRECONDITION, followed_put, cl, cid, "c" * 32 + ".part", sid, len(data),
+                        [progress(len(data), hash_bytes(data))])
+        assert errors.from_grpc("PutShard", err.code().name, err.details(), err.trailing_metadata()).reason == \
+            "spool_follow_refused"
+        (spool / ("c" * 32 + ".part")).unlink()
+        cl.close()
+
+        t = Transport(svc.url)
+        try:
+            t.spool["follow"] = True  # as a client that missed the offer would
+            cid = t.begin(run_name, 2, 1, None, "a1", 0).checkpoint_id
+            with caplog.at_level(logging.WARNING, logger="lastgood"):
+                assert t.put_followed(cid, 0, shard_name(0), data) == hash_bytes(data)
+            assert t.spool is not None and t.spool["follow"] is False  # not asked to follow again
+            assert t.commit_rank(cid, 0, [shard_name(0)], wait=2).status == "COMMITTED"
+        finally:
+            t.close()
+        assert shard_blob(svc, cid, 0).read_bytes() == data
+        assert spool_files(spool) == []
+    finally:
+        import shutil
+
+        shutil.rmtree(spool_dir, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_files_refused_a_stream_to_follow_them_are_handed_over_whole(make_service, run_name, caplog):
+    """With one PutShard stream allowed per caller, three files followed at once find the
+    slot taken (RESOURCE_EXHAUSTED): each is written whole into the spool and handed over
+    by name, with retries, and the save commits. Control: the refusals did happen."""
+    import lastgood
+    import torch
+
+    svc = make_service(LASTGOOD_MAX_STREAMS_PER_CLIENT="1")
+    state = {f"w{i}": torch.nn.Linear(256, 256) for i in range(6)}
+    with caplog.at_level(logging.WARNING, logger="lastgood"):
+        with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
+            ckpt.config = dataclasses.replace(ckpt.config, file_bytes=64 << 10)  # four files
+            assert ckpt.transport.spool["follow"]
+            ckpt.save(1, lastgood.TrainState(**state))
+            ckpt.wait()
+            cid = ckpt.last_saved.checkpoint_id
+    assert any("while writing it failed" in r.getMessage() for r in caplog.records)  # control
+    assert svc.get(f"/api/v1/checkpoints/{cid}").json()["status"] == "COMMITTED"
+    other = {f"w{i}": torch.nn.Linear(256, 256) for i in range(6)}
+    with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
+        assert ckpt.restore(lastgood.TrainState(**other)) == 1
+    assert all(torch.equal(other[k].weight, state[k].weight) for k in state)
