@@ -218,6 +218,30 @@ def settle(limit: int = 32 * MiB, timeout: float = 120.0) -> float:
     return time.perf_counter() - t0
 
 
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def drop_clean_cache() -> bool:
+    """Free the page cache's clean pages (after settle(): every page is clean then), so that
+    each save case allocates its page cache from memory the kernel has just freed, as
+    every other case does. Why: on a VM whose balloon takes freed memory back (free page
+    reporting), a page freed a few seconds ago costs the host a fault to reuse and one
+    freed a moment ago does not; writing 2 GiB into the page cache took 0.4 s or 3.5-5.7 s
+    on this machine by that alone (bench/README.md). Root only; False when not allowed."""
+    try:
+        with open(DROP_CACHES, "w") as f:
+            f.write("1")
+        return True
+    except OSError:
+        return False
+
+
+def free_page_reporting() -> bool:
+    """Does this (virtual) machine hand freed memory back to its host (virtio-balloon free
+    page reporting)? The noise drop_clean_cache() works against."""
+    return os.path.isdir("/sys/module/page_reporting")
+
+
 def spread(xs) -> float:
     """(max - min) / median of the repetitions: 0.1 means they lie within 10% of each other."""
     m = median(xs)

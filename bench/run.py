@@ -31,8 +31,9 @@ from pathlib import Path
 
 import torch
 
-from bench.common import (GiB, MiB, ROOT, RssSampler, Service, build_state, machine, median, parse_size,
-                          proc_status, settle, size_label, spread, state_bytes, state_tensors)
+from bench.common import (GiB, MiB, ROOT, RssSampler, Service, build_state, drop_clean_cache, free_page_reporting,
+                          machine, median, parse_size, proc_status, settle, size_label, spread, state_bytes,
+                          state_tensors)
 from bench.pipe import PipeClient
 
 # What every run must produce (tests/bench checks each one is a number in the JSON).
@@ -79,6 +80,10 @@ QUIET = 0.15
 CPU_OF = ["dcp_save", "lastgood_save_sync", "lastgood_save_one_file", "lastgood_save_stream", "dcp_load",
           "lastgood_restore", "lastgood_restore_stream"]
 SETTLED: list[float] = []  # seconds each case waited for the writeback before it (settle())
+# save cases start with the clean page cache dropped (drop_clean_cache), unless --keep-cache;
+# DROPPED counts the cases that did (dropping needs root)
+FRESH_CACHE = [True]
+DROPPED: list[bool] = []
 
 # ratio -> (numerator figure, denominator figure, how): "tput" compares throughputs
 # (higher is better: denominator time / numerator time), "time" compares times
@@ -112,13 +117,17 @@ def rotate(cases: list, i: int) -> list:
     return cases[k:] + cases[:k]
 
 
-def interleaved(cases: list, reps: int):
+def interleaved(cases: list, reps: int, fresh: bool = False):
     """Run every (name, case) once per repetition, each repetition starting one case later;
-    yields (repetition, the order it ran in) after each."""
+    yields (repetition, the order it ran in) after each. `fresh`: each case starts with the
+    clean page cache dropped too (the saves: each allocates its page cache from memory just
+    freed, bench/common.drop_clean_cache); the restores read from a warm page cache."""
     for i in range(reps):
         order = rotate(cases, i)
         for _name, case in order:
             SETTLED.append(settle())  # no case inherits the dirty pages of the one before
+            if fresh and FRESH_CACHE[0]:
+                DROPPED.append(drop_clean_cache())
             case()
         yield i, order
 
@@ -355,7 +364,7 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
                  ("DCP", lambda: times["dcp_save"].append(dcp_save(model, opt, dcp_path, cpu["dcp_save"]))),
                  ("lastgood sync", lg_sync), ("lastgood one file", lg_one), ("lastgood stream", lg_stream),
                  ("lastgood async", lg_async)]
-        for i, order in interleaved(saves, reps):
+        for i, order in interleaved(saves, reps, fresh=True):
             loads.append(os.getloadavg()[0])
             log(f"  save rep {i + 1} (load {loads[-1]:.1f}) ({' > '.join(n for n, _ in order)}): raw {times['raw_write_fsync'][-1]:.2f} s, "
                 f"torch.save {times['torch_save'][-1]:.2f} s, DCP {times['dcp_save'][-1]:.2f} s, lastgood sync "
@@ -660,6 +669,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet-check", action="store_true",
                     help="first measure the disk's own variance (raw write + fsync, settled between) and say "
                          "whether the machine is quiet enough for acceptance figures")
+    ap.add_argument("--keep-cache", action="store_true",
+                    help="do not drop the clean page cache before each save case (bench/common.drop_clean_cache)")
     ap.add_argument("--only-sizes", action="store_true",
                     help="only the per-size save/restore comparisons (no 4-rank, scale or catalog parts)")
     args = ap.parse_args(argv)
@@ -667,6 +678,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
     smoke = args.smoke
+    FRESH_CACHE[0] = not (args.keep_cache or smoke)  # the smoke run (tests/bench) leaves the machine's cache alone
     sizes = [parse_size(s) for s in (args.sizes or ("4M" if smoke else "256M,1G,4G")).split(",")]
     reps_for = (lambda n: args.reps) if args.reps else (lambda n: 3 if smoke or n >= 4 * GiB else 5)
     if args.reps is not None and args.reps < 3:
@@ -687,6 +699,9 @@ def main(argv: list[str] | None = None) -> int:
                      "workdir": str(work), "sizes": []}
     log(f"lastgood benchmark: sizes {', '.join(size_label(s) for s in sizes)}; workdir {work} "
         f"({free / GiB:.0f} GiB free); load average {os.getloadavg()[0]:.2f}")
+    if FRESH_CACHE[0]:
+        log("each save case starts with the clean page cache dropped (root; --keep-cache: not)"
+            + ("; this machine hands freed memory back to its host (free page reporting)" if free_page_reporting() else ""))
     t_start = time.perf_counter()
     if args.quiet_check:
         results["quiet_check"] = quiet_check(work, min(max(sizes), GiB), 3 if smoke else 7)
@@ -726,6 +741,8 @@ def quiet_check(work: Path, nbytes: int, reps: int) -> dict:
     times = []
     for _ in range(reps):
         settle()
+        if FRESH_CACHE[0]:  # as before every save case
+            drop_clean_cache()
         times.append(raw_write(path, nbytes))
     rm(path)
     load1 = os.getloadavg()[0]
@@ -748,6 +765,8 @@ def finish(results: dict, args, work: Path, t_start: float, smoke: bool) -> int:
     results["elapsed_s"] = time.perf_counter() - t_start
     results["machine"]["loadavg_end"] = os.getloadavg()
     results["settle_s"] = {"cases": len(SETTLED), "total": sum(SETTLED), "max": max(SETTLED, default=0.0)}
+    results["page_cache"] = {"drop_before_saves": FRESH_CACHE[0], "dropped": sum(DROPPED), "of": len(DROPPED),
+                             "free_page_reporting": free_page_reporting()}
     shutil.rmtree(work, ignore_errors=True)
 
     text = table(results)
