@@ -85,18 +85,20 @@ def run_name(request) -> str:
 def spool_inodes(monkeypatch) -> set[int]:
     """The inodes of the files this process writes into a spool, written whole before the
     hand-over (Transport.spool_write) or while the service follows them (put_followed):
-    both start each piece's writeback through lastgood.durable, which is watched here (the
-    real function still runs)."""
+    both start each piece's writeback through a lastgood.durable.Writeback, whose making is
+    watched here (the real one is still made)."""
     import os
 
     from lastgood import durable
 
     seen: set[int] = set()
-    real = durable.start_writeback
 
-    def watched(fd: int, offset: int, length: int) -> None:
-        seen.add(os.fstat(fd).st_ino)
-        real(fd, offset, length)
+    class Watched(durable.Writeback):
+        __slots__ = ()
 
-    monkeypatch.setattr(durable, "start_writeback", watched)
+        def __init__(self, fd: int) -> None:
+            seen.add(os.fstat(fd).st_ino)
+            super().__init__(fd)
+
+    monkeypatch.setattr(durable, "Writeback", Watched)
     return seen

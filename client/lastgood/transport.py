@@ -158,20 +158,15 @@ class Transport(RestClient):
         path = os.path.join(spool["dir"], name)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            writeback = durable.Writeback(fd)
             try:
                 off = 0
                 while off < view.nbytes:
-                    piece = view[off:off + _SPOOL_WRITE]
-                    if hasher is not None:
-                        hasher.update(piece)
-                    start = off
-                    while piece.nbytes:
-                        n = os.write(fd, piece)
-                        piece, off = piece[n:], off + n
-                    durable.start_writeback(fd, start, off - start)  # the disk works while the next piece is written
+                    off = _write_piece(fd, view, off, hasher, writeback)
                 if fsync:
                     os.fsync(fd)
             finally:
+                writeback.close()
                 os.close(fd)
         except OSError as e:
             log.warning("lastgood: writing to %s failed (%s); streaming instead", spool["dir"], e)
@@ -240,10 +235,12 @@ class Transport(RestClient):
         follow again by this client."""
         view = memoryview(data).cast("B")
         spool, hasher, name, fd = self.spool, StreamHasher(), names.new_spool_name(), -1
+        writeback = None
         try:
             if spool is None or not spool.get("follow"):
                 raise FollowRefused("spool: this service takes spooled files once written")
             fd = os.open(os.path.join(spool["dir"], name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            writeback = durable.Writeback(fd)
             header = pb.ShardHeader(checkpoint_id=checkpoint_id, rank=rank, file_name=file_name, size=view.nbytes,
                                     spool_file=name, spool_id=spool["id"], follow=True)
             reports: queue.SimpleQueue = queue.SimpleQueue()
@@ -261,14 +258,10 @@ class Transport(RestClient):
             try:
                 off = 0
                 while off < view.nbytes and not call.done():  # done early: refused, read below
-                    piece, start = view[off:off + _SPOOL_WRITE], off
-                    hasher.update(piece)  # in the CPU's cache now, as spool_write does
-                    while piece.nbytes:
-                        n = os.write(fd, piece)
-                        piece, off = piece[n:], off + n
-                    durable.start_writeback(fd, start, off - start)
+                    off = _write_piece(fd, view, off, hasher, writeback)
                     report(off)
                 if off == view.nbytes:
+                    writeback.close()
                     os.close(fd)  # before the last report: nothing is written after it
                     fd = -1
                     report(off, hasher.hexdigest())
@@ -290,6 +283,7 @@ class Transport(RestClient):
                 self.spool = None
         finally:
             if fd >= 0:
+                writeback.close()
                 os.close(fd)
             self.spool_discard(name, spool)  # gone already when the service took it
         done = hasher.size == view.nbytes
@@ -423,6 +417,19 @@ class Transport(RestClient):
 
         self._count(0, requests=1)
         self._retrying(once, f"GetShard {checkpoint_id}/{rank}/{file_name} [{offset}, +{length})")
+
+
+def _write_piece(fd: int, view: memoryview, off: int, hasher: StreamHasher | None,
+                 writeback: durable.Writeback) -> int:
+    """Write the spool-sized piece of `view` at `off` (hashed just before, while it is in the
+    CPU's cache: one pass over the bytes), start its writeback (the disk works while the next
+    piece is written), and return where the next piece starts."""
+    piece = view[off:off + _SPOOL_WRITE]
+    if hasher is not None:
+        hasher.update(piece)
+    durable.write_all(fd, piece)
+    writeback.start(off, piece.nbytes)
+    return off + piece.nbytes
 
 
 def _open_lent(spool_dir: str, name: str) -> int:

@@ -1,9 +1,11 @@
-"""lastgood.durable.start_writeback: a file written through it does not sit dirty in the page
-cache until its fsync, and where the call cannot work it does nothing."""
+"""lastgood.durable.Writeback: a file written through it does not sit dirty in the page cache
+until its fsync, where the call cannot work it does nothing, and a closed one never touches
+its descriptor again."""
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import pytest
@@ -34,12 +36,14 @@ def on_tmpfs(path) -> bool:
 def write(path, early: bool, size: int = 256 * MiB) -> int:
     block = os.urandom(8 * MiB)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    writeback = durable.Writeback(fd)
     try:
         for off in range(0, size, len(block)):
             os.write(fd, block)
             if early:
-                durable.start_writeback(fd, off, len(block))
+                writeback.start(off, len(block))
     finally:
+        writeback.close()
         os.close(fd)
     return dirty_bytes()
 
@@ -68,17 +72,60 @@ def test_where_writeback_cannot_be_started_nothing_happens(tmp_path):
     r, w = os.pipe()
     try:
         os.write(w, b"x")
-        durable.start_writeback(w, 0, 1)  # a pipe: ESPIPE
+        pipe = durable.Writeback(w)
+        pipe.start(0, 1)  # a pipe: ESPIPE, on the thread
+        pipe.close()
     finally:
         os.close(r)
         os.close(w)
-    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o644)
-    os.close(fd)
-    durable.start_writeback(fd, 0, 4096)  # closed: EBADF
     with open(tmp_path / "g", "wb") as f:
         f.write(b"y" * 10)
         f.flush()
-        durable.start_writeback(f.fileno(), 0, 0)  # nothing to write
-        durable.start_writeback(f.fileno(), 0, 10)
+        writeback = durable.Writeback(f.fileno())
+        writeback.start(0, 0)  # nothing to write
+        writeback.start(0, 10)
+        writeback.close()
         os.fsync(f.fileno())
     assert (tmp_path / "g").read_bytes() == b"y" * 10
+
+
+def test_a_closed_writeback_never_touches_its_descriptor_again(tmp_path, monkeypatch):
+    """The writer closes its descriptor right after close(): a range still queued must not
+    reach sync_file_range under a number the process may have given to another file."""
+    calls, release, closed = [], threading.Event(), [False]
+
+    def slow_sfr(fd, offset, length, flags):  # the first call waits, as one on a full device queue does
+        calls.append((fd, offset, closed[0]))
+        if offset == 0:
+            release.wait(5)
+        return 0
+
+    monkeypatch.setattr(durable, "_sfr", slow_sfr)
+    fd = os.open(tmp_path / "h", os.O_WRONLY | os.O_CREAT, 0o644)
+    writeback = durable.Writeback(fd)
+    writeback.start(0, 4096)
+    for _ in range(500):  # the thread has taken the first range and is inside the call
+        if calls:
+            break
+        time.sleep(0.01)
+    for off in range(4096, 40 * 4096, 4096):
+        writeback.start(off, 4096)  # queued behind it
+    closing = threading.Thread(target=writeback.close)
+    closing.start()
+    time.sleep(0.1)
+    assert closing.is_alive()  # close() waits for the call in flight ...
+    release.set()
+    closing.join(5)
+    closed[0] = True
+    os.close(fd)
+    marker_fd = os.open(tmp_path / "h", os.O_RDONLY)  # a range queued behind the others: all are done then
+    marker = durable.Writeback(marker_fd)
+    marker.start(1, 1)
+    for _ in range(500):
+        if any(c[:2] == (marker_fd, 1) for c in calls):
+            break
+        time.sleep(0.01)
+    marker.close()
+    os.close(marker_fd)
+    assert calls[0] == (fd, 0, False)
+    assert not [c for c in calls if c[2] and c[1] != 1]  # ... and nothing of the closed one ran after it

@@ -45,20 +45,19 @@ class _LocalWriter(BlobWriter):
         self._dest = store._path(key)
         self._tmp = store.tmp_dir / f"{uuid.uuid4().hex}.part"
         self._f = open(self._tmp, "wb", buffering=0)
+        self._writeback = durable.Writeback(self._f.fileno())
         self._done = False
         self._written = 0
 
     def write(self, data) -> None:
-        mv = memoryview(data)
         start = self._written
-        while mv.nbytes:
-            n = self._f.write(mv)
-            mv, self._written = mv[n:], self._written + n
+        self._written += durable.write_all(self._f.fileno(), data)  # in pieces the page cache takes fast
         # the disk works while the next chunk arrives: publish's fsync finds little left to do
-        durable.start_writeback(self._f.fileno(), start, self._written - start)
+        self._writeback.start(start, self._written - start)
 
     def publish(self) -> None:
         _publish(self._store, self._f.fileno(), self._tmp, self._dest)
+        self._writeback.close()
         self._f.close()
         self._done = True
 
@@ -67,6 +66,7 @@ class _LocalWriter(BlobWriter):
             return
         self._done = True
         try:
+            self._writeback.close()
             self._f.close()
         finally:
             self._tmp.unlink(missing_ok=True)
