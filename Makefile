@@ -57,9 +57,9 @@ bench: $(DEV_STAMP)
 	$(BIN)/python -m bench.run
 
 # the save-speed acceptance run (docs/performance.md): the disk's own variance first, then
-# lastgood vs DCP save, restore and stall at 1 GiB and 4 GiB, 5 interleaved reps; run it on an idle machine
+# lastgood vs DCP save, restore and stall at 1 GiB and 4 GiB, 7 interleaved reps; run it on an idle machine
 bench-save: $(DEV_STAMP)
-	$(BIN)/python -m bench.run --quiet-check --only-sizes --sizes 1G,4G --reps 5
+	$(BIN)/python -m bench.run --quiet-check --only-sizes --sizes 1G,4G --reps 7
 
 # not CI: 30 minutes of writers, scheduled GC and page polling; drift per 5-minute window (bench/README.md)
 soak: $(DEV_STAMP)

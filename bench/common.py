@@ -246,3 +246,15 @@ def spread(xs) -> float:
     """(max - min) / median of the repetitions: 0.1 means they lie within 10% of each other."""
     m = median(xs)
     return (max(xs) - min(xs)) / m if xs and m else 0.0
+
+
+def iqr_spread(xs) -> float:
+    """(third quartile - first quartile) / median: how far the middle half of the
+    repetitions lies apart, which one rep the machine spoiled does not move (spread() does)."""
+    import statistics
+
+    if len(xs) < 3:
+        return spread(xs)
+    q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
+    m = median(xs)
+    return (q3 - q1) / m if m else 0.0

@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 
 from bench.common import (GiB, MiB, ROOT, RssSampler, Service, build_state, drop_clean_cache, free_page_reporting,
-                          machine, median, parse_size, proc_status, settle, size_label, spread, state_bytes,
-                          state_tensors)
+                          iqr_spread, machine, median, parse_size, proc_status, settle, size_label, spread,
+                          state_bytes, state_tensors)
 from bench.pipe import PipeClient
+from lastgood import durable
 
 # What every run must produce (tests/bench checks each one is a number in the JSON).
 PER_SIZE = ["copy_floor", "raw_write_fsync", "torch_save", "dcp_save", "lastgood_save_sync",
@@ -44,8 +45,10 @@ RATIOS = ["save_vs_dcp", "save_one_file_vs_dcp", "save_stream_vs_dcp", "save_vs_
           "block_vs_copy", "restore_vs_grpc", "restore_stream_vs_grpc", "restore_vs_torch_load", "restore_vs_dcp_load"]
 
 TARGETS = [  # (name, figure path, comparison, bound, what)
-    ("save throughput vs DCP (same host: spool)", "save_vs_dcp", ">=", 1.0,
-     "lastgood sync save (fsync + end-to-end xxh3) / DCP save; the files handed over through the spool"),
+    ("save throughput vs DCP (same host: spool, one file a rank: the default)", "save_one_file_vs_dcp", ">=", 1.0,
+     "lastgood sync save (fsync + end-to-end xxh3) / DCP save; the file handed over through the spool"),
+    ("save throughput vs DCP (same host: spool, split into files of 256 MiB+)", "save_vs_dcp", ">=", 1.0,
+     "the same with LASTGOOD_FILE_BYTES=256M: up to 4 files a rank, written and handed over at once"),
     ("save throughput vs DCP (streamed over gRPC)", "save_stream_vs_dcp", ">=", 0.9,
      "the same, with the shard streamed (LASTGOOD_SPOOL=0), as from another host"),
     ("save() blocks the trainer", "block_vs_copy", "<=", 1.5, "async save() time / plain CPU copy"),
@@ -68,8 +71,11 @@ TARGETS = [  # (name, figure path, comparison, bound, what)
 ]
 
 
-# A figure whose repetitions spread wider than this ((max - min) / median) cannot carry a
-# verdict: the targets it feeds read "too noisy to judge" instead of met / missed.
+# A figure whose repetitions spread wider than this cannot carry a verdict: the targets it
+# feeds read "too noisy to judge" instead of met / missed. The spread judged is the middle
+# half's ((q3 - q1) / median, iqr_spread): on this VM one rep in four or five can take 2-3x
+# as long for reasons of the machine (bench/README.md), and (max - min) / median, which one
+# such rep decides, is still reported for every figure.
 NOISE = 0.25
 # the split case's file size (the client's default is one file per rank: docs/performance.md)
 SPLIT_FILE_BYTES = 256 << 20
@@ -209,8 +215,8 @@ def raw_write(path: Path, nbytes: int) -> float:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         left = nbytes
-        while left > 0:
-            left -= os.write(fd, _RAW_BLOCK[: min(left, len(_RAW_BLOCK))])
+        while left > 0:  # in the page cache's fast pieces (lastgood.durable.write_all), as lastgood writes
+            left -= durable.write_all(fd, _RAW_BLOCK[: min(left, len(_RAW_BLOCK))])
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -422,13 +428,14 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
     med = {k: median(v) for k, v in times.items()}
     gib = nbytes / GiB
     figures = {k: {"seconds": times[k], "median_s": med[k], "gib_per_s": gib / med[k] if med[k] else None,
-                   "min_s": min(times[k]), "max_s": max(times[k]), "spread": spread(times[k])}
+                   "min_s": min(times[k]), "max_s": max(times[k]), "spread": spread(times[k]),
+                   "iqr_spread": iqr_spread(times[k])}
                for k in PER_SIZE}
     ratios = {k: ratio(med[a], med[b], how) for k, (a, b, how) in RATIO_OF.items()}
     # the same ratio rep by rep (the cases of one rep ran back to back), and whether either
     # figure spread too wide for the median ratio to mean anything
     ratio_reps = {k: [ratio(x, y, how) for x, y in zip(times[a], times[b])] for k, (a, b, how) in RATIO_OF.items()}
-    noisy = {k: max(figures[a]["spread"], figures[b]["spread"]) > NOISE for k, (a, b, _) in RATIO_OF.items()}
+    noisy = {k: max(figures[a]["iqr_spread"], figures[b]["iqr_spread"]) > NOISE for k, (a, b, _) in RATIO_OF.items()}
     del model, opt, state, tensors
     gc.collect()
     cpu_per_gib = {k: {"seconds": v, "median_s_per_gib": median(v) / gib} for k, v in cpu.items() if v}
@@ -539,14 +546,20 @@ def evaluate(results: dict, rss_label: str) -> list[dict]:
             values = [(b["label"], b["ratios"][path]) for b in results["sizes"]]
         for size, v in values:
             block = next((b for b in results["sizes"] if b["label"] == size), None)
-            noisy = bool(block and block.get("noisy", {}).get(path))
             met = v >= bound if op == ">=" else v <= bound
+            # too noisy: a figure's middle half spread too wide, unless every rep's own ratio
+            # falls on the same side of the bound as the median's (then the spread cannot
+            # change the verdict: 7 reps of 7 on one side happen by chance 1 time in 64)
+            reps = block.get("ratio_reps", {}).get(path, []) if block else []
+            agree = len(reps) >= 5 and all((r >= bound if op == ">=" else r <= bound) == met for r in reps)
+            noisy = bool(block and block.get("noisy", {}).get(path)) and not agree
             # how far off: as a fraction of the bound, in the direction that matters
             miss = 0.0 if met else ((bound - v) / bound if op == ">=" else (v - bound) / bound)
             label = name.format(ranks=results.get("scale", {}).get("ranks"),
                                 checkpoints=results.get("catalog", {}).get("checkpoints", 0))
             out.append({"target": label, "size": size, "figure": path, "value": v, "op": op, "bound": bound,
-                        "met": None if noisy else met, "noisy": noisy, "missed_by": miss, "what": what,
+                        "met": None if noisy else met, "noisy": noisy, "every_rep_agrees": agree,
+                        "missed_by": miss, "what": what,
                         "headline": size in (None, biggest["label"])})
     return out
 
@@ -577,14 +590,15 @@ def table(results: dict) -> str:
         cells = []
         for b in sizes:
             f = b["figures"][k]
-            cells.append(f"{fmt_s(f['median_s'])} ±{f['spread'] * 50:.0f}% · {f['gib_per_s']:.2f} GiB/s")
+            cells.append(f"{fmt_s(f['median_s'])} ±{f['spread'] * 50:.0f}% (middle half ±{f.get('iqr_spread', 0) * 50:.0f}%)"
+                         f" · {f['gib_per_s']:.2f} GiB/s")
         lines.append(f"| {names[k]} | " + " | ".join(cells) + " |")
     lines.append("| service peak RSS while ingesting a stream (baseline) | " + " | ".join(
         f"{b['service_rss']['peak_mib']:.0f} MiB ({b['service_rss']['baseline_mib']:.0f})" for b in sizes) + " |")
     lines.append("| service peak RSS while adopting a spooled shard | " + " | ".join(
         f"{b['service_rss']['spool_peak_mib']:.0f} MiB" for b in sizes) + " |")
-    ratio_names = {"save_vs_dcp": "save: lastgood / DCP (target ≥ 1.0)",
-                   "save_one_file_vs_dcp": "save, one file per rank: lastgood / DCP",
+    ratio_names = {"save_vs_dcp": "save, split into files: lastgood / DCP (target ≥ 1.0)",
+                   "save_one_file_vs_dcp": "save, one file per rank (the default): lastgood / DCP (target ≥ 1.0)",
                    "save_stream_vs_dcp": "save streamed: lastgood / DCP (target ≥ 0.9)",
                    "stream_vs_grpc_upload": "save streamed: lastgood / bare gRPC upload",
                    "save_vs_torch_save": "save: lastgood / torch.save",
@@ -600,7 +614,7 @@ def table(results: dict) -> str:
     for k in RATIOS:
         lines.append(f"| *{ratio_names[k]}* | " + " | ".join(
             f"{b['ratios'][k]:.2f}× ({min(b['ratio_reps'][k]):.2f}–{max(b['ratio_reps'][k]):.2f})"
-            + (" noisy" if b["noisy"][k] else "") for b in sizes) + " |")
+            + (" too noisy" if b["noisy"][k] else "") for b in sizes) + " |")
     if "scale" not in results:  # --only-sizes
         return "\n".join(lines + targets_table(results))
     sc, cat = results["scale"], results["catalog"]
@@ -632,13 +646,16 @@ def table(results: dict) -> str:
 
 def targets_table(results: dict) -> list[str]:
     lines = ["", "| target | value | met |", "|---|---|---|"]
+    every_size = "four_ranks" not in results  # --only-sizes: a verdict at each size
     for t in results["targets"]:
-        if not t["headline"]:
+        if not (t["headline"] or every_size):
             continue
         v = t["value"]
         val = f"{v:.2f}" if abs(v) < 100 else f"{v:.0f}"
         miss = ("too noisy to judge" if t.get("noisy") else "yes" if t["met"]
                 else f"**no** (off by {t['missed_by'] * 100:.0f}%)")
+        if not t.get("noisy") and t.get("every_rep_agrees"):
+            miss += " (every rep)"
         lines.append(f"| {t['target']}{' at ' + t['size'] if t['size'] else ''}: {t['op']} {t['bound']} | {val} | {miss} |")
     return lines
 
