@@ -45,3 +45,23 @@ def test_the_spikeguard_example_runs_as_shown_and_rolls_back(service, tmp_path):
     assert rollback["data"]["target_step"] == 10 and 194 in rollback["data"]["skipped"]["samples"]
     last_good = service.get("/api/v1/runs/spike-demo/last-good").json()
     assert last_good["step"] == 140  # the run went on after the rollback, to the end
+
+
+@pytest.mark.slow  # two Python processes with torch: ~8 s of CPU
+def test_the_spikeguard_example_trains_the_same_model_every_time(service, tmp_path):
+    """The example's outcome ("rollbacks: 1") holds only if its run is the same every time:
+    two runs of it (as printed, under two run names) end with bit-identical weights."""
+    block = marked_blocks("docs/training.md")[0]
+    assert 'run="spike-demo"' in block
+    weights = []
+    for i in range(2):
+        script = tmp_path / f"spike_example_{i}.py"
+        script.write_text(block.replace('run="spike-demo"', f'run="spike-repeat-{os.getpid()}-{i}"')
+                          + "\nprint('weights', model.weight.flatten().tolist(), model.bias.tolist())\n")
+        env = {**os.environ, "LASTGOOD_URL": service.url, "OMP_NUM_THREADS": "1"}
+        env.pop("LASTGOOD_RUN", None)
+        res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                             cwd=tmp_path, timeout=240)
+        assert res.returncode == 0, res.stdout + res.stderr
+        weights.append(next(line for line in res.stdout.splitlines() if line.startswith("weights ")))
+    assert weights[0] == weights[1]
