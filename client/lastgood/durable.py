@@ -111,7 +111,10 @@ def _writeback_queue() -> "queue.SimpleQueue":
 def _writeback(q: "queue.SimpleQueue") -> None:
     while True:
         writer, offset, length = q.get()
-        writer._run(offset, length)
+        try:
+            writer._run(offset, length)
+        except Exception:  # noqa: BLE001 - never needed for correctness; the thread must outlive any one call
+            pass
 
 
 def _forked() -> None:  # the thread does not exist in a forked child: it starts its own when asked

@@ -26,7 +26,8 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 import grpc  # noqa: E402
 
 from . import directs3, durable, errors, names, wire
-from .errors import CorruptCheckpoint, FollowRefused, GaveUp, ServiceError, ServiceUnreachable, SpoolNotShared
+from .errors import (CorruptCheckpoint, FollowRefused, GaveUp, ServiceError, ServiceUnreachable, SpoolNotShared,
+                     SpoolRefused)
 from .hashing import StreamHasher, hash_bytes
 from .rest import HttpError, RestClient
 from .retry import RetryPolicy
@@ -228,14 +229,24 @@ class Transport(RestClient):
         the last report carries the hash. The service has then hashed nearly every byte
         already, and the disk has written most of them. Returns the file's xxh3-128.
 
-        Whatever goes wrong on the way, the file is handed over as put_shard does (written
-        whole into the spool, then named; streamed when that fails too), with put_shard's
-        retries: this one call is not retried, its file is the service's once taken. A
-        service whose store cannot adopt followed files (FollowRefused) is not asked to
-        follow again by this client."""
+        This one call is not retried: its file is the service's once taken. When the spool
+        declines it (SpoolRefused), the service is away or busy, or writing fails, the bytes
+        are streamed with put_shard's retries (a stream renews the checkpoint's lease as it
+        goes; a whole file written into the spool after begin would not). A refusal of the
+        file or of the checkpoint itself (fenced, not pending, store full, another hash) is
+        raised as it is: the same bytes sent again would change nothing. A service whose
+        store cannot adopt followed files (FollowRefused) is not asked to follow again."""
         view = memoryview(data).cast("B")
-        spool, hasher, name, fd = self.spool, StreamHasher(), names.new_spool_name(), -1
-        writeback = None
+        spool, hasher, name = self.spool, StreamHasher(), names.new_spool_name()
+        fd, writeback = -1, None
+
+        def close_file() -> None:
+            nonlocal fd
+            closing, fd = fd, -1  # never closed twice, even when close() fails
+            if closing >= 0:
+                writeback.close()
+                os.close(closing)
+
         try:
             if spool is None or not spool.get("follow"):
                 raise FollowRefused("spool: this service takes spooled files once written")
@@ -261,37 +272,32 @@ class Transport(RestClient):
                     off = _write_piece(fd, view, off, hasher, writeback)
                     report(off)
                 if off == view.nbytes:
-                    writeback.close()
-                    os.close(fd)  # before the last report: nothing is written after it
-                    fd = -1
+                    close_file()  # before the last report: nothing is written after it
                     report(off, hasher.hexdigest())
             finally:
                 reports.put(None)  # the stream ends here; without the last report the service refuses it
             try:
-                call.result()
+                res = call.result()
             except grpc.RpcError as e:
                 raise _service_error(e, "PutShard") from None
+            if (res.size, res.xxh3_128) != (view.nbytes, hasher.hexdigest()):
+                raise ServiceError(f"PutShard of {file_name}: the service recorded {res.size} bytes with xxh3 "
+                                   f"{res.xxh3_128} for a file of {view.nbytes} with {hasher.hexdigest()}")
             return hasher.hexdigest()
-        except GaveUp:
-            raise
         except (ServiceError, OSError) as e:
+            if isinstance(e, ServiceError) and not (isinstance(e, SpoolRefused) or e.retryable):
+                raise
             if isinstance(e, FollowRefused) and spool is not None:
                 spool["follow"] = False
             elif spool is not None:
-                log.warning("lastgood: handing %s over while writing it failed (%s); handing it over whole", file_name, e)
+                log.warning("lastgood: handing %s over while writing it failed (%s); streaming it", file_name, e)
             if isinstance(e, SpoolNotShared) and spool is self.spool:
                 self.spool = None
         finally:
-            if fd >= 0:
-                writeback.close()
-                os.close(fd)
+            close_file()
             self.spool_discard(name, spool)  # gone already when the service took it
-        done = hasher.size == view.nbytes
-        again = StreamHasher() if not done else None
-        spooled = self.spool_write(view, again)
-        digest = hasher.hexdigest() if done else (again.hexdigest() if spooled and again.size == view.nbytes
-                                                  else hash_bytes(view))
-        self.put_shard(checkpoint_id, rank, file_name, view, digest, spooled=spooled)
+        digest = hasher.hexdigest() if hasher.size == view.nbytes else hash_bytes(view)
+        self.put_shard(checkpoint_id, rank, file_name, view, digest)  # a no-op when the first try had landed
         return digest
 
     def _put(self, messages) -> pb.PutShardResponse:

@@ -3,7 +3,8 @@ writer is still writing it and hashes each range the writer reports written. The
 adopted as the blob only when the service's hash of every byte equals the writer's hash
 in the last message. Every lie about progress, size or hash is refused and changes
 nothing. A store that cannot adopt the spool's files offers no following; the client
-then hands its files over once they are written."""
+then hands its files over once they are written. A file the spool declines is streamed; a
+refusal of the file or of its checkpoint is raised at once."""
 
 from __future__ import annotations
 
@@ -174,11 +175,12 @@ def test_a_followed_file_keeps_its_checkpoint_alive(make_service, run_name):
 
 
 @pytest.mark.slow
-def test_a_store_that_cannot_adopt_offers_no_following_and_the_client_hands_over_whole(
-        make_service, run_name, tmp_path, caplog):
+def test_a_store_that_cannot_adopt_offers_no_following_and_the_client_stops_following(
+        make_service, run_name, tmp_path):
     """A spool on another file system than the store (here tmpfs) cannot be renamed into it:
     the service does not offer following, refuses a followed header with its own error
-    code, and a client that follows anyway hands the file over once written from then on."""
+    code, and a client that follows anyway streams that file and hands its files over once
+    written from then on."""
     spool_dir = Path("/dev/shm") / f"lastgood-test-{os.getpid()}-{run_name[-6:]}"
     svc = make_service(LASTGOOD_SPOOL_DIR=str(spool_dir))
     try:
@@ -199,8 +201,7 @@ def test_a_store_that_cannot_adopt_offers_no_following_and_the_client_hands_over
         try:
             t.spool["follow"] = True  # as a client that missed the offer would
             cid = t.begin(run_name, 2, 1, None, "a1", 0).checkpoint_id
-            with caplog.at_level(logging.WARNING, logger="lastgood"):
-                assert t.put_followed(cid, 0, shard_name(0), data) == hash_bytes(data)
+            assert t.put_followed(cid, 0, shard_name(0), data) == hash_bytes(data)
             assert t.spool is not None and t.spool["follow"] is False  # not asked to follow again
             assert t.commit_rank(cid, 0, [shard_name(0)], wait=2).status == "COMMITTED"
         finally:
@@ -214,10 +215,10 @@ def test_a_store_that_cannot_adopt_offers_no_following_and_the_client_hands_over
 
 
 @pytest.mark.slow
-def test_files_refused_a_stream_to_follow_them_are_handed_over_whole(make_service, run_name, caplog):
-    """With one PutShard stream allowed per caller, three files followed at once find the
-    slot taken (RESOURCE_EXHAUSTED): each is written whole into the spool and handed over
-    by name, with retries, and the save commits. Control: the refusals did happen."""
+def test_files_refused_a_stream_to_follow_them_are_streamed(make_service, run_name, caplog):
+    """With one PutShard stream allowed per caller, four files followed at once find the
+    slot taken (RESOURCE_EXHAUSTED): each is streamed, with retries, and the save commits.
+    Control: the refusals did happen."""
     import lastgood
     import torch
 
@@ -236,3 +237,78 @@ def test_files_refused_a_stream_to_follow_them_are_handed_over_whole(make_servic
     with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
         assert ckpt.restore(lastgood.TrainState(**other)) == 1
     assert all(torch.equal(other[k].weight, state[k].weight) for k in state)
+
+
+def test_a_followed_file_the_store_has_no_room_for_is_refused_before_a_byte_is_read(make_service, run_name):
+    """Its bytes are still to be written on the store's disk, so the room check applies as
+    for a stream, even when the begin that made the checkpoint declared nothing. Control:
+    the same hand-over on a service with the usual reserve is accepted."""
+    full = make_service(LASTGOOD_STORE_RESERVE_BYTES=str(1 << 60))  # no disk has that much left
+    for svc, refused in ((full, True), (make_service(), False)):
+        spool, sid, _ = spool_of(svc)
+        cl = Client(svc.grpc_target)
+        cid = cl.begin(run_name).checkpoint_id  # expected_bytes 0: begin checked nothing
+        data = make_shard(0, seed=5)
+        (spool / ("d" * 32 + ".part")).write_bytes(data)
+        put = (followed_put, cl, cid, "d" * 32 + ".part", sid, len(data), [progress(len(data), hash_bytes(data))])
+        if refused:
+            err = rpc_error(SC.RESOURCE_EXHAUSTED, *put)
+            assert "store full" in err.details()
+            assert spool_files(spool) == [] and list((spool / ".taken").iterdir()) == []
+        else:
+            assert put[0](*put[1:]).size == len(data)
+        cl.close()
+
+
+def test_a_file_that_grows_past_its_last_report_is_refused(svc, run_name):
+    """The writer reports the whole file, then writes more: the file is not what was
+    reported, and nothing is recorded."""
+    spool, sid, _ = spool_of(svc)
+    cl = Client(svc.grpc_target)
+    cid = cl.begin(run_name).checkpoint_id
+    data = make_shard(0, seed=6)
+    path = spool / ("7" * 32 + ".part")
+    path.write_bytes(data)
+    before = snapshot(svc, run_name)
+
+    header = pb.ShardHeader(checkpoint_id=cid, rank=0, file_name=shard_name(0), size=len(data),
+                            spool_file=path.name, spool_id=sid, follow=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)  # opened before the take, as a writer's is: it follows the rename
+    try:
+        def grow():
+            yield progress(len(data) // 2)
+            os.write(fd, b"more")
+            yield progress(len(data), hash_bytes(data))
+
+        err = rpc_error(SC.INVALID_ARGUMENT, lambda: cl.stub.PutShard(
+            _chain(pb.PutShardRequest(header=header), grow()), timeout=30))
+        assert "holds" in err.details(), err.details()
+    finally:
+        os.close(fd)
+    assert_unchanged(before, snapshot(svc, run_name))
+    assert spool_files(spool) == [] and list((spool / ".taken").iterdir()) == []
+    cl.close()
+
+
+def test_a_refusal_of_the_checkpoint_is_raised_not_written_again(svc, run_name, spool_inodes, caplog):
+    """A followed file of a checkpoint that is no longer PENDING is refused for good: the
+    client raises it at once, without writing the file into the spool a second time or
+    streaming it. Control: a spool refusal (the service does not follow) is streamed."""
+    t = Transport(svc.url)
+    try:
+        cid = t.begin(run_name, 1, 1, None, "a1", 0).checkpoint_id
+        t.abort(cid, "test", 0)
+        data = make_shard(0, seed=8)
+        with caplog.at_level(logging.WARNING, logger="lastgood"), pytest.raises(errors.FailedPrecondition):
+            t.put_followed(cid, 0, shard_name(0), data)
+        assert len(spool_inodes) == 1  # written once
+        assert not any("streaming it" in r.getMessage() for r in caplog.records)
+        assert t.spool["follow"] is True
+
+        cid = t.begin(run_name, 2, 1, None, "a1", 0).checkpoint_id  # control
+        t.spool["follow"] = False  # as after a FollowRefused: followed no more, so the file is streamed
+        assert t.put_followed(cid, 0, shard_name(0), data) == hash_bytes(data)
+        assert len(spool_inodes) == 1  # streamed, not written into the spool
+        assert t.commit_rank(cid, 0, [shard_name(0)], wait=2).status == "COMMITTED"
+    finally:
+        t.close()

@@ -22,8 +22,12 @@ from .capabilities import AdoptsFiles, LendsLocalPaths, ReportsFreeSpace
 
 
 class _MeteredWriter(BlobWriter):
-    def __init__(self, inner: BlobWriter, metrics) -> None:
-        self.inner, self.metrics, self.size = inner, metrics, 0
+    """`adopted`: the size of the file an adopting writer makes the blob, counted whatever
+    passed through write() (a file followed while it was written passes nothing: its
+    writer is made once its hash is known, domain/commit/protocol.py)."""
+
+    def __init__(self, inner: BlobWriter, metrics, adopted: int | None = None) -> None:
+        self.inner, self.metrics, self.size, self.adopted = inner, metrics, 0, adopted
 
     def write(self, data) -> None:
         self.inner.write(data)
@@ -31,7 +35,7 @@ class _MeteredWriter(BlobWriter):
 
     def publish(self) -> None:
         self.inner.publish()
-        self.metrics.bytes_ingested.inc(self.size)
+        self.metrics.bytes_ingested.inc(self.size if self.adopted is None else self.adopted)
 
     def abort(self) -> None:
         self.inner.abort()
@@ -49,7 +53,7 @@ class MeteredBlobStore(BlobStore, AdoptsFiles, LendsLocalPaths, ReportsFreeSpace
 
     def adopt_writer(self, key: str, taken) -> BlobWriter | None:
         writer = capabilities.adopt_writer(self.inner, key, taken)
-        return _MeteredWriter(writer, self.metrics) if writer is not None else None
+        return _MeteredWriter(writer, self.metrics, adopted=taken.size) if writer is not None else None
 
     def adopts_from(self, directory) -> bool:
         return capabilities.adopts_from(self.inner, directory)

@@ -262,7 +262,7 @@ class CommitProtocol(CommitCore):
         prefix = bytearray()
         renew_every = self.settings.lease_seconds / 4
         last_renew = time.monotonic()
-        if adopt is None:
+        if adopt is None or follow is not None:  # bytes still to be written on the store's disk
             self._require_room(header.size)
         if follow is not None:
             writer = _HashOnly()  # the file is hashed as it grows; adopted once its hash names the key
@@ -305,20 +305,24 @@ class CommitProtocol(CommitCore):
                                                         declared)
                 segments = self._segments(index_json, prefix)
             digest = hasher.hexdigest()
-            if follow is not None:  # the writer's hash, sent after its last byte; the key derives from it
+            if follow is not None:  # the writer's hash, sent after its last byte
                 if not is_valid_hex(follow.digest):
                     raise InvalidArgument("xxh3_128 must be 32 lowercase hex digits")
                 header = replace(header, xxh3_128=follow.digest)
-                key = keys.shard_key(pfx, header.rank, header.xxh3_128)
-                w = capabilities.adopt_writer(self.blobs, key, adopt)  # its abort, like _HashOnly's, leaves the file
-                if w is None:  # the client hands its files over once written from then on (those are copied)
-                    raise FollowRefused("spool: a file handed over while it is written cannot be renamed into "
-                                        "this store; stream the shard")
             if digest != header.xxh3_128:
                 self._record_mismatch(header, digest)
                 raise HashMismatch(f"xxh3-128 of the received bytes is {digest}, the client declared "
                                    f"{header.xxh3_128}: shard rejected")
-            w.publish()
+            if follow is None:
+                w.publish()
+            else:  # the key derives from the hash: the file is adopted now, under it
+                key = keys.shard_key(pfx, header.rank, header.xxh3_128)
+                adopted = capabilities.adopt_writer(self.blobs, key, adopt)
+                if adopted is None:  # the client hands its files over once written from then on (those are copied)
+                    raise FollowRefused("spool: a file handed over while it is written cannot be renamed into "
+                                        "this store; stream the shard")
+                with adopted:
+                    adopted.publish()
         digests = segments.digests() if segments is not None and hashed else None
         if not hashed:  # the service read only the header: the writer's digests, checked above (or none)
             digests = declared
