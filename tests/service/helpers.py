@@ -128,6 +128,14 @@ class Client:
         return cid, shards
 
 
+def metric(svc, name: str) -> float:
+    """An unlabelled counter or gauge from the service's /metrics."""
+    for line in svc.get("/metrics").text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
 def rpc_error(code: grpc.StatusCode, fn: Callable, *args, **kwargs) -> grpc.RpcError:
     """Call fn; it must fail with exactly `code` and a non-empty message. Returns the error."""
     with pytest.raises(grpc.RpcError) as info:

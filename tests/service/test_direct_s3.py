@@ -21,6 +21,8 @@ from lastgood.errors import FailedPrecondition
 from lastgood.transport import Transport
 from lastgood_service.domain import keys
 
+from .helpers import metric  # noqa: F401 - also imported from here by other tests
+
 pytestmark = pytest.mark.slow  # a LocalStack of its own for the session, a service per test
 
 MiB = 1024 * 1024
@@ -57,13 +59,6 @@ def round_trip(url: str, run: str):
         for k, v in st.items():
             assert torch.equal(v, opt2.state_dict()["state"][i][k]), (i, k)
     return (model, opt), (model2, opt2)
-
-
-def metric(svc, name: str) -> float:
-    for line in svc.get("/metrics").text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise AssertionError(f"no metric {name}")
 
 
 def shard(size: int, seed: int = 0) -> bytearray:

@@ -22,7 +22,7 @@ from lastgood.hashing import hash_bytes
 from lastgood.transport import Transport
 from lastgood.v1 import lastgood_pb2 as pb
 
-from .helpers import Client, assert_unchanged, make_shard, rpc_error, shard_blob, shard_name, snapshot
+from .helpers import Client, assert_unchanged, make_shard, metric, rpc_error, shard_blob, shard_name, snapshot
 
 SC = grpc.StatusCode
 
@@ -53,6 +53,7 @@ def test_a_followed_file_is_hashed_as_it_grows_and_becomes_the_blob(svc, run_nam
     spool, _sid, follow = spool_of(svc)
     assert follow, "a local store on the spool's file system adopts followed files"
     data = os.urandom(3 * (8 << 20) + 12345)  # several 8 MiB pieces and a short one: several reports
+    ingested = metric(svc, "lastgood_bytes_ingested_total")
     t = Transport(svc.url)
     try:
         cid = t.begin(run_name, 1, 1, None, "a1", 0).checkpoint_id
@@ -60,6 +61,7 @@ def test_a_followed_file_is_hashed_as_it_grows_and_becomes_the_blob(svc, run_nam
         assert t.commit_rank(cid, 0, ["part.bin"], wait=2).status == "COMMITTED"
     finally:
         t.close()
+    assert metric(svc, "lastgood_bytes_ingested_total") - ingested == len(data)  # its bytes are counted
     blob = shard_blob(svc, cid, 0)
     assert blob.read_bytes() == data
     assert spool_inodes == {blob.stat().st_ino}  # the very file the client wrote: adopted, not copied
