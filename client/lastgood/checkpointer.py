@@ -523,7 +523,7 @@ class Checkpointer:
         min(rank, old world - 1)."""
         manifest = self.transport.manifest(cid)
         old_world = manifest.world_size
-        if old_world != self.world_size and not split.any_split(manifest, shard_file_name):  # split: read whole
+        if old_world != self.world_size:
             before = self.transport.shard_bytes, self.transport.range_requests
             planned = readplan.fetch(self.transport, state, manifest, self.rank, shard_file_name)
             if planned is not None:

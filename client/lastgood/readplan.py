@@ -36,10 +36,11 @@ from . import layout
 from .codec import ShardRef, _is_dtensor, decode
 from .dtypes import ST_TO_TORCH
 from .errors import CorruptCheckpoint, FormatError
-from .format import DTYPE_SIZES
+from .format import DTYPE_SIZES, header_length, parse_header, sibling_tensors
 from .hashing import hash_bytes
 from .manifest import FileEntry, IndexMismatch, Manifest
 from .ranges import RangeDigests
+from .save.split import is_sibling
 from .sharding import ShardIndex, read_header
 from .state import array_from_buffer, tensor_from_buffer
 
@@ -94,19 +95,34 @@ class RangedFile:
     """One old rank's file of which only the header and the planned ranges were read;
     restore uses it as it uses a whole sharding.StoredFile (piece, resolve, array)."""
 
-    def __init__(self, rank: int, entry: FileEntry, reader: RangeReader) -> None:
+    def __init__(self, rank: int, entry: FileEntry, reader: RangeReader, further: bool = False) -> None:
+        """`further`: one of the files a rank's state was split into beyond its first
+        (save/split.py), which holds tensors only; its rank's state is in the first."""
         self.rank, self._reader = rank, reader
         self.digests: RangeDigests | None = RangeDigests(entry.data_start, entry.tensors, entry.digests)
         self.entry = replace(entry, digests=None)  # the compact RangeDigests replace the index object's hex
         head = bytearray(entry.data_start)
         reader.read(rank, entry, self.digests, 0, entry.data_start, head)
-        self.tensors, self.start, self.state = read_header(memoryview(head), entry.size)
+        if further:
+            self.tensors, _ = parse_header(memoryview(head), file_size=entry.size)
+            self.start, self.state, self.siblings = header_length(head), {}, []
+        else:
+            self.tensors, self.start, self.state = read_header(memoryview(head), entry.size)
+            self.siblings = sibling_tensors(parse_header(memoryview(head), file_size=entry.size)[1])
         if self.start != entry.data_start:
             raise FormatError(f"rank {rank} file {entry.name}: the header says the data start at {self.start}, "
                               f"the tensor index at {entry.data_start}")
         self._pieces: dict[tuple, torch.Tensor] = {}
         self._whole: dict[str, tuple[memoryview, dict]] = {}
         self._wants: list[tuple[int, int, object]] = []  # (a, b, place(buf, a)): read by read_planned()
+
+    @property
+    def header_bytes(self) -> int:
+        return self.start
+
+    @property
+    def index_bytes(self) -> int:
+        return self.entry.index["size"]
 
     def want_piece(self, name: str, offsets, lengths) -> int:
         """Plan to read the stored rows that hold the part (`offsets`, `lengths`) of tensor
@@ -205,6 +221,58 @@ class RangedFile:
         return array_from_buffer(buf, spec, 0)
 
 
+class RangedRank:
+    """One old rank whose state was split into several files (save/split.py), read by
+    ranges like one file: the first file's state, every file's tensors; each range is
+    planned on, and each tensor served from, the file that holds it. The further files
+    must hold exactly the tensors the first names for them, as a whole read checks."""
+
+    def __init__(self, first: RangedFile, others: list[RangedFile]) -> None:
+        cid = first._reader.checkpoint_id
+        if len(first.siblings) != len(others):
+            raise CorruptCheckpoint(f"checkpoint {cid} rank {first.rank}: {first.entry.name} names "
+                                    f"{len(first.siblings)} further files, the checkpoint holds {len(others)}")
+        self.rank, self.state, self.files = first.rank, first.state, [first, *others]
+        self.tensors: dict[str, dict] = dict(first.tensors)
+        self._of: dict[str, RangedFile] = dict.fromkeys(first.tensors, first)
+        for names, f in zip(first.siblings, others):
+            if sorted(f.tensors) != sorted(names) or any(n in self.tensors for n in names):
+                raise FormatError(f"rank {first.rank}: {f.entry.name} does not hold the tensors "
+                                  f"{first.entry.name} names for it")
+            self.tensors.update(f.tensors)
+            self._of.update(dict.fromkeys(f.tensors, f))
+
+    @property
+    def header_bytes(self) -> int:
+        return sum(f.start for f in self.files)
+
+    @property
+    def index_bytes(self) -> int:
+        return sum(f.entry.index["size"] for f in self.files)
+
+    def want_piece(self, name: str, offsets, lengths) -> int:
+        return self._of[name].want_piece(name, offsets, lengths)
+
+    def want_whole(self, names) -> int:
+        return sum(self._of[n].want_whole([n]) for n in names)
+
+    def read_planned(self) -> None:
+        for f in self.files:
+            f.read_planned()
+
+    def piece(self, name: str, offsets, lengths) -> torch.Tensor:
+        f = self._of.get(name)
+        if f is None:
+            raise LastgoodPlanError(f"rank {self.rank}: {name!r} was not planned")
+        return f.piece(name, offsets, lengths)
+
+    def resolve(self, name: str, device: str | None, copy: bool) -> torch.Tensor:
+        return self._of[name].resolve(name, device, copy)
+
+    def array(self, name: str):
+        return self._of[name].array(name)
+
+
 class LastgoodPlanError(RuntimeError):
     """Restore asked for a part the plan did not read: a bug here, never the checkpoint's."""
 
@@ -225,7 +293,7 @@ def _refs(saved, target, out: list) -> None:
             _refs(v, tgt[i] if i < len(tgt) else None, out)
 
 
-def fetch(transport, state, manifest: Manifest, rank: int, file_name) -> tuple[list[RangedFile], int, dict] | None:
+def fetch(transport, state, manifest: Manifest, rank: int, file_name) -> tuple[list, int, dict] | None:
     """Plan and read this rank's part of a checkpoint saved at another world size:
     (files read from, source rank, counts), or None when a file it needs has no range
     digests (written before them: the caller reads whole files, as before).
@@ -238,10 +306,10 @@ def fetch(transport, state, manifest: Manifest, rank: int, file_name) -> tuple[l
     entries = [_entry(manifest, r, file_name(r)) for r in range(old_world)]
     if any(e.index is None for e in entries):
         return None
-    opened: dict[int, RangedFile] = {}
+    opened: dict[int, RangedFile | RangedRank] = {}
     try:
         src = min(rank, old_world - 1)
-        source = opened[src] = _open(transport, src, entries[src], reader)
+        source = opened[src] = _open(transport, src, entries[src], reader, manifest)
         if source is None:
             return None
         pairs = _pairs(source.state, state)
@@ -249,21 +317,21 @@ def fetch(transport, state, manifest: Manifest, rank: int, file_name) -> tuple[l
             return None  # a factored moment, or a model that does not match: whole files, apply() says which
         for r in _needed(entries, pairs):
             if r not in opened:
-                opened[r] = _open(transport, r, entries[r], reader)
+                opened[r] = _open(transport, r, entries[r], reader, manifest)
                 if opened[r] is None:
                     return None
     except IndexMismatch as e:
         raise CorruptCheckpoint(f"checkpoint {cid}: {e}") from None
     files = [opened[r] for r in sorted(opened)]
     counts = plan_reads(files, source, pairs)
-    counts.update(header_bytes=sum(f.start for f in files), index_bytes=sum(f.entry.index["size"] for f in files),
+    counts.update(header_bytes=sum(f.header_bytes for f in files), index_bytes=sum(f.index_bytes for f in files),
                   old_files_read=len(files), window=reader.window)
     for f in files:
         f.read_planned()
     return files, source.rank, counts
 
 
-def plan_reads(files: list[RangedFile], source: RangedFile, pairs: list) -> dict:
+def plan_reads(files: list, source, pairs: list) -> dict:
     """Plan on each stored file the byte ranges this rank needs (read by read_planned):
     for each (stored ShardRef, live DTensor) pair, the rows of every stored shard that
     overlap the live local shard (DCP's planner, ShardIndex.read_items), and the
@@ -319,17 +387,36 @@ def _entry(manifest: Manifest, r: int, name: str) -> FileEntry:
     return entry
 
 
-def _open(transport, r: int, entry: FileEntry, reader: RangeReader) -> RangedFile | None:
+def _open(transport, r: int, entry: FileEntry, reader: RangeReader,
+          manifest: Manifest | None = None) -> RangedFile | RangedRank | None:
     """Old rank r's file from its index object (checked against the root, parsed here:
     only its compact RangeDigests is kept) and its header (read, verified, and checked
-    against the root's summary of where its shards lie: no shard it leaves out); None if it
-    has no digests."""
-    entry = entry.with_index(r, transport.index_bytes(reader.checkpoint_id, r, entry.name))
-    if entry.digests is None:
+    against the root's summary of where its shards lie: no shard it leaves out); with the
+    further files its state was split into, if any (save/split.py), each opened the same
+    way, as one RangedRank (`manifest` lists them; a file that names further files without
+    one is damage); None if a file has no digests."""
+    first = _ranged(transport, r, entry, reader, False)
+    if first is None:
         return None
-    f = RangedFile(r, entry, reader)
-    want = layout.checked(entry.index.get("chunks"))
+    f: RangedFile | RangedRank = first
+    if first.siblings:
+        others = []
+        listed = manifest.files(r) if manifest is not None else []
+        for e in sorted((e for e in listed if is_sibling(entry.name, e.name)), key=lambda e: e.name):
+            other = _ranged(transport, r, e, reader, True)
+            if other is None:
+                return None
+            others.append(other)
+        f = RangedRank(first, others)
+    want = layout.checked(first.entry.index.get("chunks"))
     if want is not None and not layout.within(f.state, f.tensors, want):  # not equality: layout.within
         raise CorruptCheckpoint(f"checkpoint {reader.checkpoint_id} rank {r} file {entry.name}: its header's "
                                 f"shards are not where the root says")
     return f
+
+
+def _ranged(transport, r: int, entry: FileEntry, reader: RangeReader, further: bool) -> RangedFile | None:
+    entry = entry.with_index(r, transport.index_bytes(reader.checkpoint_id, r, entry.name))
+    if entry.digests is None:
+        return None
+    return RangedFile(r, entry, reader, further)

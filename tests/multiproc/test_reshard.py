@@ -18,7 +18,7 @@ from lastgood.format import header_length, parse_header, parse_state
 from lastgood.ranges import MIN_BLOCK
 
 from tests.multiproc.launch import torchrun, why
-from tests.service.helpers import shard_blob, wait_status
+from tests.service.helpers import ckpt_dir, shard_blob, wait_status
 
 SCRIPT = Path(__file__).with_name("fsdp_reshard.py")
 BLOCK = MIN_BLOCK  # the smallest the service accepts: ranges cut through the stored shards of layer 0
@@ -190,3 +190,80 @@ def test_control_each_rank_stores_only_its_own_shard(service, run_name, tmp_path
     # layer 0's weight is 30x1024 in full: each rank holds 15 rows, not all 30
     assert shapes[0]["model.0.weight"] == [15, 1024] and shapes[1]["model.0.weight"] == [15, 1024]
     assert shapes[0]["optimizer.state.0.weight.exp_avg"] == [15, 1024]
+
+
+def shard_names(svc, ckpt: dict, r: int) -> set[str]:
+    """The DTensor shards old rank r's state names, wherever its files hold them."""
+    f = next(f for f in ckpt["manifest"]["ranks"][r]["files"] if f["name"] == f"rank{r:05d}.safetensors")
+    body = svc.get(f"/api/v1/checkpoints/{ckpt['id']}/ranks/{r}/files/{f['name']}").content
+    tensors, meta = parse_header(body[:header_length(body)])
+    names, todo = set(), [parse_state(meta, tensors)]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if "__dtensor__" in node:
+                names.add(node["__dtensor__"])
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return names
+
+
+def save_split(svc, run: str, out: Path) -> dict:
+    """4 ranks, each state split into several files (save/split.py); the full view."""
+    saved = torchrun(SCRIPT, ["save", svc.url, run, str(out)], nproc=4, env={"LASTGOOD_FILE_BYTES": "16K"})
+    assert saved.returncode == 0, why(saved)
+    lg = svc.get(f"/api/v1/runs/{run}/last-good").json()
+    ckpt = svc.get(f"/api/v1/checkpoints/{lg['id']}").json()
+    assert all(len(r["files"]) >= 2 for r in ckpt["manifest"]["ranks"]), ckpt["manifest"]["ranks"]
+    return ckpt
+
+
+def test_ranks_split_into_files_restore_at_another_world_size_reading_only_their_ranges(make_service, run_name,
+                                                                                         tmp_path):
+    """Each of 4 ranks' states split into several files (LASTGOOD_FILE_BYTES, save/split.py),
+    restored on 2: each rank reads by verified ranges from whichever file holds each tensor,
+    at most its new shards, its source rank's replicated state, every old file's header and
+    the rounding; never every file whole (as it did before: the control is the first assert
+    on `reads`). Bit-exact, each sample of the epoch once."""
+    svc = make_service(LASTGOOD_RANGE_BLOCK_BYTES=str(BLOCK))
+    ckpt = save_split(svc, run_name, tmp_path / "save")
+    ranks = ckpt["manifest"]["ranks"]
+    assert all("digests" in f for r in ranks for f in r["files"])
+    files = [f for r in ranks for f in r["files"]]
+    total = sum(f["size"] for f in files)
+    headers = sum(f["data_start"] for f in files)
+    out = tmp_path / "on2"
+    restore(svc, run_name, out, 2)
+    assert_round_trip(tmp_path / "save", out, 4, 2)
+    for rank in range(2):
+        counted = read(out, rank)
+        assert counted["reads"] is not None, counted  # read by ranges, not whole
+        src = min(rank, len(ranks) - 1)
+        shards = shard_names(svc, ckpt, src)
+        replicated = sum(b - a for f in ranks[src]["files"] for n, t in f["tensors"].items() if n not in shards
+                         for a, b in [t["offsets"]])
+        limit = counted["new_shard_bytes"] + replicated + headers + 2 * BLOCK * counted["requests"]
+        assert 0 < counted["shard_bytes"] <= limit, (rank, counted, limit)
+        assert counted["shard_bytes"] < 0.6 * total, (rank, counted, total)  # about half: its half of the model
+
+
+def test_a_damaged_range_in_a_further_file_falls_back_on_every_rank(make_service, run_name, tmp_path):
+    """Split as above; one flipped byte in a DTensor shard that old rank 3 holds in one of
+    its further files, which new rank 1 of 2 reads (it takes the last rows of every
+    tensor): the range does not verify, the checkpoint turns CORRUPT, both ranks restore
+    step 1."""
+    svc = make_service(LASTGOOD_RANGE_BLOCK_BYTES=str(BLOCK))
+    ckpt = save_split(svc, run_name, tmp_path / "save")
+    shards = shard_names(svc, ckpt, 3)
+    f, name = next((f, n) for f in ckpt["manifest"]["ranks"][3]["files"] if f["name"] != "rank00003.safetensors"
+                   for n in f["tensors"] if n in shards)
+    blob = ckpt_dir(svc, ckpt["id"]) / "r3" / f["xxh3_128"]
+    data = bytearray(blob.read_bytes())
+    data[f["data_start"] + f["tensors"][name]["offsets"][1] - 1] ^= 0x01
+    blob.write_bytes(bytes(data))
+
+    res = restore(svc, run_name, tmp_path / "on2", 2, step=1)
+    assert "[rank 0] restored step 1" in res.stdout and "[rank 1] restored step 1" in res.stdout
+    assert f"(tensor {name!r}) hash to" in res.stdout + res.stderr
+    assert wait_status(svc, ckpt["id"], "CORRUPT")["status"] == "CORRUPT"

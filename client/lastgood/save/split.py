@@ -112,11 +112,6 @@ def is_further(name: str) -> bool:
     return _FURTHER.fullmatch(name) is not None
 
 
-def any_split(manifest, main_name: Callable[[int], str]) -> bool:
-    """Did some rank of the checkpoint write its state as several files?"""
-    return any(is_sibling(main_name(r), f.name) for r in manifest.ranks for f in manifest.files(r))
-
-
 def run_all(fns: list[Callable[[], T]], workers: int = WORKERS, transport=None,
             undo: Callable[[T], None] | None = None) -> list[T]:
     """Call every function, at most `workers` at a time; results in order. Every call has
