@@ -52,9 +52,10 @@ fuzz: $(DEV_STAMP)
 	LASTGOOD_FUZZ_CASES=$(FUZZ_CASES) LASTGOOD_FUZZ_SEED=$${LASTGOOD_FUZZ_SEED:-$$(date +%s)} \
 		$(BIN)/python -m pytest -m fuzz -q -s -o timeout=3600 tests/fuzz
 
-# the full benchmark against the peers and the limits (about 20 minutes; see bench/README.md)
+# the full benchmark against the peers and the limits, the disk's own variance first
+# (about 25 minutes on 2 cores; see bench/README.md); run it on an idle machine
 bench: $(DEV_STAMP)
-	$(BIN)/python -m bench.run
+	$(BIN)/python -m bench.run --quiet-check
 
 # the save-speed acceptance run (docs/performance.md): the disk's own variance first, then
 # lastgood vs DCP save, restore and stall at 1 GiB and 4 GiB, 7 interleaved reps; run it on an idle machine

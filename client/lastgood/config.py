@@ -19,7 +19,7 @@ fields down (the transport, the retry policy, the run and attempt). torch-free.
     LASTGOOD_DEBUG            1: the command line prints a traceback on an unexpected error
     LASTGOOD_FILE_BYTES       a rank's state of at least twice this size is split into files of
                               this size or more on average (at most 4), written and read in parallel
-                              (default 0: one file per rank; e.g. 256M; K/M/G accepted; save/split.py)
+                              (default 256M; 0: one file per rank; K/M/G accepted; save/split.py)
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ ENV_HEARTBEAT = "LASTGOOD_HEARTBEAT_SECONDS"
 ENV_SUPERVISOR_LAUNCH = "LASTGOOD_SUPERVISOR_LAUNCH"  # `lastgood supervise` marks each launch's processes
 DEFAULT_HEARTBEAT = 10.0
 ENV_FILE_BYTES = "LASTGOOD_FILE_BYTES"
-# off by default: a resharding restore reads a split rank's further files whole, not by
-# range (docs/performance.md), and no quiet-machine run has shown the split's gain yet
-DEFAULT_FILE_BYTES = 0
+# a state of 512 MiB or more is written as 2-4 files at once: one writer thread cannot fill
+# the page cache as fast as several (docs/performance.md, "Parallel files per rank")
+DEFAULT_FILE_BYTES = 256 << 20
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
