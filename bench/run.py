@@ -460,7 +460,8 @@ class RankProcs:
         self.svc.start()
         run, attempt = f"bench-ranks-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex[:12]
         for r in range(self.ranks):
-            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(self.ranks), "LASTGOOD_LOG_LEVEL": "WARNING",
+            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(self.ranks), "LOCAL_WORLD_SIZE": str(self.ranks),
+                   "LASTGOOD_LOG_LEVEL": "WARNING",
                    "LASTGOOD_SPOOL": "1" if self.spool else "0"}
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "bench.ranks", self.svc.url, run, attempt, str(self.per_rank)],

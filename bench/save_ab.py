@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def run() -> float:
             ckpt.transport.spool["follow"] = follows and base in ("followed", "no-writeback")
-            ckpt.config = dataclasses.replace(ckpt.config, file_bytes=0 if n == 1 else nbytes // n)
+            ckpt.config = dataclasses.replace(ckpt.config, file_bytes=0 if n == 1 else nbytes // n, files_by_cores=False)
             durable.Writeback.start = (lambda self, offset, length: None) if base == "no-writeback" else real_start
             step[0] += 1
             t0 = time.perf_counter()

@@ -248,7 +248,9 @@ class Checkpointer:
         # no buffer free: an upload stuck retrying gives up its buffer (see _run)
         self._jobs.wanted = self._pool.full()
         try:
-            snap = snapshot(step, cap.json_state, cap.tensors, self._pool, self.config.file_bytes)
+            # a large state's files: at most one per core by default, up to 4 when set (save/split.py)
+            most = split.files_per_rank() if self.config.files_by_cores else split.MAX_FILES
+            snap = snapshot(step, cap.json_state, cap.tensors, self._pool, self.config.file_bytes, most)
         finally:
             self._jobs.wanted = False
         self._record.requested = step

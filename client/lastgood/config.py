@@ -19,7 +19,9 @@ fields down (the transport, the retry policy, the run and attempt). torch-free.
     LASTGOOD_DEBUG            1: the command line prints a traceback on an unexpected error
     LASTGOOD_FILE_BYTES       a rank's state of at least twice this size is split into files of
                               this size or more on average (at most 4), written and read in parallel
-                              (default 256M; 0: one file per rank; K/M/G accepted; save/split.py)
+                              (default 256M, and then at most one file per CPU this rank has on its
+                              host; set: at most 4 whatever the host; 0: one file per rank; K/M/G
+                              accepted; save/split.py)
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class ClientConfig:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     heartbeat_seconds: float = DEFAULT_HEARTBEAT
     file_bytes: int = DEFAULT_FILE_BYTES  # 0: one file per rank (save/split.py)
+    files_by_cores: bool = True     # file_bytes is the default: at most a file per core (split.files_per_rank)
 
     @classmethod
     def resolve(cls, *, url: str | None = None, token: str | None = None, run: str | None = None,
@@ -87,7 +90,8 @@ class ClientConfig:
                    direct_fs_mount=direct_fs_mount or env.get(ENV_DIRECT_FS_MOUNT) or None,
                    retry=retry or retry_policy(env),
                    heartbeat_seconds=heartbeat_period(env) if heartbeat_seconds is None else heartbeat_seconds,
-                   file_bytes=byte_count(env, ENV_FILE_BYTES, DEFAULT_FILE_BYTES) if file_bytes is None else file_bytes)
+                   file_bytes=byte_count(env, ENV_FILE_BYTES, DEFAULT_FILE_BYTES) if file_bytes is None else file_bytes,
+                   files_by_cores=file_bytes is None and not env.get(ENV_FILE_BYTES, "").strip())
 
 
 def retry_policy(env: Mapping[str, str] | None = None, **overrides) -> RetryPolicy:

@@ -29,6 +29,14 @@ def rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+def local_world_size() -> int:
+    """How many ranks of this job run on this host (torchrun's LOCAL_WORLD_SIZE; 1 without it)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 def _device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

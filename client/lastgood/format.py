@@ -25,6 +25,10 @@ META_STATE = "lastgood.state"
 # document and, under this key, the names of the tensors each further file holds (a JSON
 # list of lists, in file order), so that the state's references may name them.
 META_FILES = "lastgood.files"
+# Beside it, each of those tensors' shape (a JSON list of lists of shapes, parallel to
+# META_FILES), so that the service can say where the rank's DTensor shards lie from the
+# first file alone (layout.py); a reader checks them against the further files' own headers.
+META_FILE_SHAPES = "lastgood.file_shapes"
 # Bounds checked before a header is parsed or a shape multiplied out. The service parses
 # the header of every shard it receives, and as Python objects JSON takes up to 30 times
 # its size, so these bound the service's memory per upload (docs/security.md: the worst
@@ -277,3 +281,26 @@ def sibling_tensors(meta: dict[str, str]) -> list[list[str]]:
     if len(set(names)) != len(names):
         raise FormatError(f"{META_FILES} names a tensor in two files")
     return files
+
+
+def sibling_shapes(meta: dict[str, str]) -> dict[str, list[int]] | None:
+    """name -> shape of every tensor a rank's further files hold, from META_FILE_SHAPES
+    (None when absent: written before it, or one file), checked: parallel to META_FILES,
+    every shape within the bounds."""
+    text = meta.get(META_FILE_SHAPES)
+    if text is None:
+        return None
+    names = sibling_tensors(meta)
+    try:
+        shapes = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise FormatError(f"{META_FILE_SHAPES} is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from None
+    if (not isinstance(shapes, list) or len(shapes) != len(names)
+            or not all(isinstance(s, list) and len(s) == len(n) for s, n in zip(shapes, names))):
+        raise FormatError(f"{META_FILE_SHAPES} must give a shape for each tensor {META_FILES} names")
+    out: dict[str, list[int]] = {}
+    for file_names, file_shapes in zip(names, shapes):
+        for name, shape in zip(file_names, file_shapes):
+            _check_shape(name, shape)
+            out[name] = shape
+    return out

@@ -26,7 +26,7 @@ file's index object and header fetched. Torch-free: the service computes it.
 from __future__ import annotations
 
 from .errors import FormatError
-from .format import MAX_DIMS, parse_state
+from .format import MAX_DIMS, parse_state, sibling_shapes
 
 MAX_CHUNKS = 64  # ~40 B each in the root: at most ~2.6 KB a file; beyond it, no summary
 MAX_KEY = 128    # characters of a global shape's key (6 dims of 19 digits); longer: no summary
@@ -125,11 +125,17 @@ def checked(chunks) -> dict | None:
 
 def of_header(meta: dict, tensors: dict) -> dict | None:
     """summarize() of a shard's header (parse_header's metadata and tensors); None when its
-    state cannot be read (not a lastgood shard, or damaged: restore finds out on its own)."""
+    state cannot be read (not a lastgood shard, or damaged: restore finds out on its own).
+    The first file of a rank split into several (save/split.py) is summarised for all of
+    them: its further files' tensors by the shapes it declares (format.sibling_shapes),
+    which a reader checks against those files' own headers (within(), on the whole rank)."""
     try:
         state = parse_state(meta, tensors)
+        shapes = sibling_shapes(meta)
     except FormatError:
         return None
+    if shapes:
+        tensors = {**{n: {"shape": s} for n, s in shapes.items()}, **tensors}
     return summarize(state, tensors)
 
 

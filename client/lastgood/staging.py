@@ -88,12 +88,14 @@ class StagingPool:
             self._cv.notify()
 
 
-def snapshot(step: int, json_state: dict, tensors: dict, pool: StagingPool, file_bytes: int = 0) -> Snapshot:
-    """`file_bytes`: split the state into files of this size or more on average (save/split.py; 0: one file)."""
+def snapshot(step: int, json_state: dict, tensors: dict, pool: StagingPool, file_bytes: int = 0,
+             max_files: int = split.MAX_FILES) -> Snapshot:
+    """`file_bytes`: split the state into files of this size or more on average, at most
+    `max_files` (save/split.py; 0: one file)."""
     specs = [TensorSpec(name, st_dtype(t), tuple(t.shape)) for name, t in tensors.items()]
     meta = {META_FORMAT: FORMAT_VERSION,
             META_STATE: json.dumps(json_state, separators=(",", ":"), allow_nan=False)}
-    layouts = split.layouts(specs, meta, file_bytes)
+    layouts = split.layouts(specs, meta, file_bytes, max_files)
     starts = split.offsets([lay.size for lay in layouts])
     where = {name: (at, lay) for at, lay in zip(starts, layouts) for name in lay.offsets}
     buf = pool.acquire(starts[-1])

@@ -147,7 +147,7 @@ def test_a_rank_written_as_more_files_than_today_still_restores_bitwise(service,
     files a rank; the reader takes any number, more than its threads (save/split.py)."""
     monkeypatch.setenv("LASTGOOD_FILE_BYTES", FILE_BYTES)
     plan = split.plan
-    monkeypatch.setattr(split, "plan", lambda specs, file_bytes: plan(specs, file_bytes, max_files=64))
+    monkeypatch.setattr(split, "plan", lambda specs, file_bytes, max_files=0: plan(specs, file_bytes, max_files=64))
     model, opt = _training(0)
     with lastgood.Checkpointer(service.url, run=run_name) as ckpt:
         ckpt.save(5, lastgood.TrainState(model=model, optimizer=opt))

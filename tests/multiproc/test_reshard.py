@@ -58,8 +58,11 @@ def read(out: Path, rank: int) -> dict:
 
 
 def stored(svc, ckpt: dict, r: int) -> tuple[dict, dict]:
-    """Old rank r's tensors and its DTensor shards: name -> (global rows, first row, rows)."""
-    f = ckpt["manifest"]["ranks"][r]["files"][0]
+    """Old rank r's tensors (its first file's) and its DTensor shards, wherever its files
+    hold them (save/split.py): name -> (global rows, first row, rows)."""
+    files = ckpt["manifest"]["ranks"][r]["files"]
+    f = next(f for f in files if f["name"] == f"rank{r:05d}.safetensors")
+    shapes = {n: t["shape"] for g in files for n, t in g["tensors"].items()}
     body = svc.get(f"/api/v1/checkpoints/{ckpt['id']}/ranks/{r}/files/{f['name']}").content
     tensors, meta = parse_header(body[:header_length(body)])
     shards = {}
@@ -69,7 +72,7 @@ def stored(svc, ckpt: dict, r: int) -> tuple[dict, dict]:
         if isinstance(node, dict):
             if "__dtensor__" in node:
                 name = node["__dtensor__"]
-                shards[name] = (node["shape"][0], node["offset"][0], tensors[name]["shape"][0])
+                shards[name] = (node["shape"][0], node["offset"][0], shapes[name][0])
             todo.extend(node.values())
         elif isinstance(node, list):
             todo.extend(node)
@@ -192,23 +195,6 @@ def test_control_each_rank_stores_only_its_own_shard(service, run_name, tmp_path
     assert shapes[0]["optimizer.state.0.weight.exp_avg"] == [15, 1024]
 
 
-def shard_names(svc, ckpt: dict, r: int) -> set[str]:
-    """The DTensor shards old rank r's state names, wherever its files hold them."""
-    f = next(f for f in ckpt["manifest"]["ranks"][r]["files"] if f["name"] == f"rank{r:05d}.safetensors")
-    body = svc.get(f"/api/v1/checkpoints/{ckpt['id']}/ranks/{r}/files/{f['name']}").content
-    tensors, meta = parse_header(body[:header_length(body)])
-    names, todo = set(), [parse_state(meta, tensors)]
-    while todo:
-        node = todo.pop()
-        if isinstance(node, dict):
-            if "__dtensor__" in node:
-                names.add(node["__dtensor__"])
-            todo.extend(node.values())
-        elif isinstance(node, list):
-            todo.extend(node)
-    return names
-
-
 def save_split(svc, run: str, out: Path) -> dict:
     """4 ranks, each state split into several files (save/split.py); the full view."""
     saved = torchrun(SCRIPT, ["save", svc.url, run, str(out)], nproc=4, env={"LASTGOOD_FILE_BYTES": "16K"})
@@ -236,16 +222,21 @@ def test_ranks_split_into_files_restore_at_another_world_size_reading_only_their
     out = tmp_path / "on2"
     restore(svc, run_name, out, 2)
     assert_round_trip(tmp_path / "save", out, 4, 2)
+    assert all(f["index"].get("chunks") is not None for r in ranks for f in r["files"]
+               if f["name"] == f"rank{r['rank']:05d}.safetensors")
     for rank in range(2):
         counted = read(out, rank)
         assert counted["reads"] is not None, counted  # read by ranges, not whole
         src = min(rank, len(ranks) - 1)
-        shards = shard_names(svc, ckpt, src)
+        shards = stored(svc, ckpt, src)[1]
         replicated = sum(b - a for f in ranks[src]["files"] for n, t in f["tensors"].items() if n not in shards
                          for a, b in [t["offsets"]])
         limit = counted["new_shard_bytes"] + replicated + headers + 2 * BLOCK * counted["requests"]
         assert 0 < counted["shard_bytes"] <= limit, (rank, counted, limit)
         assert counted["shard_bytes"] < 0.6 * total, (rank, counted, total)  # about half: its half of the model
+        # only the old ranks it needs are opened: the first file's summary covers the rank's
+        # further files too (format.META_FILE_SHAPES); rank 0 of 2 needs old ranks 0 and 1
+        assert counted["reads"]["old_files_read"] == len(needed_files(svc, ckpt, rank, 2)) < 4, counted
 
 
 def test_a_damaged_range_in_a_further_file_falls_back_on_every_rank(make_service, run_name, tmp_path):
@@ -255,7 +246,7 @@ def test_a_damaged_range_in_a_further_file_falls_back_on_every_rank(make_service
     step 1."""
     svc = make_service(LASTGOOD_RANGE_BLOCK_BYTES=str(BLOCK))
     ckpt = save_split(svc, run_name, tmp_path / "save")
-    shards = shard_names(svc, ckpt, 3)
+    shards = stored(svc, ckpt, 3)[1]
     f, name = next((f, n) for f in ckpt["manifest"]["ranks"][3]["files"] if f["name"] != "rank00003.safetensors"
                    for n in f["tensors"] if n in shards)
     blob = ckpt_dir(svc, ckpt["id"]) / "r3" / f["xxh3_128"]

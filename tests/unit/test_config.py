@@ -78,3 +78,16 @@ def test_each_error_code_is_named_in_errors_only():
     spelled = [f"{p.relative_to(PACKAGE)}:{line}: {value}" for p in _modules("errors.py")
                for line, value in _constants(p) if value in codes]
     assert spelled == []
+
+
+def test_the_default_file_size_splits_by_the_hosts_cores_and_a_set_one_up_to_four():
+    """LASTGOOD_FILE_BYTES unset: 256 MiB files, at most one per core this rank has on its
+    host (save/split.files_per_rank); set (environment or argument), the cap is 4 whatever
+    the host, as before the default split."""
+    from lastgood.config import DEFAULT_FILE_BYTES
+
+    default = ClientConfig.resolve(env={})
+    assert default.file_bytes == DEFAULT_FILE_BYTES == 256 << 20 and default.files_by_cores
+    for cfg in (ClientConfig.resolve(env={"LASTGOOD_FILE_BYTES": "256M"}), ClientConfig.resolve(file_bytes=0, env={})):
+        assert not cfg.files_by_cores
+    assert ClientConfig.resolve(env={"LASTGOOD_FILE_BYTES": " "}).files_by_cores  # blank: not set

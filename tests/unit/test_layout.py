@@ -103,3 +103,21 @@ def test_a_malformed_chunks_value_in_the_root_plans_with_every_old_file():
             assert _needed(files(bad), pairs) == [0, 1, 2], bad
     finally:
         dist.destroy_process_group()
+
+
+def test_a_split_ranks_first_file_is_summarised_for_its_further_files_by_the_shapes_it_declares():
+    """The first file of a rank split into files (save/split.py) holds the state; its further
+    files' tensors are summarised by META_FILE_SHAPES. Without that key (written before it)
+    it has no summary, as before; a malformed one gives none, and never refuses the file."""
+    import json
+
+    from lastgood.format import META_FILE_SHAPES, META_FILES, META_STATE
+    from lastgood.layout import of_header
+
+    own = {"b": TENSORS["b"], "e": TENSORS["e"], "step": TENSORS["step"]}
+    meta = {META_STATE: json.dumps(STATE), META_FILES: json.dumps([["w"], ["w.exp_avg"]])}
+    assert of_header(meta, own) is None  # before the shapes: a tensor of the state it cannot size
+    shaped = {**meta, META_FILE_SHAPES: json.dumps([[[8, 4]], [[8, 4]]])}
+    assert of_header(shaped, own) == summarize(STATE, TENSORS)
+    for bad in ("[[[8, 4]]]", "[[[8, 4]], [[8, -1]]]", "[[[8, 4]], [\"x\"]]", "{", "7"):
+        assert of_header({**meta, META_FILE_SHAPES: bad}, own) is None, bad

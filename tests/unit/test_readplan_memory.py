@@ -101,3 +101,62 @@ def test_a_files_header_must_hold_no_chunk_the_root_does_not_name():
     for short in ({"32,4": [[[0, 0], [8, 4]]]}, {}, {"32,4": []}):
         with pytest.raises(CorruptCheckpoint, match="not where the root says"):
             opened(short)
+
+
+def test_a_rank_split_into_files_is_opened_as_one_and_its_declared_shapes_are_checked():
+    """A split rank (save/split.py) at another world size: its first file and its further
+    file opened together (readplan.RangedRank), each range read from the file holding the
+    tensor. The root's summary comes from the shapes the first file declares for the
+    further files (layout.of_header); a shape that lied leaves a shard outside the summary,
+    which the check on the whole rank refuses. A further file holding other tensors than
+    the first names is refused too."""
+    import pytest
+
+    from lastgood.errors import CorruptCheckpoint, FormatError
+    from lastgood.format import META_FILE_SHAPES, META_FILES
+    from lastgood.layout import of_header
+    from lastgood.manifest import index_bytes, index_ref
+    from lastgood.readplan import RangedRank, _open
+
+    state = {"components": {"m": {"w": {"__dtensor__": "w", "shape": [32, 4], "offset": [8, 0]},
+                                  "v": {"__dtensor__": "v", "shape": [16], "offset": [8]}}}}
+
+    def rank(declared: list, further: dict):
+        meta = {META_STATE: json.dumps(state), META_FILES: json.dumps([["v"]]), META_FILE_SHAPES: json.dumps(declared)}
+        datas = {"rank00000.safetensors": save({"w": torch.ones(8, 4)}, metadata=meta),
+                 "rank00000-001.safetensors": save(further)}
+        bodies, entries = {}, []
+        for name, data in datas.items():
+            start = header_length(data)
+            tensors, m = parse_header(data[:start])
+            h = RangeHasher(start, tensor_index(tensors), BLOCK)
+            h.update(data)
+            bodies[name] = index_bytes(0, name, start, tensor_index(tensors), h.digests())
+            chunks = of_header(m, tensors) if name == "rank00000.safetensors" else {}
+            entries.append(FileEntry(name, len(data), hash_bytes(data), index=index_ref(bodies[name], 1, chunks)))
+
+        class Store:
+            def read_range(self, checkpoint_id, r, file_name, offset, into) -> None:
+                view = memoryview(into).cast("B")
+                view[:] = datas[file_name][offset:offset + view.nbytes]
+
+            def index_bytes(self, checkpoint_id, r, name) -> bytes:
+                return bodies[name]
+
+        class Listed:
+            def files(self, r):
+                return entries
+
+        return _open(Store(), 0, entries[0], RangeReader(Store(), 1), Listed())
+
+    f = rank([[[8]]], {"v": torch.arange(8.0)})
+    assert isinstance(f, RangedRank) and sorted(f.tensors) == ["v", "w"] and f.state == state
+    f.want_piece("v", [0], [8])
+    f.want_whole(["w"])
+    f.read_planned()
+    assert torch.equal(f.piece("v", (0,), (8,)), torch.arange(8.0))
+    assert torch.equal(f.resolve("w", None, copy=True), torch.ones(8, 4))
+    with pytest.raises(CorruptCheckpoint, match="not where the root says"):
+        rank([[[4]]], {"v": torch.arange(8.0)})  # declared 4 rows, holds 8
+    with pytest.raises(FormatError, match="does not hold the tensors"):
+        rank([[[8]]], {"u": torch.arange(8.0)})

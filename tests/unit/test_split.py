@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lastgood.errors import CorruptCheckpoint, FormatError
-from lastgood.format import META_FILES, META_STATE, TensorSpec, parse_header, parse_state
+from lastgood.format import META_FILES, META_STATE, TensorSpec, parse_header, parse_state, sibling_shapes
 from lastgood.hashing import hash_bytes
 from lastgood.manifest import FileEntry, Manifest
 from lastgood.save import split
@@ -64,6 +64,8 @@ def test_layouts_first_file_names_the_others_and_the_state_may_refer_to_them():
     assert len(lays) == 4
     tensors, meta = parse_header(lays[0].header)
     assert json.loads(meta[META_FILES]) == [list(lay.offsets) for lay in lays[1:]]
+    # and their shapes, from which the service summarises the rank's shards (layout.of_header)
+    assert sibling_shapes(meta) == {n: t["shape"] for lay in lays[1:] for n, t in parse_header(lay.header)[0].items()}
     assert "t7" not in tensors
     parse_state(meta, tensors)  # t7 is in another file of the rank: accepted
     for lay in lays[1:]:
@@ -140,3 +142,20 @@ def test_a_first_file_naming_further_files_the_manifest_lacks_is_corrupt():
     man = Manifest(1, "run", 1, "a", 1, None, {0: [FileEntry(name, len(whole), hash_bytes(whole))]})
     stored, _ = split.fetch_rank(_Files({name: whole}), man, 0, name, lambda n: torch.empty(n, dtype=torch.uint8))
     assert sorted(stored.tensors) == [f"t{i}" for i in range(4)]
+
+
+def test_a_rank_gets_a_file_per_core_it_has_on_its_host(monkeypatch):
+    """The most files a state is split into: the CPUs this process may use over the host's
+    ranks (torchrun's LOCAL_WORLD_SIZE), 1 to MAX_FILES; the plan never exceeds it."""
+    assert split.files_per_rank(cpus=2, local_ranks=1) == 2
+    assert split.files_per_rank(cpus=2, local_ranks=4) == 1
+    assert split.files_per_rank(cpus=96, local_ranks=8) == split.MAX_FILES
+    assert split.files_per_rank(cpus=1, local_ranks=1) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    import os
+
+    assert split.files_per_rank() == max(1, min(split.MAX_FILES, len(os.sched_getaffinity(0)) // 8))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
+    assert split.files_per_rank(cpus=4) == 4
+    specs = [TensorSpec(f"t{i}", "F32", (256,)) for i in range(16)]  # 16 KiB
+    assert len(split.plan(specs, 1024, max_files=2)) == 2 and len(split.plan(specs, 1024)) == split.MAX_FILES
