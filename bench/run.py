@@ -610,10 +610,20 @@ def table(results: dict) -> str:
     for k in CPU_OF:
         lines.append(f"| client CPU per GiB: {names[k]} | " + " | ".join(
             f"{b['cpu'][k]['median_s_per_gib']:.2f} s" if k in b.get("cpu", {}) else "–" for b in sizes) + " |")
+    # a ratio with a target is judged as the targets table judges it (evaluate: a wide
+    # spread does not count when every rep's ratio is on one side of the bound)
+    judged = {(t["figure"], t["size"]): t for t in results.get("targets", [])}
+
+    def noise(b: dict, k: str) -> str:
+        t = judged.get((k, b["label"]))
+        if t is None:
+            return " too noisy" if b["noisy"][k] else ""
+        return " too noisy" if t["noisy"] else " (every rep)" if t["every_rep_agrees"] and b["noisy"][k] else ""
+
     for k in RATIOS:
         lines.append(f"| *{ratio_names[k]}* | " + " | ".join(
             f"{b['ratios'][k]:.2f}× ({min(b['ratio_reps'][k]):.2f}–{max(b['ratio_reps'][k]):.2f})"
-            + (" too noisy" if b["noisy"][k] else "") for b in sizes) + " |")
+            + noise(b, k) for b in sizes) + " |")
     if "scale" not in results:  # --only-sizes
         return "\n".join(lines + targets_table(results))
     sc, cat = results["scale"], results["catalog"]
