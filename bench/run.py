@@ -46,8 +46,8 @@ RATIOS = ["save_vs_dcp", "save_one_file_vs_dcp", "save_stream_vs_dcp", "save_vs_
 
 TARGETS = [  # (name, figure path, comparison, bound, what)
     ("save throughput vs DCP (same host: spool, the default: files of 256 MiB+)", "save_vs_dcp", ">=", 1.0,
-     "lastgood sync save (fsync + end-to-end xxh3) / DCP save; up to 4 files a rank, written and handed "
-     "over through the spool at once"),
+     "lastgood sync save (fsync + end-to-end xxh3) / DCP save; up to 4 files a rank (one per core it "
+     "has), written and handed over through the spool at once"),
     ("save throughput vs DCP (same host: spool, one file a rank)", "save_one_file_vs_dcp", ">=", 1.0,
      "the same with LASTGOOD_FILE_BYTES=0: the state as one file"),
     ("save throughput vs DCP (streamed over gRPC)", "save_stream_vs_dcp", ">=", 0.9,

@@ -9,10 +9,11 @@ service, one Checkpointer; before each case the dirty backlog is written out and
 page cache dropped, as in bench/run.py. Variants:
 
   dcp                DCP save (thread_count=2, sync_files=True)
-  followed           one file a rank, the service hashes it as it is written (the default)
+  followed           one file a rank, the service hashes it as it is written
   whole              one file a rank, handed over once written (the service re-reads it)
   no-writeback       followed, without starting writeback early (lastgood.durable.Writeback off)
-  <any>-N-files      the same split into N files (LASTGOOD_FILE_BYTES chosen to give N)
+  <any>-N-files      the same split into N files (LASTGOOD_FILE_BYTES chosen to give N; the
+                     default save splits a state of 512 MiB or more, a file per core)
 
 Prints medians, quartiles and rep-by-rep ratios to DCP; writes bench/results/save_ab-<size>.json.
 """

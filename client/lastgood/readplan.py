@@ -107,8 +107,8 @@ class RangedFile:
             self.tensors, _ = parse_header(memoryview(head), file_size=entry.size)
             self.start, self.state, self.siblings = header_length(head), {}, []
         else:
-            self.tensors, self.start, self.state = read_header(memoryview(head), entry.size)
-            self.siblings = sibling_tensors(parse_header(memoryview(head), file_size=entry.size)[1])
+            self.tensors, self.start, self.state, meta = read_header(memoryview(head), entry.size)
+            self.siblings = sibling_tensors(meta)
         if self.start != entry.data_start:
             raise FormatError(f"rank {rank} file {entry.name}: the header says the data start at {self.start}, "
                               f"the tensor index at {entry.data_start}")
@@ -244,11 +244,11 @@ class RangedRank:
 
     @property
     def header_bytes(self) -> int:
-        return sum(f.start for f in self.files)
+        return sum(f.header_bytes for f in self.files)
 
     @property
     def index_bytes(self) -> int:
-        return sum(f.entry.index["size"] for f in self.files)
+        return sum(f.index_bytes for f in self.files)
 
     def want_piece(self, name: str, offsets, lengths) -> int:
         return self._of[name].want_piece(name, offsets, lengths)

@@ -42,7 +42,7 @@ class StoredFile:
     state: dict = field(init=False)
 
     def __post_init__(self) -> None:
-        self.tensors, self.start, self.state = read_header(self.buf, len(self.buf))
+        self.tensors, self.start, self.state, _ = read_header(self.buf, len(self.buf))
 
     def tensor(self, name: str) -> torch.Tensor:
         return tensor_from_buffer(self.buf, self.tensors[name], self.start, None, copy=False)
@@ -59,10 +59,10 @@ class StoredFile:
         return array_from_buffer(self.buf, self.tensors[name], self.start)
 
 
-def read_header(head, file_size: int) -> tuple[dict, int, dict]:
-    """(tensors, data start, state) of a shard file from its header bytes, checked before
-    the ranks agree on the checkpoint: a file that cannot be applied is a damaged
-    checkpoint to fall back from, on every rank."""
+def read_header(head, file_size: int) -> tuple[dict, int, dict, dict[str, str]]:
+    """(tensors, data start, state, metadata) of a shard file from its header bytes,
+    checked before the ranks agree on the checkpoint: a file that cannot be applied is a
+    damaged checkpoint to fall back from, on every rank."""
     tensors, meta = parse_header(head, file_size=file_size)
     start = header_length(head)
     state = parse_state(meta, tensors)
@@ -70,7 +70,7 @@ def read_header(head, file_size: int) -> tuple[dict, int, dict]:
         decode(state, lambda name, device: None, lambda name: None)
     except Exception as e:  # noqa: BLE001 - whatever the codec chokes on is damage
         raise FormatError(f"the shard's state cannot be decoded: {type(e).__name__}: {str(e)[:200]}") from None
-    return tensors, start, state
+    return tensors, start, state, meta
 
 
 class ShardIndex:

@@ -29,8 +29,8 @@ def full(path: Path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def save(svc, run: str, out: Path, nproc: int) -> dict:
-    saved = torchrun(SCRIPT, ["save", svc.url, run, str(out)], nproc=nproc)
+def save(svc, run: str, out: Path, nproc: int, env: dict | None = None) -> dict:
+    saved = torchrun(SCRIPT, ["save", svc.url, run, str(out)], nproc=nproc, env=env)
     assert saved.returncode == 0, why(saved)
     lg = svc.get(f"/api/v1/runs/{run}/last-good").json()
     assert lg["world_size"] == nproc and lg["step"] == 2
@@ -197,10 +197,7 @@ def test_control_each_rank_stores_only_its_own_shard(service, run_name, tmp_path
 
 def save_split(svc, run: str, out: Path) -> dict:
     """4 ranks, each state split into several files (save/split.py); the full view."""
-    saved = torchrun(SCRIPT, ["save", svc.url, run, str(out)], nproc=4, env={"LASTGOOD_FILE_BYTES": "16K"})
-    assert saved.returncode == 0, why(saved)
-    lg = svc.get(f"/api/v1/runs/{run}/last-good").json()
-    ckpt = svc.get(f"/api/v1/checkpoints/{lg['id']}").json()
+    ckpt = save(svc, run, out, 4, env={"LASTGOOD_FILE_BYTES": "16K"})
     assert all(len(r["files"]) >= 2 for r in ckpt["manifest"]["ranks"]), ckpt["manifest"]["ranks"]
     return ckpt
 

@@ -36,8 +36,8 @@ Two paths today, chosen per save by `default_path`:
   service offers it (GET /api/v1/info: spool.follow), the file is written in `send`,
   after begin, and the service hashes each piece a moment after it is written instead
   of re-reading the whole file afterwards (Transport.put_followed). Anything that fails on
-  the way falls back to the stream, so it is never worse than streaming (but a refusal
-of the file or the checkpoint itself, which streaming would not change).
+  the way falls back to the stream, so it is never worse than streaming; a refusal of
+  the file or of the checkpoint itself is raised, as streaming would not change it.
 
 A `direct` path (the rank writes to the store itself: a shared file system, S3 through
 grants) is a third implementation of the same three calls; `default_path` is the one

@@ -5,7 +5,8 @@ only the header (with `spool_file` and the spool's id). The service *takes* the 
 renames it to a name of its own choosing in `.taken/` (a second request naming the same
 file finds nothing), checks with lstat that it is a regular file with one link, owned by
 the service's user, of the declared size (no larger, for a file its writer is still
-writing: Followed), and opens it without following links and without blocking (a FIFO swapped in between is refused, never waited on). From then on
+writing: Followed), and opens it without following links and without blocking (a FIFO
+swapped in between is refused, never waited on). From then on
 the file is handled through that descriptor: hashed, fsync'd, and - on a local blob store
 on the same file system - renamed into place as the blob only if the path still names the
 same inode. Every byte published was hashed from the descriptor by the service.
