@@ -76,6 +76,11 @@ class Settings(BaseSettings):
                                           "directory instead of streaming them (see domain/spool.py)")
     spool_dir: Path | None = Field(None, description="the spool directory; default <data_dir>/spool (put it on "
                                                      "the blob store's file system: files are adopted by rename)")
+    spool_cache_bytes: int = Field(512 * MiB, ge=-1, description="of each file handed over while it is written "
+                                   "(a followed spool file), the first this many bytes stay in the page cache; "
+                                   "beyond them, what the service has hashed is dropped from it once on the disk "
+                                   "(drop-behind: a large save does not take its size in page-cache pages; "
+                                   "docs/performance.md). 0: drop everything behind; -1: never drop")
     # direct uploads to an S3 store (domain/grants.py, docs/direct-s3.md): off until enabled
     direct_s3: bool = Field(False, description="trainers upload shard files straight to an s3:// blob store "
                             "through presigned multipart URLs (per-part CRC32 the store verifies) and read "
@@ -213,6 +218,11 @@ class Settings(BaseSettings):
 
     def resolved_catalog_url(self) -> str:
         return self.catalog_url or f"sqlite:///{(self.data_dir / 'catalog.db').resolve()}"
+
+    @property
+    def spool_cache_limit(self) -> int | None:
+        """spool_cache_bytes as lastgood.durable.DropBehind takes it (None: never drop)."""
+        return None if self.spool_cache_bytes < 0 else self.spool_cache_bytes
 
     def resolved_spool_dir(self) -> Path | None:
         return (self.spool_dir or self.data_dir / "spool").resolve() if self.spool else None

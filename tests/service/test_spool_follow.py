@@ -314,3 +314,35 @@ def test_a_refusal_of_the_checkpoint_is_raised_not_written_again(svc, run_name, 
         assert t.commit_rank(cid, 0, [shard_name(0)], wait=2).status == "COMMITTED"
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("limit", ["16M", "-1"], ids=["drop-behind", "control: never drop"])
+def test_a_large_followed_file_leaves_only_its_head_in_the_page_cache(make_service, run_name, limit):
+    """Beyond LASTGOOD_SPOOL_CACHE_BYTES of a followed file, what the service has hashed is
+    dropped from the page cache once on the disk (lastgood.durable.DropBehind): the blob's
+    head and its last DROP_LAG stay cached, the middle is read from the disk, and every byte
+    is the one written. Control: -1 keeps the whole blob cached."""
+    from lastgood import durable
+    from tests.unit.test_durable import resident
+
+    if durable._sfr is None:
+        pytest.skip("sync_file_range (Linux)")
+    svc = make_service(LASTGOOD_SPOOL_CACHE_BYTES=str(16 << 20) if limit == "16M" else limit)
+    data = os.urandom(96 << 20)
+    t = Transport(svc.url)
+    try:
+        cid = t.begin(run_name, 1, 1, None, "a1", 0).checkpoint_id
+        assert t.put_followed(cid, 0, "part.bin", data) == hash_bytes(data)
+        assert t.commit_rank(cid, 0, ["part.bin"], wait=2).status == "COMMITTED"
+    finally:
+        t.close()
+    blob, size = shard_blob(svc, cid, 0), len(data)
+    cached = resident(blob, 0, size)
+    if limit == "-1":
+        assert cached == size
+    else:
+        head, tail = 16 << 20, size - durable.DROP_LAG
+        assert resident(blob, 0, head) == head
+        assert resident(blob, head, tail) == 0
+        assert cached == size - (tail - head)
+    assert blob.read_bytes() == data

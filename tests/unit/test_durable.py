@@ -161,3 +161,77 @@ def test_the_writeback_thread_outlives_a_failing_call(tmp_path, monkeypatch):
         writeback.close()
         os.close(fd)
     assert calls == [0, 4096]
+
+
+# ---------------------------------------------------------------------- DropBehind
+def resident(path, start: int, end: int) -> int:
+    """Bytes of the file's range [start, end) the page cache holds now: mincore(2) on a
+    private map of it (never touched, so it shows the page cache's own pages)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    first, last = start // page, -(-end // page)
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        anchor = ctypes.c_char.from_buffer(m)
+        vec = (ctypes.c_ubyte * (last - first))()
+        rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor) + first * page), (last - first) * page, vec)
+        del anchor
+        if rc != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+        return sum(v & 1 for v in vec) * page
+    finally:
+        m.close()
+
+
+def write_dropping(path, keep, size: int = 96 * MiB, piece: int = 8 * MiB) -> bytes:
+    """Write `size` random bytes in pieces, telling a DropBehind after each that all so far
+    was read (as the service's follower does); returns the bytes."""
+    data = os.urandom(size)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    behind = durable.DropBehind(fd, keep)
+    try:
+        for off in range(0, size, piece):
+            os.write(fd, data[off:off + piece])
+            behind.advance(off + piece)
+    finally:
+        os.close(fd)
+    return data
+
+
+needs_page_cache = pytest.mark.skipif(durable._sfr is None or not hasattr(os, "posix_fadvise"),
+                                      reason="sync_file_range and posix_fadvise (Linux)")
+
+
+@needs_page_cache
+def test_drop_behind_keeps_the_head_and_the_lag_and_drops_the_rest(tmp_path):
+    if on_tmpfs(tmp_path):
+        pytest.skip("tmpfs pages are the file itself: never dropped")
+    path, keep, size = tmp_path / "f.bin", 16 * MiB, 96 * MiB
+    data = write_dropping(path, keep, size)
+    dropped_until = size - durable.DROP_LAG  # the reader was at the end: what lies DROP_LAG behind it
+    assert resident(path, 0, keep) == keep  # the head stays for a restore soon after
+    assert resident(path, keep, dropped_until) == 0
+    assert resident(path, dropped_until, size) == size - dropped_until
+    assert path.read_bytes() == data  # a dropped page is read from the disk: nothing lost
+
+
+@needs_page_cache
+def test_without_a_limit_every_page_stays_cached(tmp_path):
+    """The control: the same writes with keep None leave the whole file in the page cache."""
+    if on_tmpfs(tmp_path):
+        pytest.skip("tmpfs")
+    path, size = tmp_path / "f.bin", 96 * MiB
+    write_dropping(path, None, size)
+    assert resident(path, 0, size) == size
+
+
+def test_where_dropping_is_not_possible_nothing_happens(tmp_path, monkeypatch):
+    monkeypatch.setattr(durable, "_sfr", None)
+    path = tmp_path / "f.bin"
+    data = write_dropping(path, 0, 24 * MiB)
+    assert path.read_bytes() == data

@@ -235,7 +235,8 @@ class Servicer(pb_grpc.CheckpointsServicer):
                 raise FollowRefused("spool: this service takes spooled files once written; stream the shard")
             taken = spool.take(h.spool_file, h.spool_id, h.size, growing=True)
             try:
-                followed = Followed(taken, _progress(request_iterator), h.file_name)
+                followed = Followed(taken, _progress(request_iterator), h.file_name,
+                                    self.commits.settings.spool_cache_limit)
                 return self.commits.put_shard(header, followed.chunks(self.commits.settings.max_chunk_bytes),
                                               adopt=taken, follow=followed)
             finally:

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from lastgood import names
+from lastgood import durable, names
 
 from .errors import InvalidArgument, SpoolNotShared, SpoolRefused
 
@@ -90,9 +90,13 @@ class Followed:
     the writer's hash of the whole file (else ""), reports the whole file, and comes after
     the writer closed it. `digest` is that hash once `chunks()` has yielded every byte."""
 
-    def __init__(self, taken: Taken, reports: Iterator[tuple[int, str]], name: str) -> None:
+    def __init__(self, taken: Taken, reports: Iterator[tuple[int, str]], name: str,
+                 cache_bytes: int | None = None) -> None:
+        """`cache_bytes`: beyond this many first bytes, what has been hashed is dropped from
+        the page cache once on the disk (lastgood.durable.DropBehind; None: never)."""
         self.taken, self.reports, self.name = taken, reports, name
         self.digest: str | None = None
+        self._behind = durable.DropBehind(taken.fd, cache_bytes)
 
     def chunks(self, chunk: int) -> Iterator[memoryview]:
         pos, size = 0, self.taken.size
@@ -103,6 +107,7 @@ class Followed:
             for piece in self.taken.chunks(chunk, pos, written):
                 pos += piece.nbytes
                 yield piece
+            self._behind.advance(pos)  # every byte before pos is hashed now
             if pos != written:
                 raise InvalidArgument(f"followed hand-over of {self.name}: {written} bytes reported written, "
                                       f"the file holds {pos}")
