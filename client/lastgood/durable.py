@@ -116,25 +116,40 @@ class DropBehind:
     still reads most of a moderate file from memory.
 
     Never needed for correctness: the fsync still makes the file durable, and a page
-    dropped is read from the disk when asked for. Where the calls are unsupported or fail,
-    nothing is dropped."""
+    dropped is read from the disk when asked for. The waits run on a descriptor of their
+    own (the file opened again through /proc/self/fd): a wait that meets a writeback error
+    consumes it for its own open file only (Linux's per-file error cursor), so the owner's
+    fsync on `fd` still reports it and the file is never published as durable. Where the
+    calls are unsupported or fail, nothing more is dropped. `close()` when done."""
 
-    __slots__ = ("fd", "done")
+    __slots__ = ("fd", "done", "_own")
 
     def __init__(self, fd: int, keep: int | None) -> None:
-        self.fd = fd if keep is not None and _sfr is not None and hasattr(os, "posix_fadvise") else -1
-        self.done = keep or 0  # bytes [keep, done) are dropped
+        usable = keep is not None and _sfr is not None and hasattr(os, "posix_fadvise")
+        self.fd = fd if usable else -1
+        self.done = -(-(keep or 0) // WRITE_BYTES) * WRITE_BYTES  # bytes [keep, done) are dropped
+        self._own = -1
 
     def advance(self, pos: int) -> None:
         upto = (pos - DROP_LAG) & ~(WRITE_BYTES - 1)
         if self.fd < 0 or upto <= self.done:
             return
         try:
-            if _sfr(self.fd, self.done, upto - self.done, _WAIT_WRITE) == 0:
-                os.posix_fadvise(self.fd, self.done, upto - self.done, os.POSIX_FADV_DONTNEED)
-        except OSError:  # the fsync reports what matters
-            pass
+            if self._own < 0:
+                self._own = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+            if _sfr(self._own, self.done, upto - self.done, _WAIT_WRITE) != 0:
+                raise OSError(ctypes.get_errno(), "sync_file_range")
+            os.posix_fadvise(self._own, self.done, upto - self.done, os.POSIX_FADV_DONTNEED)
+        except OSError:  # the owner's fsync reports what matters; nothing more is dropped
+            self.close()
+            self.fd = -1
+            return
         self.done = upto
+
+    def close(self) -> None:
+        own, self._own = self._own, -1
+        if own >= 0:
+            os.close(own)
 
 
 _queue: "queue.SimpleQueue | None" = None

@@ -317,16 +317,18 @@ def test_a_refusal_of_the_checkpoint_is_raised_not_written_again(svc, run_name, 
 
 
 @pytest.mark.parametrize("limit", ["16M", "-1"], ids=["drop-behind", "control: never drop"])
-def test_a_large_followed_file_leaves_only_its_head_in_the_page_cache(make_service, run_name, limit):
+def test_a_large_followed_file_leaves_only_its_head_in_the_page_cache(make_service, run_name, limit, tmp_path):
     """Beyond LASTGOOD_SPOOL_CACHE_BYTES of a followed file, what the service has hashed is
     dropped from the page cache once on the disk (lastgood.durable.DropBehind): the blob's
     head and its last DROP_LAG stay cached, the middle is read from the disk, and every byte
     is the one written. Control: -1 keeps the whole blob cached."""
     from lastgood import durable
-    from tests.unit.test_durable import resident
+    from tests.unit.test_durable import on_tmpfs, resident
 
     if durable._sfr is None:
         pytest.skip("sync_file_range (Linux)")
+    if on_tmpfs(tmp_path):
+        pytest.skip("tmpfs and overlay pages are not dropped")
     svc = make_service(LASTGOOD_SPOOL_CACHE_BYTES=str(16 << 20) if limit == "16M" else limit)
     data = os.urandom(96 << 20)
     t = Transport(svc.url)

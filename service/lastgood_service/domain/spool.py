@@ -99,6 +99,12 @@ class Followed:
         self._behind = durable.DropBehind(taken.fd, cache_bytes)
 
     def chunks(self, chunk: int) -> Iterator[memoryview]:
+        try:
+            yield from self._chunks(chunk)
+        finally:
+            self._behind.close()
+
+    def _chunks(self, chunk: int) -> Iterator[memoryview]:
         pos, size = 0, self.taken.size
         for written, digest in self.reports:
             if not pos <= written <= size:
