@@ -116,6 +116,15 @@ def percentile(xs, q: float) -> float:
 
 
 # ---------------------------------------------------------------------------- the service
+def write_results(out_dir, stem: str, doc: dict) -> Path:
+    """Write a bench's JSON as <out_dir>/<stem>.json and say where."""
+    dest = Path(out_dir) / f"{stem}.json"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(doc, indent=1))
+    print(f"results in {dest}")
+    return dest
+
+
 def http_json(url: str, method: str = "GET", timeout: float = 60.0):
     req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
     with urllib.request.urlopen(req, timeout=timeout) as r:

@@ -15,7 +15,6 @@ bench/results/drop_behind-<size>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -26,7 +25,7 @@ import uuid
 from pathlib import Path
 
 from bench.common import (ROOT, Service, build_state, drop_clean_cache, iqr_spread, machine, parse_size, settle,
-                          size_label, state_bytes)
+                          size_label, state_bytes, write_results)
 from bench.run import SERVICE_ENV, dcp_save
 
 
@@ -109,10 +108,7 @@ def main(argv: list[str] | None = None) -> int:
               + (f", DCP / it {entry['vs_dcp']:.2f}x (rep by rep {min(entry['vs_dcp_reps']):.2f}-"
                  f"{max(entry['vs_dcp_reps']):.2f}), restore right after {entry['restore_after_median_s']:.2f} s"
                  if case != "dcp" else ""))
-    dest = Path(args.out) / f"drop_behind-{size_label(parse_size(args.size)).replace(' ', '')}.json"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps(out, indent=1))
-    print(f"results in {dest}")
+    write_results(args.out, f"drop_behind-{size_label(parse_size(args.size)).replace(' ', '')}", out)
     return 0
 
 

@@ -25,7 +25,6 @@ pass. Writes bench/results/pagecache-<size>.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,7 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import GiB, MiB, ROOT, drop_clean_cache, iqr_spread, machine, parse_size, settle, size_label
+from bench.common import (GiB, MiB, ROOT, drop_clean_cache, iqr_spread, machine, parse_size, settle, size_label,
+                          write_results)
 from lastgood import durable
 
 PIECE = 8 * MiB
@@ -114,10 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                               "reported_by_the_vm": reported[name]}
         print(f"{name:>12}: median {statistics.median(xs):.2f} s ({nbytes / GiB / statistics.median(xs):.2f} GiB/s), "
               f"plain / it rep by rep {', '.join(f'{r:.2f}' for r in out['cases'][name]['vs_plain_reps'])}")
-    dest = Path(args.out) / f"pagecache-{size_label(nbytes).replace(' ', '')}.json"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps(out, indent=1))
-    print(f"results in {dest}")
+    write_results(args.out, f"pagecache-{size_label(nbytes).replace(' ', '')}", out)
     return 0
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import shutil
 import statistics
@@ -33,7 +32,7 @@ import uuid
 from pathlib import Path
 
 from bench.common import (GiB, ROOT, Service, build_state, drop_clean_cache, iqr_spread, machine, parse_size,
-                          settle, size_label, state_bytes)
+                          settle, size_label, state_bytes, write_results)
 from bench.run import SERVICE_ENV, dcp_save
 from lastgood import durable
 
@@ -108,10 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{v:>24}: median {entry['median_s']:.3f} s (q1 {q1:.3f}, q3 {q3:.3f})"
               + (f", DCP / it {entry['vs_dcp']:.2f}x (rep by rep {min(entry['vs_dcp_reps']):.2f}-"
                  f"{max(entry['vs_dcp_reps']):.2f})" if "vs_dcp" in entry else ""))
-    dest = Path(args.out) / f"save_ab-{size_label(target).replace(' ', '')}.json"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps(out, indent=1))
-    print(f"results in {dest}")
+    write_results(args.out, f"save_ab-{size_label(target).replace(' ', '')}", out)
     return 0
 
 
