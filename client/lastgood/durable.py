@@ -105,7 +105,7 @@ class DropBehind:
     service's hash of a followed spool file) is waited for on the disk and dropped from the
     page cache (POSIX_FADV_DONTNEED) once it lies DROP_LAG behind that reader, so the file
     recycles a few tens of MiB of page cache instead of taking a page per byte. `advance(pos)`
-    after bytes [0, pos) have been read; `keep` None never drops.
+    after bytes [0, pos) have been read; a negative `keep` never drops.
 
     Why: on this project's machine, a VM that hands memory freed a while ago back to its
     host, taking 4 GiB of fresh page-cache pages is what bounds a 4 GiB save, not the disk:
@@ -124,10 +124,10 @@ class DropBehind:
 
     __slots__ = ("fd", "done", "_own")
 
-    def __init__(self, fd: int, keep: int | None) -> None:
-        usable = keep is not None and _sfr is not None and hasattr(os, "posix_fadvise")
+    def __init__(self, fd: int, keep: int) -> None:
+        usable = keep >= 0 and _sfr is not None and hasattr(os, "posix_fadvise")
         self.fd = fd if usable else -1
-        self.done = -(-(keep or 0) // WRITE_BYTES) * WRITE_BYTES  # bytes [keep, done) are dropped
+        self.done = -(-max(keep, 0) // WRITE_BYTES) * WRITE_BYTES  # bytes [keep, done) are dropped
         self._own = -1
 
     def advance(self, pos: int) -> None:

@@ -219,11 +219,6 @@ class Settings(BaseSettings):
     def resolved_catalog_url(self) -> str:
         return self.catalog_url or f"sqlite:///{(self.data_dir / 'catalog.db').resolve()}"
 
-    @property
-    def spool_cache_limit(self) -> int | None:
-        """spool_cache_bytes as lastgood.durable.DropBehind takes it (None: never drop)."""
-        return None if self.spool_cache_bytes < 0 else self.spool_cache_bytes
-
     def resolved_spool_dir(self) -> Path | None:
         return (self.spool_dir or self.data_dir / "spool").resolve() if self.spool else None
 

@@ -222,11 +222,11 @@ def test_drop_behind_keeps_the_head_and_the_lag_and_drops_the_rest(tmp_path):
 
 @needs_page_cache
 def test_without_a_limit_every_page_stays_cached(tmp_path):
-    """The control: the same writes with keep None leave the whole file in the page cache."""
+    """The control: the same writes with a negative keep leave the whole file in the page cache."""
     if on_tmpfs(tmp_path):
         pytest.skip("tmpfs")
     path, size = tmp_path / "f.bin", 96 * MiB
-    write_dropping(path, None, size)
+    write_dropping(path, -1, size)
     assert resident(path, 0, size) == size
 
 

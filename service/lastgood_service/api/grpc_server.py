@@ -236,7 +236,7 @@ class Servicer(pb_grpc.CheckpointsServicer):
             taken = spool.take(h.spool_file, h.spool_id, h.size, growing=True)
             try:
                 followed = Followed(taken, _progress(request_iterator), h.file_name,
-                                    self.commits.settings.spool_cache_limit)
+                                    self.commits.settings.spool_cache_bytes)
                 return self.commits.put_shard(header, followed.chunks(self.commits.settings.max_chunk_bytes),
                                               adopt=taken, follow=followed)
             finally:

@@ -91,9 +91,9 @@ class Followed:
     the writer closed it. `digest` is that hash once `chunks()` has yielded every byte."""
 
     def __init__(self, taken: Taken, reports: Iterator[tuple[int, str]], name: str,
-                 cache_bytes: int | None = None) -> None:
+                 cache_bytes: int = -1) -> None:
         """`cache_bytes`: beyond this many first bytes, what has been hashed is dropped from
-        the page cache once on the disk (lastgood.durable.DropBehind; None: never)."""
+        the page cache once on the disk (lastgood.durable.DropBehind; negative: never)."""
         self.taken, self.reports, self.name = taken, reports, name
         self.digest: str | None = None
         self._behind = durable.DropBehind(taken.fd, cache_bytes)
