@@ -49,11 +49,9 @@ def followed_put(cl, cid: int, name: str, spool_id: str, size: int, messages, *,
     return cl.stub.PutShard(iter([pb.PutShardRequest(header=header), *messages]), timeout=30)
 
 
-def test_a_followed_file_is_hashed_as_it_grows_and_becomes_the_blob(svc, run_name, spool_inodes):
-    spool, _sid, follow = spool_of(svc)
-    assert follow, "a local store on the spool's file system adopts followed files"
-    data = os.urandom(3 * (8 << 20) + 12345)  # several 8 MiB pieces and a short one: several reports
-    ingested = metric(svc, "lastgood_bytes_ingested_total")
+def followed_commit(svc, run_name: str, data: bytes) -> int:
+    """Begin a checkpoint of one rank, hand `data` over as part.bin while writing it (the
+    client's followed path), vote; the committed checkpoint's id."""
     t = Transport(svc.url)
     try:
         cid = t.begin(run_name, 1, 1, None, "a1", 0).checkpoint_id
@@ -61,6 +59,15 @@ def test_a_followed_file_is_hashed_as_it_grows_and_becomes_the_blob(svc, run_nam
         assert t.commit_rank(cid, 0, ["part.bin"], wait=2).status == "COMMITTED"
     finally:
         t.close()
+    return cid
+
+
+def test_a_followed_file_is_hashed_as_it_grows_and_becomes_the_blob(svc, run_name, spool_inodes):
+    spool, _sid, follow = spool_of(svc)
+    assert follow, "a local store on the spool's file system adopts followed files"
+    data = os.urandom(3 * (8 << 20) + 12345)  # several 8 MiB pieces and a short one: several reports
+    ingested = metric(svc, "lastgood_bytes_ingested_total")
+    cid = followed_commit(svc, run_name, data)
     assert metric(svc, "lastgood_bytes_ingested_total") - ingested == len(data)  # its bytes are counted
     blob = shard_blob(svc, cid, 0)
     assert blob.read_bytes() == data
@@ -331,13 +338,7 @@ def test_a_large_followed_file_leaves_only_its_head_in_the_page_cache(make_servi
         pytest.skip("tmpfs and overlay pages are not dropped")
     svc = make_service(LASTGOOD_SPOOL_CACHE_BYTES=str(16 << 20) if limit == "16M" else limit)
     data = os.urandom(96 << 20)
-    t = Transport(svc.url)
-    try:
-        cid = t.begin(run_name, 1, 1, None, "a1", 0).checkpoint_id
-        assert t.put_followed(cid, 0, "part.bin", data) == hash_bytes(data)
-        assert t.commit_rank(cid, 0, ["part.bin"], wait=2).status == "COMMITTED"
-    finally:
-        t.close()
+    cid = followed_commit(svc, run_name, data)
     blob, size = shard_blob(svc, cid, 0), len(data)
     cached = resident(blob, 0, size)
     if limit == "-1":
