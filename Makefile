@@ -55,12 +55,12 @@ fuzz: $(DEV_STAMP)
 # the full benchmark against the peers and the limits, the disk's own variance first
 # (about 25 minutes on 2 cores; see bench/README.md); run it on an idle machine
 bench: $(DEV_STAMP)
-	$(BIN)/python -m bench.run --quiet-check
+	$(BIN)/python -m bench.run --quiet-check --quiet-wait 900
 
 # the save-speed acceptance run (docs/performance.md): the disk's own variance first, then
 # lastgood vs DCP save, restore and stall at 1 GiB and 4 GiB, 7 interleaved reps; run it on an idle machine
 bench-save: $(DEV_STAMP)
-	$(BIN)/python -m bench.run --quiet-check --only-sizes --sizes 1G,4G --reps 7
+	$(BIN)/python -m bench.run --quiet-check --quiet-wait 900 --only-sizes --sizes 1G,4G --reps 7
 
 # not CI: 30 minutes of writers, scheduled GC and page polling; drift per 5-minute window (bench/README.md)
 soak: $(DEV_STAMP)

@@ -72,6 +72,27 @@ def test_bench_smoke_produces_every_figure(tmp_path):
                for t in doc["targets"])
     quiet = doc["quiet_check"]  # the disk's own variance, measured first
     assert len(quiet["seconds"]) >= 3 and _number(quiet["spread"]) and isinstance(quiet["quiet"], bool)
+    assert quiet["attempts"] and quiet["attempts"][-1]["spread"] == quiet["spread"]
+    assert "(--quiet-check)" in doc["table_markdown"]
     assert doc["settle_s"]["cases"] > 0 and _number(doc["settle_s"]["total"])
     assert "| target |" in doc["table_markdown"] and "| target |" in proc.stdout
     print(f"bench smoke took {elapsed:.0f} s")
+
+
+def test_quiet_wait_measures_again_until_quiet_or_out_of_time(tmp_path, monkeypatch):
+    """--quiet-wait: a NOT QUIET disk is measured again after QUIET_PAUSE until the wait is spent,
+    the bound unchanged and every attempt kept; a quiet first attempt starts the run at once."""
+    from bench import run
+
+    monkeypatch.setattr(run, "FRESH_CACHE", [False])
+    monkeypatch.setattr(run, "QUIET_PAUSE", 0.2)
+    monkeypatch.setattr(run, "QUIET", -1.0)  # no spread is this small: never quiet
+    t0 = time.monotonic()
+    never = run.wait_for_quiet(tmp_path, 1 << 20, 3, 1.5)
+    assert never["quiet"] is False and 3 <= len(never["attempts"]) <= 8, len(never["attempts"])
+    assert time.monotonic() - t0 < 10 and never["attempts"][-1]["seconds"] == never["seconds"]
+
+    monkeypatch.setattr(run, "QUIET", 1e9)  # the control: any spread is quiet (if the load allows)
+    monkeypatch.setattr(run.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    once = run.wait_for_quiet(tmp_path, 1 << 20, 3, 60)
+    assert once["quiet"] is True and len(once["attempts"]) == 1
