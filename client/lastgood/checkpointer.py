@@ -38,7 +38,7 @@ from .interval import Decider, Interval
 from .manifest import Manifest
 from .retry import RetryPolicy
 from .save import SaveSession, split
-from .staging import Snapshot, StagingPool, snapshot
+from .staging import Snapshot, StagingPool, aligned_empty, snapshot
 from .sharding import ShardIndex
 from .state import TrainState, fits
 from .transport import Transport
@@ -543,7 +543,7 @@ class Checkpointer:
                 # every file of the rank (its first, and any it was split into: save/split.py), read
                 # concurrently; at the saving world size into a staging buffer, else an uninitialised one
                 alloc = (lambda n: _held(held, self._pool.acquire(n))) if len(ranks) == 1 else (
-                    lambda n: torch.empty(n, dtype=torch.uint8))
+                    lambda n: aligned_empty(n))
                 files.append(split.fetch_rank(self.transport, manifest, r, shard_file_name(r), alloc)[0])
             # replicated tensors written once, by other ranks: found in their files (replicas.py)
             files = replicas.complete(self.transport, manifest, files, min(self.rank, old_world - 1))

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .dtypes import ST_TO_TORCH, st_dtype
+from .durable import DIRECT_BLOCK
 from .format import FORMAT_VERSION, META_FORMAT, META_STATE, Layout, TensorSpec
 from .save import split
 
@@ -66,7 +67,7 @@ class StagingPool:
                 # too small for this state: drop the smallest instead of growing the pool
                 self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
         try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            return aligned_empty(nbytes, self.pin)
         except BaseException:
             self.release(None)
             raise
@@ -86,6 +87,15 @@ class StagingPool:
             if buf is not None:
                 self._free.append(buf)
             self._cv.notify()
+
+
+def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
+    """An uninitialised uint8 buffer whose first byte lies on a durable.DIRECT_BLOCK boundary,
+    so that a restore reads a file the page cache does not hold straight into it
+    (durable.read_into); split.ALIGN keeps every further file on one too."""
+    raw = torch.empty(nbytes + DIRECT_BLOCK, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % DIRECT_BLOCK
+    return raw[skip:skip + nbytes]
 
 
 def snapshot(step: int, json_state: dict, tensors: dict, pool: StagingPool, file_bytes: int = 0,

@@ -460,13 +460,7 @@ def _pread_lent(spool_dir: str, name: str, view: memoryview, offset: int) -> int
     file is shorter); remove the link."""
     fd = _open_lent(spool_dir, name)
     try:
-        pos = 0
-        while pos < view.nbytes:
-            n = os.preadv(fd, [view[pos:pos + _SPOOL_WRITE]], offset + pos)
-            if not n:
-                break
-            pos += n
-        return pos
+        return durable.read_into(fd, view, offset, _SPOOL_WRITE)  # past the page cache where it holds none
     finally:
         os.close(fd)
 
@@ -476,14 +470,8 @@ def _read_lent(spool_dir: str, name: str, view: memoryview, hasher: StreamHasher
     more to notice a longer file) into `view`, hashing each piece; remove the link."""
     fd = _open_lent(spool_dir, name)  # ours from here on: the open descriptor keeps the bytes
     try:
-        pos = 0
-        while pos < view.nbytes:
-            n = os.readv(fd, [view[pos:pos + _SPOOL_WRITE]])
-            if not n:
-                break
-            hasher.update(view[pos:pos + n])
-            pos += n
-        if pos == view.nbytes and os.read(fd, 1):
+        pos = durable.read_into(fd, view, 0, _SPOOL_WRITE, hasher)  # past the page cache where it holds none
+        if pos == view.nbytes and os.pread(fd, 1, pos):
             raise CorruptCheckpoint(f"the stored file lent as {name} is longer than the committed "
                                     f"{view.nbytes} bytes")
         return pos

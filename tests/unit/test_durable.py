@@ -1,6 +1,7 @@
-"""lastgood.durable.Writeback: a file written through it does not sit dirty in the page cache
+"""lastgood.durable: a file written through Writeback does not sit dirty in the page cache
 until its fsync, where the call cannot work it does nothing, and a closed one never touches
-its descriptor again."""
+its descriptor again; DropBehind keeps a file's head and drops the rest; read_into reads
+what the page cache does not hold past it, with the same bytes."""
 
 from __future__ import annotations
 
@@ -165,27 +166,17 @@ def test_the_writeback_thread_outlives_a_failing_call(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------- DropBehind
 def resident(path, start: int, end: int) -> int:
-    """Bytes of the file's range [start, end) the page cache holds now: mincore(2) on a
-    private map of it (never touched, so it shows the page cache's own pages)."""
-    import ctypes
+    """Bytes of the file's range [start, end) the page cache holds now (durable.cached_pieces,
+    one page a piece: mincore(2) on a map that is never touched)."""
     import mmap
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    page = mmap.PAGESIZE
-    first, last = start // page, -(-end // page)
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    fd = os.open(path, os.O_RDONLY)
     try:
-        anchor = ctypes.c_char.from_buffer(m)
-        vec = (ctypes.c_ubyte * (last - first))()
-        rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor) + first * page), (last - first) * page, vec)
-        del anchor
-        if rc != 0:
-            raise OSError(ctypes.get_errno(), "mincore")
-        return sum(v & 1 for v in vec) * page
+        pages = durable.cached_pieces(fd, start, end - start, mmap.PAGESIZE)
     finally:
-        m.close()
+        os.close(fd)
+    assert pages is not None, "mincore(2) could not be asked"
+    return sum(pages) * mmap.PAGESIZE
 
 
 def write_dropping(path, keep, size: int = 96 * MiB, piece: int = 8 * MiB) -> bytes:
@@ -265,3 +256,124 @@ def test_drop_behind_waits_on_a_descriptor_of_its_own_and_stops_at_an_error(tmp_
         os.fsync(fd)  # the owner's descriptor is untouched
     finally:
         os.close(fd)
+
+
+# ---------------------------------------------------------------------- read_into
+def write_file(path, size: int) -> bytes:
+    data = os.urandom(size)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return data
+
+
+def drop(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def read_back(path, view, offset: int = 0, piece: int = 8 * MiB):
+    from lastgood.hashing import StreamHasher, hash_bytes
+
+    hasher = StreamHasher()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = durable.read_into(fd, view, offset, piece, hasher)
+    finally:
+        os.close(fd)
+    return got, hasher.hexdigest(), hash_bytes
+
+
+def aligned(nbytes: int) -> memoryview:
+    import mmap
+
+    return memoryview(mmap.mmap(-1, nbytes))  # page-aligned
+
+
+needs_direct = pytest.mark.skipif(durable._mincore is None or not hasattr(os, "O_DIRECT")
+                                  or not hasattr(os, "posix_fadvise"), reason="mincore and O_DIRECT (Linux)")
+
+
+@needs_direct
+def test_a_file_the_page_cache_dropped_is_read_past_it_with_the_same_bytes(tmp_path):
+    if on_tmpfs(tmp_path):
+        pytest.skip("tmpfs pages are the file itself: never cold")
+    size = 3 * 8 * MiB + 12345  # an unaligned tail, read through the page cache
+    path = tmp_path / "cold.bin"
+    data = write_file(path, size)
+    drop(path)
+    assert resident(path, 0, size) == 0
+    view = aligned(size + 8192)
+    got, digest, hash_bytes = read_back(path, view[:size])
+    assert got == size and bytes(view[:size]) == data and digest == hash_bytes(data)
+    # read straight from the disk: the file is no more cached than the tail's one page
+    assert resident(path, 0, size) <= 4096
+
+    # the control: the same read through the page cache fills it
+    drop(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert os.preadv(fd, [view[:size]], 0) == size
+    finally:
+        os.close(fd)
+    assert resident(path, 0, size) >= size
+
+
+@needs_direct
+def test_cached_pieces_are_read_through_the_page_cache_and_cold_ones_past_it(tmp_path):
+    if on_tmpfs(tmp_path):
+        pytest.skip("tmpfs pages are the file itself: never cold")
+    path, piece = tmp_path / "half.bin", 8 * MiB
+    data = write_file(path, 4 * piece)
+    drop(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:  # pieces 0 and 2 in the page cache, 1 and 3 cold
+        assert len(os.pread(fd, 4 * piece, 0)) == 4 * piece
+        for cold in (1, 3):
+            os.posix_fadvise(fd, cold * piece, piece, os.POSIX_FADV_DONTNEED)
+        assert durable.cached_pieces(fd, 0, 4 * piece, piece) == [True, False, True, False]
+    finally:
+        os.close(fd)
+    view = aligned(4 * piece)
+    got, digest, hash_bytes = read_back(path, view, piece=piece)
+    assert got == 4 * piece and bytes(view) == data and digest == hash_bytes(data)
+    assert resident(path, 0, 4 * piece) == 2 * piece  # the cold half was not brought in
+
+
+@needs_direct
+def test_a_view_off_the_block_boundary_and_a_file_shorter_than_it(tmp_path):
+    if on_tmpfs(tmp_path):
+        pytest.skip("tmpfs pages are the file itself: never cold")
+    path = tmp_path / "short.bin"
+    data = write_file(path, 2 * 8 * MiB + 100)
+    drop(path)
+    whole = aligned(4 * 8 * MiB)
+    view = whole[1:1 + 3 * 8 * MiB]  # not aligned: each cold piece goes through a bounce piece
+    got, _, _ = read_back(path, view)
+    assert got == len(data) and bytes(view[:got]) == data
+    assert resident(path, 0, len(data)) <= 4096
+    drop(path)  # a range from the middle, at an offset off the block boundary (read_range)
+    part = aligned(8 * MiB)
+    got, _, _ = read_back(path, part, offset=8 * MiB + 7)
+    assert got == 8 * MiB and bytes(part) == data[8 * MiB + 7:16 * MiB + 7]
+
+
+def test_where_the_file_system_refuses_o_direct_the_page_cache_serves(tmp_path, monkeypatch):
+    path = tmp_path / "f.bin"
+    data = write_file(path, 8 * MiB + 5)
+    real_open = os.open
+
+    def no_direct(p, flags, *a):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(22, "Invalid argument")  # as tmpfs answers
+        return real_open(p, flags, *a)
+
+    monkeypatch.setattr(durable.os, "open", no_direct)
+    monkeypatch.setattr(durable, "cached_pieces", lambda fd, off, n, piece: [False] * -(-n // piece))
+    view = aligned(len(data))
+    got, digest, hash_bytes = read_back(path, view)
+    assert got == len(data) and bytes(view) == data and digest == hash_bytes(data)

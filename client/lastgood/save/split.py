@@ -41,6 +41,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from ..durable import DIRECT_BLOCK
 from ..errors import CorruptCheckpoint, FormatError
 from ..format import (META_FILE_SHAPES, META_FILES, Layout, TensorSpec, header_length, parse_header, plan_layout,
                       sibling_tensors)
@@ -51,7 +52,9 @@ MAX_FILES = WORKERS  # the most files a rank's state is split into: one per writ
 # PutShard streams a rank opens at once: the service allows max_streams_per_client (16) per
 # token, and the ranks of a host usually share one: four each would overrun it on 8 ranks
 STREAM_WORKERS = 2
-ALIGN = 64      # where each file starts in a buffer: every tensor stays aligned to its element size
+# where each file starts in a buffer: every tensor stays aligned to its element size, and a
+# restore's O_DIRECT read lands straight in the buffer (durable.read_into)
+ALIGN = DIRECT_BLOCK
 T = TypeVar("T")
 _FURTHER = re.compile(r".+-\d{3}\.safetensors")
 

@@ -1,0 +1,25 @@
+"""bench.cold_restore at a tiny size, so that it never rots: a restore past the page cache,
+the same through it, and DCP's load, and the JSON holds every case's figures. The numbers
+are not checked (python -m bench.cold_restore)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cold_restore_smoke_runs_every_case(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "bench.cold_restore", "--size", "8M", "--reps", "2", "--keep-cache",
+                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "cold_restore-8MiB.json").read_text())
+    assert doc["cold"] is False
+    assert set(doc["cases"]) == {"past the page cache", "through the page cache", "dcp load"}
+    for name, case in doc["cases"].items():
+        assert len(case["seconds"]) == 2 and all(s > 0 for s in case["seconds"]), name
+        if name != "past the page cache":
+            assert len(case["past_cache_speedup_reps"]) == 2 and case["past_cache_speedup"] > 0, name
