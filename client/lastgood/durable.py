@@ -187,9 +187,10 @@ def cached_pieces(fd: int, offset: int, length: int, piece: int) -> "list[bool] 
     finally:
         m.close()
     out, pos = [], 0
-    while pos < length:  # a piece past the end of the file: not cached (its read finds the end)
+    while pos < length:  # pages past the end of the file: not cached (their read finds the end)
         a, b = (offset + pos - start) // page, -(-(offset + min(pos + piece, length) - start) // page)
-        out.append(b - a - bits[a:b].count(0) >= COLD_BELOW * (b - a))
+        held = bits[a:min(b, len(bits))]
+        out.append(len(held) - held.count(0) >= COLD_BELOW * (b - a) and bool(held))
         pos += piece
     return out
 

@@ -92,7 +92,14 @@ class StagingPool:
 def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
     """An uninitialised uint8 buffer whose first byte lies on a durable.DIRECT_BLOCK boundary,
     so that a restore reads a file the page cache does not hold straight into it
-    (durable.read_into); split.ALIGN keeps every further file on one too."""
+    (durable.read_into); split.ALIGN keeps every further file on one too. Pinned memory comes
+    page-aligned from its allocator, which may round a size up to a power of two: it is
+    padded only if it did not."""
+    if pin:
+        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if raw.data_ptr() % DIRECT_BLOCK == 0:
+            return raw
+        del raw
     raw = torch.empty(nbytes + DIRECT_BLOCK, dtype=torch.uint8, pin_memory=pin)
     skip = -raw.data_ptr() % DIRECT_BLOCK
     return raw[skip:skip + nbytes]
