@@ -162,30 +162,31 @@ _LOW_BIT = bytes(i & 1 for i in range(256))
 
 def cached_pieces(fd: int, offset: int, length: int, piece: int) -> "list[bool] | None":
     """For each `piece`-byte piece of the file's range [offset, offset + length): does the
-    page cache hold (at least COLD_BELOW of) it now? mincore(2) on a private map of the
-    range that is never touched, so it shows the page cache's own pages. None where that
-    cannot be asked (not Linux, an empty range, a file that cannot be mapped)."""
+    page cache hold (at least COLD_BELOW of) it now? mincore(2) on a shared map of the range
+    with no access at all (PROT_NONE, as util-linux's fincore did): it shows the page cache's
+    own pages, is never touched, and charges no memory (a private map would count against
+    a strict overcommit limit). None where that cannot be asked (not Linux, an empty range,
+    a file that cannot be mapped)."""
     import mmap
 
     page = mmap.PAGESIZE
     start = offset - offset % page
     try:
         size = min(offset + length, os.fstat(fd).st_size) - start  # a map past the end of the file: SIGBUS
-        if length <= 0 or size <= 0 or _mincore is None:
-            return None
-        m = mmap.mmap(fd, size, access=mmap.ACCESS_COPY, offset=start)
-    except (OSError, ValueError):
+    except OSError:
+        return None
+    if length <= 0 or size <= 0 or _mincore is None:
+        return None
+    addr = _map(None, size, mmap.PROT_NONE if hasattr(mmap, "PROT_NONE") else 0, mmap.MAP_SHARED, fd, start)
+    if addr is None or addr == _MAP_FAILED:
         return None
     try:
-        anchor = ctypes.c_char.from_buffer(m)
         vec = (ctypes.c_ubyte * -(-size // page))()
-        rc = _mincore(ctypes.c_void_p(ctypes.addressof(anchor)), size, vec)
-        del anchor
-        if rc != 0:
+        if _mincore(addr, size, vec) != 0:
             return None
         bits = bytes(vec).translate(_LOW_BIT)  # the low bit says resident; the others are reserved
     finally:
-        m.close()
+        _unmap(addr, size)
     out, pos = [], 0
     while pos < length:  # pages past the end of the file: not cached (their read finds the end)
         a, b = (offset + pos - start) // page, -(-(offset + min(pos + piece, length) - start) // page)
@@ -195,17 +196,25 @@ def cached_pieces(fd: int, offset: int, length: int, piece: int) -> "list[bool] 
     return out
 
 
-def _libc_mincore():
+def _libc_calls():
+    """libc's mincore, mmap and munmap (Python's mmap module has no mincore, and its maps
+    that export an address are writable, so private or shared-writable), or Nones."""
     try:
-        fn = ctypes.CDLL(None, use_errno=True).mincore
+        libc = ctypes.CDLL(None, use_errno=True)
+        mincore, map_, unmap = libc.mincore, libc.mmap, libc.munmap
     except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
+        return None, None, None
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    mincore.restype = ctypes.c_int
+    map_.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    map_.restype = ctypes.c_void_p
+    unmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    unmap.restype = ctypes.c_int
+    return mincore, map_, unmap
 
 
-_mincore = _libc_mincore()
+_mincore, _map, _unmap = _libc_calls()
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def read_into(fd: int, view: memoryview, offset: int, piece: int, hasher=None) -> int:

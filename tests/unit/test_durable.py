@@ -5,6 +5,7 @@ what the page cache does not hold past it, with the same bytes."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
@@ -14,6 +15,7 @@ import pytest
 from lastgood import durable
 
 MiB = 1 << 20
+PAGE = mmap.PAGESIZE  # one page: what an unaligned tail, read through the page cache, leaves cached
 
 
 def dirty_bytes() -> int:
@@ -165,18 +167,49 @@ def test_the_writeback_thread_outlives_a_failing_call(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------- DropBehind
-def resident(path, start: int, end: int) -> int:
-    """Bytes of the file's range [start, end) the page cache holds now (durable.cached_pieces,
-    one page a piece: mincore(2) on a map that is never touched)."""
-    import mmap
+def _cachestat():
+    """cachestat(2) (Linux 6.5): how many of a range's pages the page cache holds, asked
+    without mincore, so the tests of durable.cached_pieces do not check it against itself."""
+    import ctypes
+    import platform
 
+    if platform.machine() not in ("x86_64", "aarch64"):  # 451 on both; not on older ABIs
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    class Range(ctypes.Structure):
+        _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+    class Stat(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_uint64) for n in ("cache", "dirty", "writeback", "evicted", "recently_evicted")]
+
+    def cached(fd: int, start: int, length: int) -> "int | None":
+        st = Stat()
+        if libc.syscall(451, fd, ctypes.byref(Range(start, length)), ctypes.byref(st), 0) != 0:
+            return None  # ENOSYS: an older kernel
+        return st.cache
+    return cached
+
+
+_CACHESTAT = _cachestat()
+
+
+def resident(path, start: int, end: int) -> int:
+    """Bytes of the file's range [start, end) the page cache holds now: cachestat(2) where
+    the kernel has it, else durable.cached_pieces one page a piece."""
+    page = mmap.PAGESIZE
     fd = os.open(path, os.O_RDONLY)
     try:
-        pages = durable.cached_pieces(fd, start, end - start, mmap.PAGESIZE)
+        if _CACHESTAT is not None:
+            lo = start - start % page
+            pages = _CACHESTAT(fd, lo, end - lo)
+            if pages is not None:
+                return pages * page
+        pieces = durable.cached_pieces(fd, start, end - start, page)
     finally:
         os.close(fd)
-    assert pages is not None, "mincore(2) could not be asked"
-    return sum(pages) * mmap.PAGESIZE
+    assert pieces is not None, "neither cachestat(2) nor mincore(2) could be asked"
+    return sum(pieces) * page
 
 
 def write_dropping(path, keep, size: int = 96 * MiB, piece: int = 8 * MiB) -> bytes:
@@ -289,8 +322,6 @@ def read_back(path, view, offset: int = 0, piece: int = 8 * MiB):
 
 
 def aligned(nbytes: int) -> memoryview:
-    import mmap
-
     return memoryview(mmap.mmap(-1, nbytes))  # page-aligned
 
 
@@ -311,7 +342,7 @@ def test_a_file_the_page_cache_dropped_is_read_past_it_with_the_same_bytes(tmp_p
     got, digest, hash_bytes = read_back(path, view[:size])
     assert got == size and bytes(view[:size]) == data and digest == hash_bytes(data)
     # read straight from the disk: the file is no more cached than the tail's one page
-    assert resident(path, 0, size) <= 4096
+    assert resident(path, 0, size) <= PAGE
 
     # the control: the same read through the page cache fills it
     drop(path)
@@ -355,7 +386,7 @@ def test_a_view_off_the_block_boundary_and_a_file_shorter_than_it(tmp_path):
     view = whole[1:1 + 3 * 8 * MiB]  # not aligned: each cold piece goes through a bounce piece
     got, _, _ = read_back(path, view)
     assert got == len(data) and bytes(view[:got]) == data
-    assert resident(path, 0, len(data)) <= 4096
+    assert resident(path, 0, len(data)) <= PAGE
     drop(path)  # a range from the middle, at an offset off the block boundary (read_range)
     part = aligned(8 * MiB)
     got, _, _ = read_back(path, part, offset=8 * MiB + 7)
@@ -365,10 +396,11 @@ def test_a_view_off_the_block_boundary_and_a_file_shorter_than_it(tmp_path):
 def test_where_the_file_system_refuses_o_direct_the_page_cache_serves(tmp_path, monkeypatch):
     path = tmp_path / "f.bin"
     data = write_file(path, 8 * MiB + 5)
-    real_open = os.open
+    real_open, tried = os.open, []
 
     def no_direct(p, flags, *a):
         if flags & getattr(os, "O_DIRECT", 0):
+            tried.append(p)
             raise OSError(22, "Invalid argument")  # as tmpfs answers
         return real_open(p, flags, *a)
 
@@ -377,3 +409,32 @@ def test_where_the_file_system_refuses_o_direct_the_page_cache_serves(tmp_path, 
     view = aligned(len(data))
     got, digest, hash_bytes = read_back(path, view)
     assert got == len(data) and bytes(view) == data and digest == hash_bytes(data)
+    assert len(tried) == 1  # it did ask, once for the file
+
+
+@needs_direct
+def test_where_o_direct_is_refused_at_read_time_the_rest_goes_through_the_page_cache(tmp_path, monkeypatch):
+    """Some file systems open with O_DIRECT and answer EINVAL at the first read: that piece
+    and every later one of the file are read through the page cache, with the same bytes."""
+    if on_tmpfs(tmp_path):
+        pytest.skip("tmpfs refuses O_DIRECT at open")
+    import fcntl
+
+    path, piece = tmp_path / "f.bin", 8 * MiB
+    data = write_file(path, 3 * piece + 5)
+    real_preadv, refused, plain = os.preadv, [], []
+
+    def einval_if_direct(fd, buffers, offset, *a):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(offset)
+            raise OSError(22, "Invalid argument")
+        plain.append(offset)
+        return real_preadv(fd, buffers, offset, *a)
+
+    monkeypatch.setattr(durable.os, "preadv", einval_if_direct)
+    monkeypatch.setattr(durable, "cached_pieces", lambda fd, off, n, p: [False] * -(-n // p))
+    view = aligned(len(data))
+    got, digest, hash_bytes = read_back(path, view, piece=piece)
+    assert got == len(data) and bytes(view) == data and digest == hash_bytes(data)
+    assert refused == [0]  # asked once; the direct descriptor was closed after the refusal
+    assert plain == [0, piece, 2 * piece, 3 * piece]
