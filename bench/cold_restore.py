@@ -24,17 +24,40 @@ import time
 import uuid
 from pathlib import Path
 
-from bench.common import (ROOT, Service, build_state, drop_clean_cache, iqr_spread, machine, parse_size, settle,
-                          size_label, state_bytes, write_results)
+from bench.common import (ROOT, Service, build_state, drop_clean_cache, iqr_spread, machine, order_of, parse_size,
+                          settle, size_label, state_bytes, write_results)
 from bench.run import SERVICE_ENV, dcp_load, dcp_save
 
 CASES = ("past the page cache", "through the page cache", "dcp load")
+IN_MEMORY = ("tmpfs", "ramfs")  # file systems whose pages are the files: nothing on them is ever cold
+
+
+def fs_type(path: Path) -> str:
+    """The type of the file system `path` is on (the longest mount point above it)."""
+    with open("/proc/mounts") as f:
+        mounts = [line.split()[1:3] for line in f]
+    p = str(path.resolve())
+    return max((m for m in mounts if p == m[0] or p.startswith(m[0].rstrip("/") + "/")),
+               key=lambda m: len(m[0]), default=("", "?"))[1]
+
+
+def count_direct(durable) -> list:
+    """Count the bytes read with O_DIRECT from here on (wraps durable._Direct.read): [bytes]."""
+    box, real = [0], durable._Direct.read
+
+    def read(self, target, offset):
+        got = real(self, target, offset)
+        box[0] += got or 0
+        return got
+    durable._Direct.read = read
+    return box
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cold_restore", description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="4G")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dir", default="/tmp", help="where the service's data and DCP's files go (a disk, not tmpfs)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--keep-cache", action="store_true",
                     help="do not drop the page cache (nothing is cold then: the smoke test's way to run every case)")
@@ -42,7 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     import lastgood
     from lastgood import durable
 
-    work = Path(tempfile.mkdtemp(prefix="lastgood-cold-restore-", dir="/tmp"))
+    work = Path(tempfile.mkdtemp(prefix="lastgood-cold-restore-", dir=args.dir))
+    fs = fs_type(work)
+    if fs in IN_MEMORY and not args.keep_cache:
+        shutil.rmtree(work, ignore_errors=True)
+        print(f"{args.dir} is on {fs}: its pages are the files, nothing there is ever cold; give --dir on a disk")
+        return 2
+    direct = count_direct(durable)
     model, opt = build_state(parse_size(args.size))
     nbytes = state_bytes(model, opt)
     state = lastgood.TrainState(model=model, optimizer=opt)
@@ -51,13 +80,14 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = lastgood.Checkpointer(svc.url, run=f"cold-restore-{uuid.uuid4().hex[:6]}")
     cold_below = durable.COLD_BELOW
     times: dict[str, list[float]] = {c: [] for c in CASES}
+    direct_bytes: dict[str, list[int]] = {c: [] for c in CASES[:2]}  # read with O_DIRECT, per rep
     try:
         ckpt.save(1, state)
         ckpt.wait()
         dcp_save(model, opt, work / "dcp")
         ckpt.restore(state)  # warm-up: the staging buffer is touched once, as in a job that saved before
         for i in range(args.reps):
-            for case in CASES[i % len(CASES):] + CASES[:i % len(CASES)]:
+            for case in order_of(list(CASES), i):
                 settle()
                 if not args.keep_cache and not drop_clean_cache():
                     print("cannot drop the page cache (needs root): no restore here would be cold")
@@ -66,9 +96,10 @@ def main(argv: list[str] | None = None) -> int:
                     times[case].append(dcp_load(model, opt, work / "dcp"))
                     continue
                 durable.COLD_BELOW = cold_below if case == "past the page cache" else -1.0
-                t0 = time.perf_counter()
+                before, t0 = direct[0], time.perf_counter()
                 assert ckpt.restore(state) == 1
                 times[case].append(time.perf_counter() - t0)
+                direct_bytes[case].append(direct[0] - before)
             durable.COLD_BELOW = cold_below
             print(f"rep {i + 1}: " + ", ".join(f"{c} {times[c][-1]:.2f} s" for c in CASES), flush=True)
     finally:
@@ -77,12 +108,15 @@ def main(argv: list[str] | None = None) -> int:
         svc.stop()
         shutil.rmtree(work, ignore_errors=True)
     out = {"command": "python -m bench.cold_restore " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "machine": machine(), "bytes": nbytes, "reps": args.reps, "cold": not args.keep_cache, "cases": {}}
+           "machine": machine(), "bytes": nbytes, "reps": args.reps, "cold": not args.keep_cache,
+           "file_system": fs, "cases": {}}
     past = times[CASES[0]]
     for case in CASES:
         xs = times[case]
         entry = {"seconds": xs, "median_s": statistics.median(xs), "iqr_spread": iqr_spread(xs),
                  "gib_per_s": nbytes / 2**30 / statistics.median(xs)}
+        if case in direct_bytes:  # did the restore read past the page cache at all?
+            entry["o_direct_bytes_reps"] = direct_bytes[case]
         if case != CASES[0]:  # how many times as fast reading past the page cache is, rep by rep
             entry["past_cache_speedup_reps"] = [x / p for x, p in zip(xs, past)]
             entry["past_cache_speedup"] = statistics.median(xs) / statistics.median(past)
