@@ -217,6 +217,22 @@ def dirty_bytes() -> int:
     return proc_meminfo("Dirty") + proc_meminfo("Writeback")
 
 
+def order_of(cases: list, i: int) -> list:
+    """The order rep i runs the cases in: a row of a Williams design (a balanced Latin
+    square: cases 0, 1, n-1, 2, n-2, ... shifted by i; for an odd count every other row
+    reversed, shifted so that it too starts with case i). So rep i starts with case i mod n, and
+    over the reps each case follows a different neighbour nearly every time: what a case
+    leaves behind (its writeback; the memory it freed, which this VM hands back to its
+    host and faults in again slowly) falls on every other case alike, where a plain
+    rotation kept each case behind the same neighbour in every rep
+    (tests/bench/test_bench_smoke.py)."""
+    n = len(cases)
+    base = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]
+    if n % 2 and i % 2:
+        return [cases[(i - base[-1] + b) % n] for b in base][::-1]
+    return [cases[(i + b) % n] for b in base]
+
+
 def settle(limit: int = 32 * MiB, timeout: float = 120.0) -> float:
     """sync, then wait until the dirty backlog is under `limit` (or `timeout` passes):
     a case must not pay for the writeback of the one before it. Returns seconds waited."""

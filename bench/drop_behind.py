@@ -24,8 +24,8 @@ import time
 import uuid
 from pathlib import Path
 
-from bench.common import (ROOT, Service, build_state, drop_clean_cache, iqr_spread, machine, parse_size, settle,
-                          size_label, state_bytes, write_results)
+from bench.common import (ROOT, Service, build_state, drop_clean_cache, iqr_spread, machine, order_of, parse_size,
+                          settle, size_label, state_bytes, write_results)
 from bench.run import SERVICE_ENV, dcp_save
 
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         times: dict[str, list[float]] = {c: [] for c in cases}
         restores: dict[str, list[float]] = {lim: [] for lim in limits}
         for i in range(args.reps):
-            for case in cases[i % len(cases):] + cases[:i % len(cases)]:
+            for case in order_of(cases, i):
                 settle()
                 if not args.keep_cache:
                     drop_clean_cache()

@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import MiB, ROOT, Service, build_state, machine, median, parse_size, proc_status, size_label
+from bench.common import MiB, ROOT, Service, build_state, machine, median, order_of, parse_size, proc_status, size_label
 
 CASES = ("read", "download", "export", "export_bf16")
 
@@ -96,7 +96,7 @@ def one_size(size: int, reps: int, work: Path) -> dict:
         del model, opt
         rows: dict[str, list[dict]] = {c: [] for c in CASES}
         for rep in range(reps):
-            order = CASES[rep % len(CASES):] + CASES[:rep % len(CASES)]
+            order = order_of(list(CASES), rep)
             for case in order:
                 dest = work / f"out-{case}-{rep}"
                 rows[case].append(run_case(case, svc.url, cid, dest))

@@ -34,8 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import (GiB, MiB, ROOT, drop_clean_cache, iqr_spread, machine, parse_size, settle, size_label,
-                          write_results)
+from bench.common import (GiB, MiB, ROOT, drop_clean_cache, iqr_spread, machine, order_of, parse_size, settle,
+                          size_label, write_results)
 from lastgood import durable
 
 PIECE = 8 * MiB
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(args.reps):
             names = list(cases)
-            for name in names[i % len(names):] + names[:i % len(names)]:
+            for name in order_of(names, i):
                 drop_behind, late = cases[name]
                 settle()
                 if not args.keep_cache:

@@ -6,9 +6,10 @@
 Prints a table and writes the same figures as JSON under bench/results/ (latest.json and
 a timestamped copy; --out picks another folder). Every figure is the median of --reps
 repetitions (at least 3); repetitions of the cases that are compared are interleaved
-(rep 1 of every case, then rep 2, ...; each rep starts one case later) so that load from
-other processes, and the writeback of the case before, fall on them alike; every ratio is
-taken between figures of this one run. See bench/README.md.
+(rep 1 of every case, then rep 2, ...; each rep in another order, every case behind
+another neighbour: bench.common.order_of) so that load from other processes, and what
+the case before leaves, fall on them alike; every ratio is taken between figures of this
+one run. See bench/README.md.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 from bench.common import (GiB, MiB, ROOT, RssSampler, Service, build_state, drop_clean_cache, free_page_reporting,
-                          iqr_spread, machine, median, parse_size, proc_status, settle, size_label, spread,
+                          iqr_spread, machine, median, order_of, parse_size, proc_status, settle, size_label, spread,
                           state_bytes, state_tensors)
 from bench.pipe import PipeClient
 from lastgood import durable
@@ -117,20 +118,13 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def rotate(cases: list, i: int) -> list:
-    """Rep i starts at case i: every case takes every place in the order (with enough reps),
-    so none always runs right after the same neighbour (whose writeback it would inherit)."""
-    k = i % len(cases)
-    return cases[k:] + cases[:k]
-
-
 def interleaved(cases: list, reps: int, fresh: bool = False):
-    """Run every (name, case) once per repetition, each repetition starting one case later;
-    yields (repetition, the order it ran in) after each. `fresh`: each case starts with the
-    clean page cache dropped too (the saves: each allocates its page cache from memory just
-    freed, bench/common.drop_clean_cache); the restores read from a warm page cache."""
+    """Run every (name, case) once per repetition, in order_of's order; yields (repetition,
+    the order it ran in) after each. `fresh`: each case starts with the clean page cache
+    dropped too (the saves: each allocates its page cache from memory just freed,
+    bench/common.drop_clean_cache); the restores read from a warm page cache."""
     for i in range(reps):
-        order = rotate(cases, i)
+        order = order_of(cases, i)
         for _name, case in order:
             SETTLED.append(settle())  # no case inherits the dirty pages of the one before
             if fresh and FRESH_CACHE[0]:
@@ -379,7 +373,7 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
                 f"{times['copy_floor'][-1]:.3f} s, async blocks {times['lastgood_save_async_block'][-1]:.3f} s / "
                 f"commits {times['lastgood_save_async_commit'][-1]:.2f} s")
         # the last commit, which the restores read, is split as the default splits it (the
-        # rotation may have ended on the one-file case)
+        # last rep may have ended on the one-file case)
         step = step_box[0] + 1
         timed(lambda: (ckpt.save(step, state), ckpt.wait()))
         floor.free()

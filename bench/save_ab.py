@@ -31,7 +31,7 @@ import time
 import uuid
 from pathlib import Path
 
-from bench.common import (GiB, ROOT, Service, build_state, drop_clean_cache, iqr_spread, machine, parse_size,
+from bench.common import (GiB, ROOT, Service, build_state, drop_clean_cache, iqr_spread, machine, order_of, parse_size,
                           settle, size_label, state_bytes, write_results)
 from bench.run import SERVICE_ENV, dcp_save
 from lastgood import durable
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         svc.gc()
         times: dict[str, list[float]] = {v: [] for v in variants}
         for i in range(args.reps):
-            order = variants[i % len(variants):] + variants[:i % len(variants)]
+            order = order_of(variants, i)
             for v in order:
                 settle()
                 if not args.keep_cache:

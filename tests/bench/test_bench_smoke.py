@@ -96,3 +96,23 @@ def test_quiet_wait_measures_again_until_quiet_or_out_of_time(tmp_path, monkeypa
     monkeypatch.setattr(run.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     once = run.wait_for_quiet(tmp_path, 1 << 20, 3, 60)
     assert once["quiet"] is True and len(once["attempts"]) == 1
+
+
+def test_every_rep_runs_the_cases_in_another_order_behind_other_neighbours():
+    """What a case leaves behind (writeback, freed memory, a deleted file's discards) must
+    not fall on the same case every rep. A rotation, the order before 2026-12-02, kept
+    every case behind the same neighbour (lastgood sync behind DCP in every save rep)."""
+    from bench.common import order_of
+
+    for n in range(2, 9):
+        cases = [f"case{k}" for k in range(n)]
+        orders = [order_of(cases, i) for i in range(5)]
+        assert all(sorted(o) == cases for o in orders), n  # each case once a rep
+        firsts = [o[0] for o in orders]
+        assert len(set(firsts)) == min(n, 5), (n, firsts)  # another case starts each rep
+        if n < 3:
+            continue  # two cases: each follows the other, or nothing
+        for c in cases:
+            before = [o[o.index(c) - 1] for o in orders if o.index(c) > 0]
+            assert len(set(before)) > 1, (n, c, orders)  # never the same neighbour every time
+            assert max(before.count(b) for b in before) <= 2, (n, c, orders)
