@@ -212,6 +212,25 @@ def proc_meminfo(key: str) -> int:
     return 0
 
 
+VMSTAT_KEYS = ("pgfault", "pgmajfault", "pgmigrate_success", "compact_stall", "allocstall_normal",
+               "allocstall_movable", "pgscan_direct", "pgsteal_kswapd")
+
+
+def vmstat() -> dict:
+    """The machine's /proc/vmstat counters that say what memory management did meanwhile
+    (faults, page migration, compaction and reclaim stalls), VMSTAT_KEYS only."""
+    out = {}
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key in VMSTAT_KEYS:
+                    out[key] = int(value)
+    except OSError:
+        pass
+    return out
+
+
 def dirty_bytes() -> int:
     """Bytes the page cache still has to write back (Dirty + Writeback in /proc/meminfo)."""
     return proc_meminfo("Dirty") + proc_meminfo("Writeback")

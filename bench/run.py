@@ -34,7 +34,7 @@ import torch
 
 from bench.common import (GiB, MiB, ROOT, RssSampler, Service, build_state, drop_clean_cache, free_page_reporting,
                           iqr_spread, machine, median, order_of, parse_size, proc_status, settle, size_label, spread,
-                          state_bytes, state_tensors)
+                          proc_meminfo, state_bytes, state_tensors, vmstat)
 from bench.pipe import PipeClient
 from lastgood import durable
 
@@ -297,11 +297,13 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
     times: dict[str, list[float]] = {k: [] for k in PER_SIZE}
     cpu: dict[str, list[float]] = {k: [] for k in CPU_OF}
     loads: list[float] = []  # the 1-minute load average after each save rep  # the client's CPU (this process), not the service's
+    block_vmstat: list[dict] = []  # /proc/vmstat deltas while each async save() blocked
     rss_peaks: list[int] = []  # during streamed saves: the service holds the stream's chunks
     spool_rss_peaks: list[int] = []
 
     floor = CopyFloor(tensors)
     svc = Service(work / f"svc-{target}", SERVICE_ENV).start()
+    mem_at = {"saves": proc_meminfo("MemAvailable")}  # what the page cache had to work with
     base_rss = proc_status(svc.pid, "VmRSS")
     run = f"bench-{target}-{uuid.uuid4().hex[:6]}"
     state = lastgood.TrainState(model=model, optimizer=opt)
@@ -350,9 +352,12 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
         def lg_async():
             step_box[0] += 1
             times["copy_floor"].append(floor.once())  # the floor, measured right before
+            before = vmstat()
             t0 = time.perf_counter()
             ckpt.save(step_box[0], state)
             t1 = time.perf_counter()
+            after = vmstat()  # what the machine's memory management did while save() blocked
+            block_vmstat.append({k: after[k] - before[k] for k in after if k in before})
             ckpt.wait()
             t2 = time.perf_counter()
             times["lastgood_save_async_block"].append(t1 - t0)
@@ -387,6 +392,11 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
         reader = lastgood.Checkpointer(svc.url, run=run, attempt=attempt)
         with spool_off():
             stream_reader = lastgood.Checkpointer(svc.url, run=run, attempt=attempt)
+        # one pool, as for the saves: a second state-sized buffer would take 4 GiB of the
+        # page cache the restores of a 4 GiB state read from, which no job with one
+        # Checkpointer gives up
+        stream_reader._pool = reader._pool
+        mem_at["restores"] = proc_meminfo("MemAvailable")
         got = []
 
         def restore(key: str, restorer):
@@ -435,6 +445,8 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
     cpu_per_gib = {k: {"seconds": v, "median_s_per_gib": median(v) / gib} for k, v in cpu.items() if v}
     return {"label": label, "cpu": cpu_per_gib, "loadavg_per_rep": loads, "target_bytes": target, "bytes": nbytes, "reps": reps, "figures": figures,
             "ratios": ratios, "ratio_reps": ratio_reps, "noisy": noisy, "lastgood_cold_first_save_s": t_cold,
+            "async_block_vmstat_reps": block_vmstat,
+            "mem_available_mib": {k: v / MiB for k, v in mem_at.items()},
             "service_rss": {"baseline_mib": base_rss / MiB, "peak_mib_reps": [p / MiB for p in rss_peaks],
                             "peak_mib": median(rss_peaks) / MiB, "vmhwm_after_ingest_mib": hwm_after_ingest / MiB,
                             "spool_peak_mib_reps": [p / MiB for p in spool_rss_peaks],
