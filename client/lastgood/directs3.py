@@ -40,7 +40,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from . import ranges
+from . import durable, ranges
 from .errors import CorruptCheckpoint, DirectOff, Refused, TooLarge, Unavailable
 from .hashing import StreamHasher
 
@@ -260,7 +260,7 @@ def read_file(transport, checkpoint_id: int, rank: int, file_name: str, size: in
     (the caller compares it with the manifest's, as for a streamed read). A committed file
     the store no longer holds (404), or holds with another size, raises CorruptCheckpoint:
     the restore treats the checkpoint as damaged and falls back to an ancestor."""
-    view = memoryview(bytearray(size) if into is None else into).cast("B")
+    view = memoryview(durable.new_buffer(size) if into is None else into).cast("B")
     if view.nbytes < size:
         raise ValueError(f"read_file: a buffer of {view.nbytes} bytes cannot hold {size}")
     view = view[:size]

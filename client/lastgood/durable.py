@@ -300,6 +300,16 @@ class _Direct:
             self._bounce = None
 
 
+def new_buffer(nbytes: int):
+    """A new writable buffer of `nbytes` zero bytes to read a file into, page-aligned (so
+    on a DIRECT_BLOCK boundary: read_into reads a cold file straight into it, not through
+    a bounce piece): an anonymous map, whose pages are only touched as bytes land, where a
+    bytearray would first be zero-filled; a bytearray when empty."""
+    import mmap
+
+    return mmap.mmap(-1, nbytes) if nbytes > 0 else bytearray()
+
+
 def _address(view: memoryview) -> int:
     """The memory address of a writable view's first byte."""
     return ctypes.addressof(ctypes.c_char.from_buffer(view))

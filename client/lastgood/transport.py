@@ -330,7 +330,7 @@ class Transport(RestClient):
                 return directs3.read_file(self, checkpoint_id, rank, file_name, size, into)
             except errors.DirectOff as e:  # turned off since we connected: through the service
                 directs3.turned_off(self, e)
-        view = memoryview(bytearray(size) if into is None else into).cast("B")
+        view = memoryview(durable.new_buffer(size) if into is None else into).cast("B")
         if view.nbytes < size:
             raise ValueError(f"read_file: a buffer of {view.nbytes} bytes cannot hold {size}")
         view = view[:size]

@@ -438,3 +438,15 @@ def test_where_o_direct_is_refused_at_read_time_the_rest_goes_through_the_page_c
     assert got == len(data) and bytes(view) == data and digest == hash_bytes(data)
     assert refused == [0]  # asked once; the direct descriptor was closed after the refusal
     assert plain == [0, piece, 2 * piece, 3 * piece]
+
+
+def test_a_buffer_made_to_read_into_starts_on_a_page():
+    """read_file's own buffer (no `into`): page-aligned, so a cold file lands in it with
+    O_DIRECT, not through a bounce piece; zero bytes until read into."""
+    for n in (1, durable.DIRECT_BLOCK + 1, 8 * MiB):
+        buf = durable.new_buffer(n)
+        view = memoryview(buf)
+        assert view.nbytes == n and not view.readonly and bytes(view[:16]) == bytes(min(n, 16)), n
+        assert durable._address(view) % mmap.PAGESIZE == 0, n
+        view.release()
+    assert len(durable.new_buffer(0)) == 0
