@@ -177,7 +177,7 @@ def cached_pieces(fd: int, offset: int, length: int, piece: int) -> "list[bool] 
         return None
     if length <= 0 or size <= 0 or _mincore is None:
         return None
-    addr = _map(None, size, mmap.PROT_NONE if hasattr(mmap, "PROT_NONE") else 0, mmap.MAP_SHARED, fd, start)
+    addr = _map(None, size, _PROT_NONE, mmap.MAP_SHARED, fd, start)
     if addr is None or addr == _MAP_FAILED:
         return None
     try:
@@ -215,6 +215,7 @@ def _libc_calls():
 
 _mincore, _map, _unmap = _libc_calls()
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_PROT_NONE = 0  # Python's mmap module has no PROT_NONE; it is 0 on every Linux ABI
 
 
 def read_into(fd: int, view: memoryview, offset: int, piece: int, hasher=None) -> int:

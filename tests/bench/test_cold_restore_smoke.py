@@ -32,10 +32,11 @@ def test_cold_restore_smoke_runs_every_case(tmp_path):
 def test_cold_restore_refuses_a_directory_in_memory(tmp_path):
     """On tmpfs nothing is ever cold: the figures would compare two page-cache reads, so it
     refuses rather than write them."""
+    from bench.cold_restore import fs_type
+
     shm = Path("/dev/shm")
-    with open("/proc/mounts") as f:
-        if not any(line.split()[1] == str(shm) and line.split()[2] == "tmpfs" for line in f):
-            pytest.skip("no tmpfs at /dev/shm")
+    if not shm.is_dir() or fs_type(shm) != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm")
     proc = subprocess.run([sys.executable, "-m", "bench.cold_restore", "--size", "8M", "--reps", "1", "--dir", str(shm),
                            "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "tmpfs" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
