@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import signal
 import statistics
@@ -12,6 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from lastgood import durable
 from lastgood_service.launcher import ServiceProcess, free_port  # noqa: F401 - free_port is bench API
 
 MiB = 1024 * 1024
@@ -278,6 +280,40 @@ def drop_clean_cache() -> bool:
         return True
     except OSError:
         return False
+
+
+WARM_CHUNK = 16 * MiB  # warm_files() reads this much at a time into one reused buffer
+
+
+def warm_files(paths) -> dict:
+    """Read every file of `paths` (files, or folders taken whole) through the page cache,
+    untimed, right before a restore case, so that the case reads its files warm whatever
+    the cases before it pushed out: at 4 GiB the restores' files, the state and their
+    buffers outgrow this machine's memory, and which file the page cache lost depended on
+    the order (lastgood's restore took 0.61-1.92 s, warm or half cold; bench/README.md).
+    Returns what it read and how much of it the page cache held afterwards
+    (durable.cached_pieces, page by page)."""
+    files = [f for p in map(Path, paths) for f in (sorted(p.rglob("*")) if p.is_dir() else [p]) if f.is_file()]
+    buf = bytearray(WARM_CHUNK)
+    total = held = 0
+    t0 = time.perf_counter()
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            while n := os.readv(fd, [buf]):
+                total += n
+        finally:
+            os.close(fd)
+    seconds = time.perf_counter() - t0
+    for f in files:  # after the last read: a later file may have pushed out an earlier one
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            pages = durable.cached_pieces(fd, 0, size, mmap.PAGESIZE) or []  # one bool a page
+            held += min(size, sum(pages) * mmap.PAGESIZE)
+        finally:
+            os.close(fd)
+    return {"files": len(files), "bytes": total, "seconds": seconds, "cached_after": held / total if total else None}
 
 
 def free_page_reporting() -> bool:

@@ -47,6 +47,12 @@ def test_bench_smoke_produces_every_figure(tmp_path):
         assert len(rss["peak_mib_reps"]) >= 3 and rss["peak_mib"] >= rss["baseline_mib"] > 0
 
         assert len(rss["spool_peak_mib_reps"]) >= 3 and _number(rss["spool_peak_mib"])
+        # each restore case read its files through the page cache first: the warm-up pass and every rep
+        warmed = block["restore_warmed"]
+        assert set(warmed) == {"torch_load", "dcp_load", "lastgood_restore", "lastgood_restore_stream"}
+        for key, runs in warmed.items():
+            assert len(runs) == 1 + len(block["figures"][key]["seconds"]), key
+            assert all(w["files"] >= 1 and w["bytes"] >= block["bytes"] * 0.9 for w in runs), (key, runs)
 
     for key, spool in (("four_ranks", True), ("four_ranks_stream", False)):
         four = doc[key]
@@ -116,3 +122,46 @@ def test_every_rep_runs_the_cases_in_another_order_behind_other_neighbours():
             before = [o[o.index(c) - 1] for o in orders if o.index(c) > 0]
             assert len(set(before)) > 1, (n, c, orders)  # never the same neighbour every time
             assert max(before.count(b) for b in before) <= 2, (n, c, orders)
+
+
+def test_a_restore_case_reads_its_files_warm_whatever_the_cases_before_it_evicted(tmp_path):
+    """bench.common.warm_files, run untimed before each restore case: a file the page
+    cache has lost (lastgood's restore reads a cold piece with O_DIRECT, so it stayed cold
+    for lastgood alone) is cached again, all of it, and what it read is reported."""
+    import mmap
+    import os
+
+    import pytest
+
+    from bench.cold_restore import IN_MEMORY, fs_type
+    from bench.common import warm_files
+    from lastgood import durable
+
+    if fs_type(tmp_path) in IN_MEMORY:
+        pytest.skip("a file in memory cannot leave the page cache")
+    folder = tmp_path / "blobs" / "r0"
+    folder.mkdir(parents=True)
+    size = 8 << 20
+    for name in ("a", "b"):
+        with open(folder / name, "wb") as f:
+            f.write(os.urandom(size))
+            f.flush()
+            os.fsync(f.fileno())
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def cached(path) -> float:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            pages = durable.cached_pieces(fd, 0, size, mmap.PAGESIZE)
+        finally:
+            os.close(fd)
+        assert pages is not None, "mincore unavailable"
+        return sum(pages) / len(pages)
+
+    # the control: both files out of the page cache, as a case before could leave them
+    assert cached(folder / "a") < 0.5 and cached(folder / "b") < 0.5
+    got = warm_files([tmp_path / "blobs"])
+    assert got["files"] == 2 and got["bytes"] == 2 * size and got["seconds"] > 0
+    assert got["cached_after"] >= 0.99 and min(cached(folder / "a"), cached(folder / "b")) >= 0.99
+    empty = warm_files([])  # the gRPC ceiling reads no file
+    assert empty["files"] == 0 and empty["bytes"] == 0 and empty["cached_after"] is None
