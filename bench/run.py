@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import (GiB, MiB, ROOT, RssSampler, Service, build_state, drop_clean_cache, free_page_reporting,
+from bench.common import (GiB, MiB, ROOT, RssSampler, Service, build_state, drop_clean_cache, free_page_reporting, http_json,
                           iqr_spread, machine, median, order_of, parse_size, proc_status, settle, size_label, spread,
                           proc_meminfo, state_bytes, state_tensors, vmstat, warm_files)
 from bench.pipe import PipeClient
@@ -163,6 +163,18 @@ def spool_off():
             del os.environ["LASTGOOD_SPOOL"]
         else:
             os.environ["LASTGOOD_SPOOL"] = old
+
+
+def restored_blobs(svc: Service, data_dir: Path, run: str) -> Path:
+    """The folder of the run's last-good in the service's local blob store (its key by
+    domain/keys.py, where the store's defaults put it under the data directory)."""
+    from lastgood_service.blobstore.local import LocalBlobStore
+    from lastgood_service.domain import keys
+
+    lg = http_json(f"{svc.url}/api/v1/runs/{run}/last-good")
+    folder = LocalBlobStore(data_dir / "blobs").blob_dir / keys.prefix(lg["id"], run, lg["step"], lg["attempt"])
+    assert folder.is_dir(), folder
+    return folder
 
 
 def rm(path: Path) -> None:
@@ -383,6 +395,7 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
         # last rep may have ended on the one-file case)
         step = step_box[0] + 1
         timed(lambda: (ckpt.save(step, state), ckpt.wait()))
+        rm(raw_path)  # no restore reads it: its 4 GiB would only crowd the page cache the restores read from
         floor.free()
         hwm_after_ingest = proc_status(svc.pid, "VmHWM")
         ckpt.close()  # frees the staging buffers before the restores allocate theirs
@@ -421,7 +434,8 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
         # outgrow this machine's memory, and the order decided which file came back cold;
         # lastgood's restore reads a cold piece with O_DIRECT (durable.read_file), so a blob
         # it found cold stayed cold for it: 0.61-1.92 s at 4 GiB in one run, DCP 1.42-4.27 s.
-        blobs = work / f"svc-{target}" / "blobs"  # latest:1 retention: the last commit's objects alone
+        # the restored commit's objects alone: the other Checkpointers' branch heads stay too
+        blobs = restored_blobs(svc, work / f"svc-{target}", run)
         warmed: dict[str, list[dict]] = {}
 
         def warm_first(key: str, paths: list, case):
@@ -455,8 +469,8 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
             log(f"  restore rep {i + 1} ({' > '.join(n for n, _ in order)}): torch.load {times['torch_load'][-1]:.2f} s, "
                 f"DCP load {times['dcp_load'][-1]:.2f} s, lastgood {times['lastgood_restore'][-1]:.2f} s / streamed "
                 f"{times['lastgood_restore_stream'][-1]:.2f} s, gRPC "
-                f"ceiling down {times['grpc_download'][-1]:.2f} s / up {times['grpc_upload'][-1]:.2f} s; cached after "
-                f"warming: {min(w[-1]['cached_after'] or 0 for w in warmed.values()):.0%} or more")
+                f"ceiling down {times['grpc_download'][-1]:.2f} s / up {times['grpc_upload'][-1]:.2f} s; the least "
+                f"cached after warming: {min(w[-1]['cached_after'] or 0 for w in warmed.values()):.0%}")
         reader.close()
         stream_reader.close()
     finally:

@@ -52,7 +52,10 @@ def test_bench_smoke_produces_every_figure(tmp_path):
         assert set(warmed) == {"torch_load", "dcp_load", "lastgood_restore", "lastgood_restore_stream"}
         for key, runs in warmed.items():
             assert len(runs) == 1 + len(block["figures"][key]["seconds"]), key
-            assert all(w["files"] >= 1 and w["bytes"] >= block["bytes"] * 0.9 for w in runs), (key, runs)
+            # its own files, and no more: the restored commit's alone (the bench's three
+            # Checkpointers leave three branch heads, which tripled lastgood's at first)
+            assert all(w["files"] >= 1 and block["bytes"] * 0.9 <= w["bytes"] <= block["bytes"] * 1.1 + (1 << 20)
+                       for w in runs), (key, runs)
 
     for key, spool in (("four_ranks", True), ("four_ranks_stream", False)):
         four = doc[key]
