@@ -122,7 +122,8 @@ def interleaved(cases: list, reps: int, fresh: bool = False):
     """Run every (name, case) once per repetition, in order_of's order; yields (repetition,
     the order it ran in) after each. `fresh`: each case starts with the clean page cache
     dropped too (the saves: each allocates its page cache from memory just freed,
-    bench/common.drop_clean_cache); the restores read from a warm page cache."""
+    bench/common.drop_clean_cache; the restores, which then read their own files back
+    into it: warm_files)."""
     for i in range(reps):
         order = order_of(cases, i)
         for _name, case in order:
@@ -428,12 +429,13 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
             times["grpc_download"].append(pipe.client.download(nbytes))
             times["grpc_upload"].append(pipe.client.upload(nbytes))
 
-        # each restore case reads its own files through the page cache first, untimed
-        # (warm_files): "restores read warm" then holds whatever the cases before it
-        # evicted. At 4 GiB three state-sized files, the state and the restores' buffers
-        # outgrow this machine's memory, and the order decided which file came back cold;
-        # lastgood's restore reads a cold piece with O_DIRECT (durable.read_file), so a blob
-        # it found cold stayed cold for it: 0.61-1.92 s at 4 GiB in one run, DCP 1.42-4.27 s.
+        # each restore case starts as each save case does, with the clean page cache
+        # dropped, and then reads its own files back through it, untimed (warm_files): so
+        # every method restores with its files, and only its files, in the page cache. At
+        # 4 GiB three state-sized files, the state and the restores' buffers outgrow this
+        # machine's memory: with the files left to compete, the order decided which came
+        # back cold (lastgood 0.61-1.92 s, DCP 1.42-4.27 s in one run), and even a file read
+        # through right before its case was 28-91 % cached when it began.
         # the restored commit's objects alone: the other Checkpointers' branch heads stay too
         blobs = restored_blobs(svc, work / f"svc-{target}", run)
         warmed: dict[str, list[dict]] = {}
@@ -459,13 +461,16 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
         # restore with nothing cached, for every method alike, is bench.cold_restore's.
         marks = {k: len(v) for k, v in times.items()}, {k: len(v) for k, v in cpu.items()}
         for _name, case in restores:
+            settle()
+            if FRESH_CACHE[0]:
+                drop_clean_cache()
             case()
         warmup = {k: v[marks[0][k]:] for k, v in times.items() if len(v) > marks[0][k]}
         for table, mark in ((times, marks[0]), (cpu, marks[1])):
             for k, v in table.items():
                 del v[mark[k]:]
         log("  restore warm-up (untimed): " + ", ".join(f"{k} {v[0]:.2f} s" for k, v in warmup.items()))
-        for i, order in interleaved(restores, reps):
+        for i, order in interleaved(restores, reps, fresh=True):
             log(f"  restore rep {i + 1} ({' > '.join(n for n, _ in order)}): torch.load {times['torch_load'][-1]:.2f} s, "
                 f"DCP load {times['dcp_load'][-1]:.2f} s, lastgood {times['lastgood_restore'][-1]:.2f} s / streamed "
                 f"{times['lastgood_restore_stream'][-1]:.2f} s, gRPC "

@@ -56,6 +56,7 @@ def test_bench_smoke_produces_every_figure(tmp_path):
             # Checkpointers leave three branch heads, which tripled lastgood's at first)
             assert all(w["files"] >= 1 and block["bytes"] * 0.9 <= w["bytes"] <= block["bytes"] * 1.1 + (1 << 20)
                        for w in runs), (key, runs)
+            assert all(w["cached_after"] >= 0.9 for w in runs), (key, runs)  # and they stayed
 
     for key, spool in (("four_ranks", True), ("four_ranks_stream", False)):
         four = doc[key]
