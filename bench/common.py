@@ -287,12 +287,12 @@ WARM_CHUNK = 16 * MiB  # warm_files() reads this much at a time into one reused 
 
 def warm_files(paths) -> dict:
     """Read every file of `paths` (files, or folders taken whole) through the page cache,
-    untimed, right before a restore case, so that the case reads its files warm whatever
-    the cases before it pushed out: at 4 GiB the restores' files, the state and their
-    buffers outgrow this machine's memory, and which file the page cache lost depended on
-    the order (lastgood's restore took 0.61-1.92 s, warm or half cold; bench/README.md).
-    Returns what it read and how much of it the page cache held afterwards
-    (durable.cached_pieces, page by page)."""
+    untimed, right before a restore case (bench.run drops the clean page cache first), so
+    that the case reads its own files warm whatever the cases before it pushed out: at
+    4 GiB the restores' files, the state and their buffers outgrow this machine's memory,
+    and which file the page cache lost depended on the order (lastgood's restore took
+    0.61-1.92 s, warm or half cold; bench/README.md). Returns what it read and how much of
+    it the page cache held afterwards (durable.cached_pieces, page by page)."""
     files = [f for p in map(Path, paths) for f in (sorted(p.rglob("*")) if p.is_dir() else [p]) if f.is_file()]
     buf = bytearray(WARM_CHUNK)
     total = held = 0

@@ -454,11 +454,11 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
                     ("lastgood streamed", warm_first("lastgood_restore_stream", [blobs], lg_restore_stream)),
                     ("gRPC", ceiling)]
         # one untimed pass of every restore case first, as lastgood's saves get a warm-up
-        # save, so that "restores read warm" holds for every method: without it the first
-        # rep was a cold read for lastgood alone (the service drops a large file's pages
-        # behind its hash, while DCP's and torch.save's files stay cached), and lastgood's
-        # first restore also allocates the staging buffer every later one reuses. A
-        # restore with nothing cached, for every method alike, is bench.cold_restore's.
+        # save: lastgood's first restore allocates the staging buffer every later one
+        # reuses, and each method pays its first-call costs here (before the per-case warm
+        # above, the first rep was also a cold read for lastgood alone: the service drops a
+        # large file's pages behind its hash). A restore with nothing cached, for every
+        # method alike, is bench.cold_restore's.
         marks = {k: len(v) for k, v in times.items()}, {k: len(v) for k, v in cpu.items()}
         for _name, case in restores:
             settle()
