@@ -292,7 +292,8 @@ def warm_files(paths) -> dict:
     4 GiB the restores' files, the state and their buffers outgrow this machine's memory,
     and which file the page cache lost depended on the order (lastgood's restore took
     0.61-1.92 s, warm or half cold; bench/README.md). Returns what it read and how much of
-    it the page cache held afterwards (durable.cached_pieces, page by page)."""
+    it the page cache held afterwards (durable.cached_pieces, page by page; None where
+    that cannot be asked, or nothing was read)."""
     files = [f for p in map(Path, paths) for f in (sorted(p.rglob("*")) if p.is_dir() else [p]) if f.is_file()]
     buf = bytearray(WARM_CHUNK)
     total = held = 0
@@ -305,15 +306,20 @@ def warm_files(paths) -> dict:
         finally:
             os.close(fd)
     seconds = time.perf_counter() - t0
+    known = True
     for f in files:  # after the last read: a later file may have pushed out an earlier one
         fd = os.open(f, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            pages = durable.cached_pieces(fd, 0, size, mmap.PAGESIZE) or []  # one bool a page
-            held += min(size, sum(pages) * mmap.PAGESIZE)
+            pages = durable.cached_pieces(fd, 0, size, mmap.PAGESIZE) if size else []  # one bool a page
+            if pages is None:  # cannot be asked here: unknown, not cold
+                known = False
+            else:
+                held += min(size, sum(pages) * mmap.PAGESIZE)
         finally:
             os.close(fd)
-    return {"files": len(files), "bytes": total, "seconds": seconds, "cached_after": held / total if total else None}
+    return {"files": len(files), "bytes": total, "seconds": seconds,
+            "cached_after": held / total if total and known else None}
 
 
 def free_page_reporting() -> bool:

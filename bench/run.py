@@ -167,15 +167,22 @@ def spool_off():
 
 
 def restored_blobs(svc: Service, data_dir: Path, run: str) -> Path:
-    """The folder of the run's last-good in the service's local blob store (its key by
-    domain/keys.py, where the store's defaults put it under the data directory)."""
-    from lastgood_service.blobstore.local import LocalBlobStore
+    """The folder of the run's last-good in the service's local blob store: its key by
+    domain/keys.py, its place by blobstore/local.py, the store where the service's
+    default puts it (<data_dir>/blobs, settings.resolved_blob_url)."""
+    from lastgood_service.blobstore.local import key_path
     from lastgood_service.domain import keys
 
     lg = http_json(f"{svc.url}/api/v1/runs/{run}/last-good")
-    folder = LocalBlobStore(data_dir / "blobs").blob_dir / keys.prefix(lg["id"], run, lg["step"], lg["attempt"])
+    folder = key_path(data_dir / "blobs", keys.prefix(lg["id"], run, lg["step"], lg["attempt"]).rstrip("/"))
     assert folder.is_dir(), folder
     return folder
+
+
+def least_cached(warmed: dict) -> str:
+    """The smallest share of its files that any restore case of the last rep found cached."""
+    shares = [w[-1]["cached_after"] for w in warmed.values() if w[-1]["cached_after"] is not None]
+    return f"{min(shares):.0%}" if shares else "unknown"
 
 
 def rm(path: Path) -> None:
@@ -396,7 +403,6 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
         # last rep may have ended on the one-file case)
         step = step_box[0] + 1
         timed(lambda: (ckpt.save(step, state), ckpt.wait()))
-        rm(raw_path)  # no restore reads it: its 4 GiB would only crowd the page cache the restores read from
         floor.free()
         hwm_after_ingest = proc_status(svc.pid, "VmHWM")
         ckpt.close()  # frees the staging buffers before the restores allocate theirs
@@ -435,7 +441,7 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
         # 4 GiB three state-sized files, the state and the restores' buffers outgrow this
         # machine's memory: with the files left to compete, the order decided which came
         # back cold (lastgood 0.61-1.92 s, DCP 1.42-4.27 s in one run), and even a file read
-        # through right before its case was 28-91 % cached when it began.
+        # through right before its case was 28-92 % cached when it began.
         # the restored commit's objects alone: the other Checkpointers' branch heads stay too
         blobs = restored_blobs(svc, work / f"svc-{target}", run)
         warmed: dict[str, list[dict]] = {}
@@ -475,7 +481,7 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
                 f"DCP load {times['dcp_load'][-1]:.2f} s, lastgood {times['lastgood_restore'][-1]:.2f} s / streamed "
                 f"{times['lastgood_restore_stream'][-1]:.2f} s, gRPC "
                 f"ceiling down {times['grpc_download'][-1]:.2f} s / up {times['grpc_upload'][-1]:.2f} s; the least "
-                f"cached after warming: {min(w[-1]['cached_after'] or 0 for w in warmed.values()):.0%}")
+                f"cached after warming: {least_cached(warmed)}")
         reader.close()
         stream_reader.close()
     finally:

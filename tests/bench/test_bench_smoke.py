@@ -52,8 +52,8 @@ def test_bench_smoke_produces_every_figure(tmp_path):
         assert set(warmed) == {"torch_load", "dcp_load", "lastgood_restore", "lastgood_restore_stream"}
         for key, runs in warmed.items():
             assert len(runs) == 1 + len(block["figures"][key]["seconds"]), key
-            # its own files, and no more: the restored commit's alone (the bench's three
-            # Checkpointers leave three branch heads, which tripled lastgood's at first)
+            # its own files, and no more: the restored commit's alone (the whole blob folder,
+            # read at first, held four commits: the bench's three Checkpointers' heads and more)
             assert all(w["files"] >= 1 and block["bytes"] * 0.9 <= w["bytes"] <= block["bytes"] * 1.1 + (1 << 20)
                        for w in runs), (key, runs)
             assert all(w["cached_after"] >= 0.9 for w in runs), (key, runs)  # and they stayed
@@ -163,7 +163,8 @@ def test_a_restore_case_reads_its_files_warm_whatever_the_cases_before_it_evicte
         return sum(pages) / len(pages)
 
     # the control: both files out of the page cache, as a case before could leave them
-    assert cached(folder / "a") < 0.5 and cached(folder / "b") < 0.5
+    if not (cached(folder / "a") < 0.5 and cached(folder / "b") < 0.5):
+        pytest.skip("this file system keeps a file's pages after POSIX_FADV_DONTNEED")
     got = warm_files([tmp_path / "blobs"])
     assert got["files"] == 2 and got["bytes"] == 2 * size and got["seconds"] > 0
     assert got["cached_after"] >= 0.99 and min(cached(folder / "a"), cached(folder / "b")) >= 0.99

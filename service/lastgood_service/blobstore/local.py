@@ -91,10 +91,19 @@ class _AdoptedWriter(BlobWriter):
         pass  # the file stays the caller's (Taken.close() removes it unless published)
 
 
+BLOB_DIR = "blobs"  # under a local store's root: the published blobs (tmp/ holds the writers')
+
+
+def key_path(root: str | os.PathLike, key: str) -> Path:
+    """Where the local store rooted at `root` keeps the blob, or the folder of blobs, named
+    `key`; without opening the store (opening it clears crashed writers' files)."""
+    return Path(root).resolve() / BLOB_DIR / check_key(key)
+
+
 class LocalBlobStore(BlobStore, AdoptsFiles, LendsLocalPaths, ReportsFreeSpace):
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root).resolve()
-        self.blob_dir = self.root / "blobs"
+        self.blob_dir = self.root / BLOB_DIR
         self.tmp_dir = self.root / "tmp"
         self.blob_dir.mkdir(parents=True, exist_ok=True)
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
