@@ -76,7 +76,7 @@ screenshot: $(DEV_STAMP)
 
 proto: $(DEV_STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I client/proto --python_out=client --pyi_out=client \
-		--grpc_python_out=client client/proto/lastgood/v1/lastgood.proto
+		--grpc_python_out=client client/proto/lastgood/wire/v1/lastgood.proto
 
 clean:
 	rm -rf $(VENV) $(LOCALSTACK_VENV) data demo-data

@@ -41,7 +41,7 @@ import threading
 import time
 from pathlib import Path
 
-from lastgood.hashing import hash_bytes
+from lastgood.wire.hashing import hash_bytes
 from lastgood_service import pygc
 from lastgood_service.blobstore import MemoryBlobStore
 from lastgood_service.catalog import txtimer

@@ -107,7 +107,7 @@ class Ranks:
     """N simulated ranks of one checkpoint, run through a pool of threads (one Transport each)."""
 
     def __init__(self, url: str, threads: int = 8) -> None:
-        from lastgood.transport import Transport
+        from lastgood.datapath.transport import Transport
 
         self.pool = ThreadPoolExecutor(threads)
         self.local = threading.local()
@@ -133,7 +133,7 @@ class Ranks:
 
 
 def one_checkpoint(svc, ranks: Ranks, catalog: Catalog, store_log: StoreLog, run: str, step: int, n: int) -> dict:
-    from lastgood import directs3, peer
+    from lastgood.datapath import directs3, peer
     from tests.service.helpers import make_shard
 
     files = {r: make_shard(r, seed=step, n=2) for r in range(n)}

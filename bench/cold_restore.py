@@ -1,6 +1,6 @@
 """A restore that finds nothing in the page cache (a restarted node, a large file the
 service dropped behind its hash): lastgood reading past the page cache (O_DIRECT where it
-holds nothing: lastgood.durable.read_into) against the same restore through the page cache,
+holds nothing: lastgood.common.durable.read_into) against the same restore through the page cache,
 and against DCP's load, alternating rep by rep, the whole clean page cache dropped before each.
 
     python -m bench.cold_restore --size 4G --reps 5
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="do not drop the page cache (nothing is cold then: the smoke test's way to run every case)")
     args = ap.parse_args(argv)
     import lastgood
-    from lastgood import durable
+    from lastgood.common import durable
 
     work = Path(tempfile.mkdtemp(prefix="lastgood-cold-restore-", dir=args.dir))
     fs = fs_type(work)

@@ -13,7 +13,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from lastgood import durable
+from lastgood.common import durable
 from lastgood_service.launcher import ServiceProcess, free_port  # noqa: F401 - free_port is bench API
 
 MiB = 1024 * 1024

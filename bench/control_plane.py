@@ -49,9 +49,9 @@ import grpc
 import httpx
 
 from bench.common import ROOT, Service, machine, median, percentile
-from lastgood.hashing import hash_bytes
-from lastgood.v1 import lastgood_pb2 as pb
-from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
+from lastgood.wire.hashing import hash_bytes
+from lastgood.wire.v1 import lastgood_pb2 as pb
+from lastgood.wire.v1 import lastgood_pb2_grpc as pb_grpc
 
 MODES = ("vote-wait", "outcome")
 RANKS_PER_CHANNEL = 64

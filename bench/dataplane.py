@@ -57,10 +57,10 @@ def save_one(url: str, run: str, step: int, data: bytes, path: str, *, mount: st
              world: int = 1, rank: int = 0, attempt: str = "a1", transport=None) -> dict:
     """One rank's save of `data` through `path` (streamed, spool, direct), to COMMITTED; the
     time.time() at which each phase ended (written, voted, checked, committed)."""
-    from lastgood import peer
-    from lastgood.directfs import DirectFS
-    from lastgood.hashing import StreamHasher, hash_bytes
-    from lastgood.transport import Transport
+    from lastgood.datapath import peer
+    from lastgood.datapath.directfs import DirectFS
+    from lastgood.wire.hashing import StreamHasher, hash_bytes
+    from lastgood.datapath.transport import Transport
 
     t = transport or Transport(url, spool=(path == "spool"))
     phases = {"start": time.time()}
@@ -83,8 +83,8 @@ def save_one(url: str, run: str, step: int, data: bytes, path: str, *, mount: st
             t.put_shard(cid, rank, FILE, memoryview(data), digest, spooled=spooled)
         status = t.commit_rank(cid, rank, [FILE], wait=0).status
         phases["voted"] = time.time()
-        if t.info.get("verification") == "peer" and status == "PENDING":
-            # as the client does (save/session.py): a COMMITTED heard in the check needs no outcome call
+        if t.info.verification == "peer" and status == "PENDING":
+            # as the client does (commit/session.py): a COMMITTED heard in the check needs no outcome call
             status = "COMMITTED" if peer.check(t, direct, cid, rank, time.monotonic() + 600) == "COMMITTED" else status
         phases["checked"] = time.time()
         deadline = time.monotonic() + 600
@@ -169,7 +169,7 @@ def _worker(args) -> None:
     work = Path(args.work)
     transport = None
     if args.case == "direct":  # a trainer's transport lives across saves: made before the barrier
-        from lastgood.transport import Transport
+        from lastgood.datapath.transport import Transport
 
         transport = Transport(args.url, spool=False)
         import grpc

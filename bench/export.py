@@ -43,21 +43,20 @@ CASES = ("read", "download", "export", "export_bf16")
 
 def child(case: str, url: str, cid: int, dest: str) -> None:
     """One case, timed from inside (no interpreter start-up in the figure)."""
-    from lastgood.cli.app import State, make_console
-    from lastgood.cli.download import Lease, read_manifest, read_verified
     from lastgood.export import export_hf
+    from lastgood.remote.reading import ReadLease, read_manifest, read_verified
+    from lastgood.remote.rest import RestClient
 
     t0 = time.perf_counter()
     if case == "read":
-        st = State(url=url, timeout=60)
-        lease = Lease(st.rest, cid, what="bench")
-        _, manifest = read_manifest(st.rest, cid)
+        rest = RestClient(url, 60)
         n = 0
-        for r in sorted(manifest.ranks):
-            for e in manifest.files(r):
-                for chunk in read_verified(st.rest, cid, r, e, lease):
-                    n += len(chunk)
-        lease.release(make_console(stderr=True))
+        with ReadLease(rest, cid, what="bench") as lease:
+            _, manifest = read_manifest(rest, cid)
+            for r in sorted(manifest.ranks):
+                for e in manifest.files(r):
+                    for chunk in read_verified(rest, cid, r, e, lease):
+                        n += len(chunk)
         doc = {"bytes_read": n}
     elif case == "download":
         from lastgood.cli import cli

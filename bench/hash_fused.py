@@ -1,7 +1,7 @@
 """What hashing while writing saves: the client's CPU per GiB to hash and write a file, with
 the hash as a separate pass before the write (the bytes read from memory twice) or fed
 each piece just before it is written (Transport.spool_write: the piece is in the CPU's
-cache when the write copies it). One thread or several files at once (save/split.py).
+cache when the write copies it). One thread or several files at once (state/split.py).
 
     python -m bench.hash_fused [--dir /dev/shm] [--mib 512] [--reps 5]
 
@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from bench.common import GiB, MiB, median, spread
-from lastgood.hashing import StreamHasher, hash_bytes
+from lastgood.wire.hashing import StreamHasher, hash_bytes
 
 PIECE = 8 * MiB  # as Transport.spool_write
 

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lastgood.format import MAX_DIM, MAX_DIMS, MAX_HEADER_BYTES, MAX_HEADER_VALUES
+from lastgood.wire.format import MAX_DIM, MAX_DIMS, MAX_HEADER_BYTES, MAX_HEADER_VALUES
 
 MiB = 1024 * 1024
 
@@ -74,7 +74,7 @@ def hostile(limit: int = MAX_HEADER_BYTES) -> dict[str, tuple[bytes, str]]:
 def _upload(stub, pb, step: int, data: bytes) -> str:
     import grpc
 
-    from lastgood.hashing import hash_bytes
+    from lastgood.wire.hashing import hash_bytes
 
     cid = stub.BeginCheckpoint(pb.BeginCheckpointRequest(run="headers", step=step, world_size=1, attempt="a"),
                                timeout=60).checkpoint_id
@@ -92,8 +92,8 @@ def main() -> None:
     import grpc
 
     from bench.common import Service, proc_status
-    from lastgood.v1 import lastgood_pb2 as pb
-    from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
+    from lastgood.wire.v1 import lastgood_pb2 as pb
+    from lastgood.wire.v1 import lastgood_pb2_grpc as pb_grpc
 
     repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     cases = {**hostile(), "the largest valid header (zero-size tensors)": (zero_tensors(), None)}

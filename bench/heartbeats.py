@@ -6,7 +6,7 @@ A real service process (SQLite catalog, its health sweep every 5 s as by default
 registered launch of RANKS ranks. A load generator in this process sends each rank's beat
 on an open-loop timetable -- rank r at t0 + (r/RANKS + k)·PERIOD/COMPRESS -- from a pool of
 threads, each beat on a fresh HTTP connection with the same body the client sends
-(lastgood.health), as the client does (urllib, one connection per beat). COMPRESS 1 is the
+(lastgood.remote.heartbeat), as the client does (urllib, one connection per beat). COMPRESS 1 is the
 real load (RANKS/PERIOD beats a second); COMPRESS 10 is ten times that, the same number of
 beats in a tenth of the time. For each: the service's CPU time over the window (utime +
 stime from /proc, after a warm-up) as a share of one core, the latency of every beat
@@ -50,7 +50,7 @@ def post(host: str, port: int, path: str, body: bytes) -> int:
 
 
 def beat_body(rank: int, ranks: int, k: int, gen: int, period: float) -> bytes:
-    """Rank `rank`'s k-th beat, as the client sends it (lastgood.health)."""
+    """Rank `rank`'s k-th beat, as the client sends it (lastgood.remote.heartbeat)."""
     return json.dumps({"rank": rank, "world_size": ranks, "step": k, "step_seconds": 0.5 if k else None,
                        "phase": "train", "attempt": "bench", "generation": gen,
                        "max_step_seconds": 0.6 if k else None, "period_s": period, "save_stall_s": 2.0}).encode()

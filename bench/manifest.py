@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import ROOT, Service, machine
-from lastgood.format import TensorSpec, plan_layout
-from lastgood.manifest import Manifest
-from lastgood.rest import RestClient
+from lastgood.wire.format import TensorSpec, plan_layout
+from lastgood.wire.manifest import Manifest
+from lastgood.remote.rest import RestClient
 from tests.service.helpers import Client
 
 CHUNK = 1 << 20

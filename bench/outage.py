@@ -60,7 +60,7 @@ def main(argv: list[str]) -> dict:
             ckpt.wait()
             recovered = time.perf_counter() - t0
             stats = ckpt.stats
-            last_good = lastgood.transport.RestClient(svc.url).last_good("bench-outage")
+            last_good = lastgood.datapath.transport.RestClient(svc.url).last_good("bench-outage")
             ckpt.close()
         finally:
             svc.stop()

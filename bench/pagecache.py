@@ -6,9 +6,9 @@ The same bytes written with 1 MiB `os.write`s and an `fsync`, as the bench's raw
 writes them (bench/run.py), three ways, alternating rep by rep, each after `settle()` and
 the clean page cache dropped (bench/common.py), as before every save case of `make bench`:
 
-  plain        write, start each 8 MiB piece's writeback (lastgood.durable.Writeback's
+  plain        write, start each 8 MiB piece's writeback (lastgood.common.durable.Writeback's
                call), fsync: every byte takes a page-cache page, as every save did before 2026-12-02
-  drop-behind  the same through the service's lastgood.durable.DropBehind with nothing
+  drop-behind  the same through the service's lastgood.common.durable.DropBehind with nothing
                kept: what lies 32 MiB behind the writer is waited for on the disk and
                dropped (POSIX_FADV_DONTNEED), so the file recycles about 32 MiB of page
                cache instead of taking a page per byte (the results of 2026-12-02 were
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from bench.common import (GiB, MiB, ROOT, drop_clean_cache, iqr_spread, machine, order_of, parse_size, settle,
                           size_label, write_results)
-from lastgood import durable
+from lastgood.common import durable
 
 PIECE = 8 * MiB
 REPORTED = Path("/sys/module/page_reporting/parameters/reported_kib")

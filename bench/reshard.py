@@ -94,7 +94,7 @@ def projection(cases: list[dict], same: list[dict], block: int) -> dict:
     rounding per piece on average (one cut end)."""
     from statistics import mean, median
 
-    from lastgood.ranges import block_for
+    from lastgood.wire.ranges import block_for
 
     per_byte = median(r["restore_s"] / r["bytes_read"] for c in same for r in c["per_rank"])
     per_req = median(max(r["restore_s"] - r["bytes_read"] * per_byte, 0.0) / r["requests"]

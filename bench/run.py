@@ -36,7 +36,7 @@ from bench.common import (GiB, MiB, ROOT, RssSampler, Service, build_state, drop
                           iqr_spread, machine, median, order_of, parse_size, proc_status, settle, size_label, spread,
                           proc_meminfo, state_bytes, state_tensors, vmstat, warm_files)
 from bench.pipe import PipeClient
-from lastgood import durable
+from lastgood.common import durable
 
 # What every run must produce (tests/bench checks each one is a number in the JSON).
 PER_SIZE = ["copy_floor", "raw_write_fsync", "torch_save", "dcp_save", "lastgood_save_sync",
@@ -230,7 +230,7 @@ def raw_write(path: Path, nbytes: int) -> float:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         left = nbytes
-        while left > 0:  # in the page cache's fast pieces (lastgood.durable.write_all), as lastgood writes
+        while left > 0:  # in the page cache's fast pieces (lastgood.common.durable.write_all), as lastgood writes
             left -= durable.write_all(fd, _RAW_BLOCK[: min(left, len(_RAW_BLOCK))])
         os.fsync(fd)
     finally:
@@ -334,7 +334,7 @@ def size_block(target: int, reps: int, work: Path, pipe: Pipe) -> dict:
     ckpt = lastgood.Checkpointer(svc.url, run=run, attempt=attempt)
     with spool_off():  # the same saves, streamed over gRPC as from another host
         streamer = lastgood.Checkpointer(svc.url, run=run, attempt=attempt)
-    # the same spooled saves as one file per rank (LASTGOOD_FILE_BYTES=0; the default splits: save/split.py)
+    # the same spooled saves as one file per rank (LASTGOOD_FILE_BYTES=0; the default splits: state/split.py)
     one_file = lastgood.Checkpointer(svc.url, run=run, attempt=attempt)
     one_file.config = dataclasses.replace(one_file.config, file_bytes=0)
     # one job holds one Checkpointer, so one staging pool: the three here exist only to

@@ -11,7 +11,7 @@ page cache dropped, as in bench/run.py. Variants:
   dcp                DCP save (thread_count=2, sync_files=True)
   followed           one file a rank, the service hashes it as it is written
   whole              one file a rank, handed over once written (the service re-reads it)
-  no-writeback       followed, without starting writeback early (lastgood.durable.Writeback off)
+  no-writeback       followed, without starting writeback early (lastgood.common.durable.Writeback off)
   <any>-N-files      the same split into N files (LASTGOOD_FILE_BYTES chosen to give N; the
                      default save splits a state of 512 MiB or more, a file per core)
 
@@ -34,7 +34,7 @@ from pathlib import Path
 from bench.common import (GiB, ROOT, Service, build_state, drop_clean_cache, iqr_spread, machine, order_of, parse_size,
                           settle, size_label, state_bytes, write_results)
 from bench.run import SERVICE_ENV, dcp_save
-from lastgood import durable
+from lastgood.common import durable
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,10 +14,10 @@ from pathlib import Path
 import grpc
 
 from bench.common import Service, median, percentile
-from lastgood.format import FORMAT_VERSION, META_FORMAT, TensorSpec, plan_layout
-from lastgood.hashing import hash_bytes
-from lastgood.v1 import lastgood_pb2 as pb
-from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
+from lastgood.wire.format import FORMAT_VERSION, META_FORMAT, TensorSpec, plan_layout
+from lastgood.wire.hashing import hash_bytes
+from lastgood.wire.v1 import lastgood_pb2 as pb
+from lastgood.wire.v1 import lastgood_pb2_grpc as pb_grpc
 
 
 def _tiny_shard(rank: int) -> bytes:

@@ -16,7 +16,7 @@ import os, sys, time, subprocess, tempfile, threading, queue
 from concurrent import futures
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 import grpc, xxhash
-from lastgood.v1 import lastgood_pb2 as pb
+from lastgood.wire.v1 import lastgood_pb2 as pb
 MiB = 1 << 20
 OPT = [("grpc.max_receive_message_length", 4*MiB+65536), ("grpc.max_send_message_length", 4*MiB+65536)]
 

@@ -85,11 +85,11 @@ def run_name(request) -> str:
 def spool_inodes(monkeypatch) -> set[int]:
     """The inodes of the files this process writes into a spool, written whole before the
     hand-over (Transport.spool_write) or while the service follows them (put_followed):
-    both start each piece's writeback through a lastgood.durable.Writeback, whose making is
+    both start each piece's writeback through a lastgood.common.durable.Writeback, whose making is
     watched here (the real one is still made)."""
     import os
 
-    from lastgood import durable
+    from lastgood.common import durable
 
     seen: set[int] = set()
 

@@ -8,39 +8,38 @@
     ckpt.save(step, state)
     ckpt.wait(); ckpt.close()
 
-The torch-free modules (format, manifest, hashing, names, transport, v1) are what the
-service shares; the torch-dependent API below is imported lazily. The errors (errors.py)
-and the settings (config.py, ClientConfig) are exported here.
+Every name below is imported on first use, so importing a sub-package (the service imports
+lastgood.wire and lastgood.common alone) loads nothing else. docs/architecture.md maps the
+sub-packages.
 """
 
 from __future__ import annotations
 
+import importlib
+
 __version__ = "0.1.0"
 
+_ERRORS = ("LastgoodError", "SaveFailed", "CorruptCheckpoint", "NoUsableCheckpoint", "ServiceError", "Fenced",
+           "Unavailable", "ServiceUnreachable", "Refused", "NotFound", "InvalidArgument", "Conflict",
+           "FailedPrecondition", "PermissionDenied", "Unauthenticated", "DataLoss", "CatalogBehind", "StoreFull")
 _LAZY = {
-    "Checkpointer": ("lastgood.checkpointer", "Checkpointer"),
-    "TrainState": ("lastgood.state", "TrainState"),
-    "ResumableDistributedSampler": ("lastgood.sampler", "ResumableDistributedSampler"),
-    "SpikeGuard": ("lastgood.spike", "SpikeGuard"),
+    "Checkpointer": "lastgood.trainer.checkpointer",
+    "TrainState": "lastgood.state.trainstate",
+    "ResumableDistributedSampler": "lastgood.state.sampler",
+    "SpikeGuard": "lastgood.trainer.spike",
+    "ClientConfig": "lastgood.remote.config",
+    "Interval": "lastgood.common.interval",
+    **dict.fromkeys(_ERRORS, "lastgood.errors"),
 }
 
-__all__ = [*_LAZY, "ClientConfig", "Interval", "LastgoodError", "SaveFailed", "CorruptCheckpoint", "NoUsableCheckpoint",
-           "ServiceError", "Fenced", "Unavailable", "ServiceUnreachable", "Refused", "NotFound", "InvalidArgument",
-           "Conflict", "FailedPrecondition", "PermissionDenied", "Unauthenticated", "DataLoss", "CatalogBehind",
-           "StoreFull"]
-
-from .config import ClientConfig  # noqa: E402
-from .errors import (CatalogBehind, Conflict, CorruptCheckpoint, DataLoss, FailedPrecondition,  # noqa: E402
-                     Fenced, InvalidArgument, LastgoodError, NoUsableCheckpoint, NotFound, PermissionDenied,
-                     Refused, SaveFailed, ServiceError, ServiceUnreachable, StoreFull, Unauthenticated,
-                     Unavailable)
-from .interval import Interval  # noqa: E402 - torch-free
+__all__ = [*_LAZY]
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        import importlib
-
-        mod, attr = _LAZY[name]
-        return getattr(importlib.import_module(mod), attr)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'lastgood' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -10,7 +10,7 @@
 (`checkpoint_id` of a save is its step; of a load, a lastgood checkpoint id, or nothing for
 the run's last-good; `dcp.async_save` works the same.)
 
-How DCP's protocol maps onto the commit (the Checkpointer's save session, save/): the
+How DCP's protocol maps onto the commit (the Checkpointer's save session, lastgood.commit): the
 coordinator picks the checkpoint's attempt and parent in `prepare_global_plan` and hands
 them to every rank inside the plans; in `write_data` each rank writes its items as one
 safetensors file (into the service's spool on its host, else streamed), then begins the
@@ -49,13 +49,13 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from . import names
-from .codec import Encoder, UnsupportedValue, decode
-from .config import ENV_URL, ClientConfig
-from .errors import CorruptCheckpoint, FormatError, LastgoodError
-from .format import META_STATE, header_length, parse_header
-from .staging import StagingPool, snapshot
-from .state import tensor_from_buffer
+from lastgood.wire import names
+from lastgood.state.codec import Encoder, UnsupportedValue, decode
+from lastgood.remote.config import ENV_URL, ClientConfig
+from lastgood.errors import CorruptCheckpoint, FormatError, LastgoodError
+from lastgood.wire.format import META_STATE, header_length, parse_header
+from lastgood.state.staging import StagingPool, snapshot
+from lastgood.state.buffers import tensor_from_buffer
 
 log = logging.getLogger("lastgood")
 MAGIC = b"lastgood-json:1\n"
@@ -177,7 +177,7 @@ class _Connected:
     @property
     def transport(self):
         if self._transport is None:
-            from .transport import Transport
+            from lastgood.datapath.transport import Transport
 
             cfg = self.config
             self._transport = Transport(cfg.url, token=cfg.token, retry=cfg.retry, spool=cfg.spool)
@@ -196,18 +196,18 @@ class StorageWriter(_Connected, dcp.StorageWriter):
         self.step, self.parent_id = step, parent_id
         self.is_coordinator, self.rank = False, 0
         self.checkpoint_id: int | None = None
-        self._session = None  # save/session.py: made with the connection
+        self._session = None  # commit/session.py: made with the connection
         self._upload = None   # this rank's part in the checkpoint being saved
 
     @property
     def session(self):
-        """The commit protocol's client side, the Checkpointer's own (save/session.py)."""
+        """The commit protocol's client side, the Checkpointer's own (commit/session.py)."""
         if self._session is None:
-            from .save import SaveSession
+            from lastgood.commit.session import SaveSession
 
             t = self.transport
             self._session = SaveSession(t, self.run, self.rank,
-                                        commit_timeout=2 * float(t.info.get("lease_seconds", 60)) + 60)
+                                        commit_timeout=t.info.commit_timeout)
         return self._session
 
     def __getstate__(self):

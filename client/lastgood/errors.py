@@ -3,10 +3,10 @@
 Each says what went wrong in words an operator can act on. torch-free and grpc-free: the
 command line imports it for every command.
 
-Every refusal the service sends carries an error code (its api/errors.py TABLE): in the
+Every refusal the service sends carries an error code (lastgood.wire.codes): in the
 REST error body (`{"error": {"code": ..., "message": ...}}`) and in the gRPC trailing
-metadata under ERROR_METADATA. TABLE below maps each code to one class, with the HTTP
-status and gRPC code it travels with; `from_http` and `from_grpc` are the only places an
+metadata under ERROR_METADATA. TABLE below maps each code to one class (its HTTP status
+and gRPC code are the wire's); `from_http` and `from_grpc` are the only places an
 answer becomes an error, so callers match on classes (`except NotFound`), never on a
 status, a gRPC code name or the message. An answer without a code we know (a proxy's 502,
 an older or newer service) is classified by its HTTP status or gRPC code instead.
@@ -30,18 +30,11 @@ from __future__ import annotations
 
 import json
 
-# gRPC trailing metadata key holding a refusal's error code (the REST body's error.code)
-ERROR_METADATA = "lastgood-error"
-# error codes the service imports from here (its TABLE spells the rest)
-FENCED = "fenced"
-CATALOG_BEHIND = "catalog_behind"
-# the code of an HTTP error raised by the web framework itself (no route matched, a wrong
-# method), not by a lastgood route
-HTTP_ERROR = "http_error"
+from lastgood.wire import codes as c
+from lastgood.wire.codes import ERROR_METADATA
+from lastgood.wire.errors import FormatError, LastgoodError
 
-
-class LastgoodError(Exception):
-    """Base class of every error lastgood raises on purpose."""
+__all__ = ["ERROR_METADATA", "FormatError", "LastgoodError"]  # and every class below
 
 
 class SaveFailed(LastgoodError):
@@ -52,17 +45,13 @@ class CorruptCheckpoint(LastgoodError):
     """Bytes read back do not match the hash recorded at commit."""
 
 
-class FormatError(LastgoodError):
-    """A shard file is not a valid lastgood safetensors file."""
-
-
 class ServiceError(LastgoodError):
     """The service refused or failed a request, or did not answer.
 
     `reason`: the service's error code (`not_found`, `fenced`, ...; the class's own when the
     answer carried none). `status`: the HTTP status (REST), `grpc_code`: the gRPC status
-    name (gRPC). `code` is whichever of the two applies (kept for older callers: match on
-    the class instead). `detail`: the service's message without the method and path.
+    name (gRPC). `code` is whichever of the two applies (match on the class
+    instead). `detail`: the service's message without the method and path.
     `retryable`: would the same request, sent again later, plausibly succeed? `coded`: the
     answer carried an error code this client knows, i.e. a lastgood route said it (not a
     proxy, not the web framework)."""
@@ -91,13 +80,13 @@ class ServiceError(LastgoodError):
     def no_route(self) -> bool:
         """The answer came from the web framework, not from a lastgood route: the URL is not
         a lastgood service, or one too old to know the route."""
-        return self.reason == HTTP_ERROR
+        return self.reason == c.HTTP_ERROR
 
 
 class Unavailable(ServiceError):
     """The service cannot answer now (restarting, overloaded, a proxy without a backend):
     the same request may succeed later, so the retry policy retries it."""
-    reason = "unavailable"
+    reason = c.UNAVAILABLE
     transient = True
 
 
@@ -108,13 +97,13 @@ class ServiceUnreachable(Unavailable):
 
 class Busy(Unavailable):
     """The service refused a stream because too many are open; it read nothing."""
-    reason = "streams_busy"
+    reason = c.STREAMS_BUSY
 
 
 class Internal(Unavailable):
     """The request failed inside the service (its log says why). Retried like an outage;
     the command line reports it as an unexpected error."""
-    reason = "internal"
+    reason = c.INTERNAL
 
 
 class Refused(ServiceError):
@@ -123,102 +112,102 @@ class Refused(ServiceError):
 
 class NotFound(Refused):
     """No such run, checkpoint, file, tag, lease or token."""
-    reason = "not_found"
+    reason = c.NOT_FOUND
 
 
 class NoCheckpoint(NotFound):
     """The run exists but never committed a checkpoint."""
-    reason = "no_checkpoint"
+    reason = c.NO_CHECKPOINT
 
 
 class InvalidArgument(Refused):
-    reason = "invalid_argument"
+    reason = c.INVALID_ARGUMENT
 
 
 class OutOfRange(Refused):
-    reason = "out_of_range"
+    reason = c.OUT_OF_RANGE
 
 
 class TooLarge(Refused):
-    reason = "too_large"
+    reason = c.TOO_LARGE
 
 
 class Conflict(Refused):
     """The request contradicts what is recorded (other bytes for a stored shard, another
     world size for a begun checkpoint)."""
-    reason = "conflict"
+    reason = c.CONFLICT
 
 
 class Unauthenticated(Refused):
     """No token, or one the service does not know (or has revoked)."""
-    reason = "unauthenticated"
+    reason = c.UNAUTHENTICATED
 
 
 class PermissionDenied(Refused):
     """A valid token that does not allow this operation or this run."""
-    reason = "permission_denied"
+    reason = c.PERMISSION_DENIED
 
 
 class FailedPrecondition(Refused):
     """A valid request, but the checkpoint or run is not in a state that allows it (no
     longer pending, not committed, ...)."""
-    reason = "failed_precondition"
+    reason = c.FAILED_PRECONDITION
 
 
 class Fenced(FailedPrecondition):
     """A newer launch of this run has registered, so the service refuses this launch's
     writes and has abandoned its pending checkpoints. The process is a zombie of an
     earlier launch (its torchrun agent died, say): stop training, do not retry."""
-    reason = FENCED
+    reason = c.FENCED
 
 
 class NoUsableCheckpoint(FailedPrecondition):
     """The run committed checkpoints, but every one restore could fall back to is damaged
     (CORRUPT). A refusal, raised on every rank: restore never answers "no checkpoint" for
     such a run, which would start the training over."""
-    reason = "no_usable_checkpoint"
+    reason = c.NO_USABLE_CHECKPOINT
 
 
 class SpoolRefused(FailedPrecondition):
     """The service did not take a shard handed over through the spool (the file was taken
     already or swept, or another user's): the client streams that shard instead."""
-    reason = "spool_refused"
+    reason = c.SPOOL_REFUSED
 
 
 class SpoolNotShared(SpoolRefused):
     """The service does not read the spool the client wrote to (another host or data
     directory, or it takes no spooled files): the client streams from now on."""
-    reason = "spool_not_shared"
+    reason = c.SPOOL_NOT_SHARED
 
 
 class FollowRefused(SpoolRefused):
     """The service cannot take a file while it is written (a followed hand-over: its store
     cannot adopt the spool's files): the client streams that shard, and hands its files
     over once written from then on."""
-    reason = "spool_follow_refused"
+    reason = c.SPOOL_FOLLOW_REFUSED
 
 
 class DirectOff(FailedPrecondition):
     """The service does not (or no longer) offer direct uploads to its store: the client
     refreshes the service's info and sends that file, and later ones, through the service."""
-    reason = "direct_off"
+    reason = c.DIRECT_OFF
 
 
 class DataLoss(ServiceError):
     """The service's stored bytes are gone or differ from what was committed (it has marked
     the checkpoint CORRUPT and moved last-good back)."""
-    reason = "hash_mismatch"
+    reason = c.HASH_MISMATCH
 
 
 class CatalogBehind(ServiceError):
     """The catalog lacks commits its blob store holds: only an operator's
     `lastgood-service rebuild` ends it, so it is not retried (HTTP 503 nonetheless)."""
-    reason = CATALOG_BEHIND
+    reason = c.CATALOG_BEHIND
 
 
 class StoreFull(ServiceError):
     """The service's store has no room: an operator frees space or grows the volume."""
-    reason = "store_full"
+    reason = c.STORE_FULL
 
 
 class GaveUp(ServiceError):
@@ -230,32 +219,16 @@ class GaveUp(ServiceError):
         self.last = last
 
 
-# The service's error codes (its api/errors.py TABLE, plus the REST layer's own codes) ->
-# (class, HTTP status, gRPC status name). tests/unit/test_errors.py checks it against the
-# service's table, so a code added there cannot be forgotten here.
-TABLE: dict[str, tuple[type[ServiceError], int, str]] = {
-    "not_found": (NotFound, 404, "NOT_FOUND"),
-    "no_checkpoint": (NoCheckpoint, 404, "NOT_FOUND"),
-    "invalid_argument": (InvalidArgument, 400, "INVALID_ARGUMENT"),
-    "invalid_request": (InvalidArgument, 422, "INVALID_ARGUMENT"),  # a REST body that fails validation
-    "out_of_range": (OutOfRange, 416, "OUT_OF_RANGE"),
-    "too_large": (TooLarge, 413, "RESOURCE_EXHAUSTED"),
-    "conflict": (Conflict, 409, "ALREADY_EXISTS"),
-    "unauthenticated": (Unauthenticated, 401, "UNAUTHENTICATED"),
-    "permission_denied": (PermissionDenied, 403, "PERMISSION_DENIED"),
-    "failed_precondition": (FailedPrecondition, 409, "FAILED_PRECONDITION"),
-    FENCED: (Fenced, 409, "FAILED_PRECONDITION"),
-    "no_usable_checkpoint": (NoUsableCheckpoint, 409, "FAILED_PRECONDITION"),
-    "spool_refused": (SpoolRefused, 409, "FAILED_PRECONDITION"),
-    "spool_not_shared": (SpoolNotShared, 409, "FAILED_PRECONDITION"),
-    "spool_follow_refused": (FollowRefused, 409, "FAILED_PRECONDITION"),
-    "direct_off": (DirectOff, 409, "FAILED_PRECONDITION"),
-    "hash_mismatch": (DataLoss, 422, "DATA_LOSS"),
-    "unavailable": (Unavailable, 503, "UNAVAILABLE"),
-    "streams_busy": (Busy, 429, "RESOURCE_EXHAUSTED"),
-    "internal": (Internal, 500, "INTERNAL"),
-    CATALOG_BEHIND: (CatalogBehind, 503, "UNAVAILABLE"),
-    "store_full": (StoreFull, 507, "RESOURCE_EXHAUSTED"),
+# Each error code (lastgood.wire.codes) -> the class raised for it. tests/unit/test_errors.py
+# checks that every code of the wire has one, so a code added there cannot be forgotten here.
+TABLE: dict[str, type[ServiceError]] = {
+    c.NOT_FOUND: NotFound, c.NO_CHECKPOINT: NoCheckpoint, c.INVALID_ARGUMENT: InvalidArgument,
+    c.INVALID_REQUEST: InvalidArgument, c.OUT_OF_RANGE: OutOfRange, c.TOO_LARGE: TooLarge, c.CONFLICT: Conflict,
+    c.UNAUTHENTICATED: Unauthenticated, c.PERMISSION_DENIED: PermissionDenied,
+    c.FAILED_PRECONDITION: FailedPrecondition, c.FENCED: Fenced, c.NO_USABLE_CHECKPOINT: NoUsableCheckpoint,
+    c.SPOOL_REFUSED: SpoolRefused, c.SPOOL_NOT_SHARED: SpoolNotShared, c.SPOOL_FOLLOW_REFUSED: FollowRefused,
+    c.DIRECT_OFF: DirectOff, c.HASH_MISMATCH: DataLoss, c.UNAVAILABLE: Unavailable, c.STREAMS_BUSY: Busy,
+    c.INTERNAL: Internal, c.CATALOG_BEHIND: CatalogBehind, c.STORE_FULL: StoreFull,
 }
 
 # An answer whose code is missing or unknown, by HTTP status ...
@@ -280,7 +253,7 @@ BY_GRPC: dict[str, type[ServiceError]] = {
 
 def _classify(status: int | None, grpc_code: str | None, reason: str | None) -> type[ServiceError]:
     if reason in TABLE:
-        return TABLE[reason][0]
+        return TABLE[reason]
     if status is not None:
         if status in BY_STATUS:
             return BY_STATUS[status]
@@ -306,11 +279,7 @@ def from_http(method: str, path: str, status: int, body: bytes) -> ServiceError:
 def from_grpc(what: str, code: str, details: str, trailing) -> ServiceError:
     """The error a failed gRPC call means: the class of the error code in its trailing
     metadata, else of its status name (`code`, e.g. "NOT_FOUND")."""
-    from . import wire
-
     reason = dict(trailing or ()).get(ERROR_METADATA)
     reason = reason if isinstance(reason, str) else None
-    if reason is None and code == "RESOURCE_EXHAUSTED" and details.startswith(wire.STREAMS_BUSY):
-        reason = Busy.reason  # a service from before the streams_busy code said it in words
     cls = _classify(None, code, reason)
     return cls(f"{what}: {code}: {details}", code, reason, details)

@@ -7,7 +7,9 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from lastgood.directs3 import MAX_PART_SIZE, MIN_PART_SIZE  # S3's bounds, one place
+from lastgood.wire.info import DEFAULT_CHUNK_BYTES, DEFAULT_LEASE_SECONDS
+from lastgood.wire.vocab import Verification
+from lastgood.wire.s3parts import MAX_PART_SIZE, MIN_PART_SIZE  # S3's bounds, one place
 
 MiB = 1024 * 1024
 
@@ -38,7 +40,7 @@ class Settings(BaseSettings):
     malloc_arena_max: int = Field(2, ge=0, description="glibc malloc arenas (mallopt M_ARENA_MAX, unless "
                                   "MALLOC_ARENA_MAX is set); 0: glibc's default")
 
-    lease_seconds: float = Field(60.0, gt=0, description="a pending checkpoint with no rank activity for this long is ABANDONED")
+    lease_seconds: float = Field(DEFAULT_LEASE_SECONDS, gt=0, description="a pending checkpoint with no rank activity for this long is ABANDONED")
     reaper_interval: float = Field(1.0, gt=0, description="the shortest time between two passes of the lease "
                                    "reaper, which looks for expired leases only once the earliest pending lease can "
                                    "have run out (reaper.py)")
@@ -52,7 +54,7 @@ class Settings(BaseSettings):
                                      "that arrived while the previous batch was written join)")
 
     max_shard_bytes: int = Field(256 * 1024**3, gt=0, description="largest shard file accepted")
-    max_chunk_bytes: int = Field(4 * MiB, gt=0, description="largest chunk in one PutShard message")
+    max_chunk_bytes: int = Field(DEFAULT_CHUNK_BYTES, gt=0, description="largest chunk in one PutShard message")
     max_world_size: int = Field(65536, gt=0)
     range_block_bytes: int = Field(1 * MiB, ge=0, le=64 * MiB, description="tensors are cut into blocks of at "
                                    "most this many bytes (each tensor's ~1/32 of it, at least 16 KiB), each hashed on upload, so a reader can verify a byte range "
@@ -93,7 +95,7 @@ class Settings(BaseSettings):
     direct_s3_part_size: int = Field(64 * MiB, ge=MIN_PART_SIZE, le=MAX_PART_SIZE, description="part size of a direct "
                                      "upload (S3: 5 MiB to 5 GiB; grown for files that would need over 10,000 parts)")
     # data paths and verification (docs/dataplane.md; domain/verification_modes.py owns the modes)
-    verification: str = Field("service", pattern="^(service|peer|store)$", description="who hashes a file handed "
+    verification: str = Field(Verification.SERVICE.value, pattern=f"^({'|'.join(Verification)})$", description="who hashes a file handed "
                               "over by name (direct-FS, direct S3): service (the service re-reads every byte; not "
                               "with direct S3), peer (another rank reads it back from the store before the commit), "
                               "store (the store verified the declared checksums: direct S3 uploads; refused at "
@@ -177,7 +179,7 @@ class Settings(BaseSettings):
     @field_validator("range_block_bytes")
     @classmethod
     def _range_block_floor(cls, value: int) -> int:
-        from lastgood.ranges import MIN_BLOCK
+        from lastgood.wire.ranges import MIN_BLOCK
 
         if 0 < value < MIN_BLOCK:  # 36 B of digest per block: 1-byte blocks would hold 36x the file
             raise ValueError(f"range_block_bytes must be 0 (no range digests) or at least {MIN_BLOCK}, got {value}")

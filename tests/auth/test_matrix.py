@@ -13,8 +13,8 @@ import grpc
 import httpx
 import pytest
 
-from lastgood.v1 import lastgood_pb2 as pb
-from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
+from lastgood.wire.v1 import lastgood_pb2 as pb
+from lastgood.wire.v1 import lastgood_pb2_grpc as pb_grpc
 from lastgood_service.api.auth import POLICY, PUBLIC
 from tests.service.helpers import make_shard, shard_name
 
@@ -58,7 +58,7 @@ def world(tmp_path_factory):
     cid = stub.BeginCheckpoint(pb.BeginCheckpointRequest(run=RUN, step=1, world_size=1, attempt="a"),
                                metadata=md).checkpoint_id
     data = make_shard(0)
-    from lastgood.hashing import hash_bytes
+    from lastgood.wire.hashing import hash_bytes
     stub.PutShard(iter([pb.PutShardRequest(header=pb.ShardHeader(checkpoint_id=cid, rank=0, file_name=shard_name(0),
                                                                  size=len(data), xxh3_128=hash_bytes(data))),
                         pb.PutShardRequest(chunk=data)]), metadata=md)
@@ -206,7 +206,7 @@ def _grpc_calls(world, principal):
     """Each method with a request that succeeds for an allowed caller."""
     stub, cid = world["stub"], world["cid"]
     data = make_shard(0)
-    from lastgood.hashing import hash_bytes
+    from lastgood.wire.hashing import hash_bytes
 
     def fresh_pending():
         md = (("authorization", f"Bearer {world['tokens']['writer']}"),)

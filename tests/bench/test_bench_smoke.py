@@ -139,7 +139,7 @@ def test_a_restore_case_reads_its_files_warm_whatever_the_cases_before_it_evicte
 
     from bench.cold_restore import IN_MEMORY, fs_type
     from bench.common import warm_files
-    from lastgood import durable
+    from lastgood.common import durable
 
     if fs_type(tmp_path) in IN_MEMORY:
         pytest.skip("a file in memory cannot leave the page cache")

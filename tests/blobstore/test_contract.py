@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from lastgood.hashing import hash_bytes
+from lastgood.wire.hashing import hash_bytes
 from lastgood_service.blobstore import BlobStore, LocalBlobStore, MemoryBlobStore
 from lastgood_service.blobstore import capabilities
 from lastgood_service.blobstore.base import READ_CHUNK
@@ -330,8 +330,8 @@ def test_direct_access_uploads_and_reads_through_presigned_urls(backend):
     needs(backend, GrantsDirectAccess)
     import urllib.request
 
-    from lastgood import directs3
-    from lastgood.retry import NO_RETRY
+    from lastgood.datapath import directs3
+    from lastgood.remote.retry import NO_RETRY
 
     class NoRetry:
         retry = NO_RETRY

@@ -8,7 +8,7 @@ import random
 import pytest
 from minio.error import S3Error
 
-from lastgood.hashing import hash_bytes
+from lastgood.wire.hashing import hash_bytes
 from lastgood_service.blobstore import open_blobstore
 from lastgood_service.blobstore.s3 import (MAX_PARTS, MIN_PART_SIZE, S3BlobStore, _Multipart, part_size_for,
                                            s3_from_url)

@@ -12,7 +12,7 @@ import json
 import pytest
 from sqlalchemy import func, select, text
 
-from lastgood.hashing import hash_bytes
+from lastgood.wire.hashing import hash_bytes
 from lastgood_service.catalog.models import Checkpoint, Event, Run, Shard, Vote
 from lastgood_service.domain import keys
 from lastgood_service.domain.commit.core import key_prefix

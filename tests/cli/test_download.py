@@ -13,7 +13,7 @@ import sys
 import httpx
 import pytest
 
-from lastgood.hashing import hash_bytes
+from lastgood.wire.hashing import hash_bytes
 from tests.service.helpers import Client, shard_blob
 
 from .conftest import ENV, error_line, lastgood, unique_run

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import lastgood
-from lastgood.retry import RetryPolicy
-from lastgood.staging import StagingPool
+from lastgood.remote.retry import RetryPolicy
+from lastgood.state.staging import StagingPool
 from tests.service.helpers import shard_blob
 
 

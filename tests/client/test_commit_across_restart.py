@@ -11,7 +11,7 @@ import pytest
 from torch import nn
 
 import lastgood
-from lastgood.retry import RetryPolicy
+from lastgood.remote.retry import RetryPolicy
 
 
 @pytest.mark.parametrize("retries", [True, False], ids=["retries", "control-no-retries"])

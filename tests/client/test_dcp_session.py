@@ -1,4 +1,4 @@
-"""DCP's StorageWriter goes through the Checkpointer's save session (lastgood/save/): a
+"""DCP's StorageWriter goes through the Checkpointer's save session (lastgood/commit/): a
 lost CommitRank reply is checked with the service instead of failing a save that
 committed; an unanswerable check says "outcome unknown", not a false failure; on the
 service's host the files are handed over through the spool; a save whose commit spans a
@@ -152,7 +152,7 @@ def test_a_dcp_file_written_longer_than_the_lease_still_commits(make_service, ru
     assert_loads_back(svc.url, run_name)
 
     # control: begun first, then written as slowly: the checkpoint is ABANDONED under the write
-    from lastgood.save import SaveSession
+    from lastgood.commit.session import SaveSession
 
     up = SaveSession(writer.transport, run_name, 0, commit_timeout=30).checkpoint(6, rank=0)
     cid = up.begin(1, "control")

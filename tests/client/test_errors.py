@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import lastgood
-from lastgood.rest import RestClient
+from lastgood.remote.rest import RestClient
 
 
 def test_refusals_arrive_as_their_class(service, run_name):
@@ -35,7 +35,7 @@ def test_refusals_arrive_as_their_class(service, run_name):
     assert isinstance(fenced.value, lastgood.Refused) and fenced.value.status == 409
     with pytest.raises(lastgood.Fenced) as fenced:  # gRPC: a fenced launch's begin
         first.transport.begin(run_name, 2, 1, cid, first.attempt, 0)
-    assert fenced.value.grpc_code == "FAILED_PRECONDITION" and fenced.value.reason == lastgood.errors.FENCED
+    assert fenced.value.grpc_code == "FAILED_PRECONDITION" and fenced.value.reason == lastgood.wire.codes.FENCED
     assert second.tag("best", checkpoint_id=cid)["checkpoint_id"] == cid  # control: the new launch may
     first.transport.close()
     second.close()
@@ -94,8 +94,8 @@ def test_a_broken_answer_is_unreachable_and_retried(reply, caplog):
     """http.client raises IncompleteRead / BadStatusLine, which are not OSErrors: they must
     become ServiceUnreachable (transient, retried), never escape the error model raw."""
     from lastgood.errors import ServiceUnreachable
-    from lastgood.rest import RestClient
-    from lastgood.retry import RetryPolicy, is_transient
+    from lastgood.remote.rest import RestClient
+    from lastgood.remote.retry import RetryPolicy, is_transient
 
     srv, url = _broken_http_server(reply)
     try:

@@ -1,4 +1,4 @@
-"""Hang and straggler verdicts with ranks beating through the real client (lastgood.health:
+"""Hang and straggler verdicts with ranks beating through the real client (lastgood.remote.heartbeat:
 one Heartbeat thread per simulated rank, each rank a thread stepping at its own pace)
 against a real service, and a real Checkpointer's beats, cost and `due()` decisions."""
 
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import lastgood
-from lastgood.health import Heartbeat, SAVING, TRAIN
-from lastgood.interval import PROBE_STEPS
+from lastgood.remote.heartbeat import Heartbeat, SAVING, TRAIN
+from lastgood.common.interval import PROBE_STEPS
 
 pytestmark = pytest.mark.slow  # checkpointers beating for seconds to be judged hung, slow or saving
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import lastgood
+import lastgood.state.trainstate
 
 from .test_roundtrip import make_training, snapshot_of, train_steps
 
@@ -107,7 +108,7 @@ def test_a_refused_optimizer_load_leaves_its_moments_alone(service, run_name):
 
 
 def test_control_copying_before_the_group_check_overwrites_moments(service, run_name, monkeypatch):
-    monkeypatch.setattr(lastgood.state, "_groups_match", lambda saved, opt: True)
+    monkeypatch.setattr(lastgood.state.trainstate, "_groups_match", lambda saved, opt: True)
     assert not _failed_restore_keeps_moments(service, run_name)
 
 

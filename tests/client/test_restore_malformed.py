@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import lastgood
-from lastgood.format import META_STATE, TensorSpec, header_length, parse_header, plan_layout
+from lastgood.wire.format import META_STATE, TensorSpec, header_length, parse_header, plan_layout
 from tests.service.helpers import Client, shard_name
 
 

@@ -1,4 +1,4 @@
-"""The save session on its own (lastgood/save/), against a real service: one rank saves
+"""The save session on its own (lastgood/commit/), against a real service: one rank saves
 several files in one checkpoint through either data path, and the vote names them all;
 what a path prepared and did not send is removed when begin is refused."""
 
@@ -9,9 +9,10 @@ import os
 import pytest
 
 from lastgood.errors import InvalidArgument
-from lastgood.hashing import hash_bytes
-from lastgood.save import SaveSession, SpoolPath, StreamPath
-from lastgood.transport import Transport
+from lastgood.wire.hashing import hash_bytes
+from lastgood.commit.session import SaveSession
+from lastgood.datapath.paths import SpoolPath, StreamPath
+from lastgood.datapath.transport import Transport
 
 
 @pytest.fixture

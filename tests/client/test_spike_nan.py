@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import lastgood
-from lastgood import jsonvalues
+from lastgood.wire import jsonvalues
 
 
 @pytest.mark.parametrize("loss, grad, text", [(math.nan, math.nan, "nan"), (math.inf, -math.inf, "inf")])

@@ -1,4 +1,4 @@
-"""A rank's state split into several files (save/split.py), through a real service: each
+"""A rank's state split into several files (state/split.py), through a real service: each
 file is a valid safetensors file of whole tensors, the checkpoint restores bit for bit,
 and one damaged file among several makes the checkpoint CORRUPT and restore fall back.
 Control: the same damage-free save restores its own step (the first test)."""
@@ -10,7 +10,8 @@ from safetensors.numpy import load as st_load
 from torch import nn
 
 import lastgood
-from lastgood.save import split
+from lastgood.common import parallel
+from lastgood.state import split
 from tests.service.helpers import ckpt_dir
 
 FILE_BYTES = "16K"  # a ~100 KiB state: several files
@@ -121,30 +122,28 @@ def test_export_reads_a_split_checkpoint(service, run_name, monkeypatch, tmp_pat
 
 def test_streamed_files_of_a_rank_use_at_most_two_streams(service, run_name, monkeypatch):
     """The ranks of a host share a token's max_streams_per_client (16): a rank streams its
-    files over at most split.STREAM_WORKERS PutShard streams at once, not split.WORKERS."""
-    from lastgood.save import split
-
+    files over at most parallel.STREAM_WORKERS PutShard streams at once, not parallel.WORKERS."""
     monkeypatch.setenv("LASTGOOD_FILE_BYTES", FILE_BYTES)
     monkeypatch.setenv("LASTGOOD_SPOOL", "0")  # streamed
     calls: list[tuple[int, int, bool]] = []
-    real = split.run_all
+    real = parallel.run_all
 
-    def run_all(fns, workers=split.WORKERS, **kw):
+    def run_all(fns, workers=parallel.WORKERS, **kw):
         calls.append((len(fns), workers, "undo" in kw))  # undo: add_all's prepare, not a send
         return real(fns, workers, **kw)
 
-    monkeypatch.setattr(split, "run_all", run_all)
+    monkeypatch.setattr(parallel, "run_all", run_all)
     model, opt = _training(0)
     with lastgood.Checkpointer(service.url, run=run_name) as ckpt:
         ckpt.save(1, lastgood.TrainState(model=model, optimizer=opt))
         ckpt.wait()
     sends = [w for n, w, prepare in calls if n >= 3 and not prepare]  # the hand-over of several files
-    assert sends and max(sends) <= split.STREAM_WORKERS < split.WORKERS, calls
+    assert sends and max(sends) <= parallel.STREAM_WORKERS < parallel.WORKERS, calls
 
 
 def test_a_rank_written_as_more_files_than_today_still_restores_bitwise(service, run_name, monkeypatch):
     """Checkpoints written before the split's cap of one file per writer thread hold up to 64
-    files a rank; the reader takes any number, more than its threads (save/split.py)."""
+    files a rank; the reader takes any number, more than its threads (state/split.py)."""
     monkeypatch.setenv("LASTGOOD_FILE_BYTES", FILE_BYTES)
     plan = split.plan
     monkeypatch.setattr(split, "plan", lambda specs, file_bytes, max_files=0: plan(specs, file_bytes, max_files=64))
@@ -154,7 +153,7 @@ def test_a_rank_written_as_more_files_than_today_still_restores_bitwise(service,
         ckpt.wait()
         cid = ckpt.last_saved.checkpoint_id
     monkeypatch.setattr(split, "plan", plan)
-    assert len(_files(service, cid)) > 2 * split.WORKERS, sorted(_files(service, cid))
+    assert len(_files(service, cid)) > 2 * parallel.WORKERS, sorted(_files(service, cid))
     want = _state(model, opt)
     model2, opt2 = _training(1)
     with lastgood.Checkpointer(service.url, run=run_name) as ckpt:

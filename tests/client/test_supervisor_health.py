@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from lastgood.supervisor import Launch, Policy, Supervisor
-from lastgood.rest import RestClient
+from lastgood.supervise.supervisor import Launch, Policy, Supervisor
+from lastgood.remote.rest import RestClient
 from tests.conftest import free_port
 
 

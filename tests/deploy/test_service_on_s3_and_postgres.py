@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import lastgood
-from lastgood.hashing import hash_bytes
+from lastgood.wire.hashing import hash_bytes
 from lastgood_service.domain import keys
 
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import lastgood
-from lastgood import directfs
+from lastgood.datapath import directfs
 
 
 def build():

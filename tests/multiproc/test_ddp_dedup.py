@@ -105,7 +105,7 @@ def test_a_damaged_tensor_written_once_falls_back_on_every_rank(make_service, ru
 
 
 def test_a_share_split_into_several_files_restores_at_another_world_size(service, run_name, tmp_path):
-    """Each rank's share of the replicated state split into several files (save/split.py,
+    """Each rank's share of the replicated state split into several files (state/split.py,
     LASTGOOD_FILE_BYTES): a tensor written once is found in whichever of its owner's files
     holds it, through that file's tensor index."""
     ckpt = save(service, run_name, tmp_path / "save", LASTGOOD_FILE_BYTES="100000")

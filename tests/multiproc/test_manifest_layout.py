@@ -8,8 +8,8 @@ import json
 import sqlite3
 from pathlib import Path
 
-from lastgood.hashing import hash_bytes
-from lastgood.manifest import Manifest
+from lastgood.wire.hashing import hash_bytes
+from lastgood.wire.manifest import Manifest
 
 from tests.multiproc.launch import torchrun, why
 from tests.service.helpers import ckpt_dir, index_blob

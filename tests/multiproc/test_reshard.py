@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from lastgood.format import header_length, parse_header, parse_state
-from lastgood.ranges import MIN_BLOCK
+from lastgood.wire.format import header_length, parse_header, parse_state
+from lastgood.wire.ranges import MIN_BLOCK
 
 from tests.multiproc.launch import torchrun, why
 from tests.service.helpers import ckpt_dir, shard_blob, wait_status
@@ -59,7 +59,7 @@ def read(out: Path, rank: int) -> dict:
 
 def stored(svc, ckpt: dict, r: int) -> tuple[dict, dict]:
     """Old rank r's tensors (its first file's) and its DTensor shards, wherever its files
-    hold them (save/split.py): name -> (global rows, first row, rows)."""
+    hold them (state/split.py): name -> (global rows, first row, rows)."""
     files = ckpt["manifest"]["ranks"][r]["files"]
     f = next(f for f in files if f["name"] == f"rank{r:05d}.safetensors")
     shapes = {n: t["shape"] for g in files for n, t in g["tensors"].items()}
@@ -196,7 +196,7 @@ def test_control_each_rank_stores_only_its_own_shard(service, run_name, tmp_path
 
 
 def save_split(svc, run: str, out: Path) -> dict:
-    """4 ranks, each state split into several files (save/split.py); the full view."""
+    """4 ranks, each state split into several files (state/split.py); the full view."""
     ckpt = save(svc, run, out, 4, env={"LASTGOOD_FILE_BYTES": "16K"})
     assert all(len(r["files"]) >= 2 for r in ckpt["manifest"]["ranks"]), ckpt["manifest"]["ranks"]
     return ckpt
@@ -204,7 +204,7 @@ def save_split(svc, run: str, out: Path) -> dict:
 
 def test_ranks_split_into_files_restore_at_another_world_size_reading_only_their_ranges(make_service, run_name,
                                                                                          tmp_path):
-    """Each of 4 ranks' states split into several files (LASTGOOD_FILE_BYTES, save/split.py),
+    """Each of 4 ranks' states split into several files (LASTGOOD_FILE_BYTES, state/split.py),
     restored on 2: each rank reads by verified ranges from whichever file holds each tensor,
     at most its new shards, its source rank's replicated state, every old file's header and
     the rounding; never every file whole (as it did before: the control is the first assert

@@ -1,4 +1,4 @@
-"""Two torchrun ranks whose states are split into several files each (save/split.py): one
+"""Two torchrun ranks whose states are split into several files each (state/split.py): one
 commit names every file of both ranks, and the checkpoint restores bit for bit at the same
 world size and at another (every file of every old rank read)."""
 

@@ -13,7 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
-from lastgood import proctree
+from lastgood.supervise import proctree
 from tests.conftest import ROOT
 from tests.multiproc.launch import TRAIN, Background, _command, _train_args, why
 

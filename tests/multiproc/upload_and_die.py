@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 import lastgood
-from lastgood import transport
-from lastgood.v1 import lastgood_pb2 as pb
+from lastgood.datapath import transport
+from lastgood.wire.v1 import lastgood_pb2 as pb
 
 
 def dying_put_shard(self, checkpoint_id, rank, file_name, data, xxh3, spooled=None):

@@ -14,10 +14,10 @@ import httpx
 import numpy as np
 import pytest
 
-from lastgood.format import TensorSpec, plan_layout
-from lastgood.hashing import hash_bytes
-from lastgood.v1 import lastgood_pb2 as pb
-from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
+from lastgood.wire.format import TensorSpec, plan_layout
+from lastgood.wire.hashing import hash_bytes
+from lastgood.wire.v1 import lastgood_pb2 as pb
+from lastgood.wire.v1 import lastgood_pb2_grpc as pb_grpc
 from lastgood_service.domain.keys import INDEX_SUFFIX
 
 ATTEMPT = "attempt-1"
@@ -30,7 +30,7 @@ def shard_name(rank: int) -> str:
 
 
 def make_shard(rank: int = 0, seed: int = 0, n: int = 6) -> bytes:
-    """A small but valid safetensors file, laid out by lastgood.format.plan_layout.
+    """A small but valid safetensors file, laid out by lastgood.wire.format.plan_layout.
 
     Three tensors of different element sizes (F32, I64, U8) so the tensor index has
     something to say; `seed` changes the values (and so the hash), not the layout.
@@ -48,7 +48,7 @@ DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.int64): "I64", np.dtype(np.ui
 
 def safetensors_bytes(values: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes:
     """A safetensors file of `values` (F32, I64 or U8 arrays) and `metadata`, laid out by
-    lastgood.format.plan_layout as a rank writes it."""
+    lastgood.wire.format.plan_layout as a rank writes it."""
     specs = [TensorSpec(k, DTYPES[v.dtype], tuple(v.shape)) for k, v in values.items()]
     layout = plan_layout(specs, metadata)
     buf = bytearray(layout.size)

@@ -15,9 +15,9 @@ import time
 import grpc
 import pytest
 
-from lastgood import wire
-from lastgood.hashing import hash_bytes
-from lastgood.v1 import lastgood_pb2 as pb
+from lastgood.wire import framing
+from lastgood.wire.hashing import hash_bytes
+from lastgood.wire.v1 import lastgood_pb2 as pb
 
 from .helpers import (Client, assert_unchanged, checkpoint, http, json_error, last_good_id, make_shard, rpc_error,
                       shard_name, snapshot)
@@ -233,7 +233,7 @@ def test_malformed_put_streams(svc, cl, run_name):
 
 
 def _raw_put(cl, messages):
-    """PutShard with raw message bytes, as the lastgood client sends them (lastgood.wire)."""
+    """PutShard with raw message bytes, as the lastgood client sends them (lastgood.wire.framing)."""
     call = cl.channel.stream_unary("/lastgood.v1.Checkpoints/PutShard", request_serializer=None,
                                    response_deserializer=pb.PutShardResponse.FromString)
     return call(iter(messages), timeout=10)
@@ -248,14 +248,14 @@ def test_put_messages_that_are_not_protobuf(svc, cl, run_name):
     header = pb.PutShardRequest(header=pb.ShardHeader(checkpoint_id=cid, rank=0, file_name=shard_name(0),
                                                       size=len(data), xxh3_128=hash_bytes(data))).SerializeToString()
     a, b, c = data[:40], data[40:90], data[90:]
-    framed = wire.frame(wire.PUT_CHUNK, a)
+    framed = framing.frame(framing.PUT_CHUNK, a)
     before = snapshot(svc, run_name)
     for bad in ([b"\xff\x00garbage"], [header, framed[:-1]], [header, framed + b"\x00"], [header, b"\x0a\x05abc"]):
         err = rpc_error(SC.INVALID_ARGUMENT, _raw_put, cl, bad)
         assert "PutShard" in err.details() or "header" in err.details(), err.details()
     _unchanged(svc, before, run_name)
 
-    overlong = bytes((wire.PUT_CHUNK, 0x80 | (len(b) & 0x7F), 0x80 | (len(b) >> 7), 0x00)) + b
+    overlong = bytes((framing.PUT_CHUNK, 0x80 | (len(b) & 0x7F), 0x80 | (len(b) >> 7), 0x00)) + b
     res = _raw_put(cl, [header, framed, overlong, pb.PutShardRequest(chunk=c).SerializeToString()])
     assert (res.already_present, res.size, res.xxh3_128) == (False, len(data), hash_bytes(data))
     assert cl.vote(cid, 0, [shard_name(0)], wait=2).status == "COMMITTED"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from lastgood import names
+from lastgood.wire import names
 
 from .helpers import Client, events, http, json_error
 

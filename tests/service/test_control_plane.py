@@ -11,8 +11,8 @@ import sys
 import grpc
 import pytest
 
-from lastgood.v1 import lastgood_pb2 as pb
-from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
+from lastgood.wire.v1 import lastgood_pb2 as pb
+from lastgood.wire.v1 import lastgood_pb2_grpc as pb_grpc
 from tests.conftest import ROOT
 from tests.service.helpers import http
 

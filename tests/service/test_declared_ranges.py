@@ -7,6 +7,7 @@ leave nothing behind. Against LocalStack's S3, which checks the parts' CRC32s (`
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import threading
@@ -17,10 +18,11 @@ import torch
 from safetensors.torch import save as st_save
 
 import lastgood
-from lastgood import directs3, readplan
+from lastgood.datapath import directs3
+from lastgood.restore import readplan
 from lastgood.errors import InvalidArgument
-from lastgood.ranges import RangeHasher
-from lastgood.transport import Transport
+from lastgood.wire.ranges import RangeHasher
+from lastgood.datapath.transport import Transport
 
 from tests.service.test_direct_s3 import MiB, begin, direct_service, training
 
@@ -132,7 +134,7 @@ def test_digests_that_would_overflow_the_hand_over_body_are_dropped_and_the_save
         prepared = directs3.prepare(data, 5 * MiB, svc.info["range_block_bytes"])
         assert prepared.digests is not None and len(json.dumps(prepared.digests)) > 2048
         if not knows_the_limit:
-            t.info = {k: v for k, v in t.info.items() if k != "max_request_bytes"}  # an older service's answer
+            t.info = dataclasses.replace(t.info, max_request_bytes=None)  # a service that announces no limit
         handle = directs3.upload(t, cid, 0, name, data, prepared)
         directs3.hand_over(t, cid, 0, name, handle)
         assert [f["name"] for f in svc.get(f"/api/v1/checkpoints/{cid}/shards").json()["ranks"][0]["files"]] == [name]

@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 import lastgood
-from lastgood import directs3
+from lastgood.datapath import directs3
+from lastgood.wire import s3parts
 from lastgood.errors import FailedPrecondition
-from lastgood.transport import Transport
+from lastgood.datapath.transport import Transport
 from lastgood_service.domain import keys
 
 from .helpers import metric  # noqa: F401 - also imported from here by other tests
@@ -209,7 +210,7 @@ def test_an_expired_grant_and_a_grant_used_for_another_key_are_refused_by_the_st
         put(other)
     assert e.value.status == 403, e.value
     with pytest.raises(directs3.StoreRefused) as e:  # another checksum than the one granted
-        put(url, directs3.crc32_b64(0))
+        put(url, s3parts.crc32_b64(0))
     assert e.value.status == 403, e.value
     time.sleep(3)
     with pytest.raises(directs3.StoreRefused) as e:
@@ -223,8 +224,9 @@ def test_an_expired_grant_and_a_grant_used_for_another_key_are_refused_by_the_st
 
 KILLED_RANK = """
 import os, signal, sys
-from lastgood import directs3
-from lastgood.transport import Transport
+from lastgood.datapath import directs3
+from lastgood.wire import s3parts
+from lastgood.datapath.transport import Transport
 t = Transport(sys.argv[1])
 cid = t.begin(sys.argv[2], 1, 1, None, "a1", 0).checkpoint_id
 data = bytearray(os.urandom(12 * 1024 * 1024))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 import lastgood
-from lastgood import directs3, peer
+from lastgood.datapath import directs3, peer
 from lastgood.errors import SaveFailed
 
 from .helpers import checkpoint, events, last_good_id, lying_checker, wait_status

@@ -19,14 +19,16 @@ import pytest
 import torch
 
 import lastgood
-from lastgood import directfs, peer, ranges, readplan
-from lastgood.directfs import DirectFS
-from lastgood.manifest import RANGE_DIGESTS
+from lastgood.datapath import directfs, peer
+from lastgood.wire import ranges
+from lastgood.restore import readplan
+from lastgood.datapath.directfs import DirectFS
+from lastgood.wire.manifest import RANGE_DIGESTS
 from lastgood.errors import SaveFailed
-from lastgood.hashing import StreamHasher
-from lastgood.checkpointer import shard_file_name as ckpt_file_name
-from lastgood.save import default_path
-from lastgood.transport import Transport
+from lastgood.wire.hashing import StreamHasher
+from lastgood.trainer.checkpointer import shard_file_name as ckpt_file_name
+from lastgood.datapath.choose import default_path
+from lastgood.datapath.transport import Transport
 
 from ..conftest import FAST, ServiceProc
 from .helpers import (checkpoint, events, index_blob, last_good_id, lying_checker, make_shard, shard_blob, shard_name,
@@ -89,7 +91,7 @@ def test_a_direct_fs_save_restores_bitwise_and_its_blob_is_the_file_written(mode
     want = {k: v.clone() for k, v in model.state_dict().items()}
     inodes = []
     with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
-        direct = directfs.of(ckpt.transport)  # the data path the save session chooses (save/paths.py)
+        direct = directfs.of(ckpt.transport)  # the data path the save session chooses (datapath/paths.py)
         assert direct is not None and ckpt.transport.spool is None
         assert isinstance(default_path(ckpt.transport), directfs.DirectFSPath)
         write = direct.write

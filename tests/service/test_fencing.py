@@ -9,7 +9,7 @@ import grpc
 import httpx
 import pytest
 
-from lastgood.fencing import ERROR_METADATA, FENCED, GENERATION_HEADER
+from lastgood.wire.codes import ERROR_METADATA, FENCED, GENERATION_HEADER
 
 from .helpers import Client, make_shard, shard_name
 

@@ -13,9 +13,9 @@ import httpx
 import pytest
 from google.protobuf.descriptor import FieldDescriptor as FD
 
-from lastgood.hashing import hash_bytes
-from lastgood.v1 import lastgood_pb2 as pb
-from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
+from lastgood.wire.hashing import hash_bytes
+from lastgood.wire.v1 import lastgood_pb2 as pb
+from lastgood.wire.v1 import lastgood_pb2_grpc as pb_grpc
 
 from .helpers import make_shard, shard_name
 

@@ -10,10 +10,10 @@ import grpc
 import httpx
 import pytest
 
-from lastgood import wire
-from lastgood.hashing import hash_bytes
-from lastgood.v1 import lastgood_pb2 as pb
-from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
+from lastgood.wire.codes import ERROR_METADATA, STREAMS_BUSY
+from lastgood.wire.hashing import hash_bytes
+from lastgood.wire.v1 import lastgood_pb2 as pb
+from lastgood.wire.v1 import lastgood_pb2_grpc as pb_grpc
 from tests.service.helpers import make_shard, shard_name
 
 BOOT = "bootstrap-admin-secret-for-limits"
@@ -68,8 +68,9 @@ def test_silent_streams_cannot_starve_an_authenticated_unary_rpc(make_service, r
             assert set(codes) == {grpc.StatusCode.UNAUTHENTICATED}, codes
         else:  # beyond the budgets: refused at once; the rest: cancelled after the idle timeout
             assert set(codes) == {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED}, codes
-            busy = [c.exception().details() for c in calls if c.exception().code() != grpc.StatusCode.CANCELLED]
-            assert all(d.startswith(wire.STREAMS_BUSY) for d in busy), busy
+            busy = [dict(c.exception().trailing_metadata() or ()).get(ERROR_METADATA)
+                    for c in calls if c.exception().code() != grpc.StatusCode.CANCELLED]
+            assert busy and set(busy) == {STREAMS_BUSY}, busy
             log = svc.log.read_text()
             assert "no message for 2.0 s (LASTGOOD_GRPC_IDLE_TIMEOUT); cancelling the stream" in log
     finally:
@@ -180,7 +181,7 @@ def test_a_download_nobody_reads_is_cancelled_after_the_idle_timeout(make_servic
 def test_the_client_waits_its_turn_when_the_service_has_too_many_streams(make_service, run_name):
     """A refusal for too many open streams read nothing: the client library tries again
     (with backoff, up to the call's timeout) instead of failing the save."""
-    from lastgood.transport import Transport
+    from lastgood.datapath.transport import Transport
 
     # 2 streams at most; a lease longer than the wait, so a slow machine's backoff cannot expire
     # the checkpoint before the upload gets its turn (that is not what this test is about)

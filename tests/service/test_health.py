@@ -47,7 +47,7 @@ def rows(svc, run: str) -> list[tuple]:
 
 
 def daly(c: float, m: float) -> float:
-    """Daly (2006), written out here independently of lastgood.interval."""
+    """Daly (2006), written out here independently of lastgood.common.interval."""
     if c >= 2 * m:
         return m
     return math.sqrt(2 * c * m) * (1 + (c / (2 * m)) ** 0.5 / 3 + (c / (2 * m)) / 9) - c

@@ -38,7 +38,7 @@ def test_hostile_shard_headers_get_invalid_argument(svc, cl, run_name, name):
 def test_a_shard_header_over_the_limit_is_refused_by_the_client_before_upload():
     """One owner: the trainer's writer and the service share the limits of format.py."""
     from lastgood.errors import FormatError
-    from lastgood.format import MAX_HEADER_BYTES, TensorSpec, plan_layout
+    from lastgood.wire.format import MAX_HEADER_BYTES, TensorSpec, plan_layout
 
     with pytest.raises(FormatError, match="over the"):
         plan_layout([TensorSpec("t", "U8", (1,))], {"lastgood.state": "x" * MAX_HEADER_BYTES})

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from lastgood.hashing import hash_bytes
-from lastgood.manifest import IndexMismatch, Manifest
+from lastgood.wire.hashing import hash_bytes
+from lastgood.wire.manifest import IndexMismatch, Manifest
 
 from .helpers import (Client, checkpoint, events, http, index_blob, json_error, last_good_id, root_of, shard_blob,
                       shard_name)

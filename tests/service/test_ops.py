@@ -11,8 +11,8 @@ import threading
 import grpc
 import pytest
 
-from lastgood.hashing import hash_bytes
-from lastgood.v1 import lastgood_pb2 as pb
+from lastgood.wire.hashing import hash_bytes
+from lastgood.wire.v1 import lastgood_pb2 as pb
 
 from .helpers import Client, http, make_shard, shard_name
 

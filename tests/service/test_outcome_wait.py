@@ -8,7 +8,7 @@ import threading
 
 import httpx
 
-from lastgood.transport import Transport
+from lastgood.datapath.transport import Transport
 from tests.service.helpers import Client, http, json_error, make_shard, shard_name
 
 

@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from lastgood import directfs, peer
+from lastgood.datapath import directfs, peer
 from lastgood.errors import SaveFailed
-from lastgood.save.session import SaveSession
-from lastgood.transport import Transport
+from lastgood.commit.session import SaveSession
+from lastgood.datapath.transport import Transport
 
 from .helpers import checkpoint, events, make_shard, shard_name, wait_status
 from .test_directfs import handed_over, mount_of

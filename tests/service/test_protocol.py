@@ -11,7 +11,7 @@ import pytest
 import numpy as np
 from safetensors.numpy import load as st_load
 
-from lastgood.hashing import hash_bytes
+from lastgood.wire.hashing import hash_bytes
 
 from .helpers import (ATTEMPT, checkpoint, ckpt_dir, events, http, json_error, last_good_id, make_shard, root_of,
                       rpc_error, shard_blob, shard_name, snapshot, wait_status)

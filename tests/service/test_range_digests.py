@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lastgood.hashing import hash_bytes
-from lastgood.manifest import RANGE_DIGESTS, Manifest
-from lastgood.ranges import MIN_BLOCK, RangeDigests
+from lastgood.wire.hashing import hash_bytes
+from lastgood.wire.manifest import RANGE_DIGESTS, Manifest
+from lastgood.wire.ranges import MIN_BLOCK, RangeDigests
 
 from .helpers import Client, http, make_shard, safetensors_bytes, shard_name
 
@@ -65,7 +65,7 @@ def sharded_file(offset: str = "[4, 0]") -> bytes:
 
     import numpy as np
 
-    from lastgood.format import META_STATE
+    from lastgood.wire.format import META_STATE
 
     values = {"w": np.ones((4, 2), np.float32), "w.exp_avg": np.zeros((4, 2), np.float32),
               "step": np.array([3], np.int64)}

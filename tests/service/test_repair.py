@@ -13,7 +13,7 @@ import sys
 import grpc
 import lastgood
 from lastgood.errors import ServiceError
-from lastgood.retry import is_transient
+from lastgood.remote.retry import is_transient
 import pytest
 
 from .helpers import Client, checkpoint, ckpt_dir, http, json_error, last_good_id, rpc_error, shard_name
@@ -119,7 +119,7 @@ def test_a_rebuilt_catalog_keeps_fencing_the_launches_it_forgot(make_service, ru
     """Generations live in the catalog; a rebuild from the store must not hand one out again.
     Launch 1 and launch 2 commit, the catalog is lost and rebuilt, a relaunch registers: the
     zombies of launches 1 and 2 are fenced, and no relaunch ever gets their generations back."""
-    from lastgood.fencing import ERROR_METADATA, FENCED
+    from lastgood.wire.codes import ERROR_METADATA, FENCED
 
     svc = make_service(tmp_path / "svc")
     api = http(svc)

@@ -1,5 +1,5 @@
 """The service's verify checks the replicated-tensor references of a deduplicated DDP
-checkpoint (client/lastgood/replicas.py, docs/replicated.md): each `__replica__` must name
+checkpoint (client/lastgood/restore/replicas.py, docs/replicated.md): each `__replica__` must name
 a rank of the checkpoint whose files hold that tensor. A dangling one marks the checkpoint
 CORRUPT, so last-good moves back, as for any damage."""
 
@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from lastgood.format import META_STATE, TensorSpec, plan_layout
+from lastgood.wire.format import META_STATE, TensorSpec, plan_layout
 
 from .helpers import Client, http, last_good_id, shard_name
 

@@ -7,7 +7,7 @@ import json
 import grpc
 import pytest
 
-from lastgood.hashing import hash_bytes
+from lastgood.wire.hashing import hash_bytes
 
 from .helpers import (Client, checkpoint, ckpt_dir, events, http, json_error, last_good_id, make_shard, root_of,
                       rpc_error, shard_blob, shard_name)

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import lastgood
-from lastgood import names
-from lastgood.hashing import hash_bytes
-from lastgood.transport import Transport
-from lastgood.v1 import lastgood_pb2 as pb
+from lastgood.wire import names
+from lastgood.wire.hashing import hash_bytes
+from lastgood.datapath.transport import Transport
+from lastgood.wire.v1 import lastgood_pb2 as pb
 
 from .helpers import (Client, assert_unchanged, make_shard, rpc_error, shard_blob, shard_name, snapshot)
 
@@ -301,14 +301,14 @@ def test_a_same_host_reader_gets_a_link_instead_of_a_stream(svc, cl, run_name, m
     """The read direction: GetShard with the spool's id answers with a hard link to the
     blob in the spool; the client reads and hashes it into its buffer (or preads the range
     it asked for) and removes the link. Readers without the spool get chunks."""
-    from lastgood import transport as transport_mod
+    from lastgood.datapath import handover
 
     spool, sid = spool_of(svc)
     cid, shards = cl.save(run_name, 1)
     data = shards[0]
     lent = []
-    real = transport_mod._read_lent
-    monkeypatch.setattr(transport_mod, "_read_lent", lambda *a: lent.append(a[1]) or real(*a))
+    real = handover.read_lent
+    monkeypatch.setattr(handover, "read_lent", lambda *a: lent.append(a[1]) or real(*a))
     t = Transport(svc.url)
     try:
         buf = bytearray(len(data) + 100)
@@ -342,18 +342,18 @@ def test_a_same_host_reader_gets_a_link_instead_of_a_stream(svc, cl, run_name, m
 
 def test_the_client_reads_lent_files_only_from_the_spools_out_folder(tmp_path):
     from lastgood.errors import CorruptCheckpoint, ServiceError
-    from lastgood.hashing import StreamHasher
-    from lastgood.transport import _read_lent
+    from lastgood.wire.hashing import StreamHasher
+    from lastgood.datapath.handover import read_lent
 
     (tmp_path / "secret").write_bytes(b"not a shard")
     for name in ("../secret", "secret", ".out/../../secret", "/etc/passwd", ".out/" + "a" * 31 + ".part"):
         with pytest.raises(ServiceError, match="outside the spool"):
-            _read_lent(str(tmp_path / "spool"), name, memoryview(bytearray(16)), StreamHasher())
+            read_lent(str(tmp_path / "spool"), name, memoryview(bytearray(16)), StreamHasher())
     # a lent file longer than the manifest says is refused, as damage (restore falls back)
     (tmp_path / ".out").mkdir()
     (tmp_path / ".out" / ("b" * 32 + ".part")).write_bytes(b"x" * 17)
     with pytest.raises(CorruptCheckpoint, match="longer"):
-        _read_lent(str(tmp_path), ".out/" + "b" * 32 + ".part", memoryview(bytearray(16)), StreamHasher())
+        read_lent(str(tmp_path), ".out/" + "b" * 32 + ".part", memoryview(bytearray(16)), StreamHasher())
 
 
 @pytest.mark.slow

@@ -19,9 +19,9 @@ import grpc
 import pytest
 
 from lastgood import errors
-from lastgood.hashing import hash_bytes
-from lastgood.transport import Transport
-from lastgood.v1 import lastgood_pb2 as pb
+from lastgood.wire.hashing import hash_bytes
+from lastgood.datapath.transport import Transport
+from lastgood.wire.v1 import lastgood_pb2 as pb
 
 from .helpers import Client, assert_unchanged, make_shard, metric, rpc_error, shard_blob, shard_name, snapshot
 
@@ -327,10 +327,10 @@ def test_a_refusal_of_the_checkpoint_is_raised_not_written_again(svc, run_name, 
 @pytest.mark.parametrize("limit", ["16M", "-1"], ids=["drop-behind", "control: never drop"])
 def test_a_large_followed_file_leaves_only_its_head_in_the_page_cache(make_service, run_name, limit, tmp_path):
     """Beyond LASTGOOD_SPOOL_CACHE_BYTES of a followed file, what the service has hashed is
-    dropped from the page cache once on the disk (lastgood.durable.DropBehind): the blob's
+    dropped from the page cache once on the disk (lastgood.common.durable.DropBehind): the blob's
     head and its last DROP_LAG stay cached, the middle is read from the disk, and every byte
     is the one written. Control: -1 keeps the whole blob cached."""
-    from lastgood import durable
+    from lastgood.common import durable
     from tests.unit.test_durable import on_tmpfs, resident
 
     if durable._sfr is None:
@@ -350,7 +350,7 @@ def test_a_large_followed_file_leaves_only_its_head_in_the_page_cache(make_servi
         assert resident(blob, head, tail) == 0
         assert cached == size - (tail - head)
     # read back as a restore does on the service's host (a link lent in the spool): the dropped
-    # middle comes straight from the disk (lastgood.durable.read_into), not into the page cache
+    # middle comes straight from the disk (lastgood.common.durable.read_into), not into the page cache
     t = Transport(svc.url)
     try:
         view, digest = t.read_file(cid, 0, "part.bin", size, into=memoryview(mmap.mmap(-1, size)))

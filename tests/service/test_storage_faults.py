@@ -37,7 +37,7 @@ def small_volume(tmp_path):
 
 def big_shard(seed: int) -> bytes:
     """A valid safetensors shard of about 3 MiB (random, so nothing compresses it away)."""
-    from lastgood.format import TensorSpec, plan_layout
+    from lastgood.wire.format import TensorSpec, plan_layout
 
     arr = np.random.default_rng(seed).random(3 * MiB // 4, dtype=np.float32)
     layout = plan_layout([TensorSpec("model.w", "F32", arr.shape)], {"lastgood.format": "1"})
@@ -115,7 +115,7 @@ def test_a_save_that_cannot_fit_is_refused_at_begin(make_service, small_volume, 
     """A rank declares at begin what it is about to upload: a store without room for it
     refuses the begin, so no rank uploads a byte and no checkpoint is left pending.
     Control: a size that fits begins as before."""
-    from lastgood.v1 import lastgood_pb2 as pb
+    from lastgood.wire.v1 import lastgood_pb2 as pb
 
     svc = make_service(small_volume / "data", LASTGOOD_STORE_RESERVE_BYTES=str(4 * MiB))
     free = os.statvfs(small_volume).f_bavail * os.statvfs(small_volume).f_frsize

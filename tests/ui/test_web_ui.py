@@ -22,7 +22,7 @@ from urllib.parse import urlencode
 import httpx
 import pytest
 
-from lastgood.hashing import hash_bytes
+from lastgood.wire.hashing import hash_bytes
 
 from . import seed
 from .conftest import ARTIFACTS, click_node, graph_version, wait_graph

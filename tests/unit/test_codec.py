@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from lastgood.codec import Encoder, UnsupportedValue, decode
+from lastgood.state.codec import Encoder, UnsupportedValue, decode
 
 
 def roundtrip(value):

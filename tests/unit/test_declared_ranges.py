@@ -1,4 +1,4 @@
-"""Range digests a writer declares (lastgood.ranges: hasher_of, check_declared, FileCheck):
+"""Range digests a writer declares (lastgood.wire.ranges: hasher_of, check_declared, FileCheck):
 computed by the service's rule, checked for shape against the file's own header, and
 recomputed from the stored bytes by a checking peer. Torch-free, no service."""
 
@@ -9,8 +9,8 @@ import pytest
 from safetensors.numpy import save
 
 from lastgood.errors import FormatError
-from lastgood.format import header_length, parse_header, tensor_index
-from lastgood.ranges import FileCheck, check_declared, fingerprint, hasher_of
+from lastgood.wire.format import header_length, parse_header, tensor_index
+from lastgood.wire.ranges import FileCheck, check_declared, fingerprint, hasher_of
 
 CAP = 64 * 1024
 
@@ -68,7 +68,8 @@ def test_a_writer_computes_no_digests_it_could_not_declare(mib, declared):
     of hex strings thrown away. The header says how many there would be, so none are
     computed; the control, under the limit, still gets them. (At the smallest cap, 4 KiB,
     96 MiB of tensors is ~24,600 segments, 64 MiB ~16,400.)"""
-    from lastgood import directs3, ranges
+    from lastgood.datapath import directs3
+    from lastgood.wire import ranges
 
     data = save({f"t{i}": np.zeros(mib * 1024 * 1024 // 4 // 64, dtype=np.float32) for i in range(64)})
     parts = directs3.prepare(data, 64 * 1024 * 1024, ranges.MIN_BLOCK)

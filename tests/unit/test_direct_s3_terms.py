@@ -10,7 +10,8 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 from pydantic import ValidationError
 
-from lastgood.directs3 import MAX_PARTS, part_layout, prepare
+from lastgood.datapath.directs3 import prepare
+from lastgood.wire.s3parts import MAX_PARTS, part_layout
 from lastgood_service.blobstore.s3 import S3BlobStore
 from lastgood_service.settings import Settings
 

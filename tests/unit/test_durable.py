@@ -1,4 +1,4 @@
-"""lastgood.durable: a file written through Writeback does not sit dirty in the page cache
+"""lastgood.common.durable: a file written through Writeback does not sit dirty in the page cache
 until its fsync, where the call cannot work it does nothing, and a closed one never touches
 its descriptor again; DropBehind keeps a file's head and drops the rest; read_into reads
 what the page cache does not hold past it, with the same bytes."""
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from lastgood import durable
+from lastgood.common import durable
 
 MiB = 1 << 20
 PAGE = mmap.PAGESIZE  # one page: what an unaligned tail, read through the page cache, leaves cached
@@ -310,7 +310,7 @@ def drop(path) -> None:
 
 
 def read_back(path, view, offset: int = 0, piece: int = 8 * MiB):
-    from lastgood.hashing import StreamHasher, hash_bytes
+    from lastgood.wire.hashing import StreamHasher, hash_bytes
 
     hasher = StreamHasher()
     fd = os.open(path, os.O_RDONLY)

@@ -1,6 +1,7 @@
 """The client's error model: every error code the service sends becomes one class, from REST
-and from gRPC alike, and an answer without a code is classified by its status. The
-service's own table is read here, so a code added there cannot be forgotten in the client."""
+and from gRPC alike, and an answer without a code is classified by its status. Both sides
+derive how a code travels from lastgood.wire.codes, read here with the service's table, so
+a code added on either side cannot be forgotten on the other."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import lastgood
 from lastgood import errors
 from lastgood.errors import from_grpc, from_http
+from lastgood.wire import codes
 from lastgood_service.api.errors import TABLE as SERVICE_TABLE
 from lastgood_service.domain import errors as domain
 
@@ -25,8 +27,8 @@ def body(code: str | None, message: str = "the service's words") -> bytes:
 def test_every_service_error_code_has_one_client_class(name):
     status, grpc_code = SERVICE_CODES[name]
     assert name in errors.TABLE, f"the service sends {name!r}; add it to lastgood.errors.TABLE"
-    cls, c_status, c_grpc = errors.TABLE[name]
-    assert (c_status, c_grpc) == (status, grpc_code), "the client's table disagrees with the service's"
+    cls = errors.TABLE[name]
+    assert codes.CODES[name] == (status, grpc_code), "the service sends a code otherwise than the wire says"
     over_rest = from_http("GET", "/x", status, body(name))
     over_grpc = from_grpc("PutShard", grpc_code, "the service's words", ((errors.ERROR_METADATA, name),))
     for err in (over_rest, over_grpc):
@@ -37,14 +39,15 @@ def test_every_service_error_code_has_one_client_class(name):
 
 
 def test_the_client_table_holds_no_code_the_service_does_not_send():
-    rest_only = {"invalid_request", "internal"}  # the REST layer's own (api/rest.py), not the domain's
+    rest_only = {codes.INVALID_REQUEST, codes.INTERNAL}  # the REST layer's own (api/rest.py), not the domain's
     assert set(errors.TABLE) - rest_only == set(SERVICE_CODES)
+    assert set(errors.TABLE) == set(codes.CODES), "every code of the wire has one client class, and no other"
 
 
 def test_the_classes_follow_the_services_hierarchy():
     """A client class is a subclass of another where the service's are, but for a catalog
     behind its store: Unavailable on the service (503), yet not retried by the client."""
-    by_domain = {cls: errors.TABLE[name][0] for cls, (_s, _c, name) in SERVICE_TABLE.items()}
+    by_domain = {cls: errors.TABLE[name] for cls, (_s, _c, name) in SERVICE_TABLE.items()}
     for a, ca in by_domain.items():
         for b, cb in by_domain.items():
             if a is not b and issubclass(a, b) and (a, b) != (domain.CatalogBehind, domain.Unavailable):
@@ -52,10 +55,10 @@ def test_the_classes_follow_the_services_hierarchy():
 
 
 def test_only_outages_and_a_busy_service_are_retried():
-    retried = {name for name, (cls, _s, _c) in errors.TABLE.items() if cls.transient}
+    retried = {name for name, cls in errors.TABLE.items() if cls.transient}
     assert retried == {"unavailable", "streams_busy", "internal"}
     # an operator has to act on these: retrying only delays the error
-    for name in (errors.CATALOG_BEHIND, "store_full"):
+    for name in (codes.CATALOG_BEHIND, codes.STORE_FULL):
         assert not from_http("POST", "/x", SERVICE_CODES[name][0], body(name)).retryable
 
 
@@ -97,29 +100,21 @@ def test_an_unknown_code_keeps_its_name_and_is_classified_by_status():
     assert type(err) is errors.FailedPrecondition and err.reason == "quota_exceeded"
 
 
-def test_a_busy_refusal_of_an_older_service_is_still_busy():
-    from lastgood import wire
-
-    err = from_grpc("PutShard", "RESOURCE_EXHAUSTED", f"{wire.STREAMS_BUSY}16 streams are open", ())
-    assert type(err) is errors.Busy and err.retryable
-    assert not from_grpc("PutShard", "RESOURCE_EXHAUSTED", "shard too large", ()).retryable  # control
-
-
 def test_the_framework_s_own_errors_say_no_route():
-    err = from_http("DELETE", "/api/v1/checkpoints/1/tags/a/b", 404, body(errors.HTTP_ERROR, "Not Found"))
+    err = from_http("DELETE", "/api/v1/checkpoints/1/tags/a/b", 404, body(codes.HTTP_ERROR, "Not Found"))
     assert isinstance(err, errors.NotFound) and err.no_route and not err.coded
     assert not from_http("GET", "/x", 404, body("not_found")).no_route
 
 
-def test_the_public_names_still_work():
-    """The names outside code catches (lastgood.*, transport.HttpError/ServiceUnreachable)."""
-    from lastgood.transport import HttpError, ServiceUnreachable
+def test_the_public_names_work():
+    """The names outside code catches: lastgood.* and lastgood.errors.*."""
+    from lastgood.errors import ServiceError, ServiceUnreachable
 
-    fenced = from_grpc("CommitRank", "FAILED_PRECONDITION", "fenced", ((errors.ERROR_METADATA, errors.FENCED),))
+    fenced = from_grpc("CommitRank", "FAILED_PRECONDITION", "fenced", ((errors.ERROR_METADATA, codes.FENCED),))
     assert isinstance(fenced, lastgood.Fenced) and isinstance(fenced, lastgood.ServiceError)
     assert isinstance(fenced, lastgood.LastgoodError)
     assert isinstance(from_http("GET", "/x", 409, body("no_usable_checkpoint")), lastgood.NoUsableCheckpoint)
-    assert isinstance(from_http("GET", "/x", 404, body("not_found")), HttpError)
+    assert isinstance(from_http("GET", "/x", 404, body("not_found")), ServiceError)
     assert issubclass(ServiceUnreachable, lastgood.Unavailable)
     for name in ("LastgoodError", "SaveFailed", "CorruptCheckpoint", "NoUsableCheckpoint", "ServiceError", "Fenced"):
         assert getattr(lastgood, name) is getattr(errors, name)

@@ -13,8 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import load as st_load
 
 from lastgood.errors import FormatError
-from lastgood.format import MAX_STATE_DEPTH, META_STATE, TensorSpec, parse_header, parse_state, plan_layout
-from lastgood.staging import StagingPool, snapshot
+from lastgood.wire.format import MAX_STATE_DEPTH, META_STATE, TensorSpec, parse_header, parse_state, plan_layout
+from lastgood.state.staging import StagingPool, snapshot
 
 
 def _tensors():

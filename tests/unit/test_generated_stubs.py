@@ -10,11 +10,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_stubs_are_fresh(tmp_path):
-    proto = ROOT / "client/proto/lastgood/v1/lastgood.proto"
+    proto = ROOT / "client/proto/lastgood/wire/v1/lastgood.proto"
     subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{ROOT / 'client/proto'}",
                     f"--python_out={tmp_path}", f"--pyi_out={tmp_path}", f"--grpc_python_out={tmp_path}",
                     str(proto)], check=True)
     for name in ("lastgood_pb2.py", "lastgood_pb2.pyi", "lastgood_pb2_grpc.py"):
-        fresh = (tmp_path / "lastgood/v1" / name).read_text()
-        committed = (ROOT / "client/lastgood/v1" / name).read_text()
+        fresh = (tmp_path / "lastgood/wire/v1" / name).read_text()
+        committed = (ROOT / "client/lastgood/wire/v1" / name).read_text()
         assert fresh == committed, f"{name} is stale: run `make proto` and commit the result"

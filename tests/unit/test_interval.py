@@ -1,5 +1,5 @@
 """The checkpoint interval: Young/Daly, the MTBF estimate, Interval's triggers and the
-decisions every rank takes alike (lastgood.interval; the service side: tests/service/test_health.py)."""
+decisions every rank takes alike (lastgood.common.interval; the service side: tests/service/test_health.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 import pytest
 
 from lastgood import Interval
-from lastgood.interval import PROBE_STEPS, Decider, daly, expected_loss, mtbf, young
+from lastgood.common.interval import PROBE_STEPS, Decider, daly, expected_loss, mtbf, young
 
 
 def test_young_and_daly():
@@ -126,7 +126,7 @@ def test_a_step_time_is_known_when_steps_are_faster_than_the_beats():
     (seen in a clean CI run of the supervisor's hang test)."""
     import time as _time
 
-    from lastgood.health import Heartbeat
+    from lastgood.remote.heartbeat import Heartbeat
 
     hb = Heartbeat("http://127.0.0.1:9", "r", 0, 1, period=0)  # never started: body() only
     assert hb.body()["step_seconds"] is None

@@ -1,4 +1,4 @@
-"""lastgood.jsonvalues: the strict-JSON rule for stored values, and how others are carried."""
+"""lastgood.wire.jsonvalues: the strict-JSON rule for stored values, and how others are carried."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from lastgood import jsonvalues
+from lastgood.wire import jsonvalues
 
 
 @pytest.mark.parametrize("text", ['{"x": NaN}', '[Infinity]', '[-Infinity]', '[1e999]', '["\\ud800"]',

@@ -4,7 +4,7 @@ part of a region (a superset), never fewer."""
 
 from __future__ import annotations
 
-from lastgood.layout import MAX_CHUNKS, overlaps, summarize
+from lastgood.wire.layout import MAX_CHUNKS, overlaps, summarize
 
 TENSORS = {"w": {"shape": [8, 4]}, "w.exp_avg": {"shape": [8, 4]}, "b": {"shape": [8]}, "step": {"shape": []},
            "e": {"shape": [0, 4]}}
@@ -45,8 +45,8 @@ def test_a_root_written_before_chunks_plans_with_every_old_file():
     """Roots committed before `chunks` (or a file with too many to summarise) still restore
     at another world size: every old file's metadata is fetched, as before; with them, only
     the files that may overlap."""
-    from lastgood.manifest import FileEntry
-    from lastgood.readplan import _needed
+    from lastgood.wire.manifest import FileEntry
+    from lastgood.restore.readplan import _needed
 
     ref = {"xxh3_128": "0" * 32, "size": 10, "tensors": 1}
     before = [FileEntry("f", 1, "0" * 32, index=ref) for _ in range(3)]
@@ -60,8 +60,8 @@ def test_a_root_written_before_chunks_plans_with_every_old_file():
 def test_chunks_out_of_their_tensors_bounds_give_no_summary():
     """What the service puts in the root is bounded: as many offsets and lengths as the
     global shape has dims, within it, at most MAX_DIMS, a key of at most MAX_KEY characters."""
-    from lastgood.format import MAX_DIMS
-    from lastgood.layout import MAX_KEY
+    from lastgood.wire.format import MAX_DIMS
+    from lastgood.wire.layout import MAX_KEY
 
     t = {"w": {"shape": [8, 4]}}
     assert summarize({"w": dt("w", [32, 4], [24, 0])}, t) == {"32,4": [[[24, 0], [8, 4]]]}  # the control
@@ -83,9 +83,9 @@ def test_a_malformed_chunks_value_in_the_root_plans_with_every_old_file():
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from lastgood.codec import ShardRef
-    from lastgood.manifest import FileEntry
-    from lastgood.readplan import _needed
+    from lastgood.state.codec import ShardRef
+    from lastgood.wire.manifest import FileEntry
+    from lastgood.restore.readplan import _needed
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -106,13 +106,13 @@ def test_a_malformed_chunks_value_in_the_root_plans_with_every_old_file():
 
 
 def test_a_split_ranks_first_file_is_summarised_for_its_further_files_by_the_shapes_it_declares():
-    """The first file of a rank split into files (save/split.py) holds the state; its further
+    """The first file of a rank split into files (state/split.py) holds the state; its further
     files' tensors are summarised by META_FILE_SHAPES. Without that key (written before it)
     it has no summary, as before; a malformed one gives none, and never refuses the file."""
     import json
 
-    from lastgood.format import META_FILE_SHAPES, META_FILES, META_STATE
-    from lastgood.layout import of_header
+    from lastgood.wire.format import META_FILE_SHAPES, META_FILES, META_STATE
+    from lastgood.wire.layout import of_header
 
     own = {"b": TENSORS["b"], "e": TENSORS["e"], "step": TENSORS["step"]}
     meta = {META_STATE: json.dumps(STATE), META_FILES: json.dumps([["w"], ["w.exp_avg"]])}

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from lastgood import names
+from lastgood.wire import names
 
 
 @pytest.mark.parametrize("bad", ["", "../x", "a/b", "..", "a..b", ".hidden", "x" * 201, "a\x00b", "a b", None, 3])

@@ -31,16 +31,16 @@ def test_only_domain_last_good_moves_the_last_good_pointer():
 
 def test_the_spool_contract_is_spelled_only_in_the_client_names_module():
     """Both sides of the same-host hand-over read the id file's name, the `.out/`
-    directory and the name pattern from lastgood.names; a second spelling would drift."""
+    directory and the name pattern from lastgood.wire.names; a second spelling would drift."""
     import lastgood
-    from lastgood import names
+    from lastgood.wire import names
 
     client = Path(lastgood.__file__).resolve().parent
-    owner = client / "names.py"
+    owner = client / "wire" / "names.py"
     spellings = ('".lastgood-spool"', "'.lastgood-spool'", '".out"', "'.out'")
     found = {str(p): [s for s in spellings if s in p.read_text()]
              for p in sorted([*SERVICE.rglob("*.py"), *client.rglob("*.py")]) if p != owner}
     found = {p: s for p, s in found.items() if s}
-    assert not found, f"use lastgood.names (SPOOL_ID_FILE, SPOOL_OUT_DIR, new_spool_name): {found}"
+    assert not found, f"use lastgood.wire.names (SPOOL_ID_FILE, SPOOL_OUT_DIR, new_spool_name): {found}"
     assert names.is_spool_name(names.new_spool_name())
     assert names.is_lent_name(f"{names.SPOOL_OUT_DIR}/{names.new_spool_name()}")

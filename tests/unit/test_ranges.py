@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from lastgood.errors import FormatError
-from lastgood.hashing import hash_bytes
-from lastgood.ranges import HEADER, RangeDigests, RangeHasher, segments
+from lastgood.wire.hashing import hash_bytes
+from lastgood.wire.ranges import HEADER, RangeDigests, RangeHasher, segments
 
 DATA_START = 16
 TENSORS = {"a": {"offsets": [0, 10]}, "b": {"offsets": [10, 10]}, "c": {"offsets": [10, 35]}}  # b is empty
@@ -92,7 +92,7 @@ def test_checking_a_large_digest_table_is_linear_in_its_segments():
 def test_a_tensors_block_is_about_a_32nd_of_it_within_the_floor_and_the_cap():
     """The rule (block_for): the largest power of two <= size / 32, at least FLOOR, at most
     the cap; the cap wins over the floor (a service set to 4 KiB blocks gets 4 KiB)."""
-    from lastgood.ranges import DEFAULT_BLOCK, FLOOR, MiB, block_for
+    from lastgood.wire.ranges import DEFAULT_BLOCK, FLOOR, MiB, block_for
 
     assert block_for(1 * MiB, DEFAULT_BLOCK) == 32 * 1024
     assert block_for(1 * MiB - 1, DEFAULT_BLOCK) == 16 * 1024
@@ -109,7 +109,7 @@ def test_at_the_default_a_range_inside_a_tensor_reads_at_most_a_32nd_more_at_eac
     """The bound the read plan's 1.1x rests on: a rank's stored piece of a tensor, smaller
     than the default cap (1 MiB), is not read whole for a part of it (at 4 -> 3 ranks it
     was: 1.5x the bytes needed)."""
-    from lastgood.ranges import DEFAULT_BLOCK
+    from lastgood.wire.ranges import DEFAULT_BLOCK
 
     tensors = {"w": {"offsets": [0, stored]}}
     h = RangeHasher(DATA_START, tensors, DEFAULT_BLOCK)
@@ -142,7 +142,7 @@ def test_the_hasher_keeps_16_bytes_a_segment_until_the_index_object_is_written()
     per GiB of tensors. Up to the hex at the end, the same digests."""
     import tracemalloc
 
-    from lastgood.ranges import MIN_BLOCK
+    from lastgood.wire.ranges import MIN_BLOCK
 
     n = 4096
     tensors = {"w": {"offsets": [0, n * MIN_BLOCK]}}

@@ -9,11 +9,11 @@ import json
 import torch
 from safetensors.torch import save
 
-from lastgood.format import META_STATE, header_length, parse_header, tensor_index
-from lastgood.hashing import hash_bytes
-from lastgood.manifest import FileEntry
-from lastgood.ranges import RangeHasher
-from lastgood.readplan import RangedFile, RangeReader
+from lastgood.wire.format import META_STATE, header_length, parse_header, tensor_index
+from lastgood.wire.hashing import hash_bytes
+from lastgood.wire.manifest import FileEntry
+from lastgood.wire.ranges import RangeHasher
+from lastgood.restore.readplan import RangedFile, RangeReader
 
 BLOCK = 4096
 
@@ -77,8 +77,8 @@ def test_a_files_header_must_hold_no_chunk_the_root_does_not_name():
     import pytest
 
     from lastgood.errors import CorruptCheckpoint
-    from lastgood.manifest import index_bytes, index_ref
-    from lastgood.readplan import _open
+    from lastgood.wire.manifest import index_bytes, index_ref
+    from lastgood.restore.readplan import _open
 
     state = {"components": {"m": {"w": {"__dtensor__": "w", "shape": [32, 4], "offset": [8, 0]}}}}
     data = save({"w": torch.ones(8, 4)}, metadata={META_STATE: json.dumps(state)})
@@ -104,7 +104,7 @@ def test_a_files_header_must_hold_no_chunk_the_root_does_not_name():
 
 
 def test_a_rank_split_into_files_is_opened_as_one_and_its_declared_shapes_are_checked():
-    """A split rank (save/split.py) at another world size: its first file and its further
+    """A split rank (state/split.py) at another world size: its first file and its further
     file opened together (readplan.RangedRank), each range read from the file holding the
     tensor. The root's summary comes from the shapes the first file declares for the
     further files (layout.of_header); a shape that lied leaves a shard outside the summary,
@@ -113,10 +113,10 @@ def test_a_rank_split_into_files_is_opened_as_one_and_its_declared_shapes_are_ch
     import pytest
 
     from lastgood.errors import CorruptCheckpoint, FormatError
-    from lastgood.format import META_FILE_SHAPES, META_FILES
-    from lastgood.layout import of_header
-    from lastgood.manifest import index_bytes, index_ref
-    from lastgood.readplan import RangedRank, _open
+    from lastgood.wire.format import META_FILE_SHAPES, META_FILES
+    from lastgood.wire.layout import of_header
+    from lastgood.wire.manifest import index_bytes, index_ref
+    from lastgood.restore.readplan import RangedRank, _open
 
     state = {"components": {"m": {"w": {"__dtensor__": "w", "shape": [32, 4], "offset": [8, 0]},
                                   "v": {"__dtensor__": "v", "shape": [16], "offset": [8]}}}}

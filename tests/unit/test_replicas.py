@@ -13,9 +13,10 @@ import torch.distributed as dist
 from torch import nn
 
 import lastgood
-from lastgood import replicas
-from lastgood.codec import decode
-from lastgood.config import ClientConfig
+import lastgood.state.trainstate
+from lastgood.restore import replicas
+from lastgood.state.codec import decode
+from lastgood.remote.config import ClientConfig
 
 
 def test_owners_are_balanced_by_bytes_and_the_same_whatever_order_the_names_come_in():
@@ -67,7 +68,7 @@ def test_only_ddp_parameters_and_their_optimizer_state_are_replicated(world_of_o
 
 
 def test_a_rank_names_the_tensors_others_own_and_restore_finds_each_one():
-    cap = lastgood.state.Captured({"version": 1, "components": {"m": {"kind": "module", "state": {
+    cap = lastgood.state.trainstate.Captured({"version": 1, "components": {"m": {"kind": "module", "state": {
         "w": {"__tensor__": "m.w"}, "b": {"__tensor__": "m.b", "device": "cuda:1"}, "n": {"__tensor__": "m.n"}}}}},
         {})
     refs = replicas._refer(cap.json_state["components"], {"m.w": 2, "m.b": 3})

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lastgood.codec import ShardRef
+from lastgood.state.codec import ShardRef
 from lastgood.errors import CorruptCheckpoint
-from lastgood.sharding import ShardIndex
+from lastgood.state.sharding import ShardIndex
 
 
 class Stored(SimpleNamespace):

@@ -1,4 +1,4 @@
-"""The split rule of a rank's tensors into files (save/split.py): by size, whole tensors,
+"""The split rule of a rank's tensors into files (state/split.py): by size, whole tensors,
 deterministic, the first file naming the tensors of the others."""
 
 from __future__ import annotations
@@ -9,10 +9,13 @@ import pytest
 import torch
 
 from lastgood.errors import CorruptCheckpoint, FormatError
-from lastgood.format import META_FILES, META_STATE, TensorSpec, parse_header, parse_state, sibling_shapes
-from lastgood.hashing import hash_bytes
-from lastgood.manifest import FileEntry, Manifest
-from lastgood.save import split
+from lastgood.wire.format import META_FILES, META_STATE, TensorSpec, parse_header, parse_state, sibling_shapes
+from lastgood.wire.hashing import hash_bytes
+from lastgood.wire.manifest import FileEntry, Manifest
+from lastgood.common import parallel
+from lastgood.restore import files
+from lastgood.wire import format
+from lastgood.state import split
 
 MiB = 1 << 20
 
@@ -50,7 +53,7 @@ def test_deterministic_and_bounded():
     specs = [spec(f"t{i}", (i % 5) + 1) for i in range(200)]
     assert split.plan(specs, MiB) == split.plan(list(specs), MiB)
     # at most one file per writer thread: a larger state gets larger files, not more
-    assert split.MAX_FILES == split.WORKERS
+    assert split.MAX_FILES == parallel.WORKERS
     assert len(split.plan(specs, 1)) == split.MAX_FILES
     sizes = [sum(s.nbytes for s in f) for f in split.plan(specs, MiB)]
     assert len(sizes) == split.MAX_FILES and sum(sizes) / len(sizes) >= MiB
@@ -75,11 +78,11 @@ def test_layouts_first_file_names_the_others_and_the_state_may_refer_to_them():
 
 
 def test_names_and_offsets():
-    assert split.file_names("rank00003.safetensors", 3) == [
+    assert format.file_names("rank00003.safetensors", 3) == [
         "rank00003.safetensors", "rank00003-001.safetensors", "rank00003-002.safetensors"]
-    assert split.is_sibling("rank00003.safetensors", "rank00003-002.safetensors")
-    assert not split.is_sibling("rank00003.safetensors", "rank00013-002.safetensors")
-    assert not split.is_sibling("rank00003.safetensors", "rank00003.safetensors")
+    assert format.is_sibling("rank00003.safetensors", "rank00003-002.safetensors")
+    assert not format.is_sibling("rank00003.safetensors", "rank00013-002.safetensors")
+    assert not format.is_sibling("rank00003.safetensors", "rank00003.safetensors")
     a = split.ALIGN
     at = split.offsets([10, a, 1])
     assert at == [0, a, 2 * a, 3 * a] and a % 64 == 0
@@ -110,9 +113,9 @@ def test_run_all_waits_for_every_call_then_undoes_the_ones_that_succeeded():
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        split.run_all([lambda: ok(0), bad, lambda: ok(2)], workers=3, undo=undone.append)
+        parallel.run_all([lambda: ok(0), bad, lambda: ok(2)], workers=3, undo=undone.append)
     assert sorted(done) == [0, 2] and sorted(undone) == [0, 2]
-    assert split.run_all([lambda: 7, lambda: 8], workers=3) == [7, 8]
+    assert parallel.run_all([lambda: 7, lambda: 8], workers=3) == [7, 8]
 
 
 class _Files:
@@ -136,12 +139,12 @@ def test_a_first_file_naming_further_files_the_manifest_lacks_is_corrupt():
     name = "rank00000.safetensors"
     man = Manifest(1, "run", 1, "a", 1, None, {0: [FileEntry(name, len(first), hash_bytes(first))]})
     with pytest.raises(CorruptCheckpoint, match="further files"):
-        split.fetch_rank(_Files({name: first}), man, 0, name, lambda n: torch.empty(n, dtype=torch.uint8))
+        files.fetch_rank(_Files({name: first}), man, 0, name, lambda n: torch.empty(n, dtype=torch.uint8))
     # control: a file that names none restores as one file
     one = split.layouts(specs, {META_STATE: json.dumps({"components": {}})}, 0)[0]
     whole = one.header + bytes(one.size - len(one.header))
     man = Manifest(1, "run", 1, "a", 1, None, {0: [FileEntry(name, len(whole), hash_bytes(whole))]})
-    stored, _ = split.fetch_rank(_Files({name: whole}), man, 0, name, lambda n: torch.empty(n, dtype=torch.uint8))
+    stored, _ = files.fetch_rank(_Files({name: whole}), man, 0, name, lambda n: torch.empty(n, dtype=torch.uint8))
     assert sorted(stored.tensors) == [f"t{i}" for i in range(4)]
 
 

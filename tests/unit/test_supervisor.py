@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from lastgood import proctree
-from lastgood.proctree import RankWatch
-from lastgood.supervisor import Supervisor, UsageError, nproc, one_node, run_of, with_nproc
+from lastgood.supervise import proctree
+from lastgood.supervise.proctree import RankWatch
+from lastgood.supervise.supervisor import Supervisor, UsageError, nproc, one_node, run_of, with_nproc
 
 TORCHRUN = ["torchrun", "--nnodes=1", "--rdzv-id", "job-7", "train.py", "--lr", "3"]
 
@@ -155,7 +155,7 @@ def test_a_process_that_is_no_rank_is_read_only_until_its_exec_has_surely_happen
 
 ORPHANED_WORKER = """
 import json, os, signal, subprocess, sys, time
-from lastgood import proctree
+from lastgood.supervise import proctree
 assert proctree.set_subreaper()
 watch = proctree.RankWatch()
 watch.start()

@@ -1,4 +1,4 @@
-"""Hand-framed shard chunks (lastgood.wire) are exactly protobuf's encoding, both ways."""
+"""Hand-framed shard chunks (lastgood.wire.framing) are exactly protobuf's encoding, both ways."""
 
 from __future__ import annotations
 
@@ -8,52 +8,52 @@ import grpc
 import pytest
 from google.protobuf.message import DecodeError
 
-from lastgood import wire
-from lastgood.v1 import lastgood_pb2 as pb
+from lastgood.wire import framing
+from lastgood.wire.v1 import lastgood_pb2 as pb
 from lastgood_service.api import grpc_server
 
 
 @pytest.mark.parametrize("n", [1, 127, 128, 300, 16_383, 16_384, 4 << 20])
 def test_frame_is_protobufs_encoding(n):
     data = os.urandom(n)
-    put = wire.frame(wire.PUT_CHUNK, memoryview(data))
-    get = wire.frame(wire.GET_CHUNK, data)
+    put = framing.frame(framing.PUT_CHUNK, memoryview(data))
+    get = framing.frame(framing.GET_CHUNK, data)
     assert put == pb.PutShardRequest(chunk=data).SerializeToString()
     assert get == pb.GetShardResponse(chunk=data).SerializeToString()
     assert pb.PutShardRequest.FromString(put).chunk == data
     # and back, without a copy: a view into the received message
-    view = wire.unframe(get, wire.GET_CHUNK)
+    view = framing.unframe(get, framing.GET_CHUNK)
     assert isinstance(view, memoryview) and view.obj is get and bytes(view) == data
-    assert bytes(wire.unframe(put, wire.PUT_CHUNK)) == data
+    assert bytes(framing.unframe(put, framing.PUT_CHUNK)) == data
 
 
 def test_frame_of_an_empty_chunk_parses_as_one():
-    assert pb.PutShardRequest.FromString(wire.frame(wire.PUT_CHUNK, b"")).WhichOneof("body") == "chunk"
-    assert bytes(wire.unframe(wire.frame(wire.GET_CHUNK, b""), wire.GET_CHUNK)) == b""
+    assert pb.PutShardRequest.FromString(framing.frame(framing.PUT_CHUNK, b"")).WhichOneof("body") == "chunk"
+    assert bytes(framing.unframe(framing.frame(framing.GET_CHUNK, b""), framing.GET_CHUNK)) == b""
 
 
 def test_other_encodings_are_left_to_protobuf():
     """unframe() takes only the exact form frame() writes; everything else is None, and
     protobuf then gives it its meaning (or refuses it)."""
     data = b"abcdef"
-    chunk = wire.frame(wire.PUT_CHUNK, data)
+    chunk = framing.frame(framing.PUT_CHUNK, data)
     header = pb.PutShardRequest(header=pb.ShardHeader(checkpoint_id=1, file_name="x")).SerializeToString()
     unknown_field = bytes((7 << 3 | 2, len(data))) + data  # no field 7 in PutShardRequest
-    twice = wire.frame(wire.PUT_CHUNK, b"zz") + chunk  # the last one wins
+    twice = framing.frame(framing.PUT_CHUNK, b"zz") + chunk  # the last one wins
     for raw, body in ((b"", None), (header, "header"), (unknown_field, None), (twice, "chunk")):
-        assert wire.unframe(raw, wire.PUT_CHUNK) is None, raw
+        assert framing.unframe(raw, framing.PUT_CHUNK) is None, raw
         assert pb.PutShardRequest.FromString(raw).WhichOneof("body") == body
     assert pb.PutShardRequest.FromString(twice).chunk == data
     # a length written as a longer varint than needed is valid protobuf, and read alike
-    overlong = bytes((wire.PUT_CHUNK, 0x86, 0x80, 0x00)) + data
-    assert bytes(wire.unframe(overlong, wire.PUT_CHUNK)) == data == pb.PutShardRequest.FromString(overlong).chunk
+    overlong = bytes((framing.PUT_CHUNK, 0x86, 0x80, 0x00)) + data
+    assert bytes(framing.unframe(overlong, framing.PUT_CHUNK)) == data == pb.PutShardRequest.FromString(overlong).chunk
     # truncated or padded: the length disagrees with what follows
-    for raw in (chunk[:-1], chunk + b"\x00", bytes((wire.PUT_CHUNK,)) + b"\xff" * 11):
-        assert wire.unframe(raw, wire.PUT_CHUNK) is None
+    for raw in (chunk[:-1], chunk + b"\x00", bytes((framing.PUT_CHUNK,)) + b"\xff" * 11):
+        assert framing.unframe(raw, framing.PUT_CHUNK) is None
         with pytest.raises(DecodeError):
             pb.PutShardRequest.FromString(raw)
     with pytest.raises(ValueError):
-        wire.varint(-1)
+        framing.varint(-1)
 
 
 def test_the_servers_handlers_cover_every_method_of_the_proto():

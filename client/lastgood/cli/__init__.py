@@ -12,8 +12,8 @@ REST only and torch-free (see app.py for the output and exit-code contract).
 
 from __future__ import annotations
 
-from . import commands, download, export, supervise  # noqa: F401 - registers the commands on `cli`
-from .app import EXIT_HELP, Exit, cli, main
+from lastgood.cli import commands, download, export, supervise  # noqa: F401 - registers the commands on `cli`
+from lastgood.cli.app import EXIT_HELP, Exit, cli, main
 
 __all__ = ["EXIT_HELP", "Exit", "cli", "main"]
 

@@ -1,6 +1,6 @@
 """The `lastgood` command group: global options, output, exit codes, error handling.
 
-Every command talks to the service over REST only (lastgood.rest.RestClient, which
+Every command talks to the service over REST only (lastgood.remote.rest.RestClient, which
 opens no gRPC channel) and never imports torch, so the command line works from a plain
 `pip install lastgood` on a laptop or a login node.
 
@@ -25,16 +25,19 @@ from typing import TYPE_CHECKING
 import click
 from rich.console import Console
 
-from .. import __version__, config, errors, names
-from ..errors import CorruptCheckpoint, ServiceError
+from lastgood import __version__, errors
+from lastgood.remote import config, reading
+from lastgood.remote.config import DEFAULT_URL
+from lastgood.remote.reading import CkptRef, parse_ckpt
+from lastgood.wire import names
+from lastgood.errors import CorruptCheckpoint, ServiceError
 
-# lastgood.rest (and with it the manifest schema) is imported when a command first talks to
+# lastgood.remote.rest (and with it the manifest schema) is imported when a command first talks to
 # the service, not for --help or a usage error.
 
 if TYPE_CHECKING:
-    from ..rest import RestClient
+    from lastgood.remote.rest import RestClient
 
-DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 class Exit(IntEnum):
@@ -71,13 +74,6 @@ class CliError(Exception):
         self.exit_code = exit_code
 
 
-class VerificationFailed(CliError, CorruptCheckpoint):
-    """Bytes that are not what was committed; to Python callers a CorruptCheckpoint."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, Exit.VERIFICATION)
-
-
 # the error classes (lastgood.errors) -> exit codes, the first that matches
 EXIT_FOR: tuple[tuple[type[ServiceError], Exit], ...] = (
     (errors.DataLoss, Exit.VERIFICATION),        # the service found its own bytes corrupt
@@ -92,6 +88,8 @@ EXIT_FOR: tuple[tuple[type[ServiceError], Exit], ...] = (
 def exit_code_for(exc: BaseException) -> Exit:
     if isinstance(exc, CliError):
         return exc.exit_code
+    if isinstance(exc, CorruptCheckpoint):  # bytes that are not what was committed (remote/reading.py)
+        return Exit.VERIFICATION
     if isinstance(exc, ServiceError):
         return next((code for cls, code in EXIT_FOR if isinstance(exc, cls)), Exit.ERROR)
     return Exit.ERROR
@@ -110,7 +108,7 @@ def error_message(exc: BaseException) -> str:
     if isinstance(exc, json.JSONDecodeError):
         return f"the service's answer is not JSON ({exc}): is --url a lastgood service?"
     text = str(exc) or type(exc).__name__
-    if isinstance(exc, (CliError, ServiceError, OSError)):
+    if isinstance(exc, (CliError, ServiceError, CorruptCheckpoint, OSError)):
         return text
     return f"unexpected {type(exc).__name__}: {text}"
 
@@ -142,7 +140,7 @@ class State:
     @property
     def rest(self) -> "RestClient":
         if self._rest is None:
-            from ..rest import RestClient
+            from lastgood.remote.rest import RestClient
 
             self._rest = RestClient(self.url, self.timeout, self.token)
         return self._rest
@@ -154,74 +152,15 @@ class State:
         else:
             human(self.out)
 
-    # ---- checkpoint references: `42`, `RUN@last-good`, `RUN@TAG`
-    def resolve(self, ref: "CkptRef") -> int:
-        if ref.id is not None:
-            return ref.id
-        run, tag = ref.run, ref.tag
-        if tag == "last-good":
-            return self.rest.last_good(run, required=True)["id"]
-        hits = [n for n in lineage_nodes(self.rest, run) if any(t["name"] == tag for t in n["tags"])]
-        if not hits:
-            raise CliError(f"run {run!r} has no checkpoint tagged {tag!r}", Exit.NOT_FOUND)
-        if len(hits) > 1:
-            ids = ", ".join(f"#{n['id']}" for n in hits[:10]) + (", ..." if len(hits) > 10 else "")
-            raise CliError(f"tag {tag!r} names {len(hits)} checkpoints of run {run!r} ({ids}); "
-                           f"name one by id, or use an alias (tag --alias)", Exit.REFUSED)
-        return hits[0]["id"]
-
-
-def lineage_nodes(rest: "RestClient", run: str) -> list[dict]:
-    return lineage_all(rest, run)["nodes"]
-
-
-def lineage_all(rest: "RestClient", run: str, page: int = 10000) -> dict:
-    """The whole lineage of a run, every page of it."""
-    doc = rest.lineage(run, page, 0)
-    nodes, edges = list(doc["nodes"]), list(doc["edges"])
-    while len(nodes) < doc["total"] and doc["nodes"]:
-        doc = rest.lineage(run, page, len(nodes))
-        nodes += doc["nodes"]
-        edges += doc["edges"]
-    doc.update(nodes=nodes, edges=edges)
-    doc.pop("limit", None)
-    doc.pop("offset", None)
-    return doc
+    # ---- checkpoint references: `42`, `RUN@last-good`, `RUN@TAG` (remote/reading.py)
+    def resolve(self, ref: CkptRef) -> int:
+        return reading.resolve(self.rest, ref)
 
 
 pass_state = click.make_pass_decorator(State)
 
 
 # ---------------------------------------------------------------- parameter types
-@dataclass(frozen=True)
-class CkptRef:
-    id: int | None = None
-    run: str | None = None
-    tag: str | None = None
-
-    def __str__(self) -> str:
-        return str(self.id) if self.id is not None else f"{self.run}@{self.tag}"
-
-
-def parse_ckpt(text: str) -> CkptRef:
-    """A checkpoint: its id, or RUN@TAG (RUN@last-good, RUN@best, ...). Run names cannot
-    hold '@', so the first '@' splits; the tag may hold anything after it. ValueError says
-    what is wrong with anything else."""
-    if "@" in text:
-        run, tag = text.split("@", 1)
-        names.check_run_name(run)  # InvalidName is a ValueError
-        if not tag:
-            raise ValueError(f"{text!r} names no tag after '@' (e.g. {run}@last-good)")
-        return CkptRef(run=run, tag=tag)
-    try:
-        cid = int(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a checkpoint id or RUN@TAG") from None
-    if cid < 1:
-        raise ValueError(f"checkpoint ids start at 1, got {cid}")
-    return CkptRef(id=cid)
-
-
 class CkptType(click.ParamType):
     """A checkpoint on the command line (parse_ckpt)."""
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import click
 from rich.text import Text
 
-from . import render
-from .app import CKPT, CKPT_OR_RUN, RUN, CkptRef, CliError, Exit, State, cli, json_option, lineage_all, pass_state
+from lastgood.cli import render
+from lastgood.cli.app import CKPT, CKPT_OR_RUN, RUN, CkptRef, CliError, Exit, State, cli, json_option, pass_state
+from lastgood.remote.reading import lineage_all
 
 LIMIT = click.IntRange(1, 1000)
 OFFSET = click.IntRange(0)
@@ -123,7 +124,7 @@ def tag(st: State, ckpt: CkptRef, name: str, alias: bool) -> None:
 @pass_state
 def untag(st: State, ckpt: CkptRef, name: str) -> None:
     """Remove the tag or alias NAME from a checkpoint."""
-    from ..errors import NotFound
+    from lastgood.errors import NotFound
 
     cid = st.resolve(ckpt)
     try:

@@ -14,60 +14,25 @@ Order of work, and why:
 
 from __future__ import annotations
 
-import http.client
 import os
-import socket
-import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 from rich.text import Text
 
-from .. import names
-from ..errors import ServiceError
-from ..hashing import StreamHasher
-from ..manifest import FileEntry, Manifest
-from . import render
-from .app import CKPT, CkptRef, CliError, Exit, State, VerificationFailed, cli, json_option, pass_state
+from lastgood.wire import names
+from lastgood.errors import CorruptCheckpoint
+from lastgood.wire.hashing import StreamHasher
+from lastgood.wire.manifest import FileEntry
+from lastgood.cli import render
+from lastgood.cli.app import CKPT, CkptRef, CliError, Exit, State, cli, json_option, pass_state
+from lastgood.remote.reading import CHUNK, ReadLease, read_manifest, read_verified
 
 if TYPE_CHECKING:
-    from ..rest import RestClient
+    from lastgood.remote.rest import RestClient
 
-CHUNK = 1024 * 1024
-LEASE_SECONDS = 600.0
-
-
-class Lease:
-    """A read lease on one checkpoint, renewed by replacement while the download runs."""
-
-    def __init__(self, rest: RestClient, checkpoint_id: int, seconds: float = LEASE_SECONDS,
-                 what: str = "download") -> None:
-        self.rest, self.checkpoint_id, self.seconds = rest, checkpoint_id, seconds
-        self.holder = f"lastgood-cli {what} on {socket.gethostname()} pid {os.getpid()}"[:128]
-        self.lease_id = rest.acquire_lease(checkpoint_id, self.holder, seconds)
-        self.taken = time.monotonic()
-
-    def keep_alive(self) -> None:
-        if time.monotonic() - self.taken < self.seconds / 2:
-            return
-        old, self.lease_id = self.lease_id, self.rest.acquire_lease(self.checkpoint_id, self.holder, self.seconds)
-        self.taken = time.monotonic()
-        self._release(old)
-
-    def release(self, err_console) -> None:
-        if not self._release(self.lease_id):
-            err_console.print(Text(f"lastgood: warning: could not release read lease {self.lease_id}; "
-                                   f"it expires by itself", style="yellow"))
-
-    def _release(self, lease_id: int) -> bool:
-        try:
-            self.rest.release_lease(lease_id)
-            return True
-        except ServiceError:
-            return False
 
 
 def _hash_file(path: Path) -> tuple[int, str]:
@@ -78,57 +43,7 @@ def _hash_file(path: Path) -> tuple[int, str]:
     return h.size, h.hexdigest()
 
 
-def read_manifest(rest: RestClient, cid: int) -> tuple[bytes, Manifest]:
-    """The checkpoint's manifest: the exact bytes the service committed, and parsed."""
-    raw = rest.manifest_bytes(cid)
-    try:
-        manifest = Manifest.from_bytes(raw)
-    except (ValueError, KeyError, TypeError) as e:
-        raise VerificationFailed(f"checkpoint {cid}: the manifest does not parse: {e}") from None
-    if manifest.checkpoint_id != cid:
-        raise VerificationFailed(f"checkpoint {cid}: the service sent the manifest of checkpoint "
-                                 f"{manifest.checkpoint_id}")
-    return raw, manifest
-
-
-def read_verified(rest: RestClient, cid: int, rank: int, entry: FileEntry, lease: Lease,
-                  tail: str = "") -> Iterator[bytes]:
-    """Yield one file's bytes as they arrive, hashing them; once the last byte is in, raise
-    VerificationFailed unless size and xxh3-128 match the manifest's. Nothing yielded is
-    verified until the generator is exhausted without an error. `tail` ends each error
-    message (what the caller did with the bytes)."""
-    where = f"checkpoint {cid} rank {rank} file {entry.name}"
-    hasher = StreamHasher()
-    resp = rest.open_file(cid, rank, entry.name)
-    with resp:
-        while True:
-            try:
-                chunk = resp.read(CHUNK)
-            except http.client.IncompleteRead as e:
-                got = hasher.size + len(e.partial)
-                raise VerificationFailed(f"{where}: the service sent {got} of {entry.size} bytes (a truncated "
-                                         f"blob, or the connection dropped){tail}") from None
-            except OSError as e:
-                raise CliError(f"{where}: the download broke off after {hasher.size} bytes: {e}",
-                               Exit.UNREACHABLE) from None
-            if not chunk:
-                break
-            if hasher.size + len(chunk) > entry.size:
-                raise VerificationFailed(f"{where}: the service sent more than the manifest's {entry.size} "
-                                         f"bytes{tail}")
-            hasher.update(chunk)
-            yield chunk
-            lease.keep_alive()
-    if hasher.size != entry.size:
-        raise VerificationFailed(f"{where}: received {hasher.size} of {entry.size} bytes{tail}")
-    got = hasher.hexdigest()
-    if got != entry.xxh3_128:
-        raise VerificationFailed(f"{where}: the bytes received hash to xxh3-128 {got} but the manifest says "
-                                 f"{entry.xxh3_128}{tail}. `lastgood verify {cid}` re-hashes the checkpoint "
-                                 f"on the service (and marks it CORRUPT if it is)")
-
-
-def _fetch(rest: RestClient, cid: int, rank: int, entry: FileEntry, path: Path, progress, task, lease: Lease) -> None:
+def _fetch(rest: RestClient, cid: int, rank: int, entry: FileEntry, path: Path, progress, task, lease: ReadLease) -> None:
     """Stream one file into a temp file beside path; rename it into place only if verified."""
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.part")
     ok = False
@@ -180,7 +95,7 @@ def download(st: State, ckpt: CkptRef, dest: Path, ranks: tuple[int, ...], progr
 
     rest = st.rest
     cid = st.resolve(ckpt)
-    lease = Lease(rest, cid)
+    lease = ReadLease(rest, cid)
     try:
         raw, manifest = read_manifest(rest, cid)
         for r in ranks:
@@ -193,7 +108,7 @@ def download(st: State, ckpt: CkptRef, dest: Path, ranks: tuple[int, ...], progr
             try:
                 names.check_file_name(e.name)
             except names.InvalidName as exc:
-                raise VerificationFailed(f"checkpoint {cid}: the manifest names an unsafe file: {exc}") from None
+                raise CorruptCheckpoint(f"checkpoint {cid}: the manifest names an unsafe file: {exc}") from None
 
         dest.mkdir(parents=True, exist_ok=True)
         show = progress if progress is not None else (st.err.is_terminal and not st.json)
@@ -216,7 +131,9 @@ def download(st: State, ckpt: CkptRef, dest: Path, ranks: tuple[int, ...], progr
             bar.update(task, description=f"checkpoint {cid}")
         _write_atomically(dest / "manifest.json", raw)
     finally:
-        lease.release(st.err)
+        if not lease.release():
+            st.err.print(Text(f"lastgood: warning: could not release read lease {lease.lease_id}; "
+                              f"it expires by itself", style="yellow"))
 
     total = sum(f["size"] for f in results)
     doc = {"checkpoint_id": cid, "run": manifest.run, "step": manifest.step, "dir": str(dest),

@@ -8,9 +8,9 @@ from pathlib import Path
 import click
 from rich.text import Text
 
-from ..errors import FormatError
-from . import render
-from .app import CKPT, CkptRef, CliError, Exit, State, cli, json_option, pass_state
+from lastgood.errors import FormatError
+from lastgood.cli import render
+from lastgood.cli.app import CKPT, CkptRef, CliError, Exit, State, cli, json_option, pass_state
 
 
 @cli.command("export")
@@ -50,7 +50,7 @@ def export(st: State, ckpt: CkptRef, dest: Path, fmt: str, dtype: str | None, ma
     """
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-    from ..export import ExportError, Options, run_export
+    from lastgood.export import ExportError, Options, run_export
 
     try:
         opts = Options(dtype, max_shard_size, prefix, name_map, config)
@@ -71,7 +71,7 @@ def export(st: State, ckpt: CkptRef, dest: Path, fmt: str, dtype: str | None, ma
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         with bar:
-            doc = run_export(st, ckpt, dest, opts, advance)
+            doc = run_export(st.rest, ckpt, dest, opts, advance)
     except ExportError as e:
         raise CliError(str(e), Exit.USAGE) from None
     except FormatError as e:

@@ -15,10 +15,11 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from . import lineage
+from lastgood.wire.vocab import Status
+from lastgood.cli import lineage
 
-STATUS_STYLE = {"COMMITTED": "green", "PENDING": "yellow", "ABANDONED": "dim", "CORRUPT": "bold red",
-                "DELETED": "dim strike"}
+STATUS_STYLE = {Status.COMMITTED: "green", Status.PENDING: "yellow", Status.ABANDONED: "dim", Status.CORRUPT: "bold red",
+                Status.DELETED: "dim strike"}
 TAG_STYLE = {"tag": "cyan", "alias": "bold cyan", "pin": "magenta", "system": "yellow"}
 LAST_GOOD = "← last-good"
 

@@ -1,4 +1,4 @@
-"""`lastgood supervise [OPTIONS] -- torchrun ... train.py ...` (the policy is in lastgood.supervisor)."""
+"""`lastgood supervise [OPTIONS] -- torchrun ... train.py ...` (the policy is in lastgood.supervise.supervisor)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import os
 
 import click
 
-from .. import names
-from ..config import ENV_RUN
-from ..supervisor import Outcome, Policy, Supervisor, UsageError, run_of
-from .app import RUN, Exit, State, cli, pass_state
+from lastgood.wire import names
+from lastgood.remote.config import ENV_RUN
+from lastgood.supervise.supervisor import Outcome, Policy, Supervisor, UsageError, run_of
+from lastgood.cli.app import RUN, Exit, State, cli, pass_state
 
 EXIT = {Outcome.FINISHED: Exit.OK, Outcome.GAVE_UP: Exit.GAVE_UP, Outcome.STOPPED: Exit.INTERRUPTED}
 
@@ -83,6 +83,6 @@ def supervise(st: State, max_restarts: int, hang_timeout: float | None, drain: s
 def _rest(st: State, poll: float):
     """One try per call, answered within the poll: the supervisor asks again next poll
     rather than retrying (and never waits long on a service that is away)."""
-    from ..rest import RestClient
+    from lastgood.remote.rest import RestClient
 
     return RestClient(st.url, min(st.timeout, max(2.0, poll)), st.token)

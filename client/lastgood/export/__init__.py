@@ -31,16 +31,23 @@ import json
 import os
 import shutil
 import time
+import logging
 import uuid
 from pathlib import Path
 
-from ..config import ClientConfig
-from ..errors import FormatError, LastgoodError
-from .convert import DTYPES, target
-from ..save.split import is_further
-from .hf import CONFIG, INDEX, Item, check_coverage, file_names, parse_size, split, write_file, write_json
-from .source import Collector
-from ..durable import fsync_dir as _fsync_dir
+from lastgood.errors import CorruptCheckpoint, FormatError, LastgoodError
+from lastgood.export.convert import DTYPES, target
+from lastgood.remote import reading
+from lastgood.remote.config import DEFAULT_URL, ClientConfig
+from lastgood.remote.reading import CkptRef, ReadLease, parse_ckpt, read_manifest, read_verified
+from lastgood.remote.rest import RestClient
+from lastgood.wire.format import is_further
+from lastgood.wire.manifest import IndexMismatch
+from lastgood.export.hf import CONFIG, INDEX, Item, check_coverage, file_names, parse_size, split, write_file, write_json
+from lastgood.export.source import Collector
+from lastgood.common.durable import fsync_dir as _fsync_dir
+
+log = logging.getLogger("lastgood")
 
 __all__ = ["export_hf", "ExportError", "HF_CONFIG_KEY", "DEFAULT_PREFIX", "DEFAULT_MAX_SHARD_SIZE"]
 
@@ -164,29 +171,26 @@ def _name(collector: Collector, opts: Options) -> list[Item]:
     return items
 
 
-def run_export(st, ref, dest: Path, opts: Options, progress=None) -> dict:
-    """The export, with the command line's State (`st.rest`, `st.resolve`). `progress(n,
-    what)`, if given, hears of every n bytes read ("read"), skipped ("skip") and written
-    ("write")."""
-    from ..cli.app import make_console
-    from ..cli.download import Lease, read_manifest
-
+def run_export(rest, ref: CkptRef, dest: Path, opts: Options, progress=None) -> dict:
+    """The export of the checkpoint `ref` names, read through `rest` (a RestClient).
+    `progress(n, what)`, if given, hears of every n bytes read ("read"), skipped ("skip")
+    and written ("write")."""
     dest = Path(dest)
     _check_dest(dest)
     t0 = time.monotonic()
-    cid = st.resolve(ref)
-    lease = Lease(st.rest, cid, what="export")
+    cid = reading.resolve(rest, ref)
+    lease = ReadLease(rest, cid, what="export")
     made = [p for p in reversed(dest.absolute().parents) if not p.exists()]
     tmp = None
     try:
-        _, manifest = read_manifest(st.rest, cid)
-        manifest = _with_tensors(st.rest, cid, manifest)
+        _, manifest = read_manifest(rest, cid)
+        manifest = _with_tensors(rest, cid, manifest)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.parent / f".{dest.name}.export-{uuid.uuid4().hex[:8]}.tmp"
         tmp.mkdir()
         src = Collector(opts.prefix, str(tmp / ".scratch"))
         try:
-            skipped = _read(st, cid, manifest, src, lease, f"; nothing was written to {dest}", progress)
+            skipped = _read(rest, cid, manifest, src, lease, f"; nothing was written to {dest}", progress)
             doc = _write(tmp, src, opts, manifest, progress)
         finally:
             src.close()
@@ -203,7 +207,8 @@ def run_export(st, ref, dest: Path, opts: Options, progress=None) -> dict:
                     p.rmdir()
                 except OSError:
                     break
-        lease.release(make_console(stderr=True))
+        if not lease.release():
+            log.warning("lastgood: could not release read lease %s; it expires by itself", lease.lease_id)
     return {"checkpoint_id": cid, "run": manifest.run, "step": manifest.step, "world_size": manifest.world_size,
             "dir": str(dest), "format": "hf", "dtype": opts.dtype_name, "prefix": opts.prefix, **doc,
             "read": [{"rank": r, "name": n, "size": s} for r, n, s in src.files_read],
@@ -214,24 +219,19 @@ def run_export(st, ref, dest: Path, opts: Options, progress=None) -> dict:
 def _with_tensors(rest, cid: int, manifest):
     """A format 2 manifest names each file's tensor index: fetched here, every one checked
     against the root's hash (a format 1 manifest holds them already)."""
-    from ..cli.download import VerificationFailed
-    from ..manifest import IndexMismatch
-
     try:
         return manifest.with_indexes(lambda r, f: rest.index_bytes(cid, r, f.name))
     except IndexMismatch as e:
-        raise VerificationFailed(f"checkpoint {cid}: {e}") from None
+        raise CorruptCheckpoint(f"checkpoint {cid}: {e}") from None
 
 
-def _read(st, cid: int, manifest, src: Collector, lease, tail: str, progress) -> list[tuple[int, str, int]]:
+def _read(rest, cid: int, manifest, src: Collector, lease, tail: str, progress) -> list[tuple[int, str, int]]:
     """Every rank file that holds a model tensor still missing, streamed once and verified
     (source.py); returns the files not needed."""
-    from ..cli.download import read_verified
-
     skipped = []
     src.entries = {(r, e.name): e for r in manifest.ranks for e in manifest.files(r)}
     for r in sorted(manifest.ranks):
-        # a rank's first file before the others it was split into (save/split.py): its state plans theirs
+        # a rank's first file before the others it was split into (state/split.py): its state plans theirs
         for entry in sorted(manifest.files(r), key=lambda e: (is_further(e.name), e.name)):
             if entry.tensors is None:  # not a safetensors file (DCP's metadata)
                 continue
@@ -240,7 +240,7 @@ def _read(st, cid: int, manifest, src: Collector, lease, tail: str, progress) ->
                 if progress is not None:
                     progress(entry.size, "skip")
                 continue
-            stream = read_verified(st.rest, cid, r, entry, lease, tail)
+            stream = read_verified(rest, cid, r, entry, lease, tail)
             if progress is not None:
                 stream = _counting(stream, progress)
             try:
@@ -308,18 +308,10 @@ def export_hf(checkpoint, dest, *, url: str | None = None, token: str | None = N
     Returns a summary (files, tensors, bytes read, ...). Raises CorruptCheckpoint when a
     byte read does not match the manifest, ExportError for what cannot be exported, and
     leaves no `dest` behind when it raises."""
-    from ..cli.app import DEFAULT_URL, CliError, State, parse_ckpt
-
     opts = Options(dtype, max_shard_size, prefix, name_map, config)
     try:
         ref = parse_ckpt(str(checkpoint))
     except ValueError as e:
         raise ExportError(str(e)) from None
     cfg = ClientConfig.resolve(url=url, token=token)
-    st = State(url=cfg.url or DEFAULT_URL, timeout=timeout, token=cfg.token)
-    try:
-        return run_export(st, ref, Path(dest), opts)
-    except CliError as e:
-        if isinstance(e, LastgoodError):  # VerificationFailed is a CorruptCheckpoint
-            raise
-        raise LastgoodError(str(e)) from None
+    return run_export(RestClient(cfg.url or DEFAULT_URL, timeout, cfg.token), ref, Path(dest), opts)

@@ -24,10 +24,10 @@ from itertools import combinations
 
 import numpy as np
 
-from ..errors import CorruptCheckpoint
-from ..format import DTYPE_SIZES, TensorSpec, plan_layout
-from .convert import convert
-from .source import Collector, Tensor
+from lastgood.errors import CorruptCheckpoint
+from lastgood.wire.format import DTYPE_SIZES, TensorSpec, plan_layout
+from lastgood.export.convert import convert
+from lastgood.export.source import Collector, Tensor
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -29,10 +29,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from math import prod
 
-from ..errors import FormatError
-from ..format import META_STATE, REPLICA_REF, header_length, parse_header, parse_state, sibling_tensors
-from ..save.split import sibling_name
-from ..manifest import FileEntry
+from lastgood.errors import FormatError
+from lastgood.wire.format import META_STATE, REPLICA_REF, header_length, parse_header, parse_state, sibling_tensors
+from lastgood.wire.format import sibling_name
+from lastgood.wire.manifest import FileEntry
 
 MODULE_KINDS = ("module", "sharded_module")
 
@@ -104,7 +104,7 @@ class Collector:
         self.extra = None                      # the first file's encoded `extra`
         self.files_read: list[tuple[int, str, int]] = []
         self.bytes_read = 0
-        self._pending: dict[tuple[int, str], list] = {}  # a rank's further file -> its plan (save/split.py)
+        self._pending: dict[tuple[int, str], list] = {}  # a rank's further file -> its plan (state/split.py)
         self.entries: dict[tuple[int, str], FileEntry] = {}  # (rank, name) -> manifest entry, with its tensors
         self._fd = os.open(scratch_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self._end = 0
@@ -125,7 +125,7 @@ class Collector:
 
     def wants(self, entry: FileEntry) -> bool:
         """Does this file hold a tensor still missing, or one no state read so far named, or
-        is it a further file of a rank with tensors planned already (save/split.py)?"""
+        is it a further file of a rank with tensors planned already (state/split.py)?"""
         if any(name == entry.name for _, name in self._pending):
             return True
         for name in entry.tensors or ():
@@ -179,7 +179,7 @@ class Collector:
         """From a file's header: which of its byte ranges go where in the scratch file."""
         tensors, meta = parse_header(head, file_size=entry.size)
         if META_STATE not in meta and (rank, entry.name) in self._pending:
-            # a further file of a rank split into several (save/split.py): planned with its first
+            # a further file of a rank split into several (state/split.py): planned with its first
             if len(head) != entry.data_start:
                 raise FormatError(f"its header is {len(head)} bytes, its index says {entry.data_start}")
             return sorted(self._pending.pop((rank, entry.name)))

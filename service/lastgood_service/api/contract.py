@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field
 
-from lastgood import jsonvalues
+from lastgood.wire import jsonvalues
 
 from .errors import bounded
 
@@ -56,7 +56,7 @@ def answers(*codes: int, params: bool = True) -> dict:
 
 
 class StrictJSONRequest(Request):
-    """A request whose JSON body is strict (lastgood.jsonvalues): non-finite numbers, text
+    """A request whose JSON body is strict (lastgood.wire.jsonvalues): non-finite numbers, text
     that is not UTF-8 and deep nesting are refused with 422 before any handler sees them."""
 
     async def json(self):

@@ -14,8 +14,8 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Path, Query, Request
 
-from lastgood import names
-from lastgood.fencing import GENERATION_HEADER
+from lastgood.wire import names
+from lastgood.wire.codes import GENERATION_HEADER
 
 from ..domain.commit import CommitService
 from ..domain.curation import Curator

@@ -12,10 +12,10 @@ from concurrent import futures
 import grpc
 from google.protobuf.message import DecodeError
 
-from lastgood import wire
-from lastgood.fencing import ERROR_METADATA
-from lastgood.v1 import lastgood_pb2 as pb
-from lastgood.v1 import lastgood_pb2_grpc as pb_grpc
+from lastgood.wire import framing
+from lastgood.wire.codes import ERROR_METADATA
+from lastgood.wire.v1 import lastgood_pb2 as pb
+from lastgood.wire.v1 import lastgood_pb2_grpc as pb_grpc
 
 from ..domain.commit import CommitService
 from ..domain.commit.protocol import ShardHeader
@@ -125,7 +125,7 @@ def _chunks(raw_messages):
     """The chunks of a PutShard stream after its header, as memoryviews into the received
     messages (wire.py: no copy); a message framed any other way goes through protobuf."""
     for raw in raw_messages:
-        chunk = wire.unframe(raw, wire.PUT_CHUNK)
+        chunk = framing.unframe(raw, framing.PUT_CHUNK)
         if chunk is None:
             msg = _put_message(raw)
             if msg.WhichOneof("body") != "chunk":
@@ -309,7 +309,7 @@ class Servicer(pb_grpc.CheckpointsServicer):
                 view = memoryview(chunk).cast("B")
                 for i in range(0, view.nbytes, step):  # the store's read size need not be ours
                     watched.waiting()  # until the client has taken the message
-                    yield wire.frame(wire.GET_CHUNK, view[i:i + step])  # raw bytes: see handlers()
+                    yield framing.frame(framing.GET_CHUNK, view[i:i + step])  # raw bytes: see handlers()
                     watched.busy()
 
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 
+from lastgood.wire import codes as c
+
+from .errors import travels
+
 
 class BodyLimit:
     """ASGI middleware: refuse a REST body larger than `limit` with 413, from its
@@ -47,8 +51,9 @@ class BodyLimit:
                 raise
 
     async def _refuse(self, send):
-        body = json.dumps({"error": {"code": "too_large",
+        status, _grpc, code = travels(c.TOO_LARGE)
+        body = json.dumps({"error": {"code": code,
                                      "message": f"request body over the {self.limit}-byte limit"}}).encode()
-        await send({"type": "http.response.start", "status": 413,
+        await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})

@@ -12,13 +12,15 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lastgood.wire import codes as c
+
 from .. import __version__
 from ..domain.errors import DomainError
 from ..domain.faults import as_domain_error
 from .auth import make_authorizer
 from .contract import StrictJSONRoute, error_response, problem
 from .deps import AppContext
-from .errors import lookup
+from .errors import lookup, travels
 from .routes import (checkpoints, gc, grants, health, launches, leases, lineage, ops, outcomes, page,
                      peer_checks, retention, runs, tags, tokens)
 
@@ -51,7 +53,8 @@ def create_app(ctx: AppContext) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req: Request, exc: RequestValidationError):
-        return error_response(422, "invalid_request", "; ".join(map(problem, exc.errors())) or "invalid request")
+        status, _code, name = travels(c.INVALID_REQUEST)
+        return error_response(status, name, "; ".join(map(problem, exc.errors())) or "invalid request")
 
     @app.exception_handler(Exception)
     async def _unexpected(_req: Request, exc: Exception):  # a full disk by its name; never a plain-text 500
@@ -60,11 +63,12 @@ def create_app(ctx: AppContext) -> FastAPI:
             status, _code, name = lookup(mapped)
             return error_response(status, name, str(mapped))
         log.error("request failed", exc_info=exc)
-        return error_response(500, "internal", "the request failed inside the service; see its log")
+        status, _code, name = travels(c.INTERNAL)
+        return error_response(status, name, "the request failed inside the service; see its log")
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, "http_error", str(exc.detail), exc.headers)  # 405 keeps its Allow
+        return error_response(exc.status_code, c.HTTP_ERROR, str(exc.detail), exc.headers)  # 405 keeps its Allow
 
     for module in ROUTERS:
         app.include_router(module.router)

@@ -21,12 +21,9 @@ import logging
 import threading
 import time
 
-from lastgood import wire
-
 from ..domain.errors import StreamsBusy
 
 log = logging.getLogger("lastgood.grpc")
-BUSY = wire.STREAMS_BUSY  # a refusal the client retries after a pause: nothing was read
 
 
 class StreamSlots:
@@ -40,10 +37,10 @@ class StreamSlots:
     def hold(self, key: str):
         with self._lock:
             if self._count >= self.total:
-                raise StreamsBusy(f"{BUSY}the service has {self.total} streams open, its limit "
+                raise StreamsBusy(f"the service has {self.total} streams open, its limit "
                                f"(LASTGOOD_GRPC_MAX_STREAMS); retry later")
             if self._open.get(key, 0) >= self.per_principal:
-                raise StreamsBusy(f"{BUSY}{self.per_principal} streams are already open for this caller "
+                raise StreamsBusy(f"{self.per_principal} streams are already open for this caller "
                                f"(LASTGOOD_MAX_STREAMS_PER_CLIENT); retry later")
             self._open[key] = self._open.get(key, 0) + 1
             self._count += 1

@@ -12,8 +12,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from lastgood import durable
-from lastgood.durable import fsync_dir as _fsync_dir
+from lastgood.common import durable
+from lastgood.common.durable import fsync_dir as _fsync_dir
 
 from .base import READ_CHUNK, BlobInfo, BlobStore, BlobWriter, check_key
 from .capabilities import AdoptsFiles, LendsLocalPaths, ReportsFreeSpace

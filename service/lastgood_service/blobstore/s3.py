@@ -30,14 +30,14 @@ from minio import Minio
 from minio.datatypes import Part
 from minio.error import S3Error
 
+from lastgood.wire.s3parts import MAX_PARTS, MIN_PART_SIZE
+
 from .base import READ_CHUNK, BlobInfo, BlobStore, BlobWriter, check_key
 
 log = logging.getLogger("lastgood.blobstore.s3")
 
 MiB = 1024 * 1024
-MIN_PART_SIZE = 5 * MiB          # S3's minimum for every part but the last
 PARTS_PER_SIZE = 1000            # the part size doubles after this many parts
-MAX_PARTS = 10_000               # S3's maximum
 _TIMEOUT = urllib3.Timeout(connect=30, read=300)
 
 

@@ -28,10 +28,11 @@ from urllib.parse import quote, urlparse
 
 from minio.error import S3Error
 
+from lastgood.wire.s3parts import CHECKSUM_HEADER
+
 from .s3 import _not_found
 
 _NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
-CHECKSUM_HEADER = "x-amz-checksum-crc32"
 MAX_EXPIRES = 7 * 24 * 3600  # SigV4's limit on a presigned URL
 
 

@@ -8,10 +8,14 @@ from sqlalchemy import (BigInteger, DateTime, Float, ForeignKey, Index, Integer,
                         TypeDecorator, UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-PENDING, COMMITTED, ABANDONED, CORRUPT, DELETED = "PENDING", "COMMITTED", "ABANDONED", "CORRUPT", "DELETED"
-STATUSES = (PENDING, COMMITTED, ABANDONED, CORRUPT, DELETED)
-VERIFIED = "VERIFIED"
-DECLARED = "DECLARED"  # a shard handed over unhashed, until a peer checks it (domain/verification_modes.py)
+from lastgood.wire.vocab import ShardStatus, Status
+
+# the wire's words as plain strings, the form the catalog stores and SQL compares
+PENDING, COMMITTED, ABANDONED, CORRUPT, DELETED = (Status[n].value for n in
+                                                  ("PENDING", "COMMITTED", "ABANDONED", "CORRUPT", "DELETED"))
+STATUSES = tuple(s.value for s in Status)
+VERIFIED = ShardStatus.VERIFIED.value
+DECLARED = ShardStatus.DECLARED.value  # a shard handed over unhashed, until a peer checks it (domain/verification_modes.py)
 
 # tag kinds: a plain tag may name many checkpoints of a run; an alias names at most one and
 # moves when set again; a pin keeps a checkpoint from GC; system tags are set by lastgood

@@ -4,8 +4,8 @@ A direct upload to S3 (grants.py) and a direct-FS file in `peer` mode (verificat
 pass no byte through the service, so it cannot compute their range digests as put_shard
 does for streamed files; without them a restore at another world size reads such files
 whole (docs/resharding.md). Their writer computes them instead, with the same rule
-(lastgood.ranges.block_for) in the pass that hashes the file for its upload, and declares
-them with the hand-over. Here they are checked for shape (lastgood.ranges.check_declared:
+(lastgood.wire.ranges.block_for) in the pass that hashes the file for its upload, and declares
+them with the hand-over. Here they are checked for shape (lastgood.wire.ranges.check_declared:
 the service's rule, the header's tensors and their extents, the counts) and, cheaply, the
 header's digest against the header the service reads anyway; then they go into the file's
 index object as if the service had computed them, with the root's `chunks`.
@@ -13,7 +13,7 @@ index object as if the service had computed them, with the root's `chunks`.
 Trust: they are as good as the file's declared xxh3-128 in the mode. `store`: the store
 checked each part's CRC32 of the bytes the writer hashed in that same pass. `peer`: the
 checking rank recomputes them from the stored bytes as it re-reads the file
-(lastgood.ranges.FileCheck), and a mismatch aborts the checkpoint as an xxh3-128 mismatch
+(lastgood.wire.ranges.FileCheck), and a mismatch aborts the checkpoint as an xxh3-128 mismatch
 does; so does the service's own read when no peer reported (peer_fallback.py).
 
 Digests under another rule than the service's (it restarted with another
@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import logging
 
-from lastgood.errors import FormatError
-from lastgood.hashing import hash_bytes
-from lastgood.ranges import Blocks, check_declared
+from lastgood.wire.errors import FormatError
+from lastgood.wire.hashing import hash_bytes
+from lastgood.wire.ranges import Blocks, check_declared
 
 from .errors import InvalidArgument
 
@@ -65,8 +65,8 @@ def of_shard(commits, ckpt_prefix: str, sh) -> dict | None:
     before that note has its index object read, as then."""
     import json
 
-    from lastgood.manifest import FIXED_DIGESTS, RANGE_DIGESTS
-    from lastgood.ranges import fingerprint
+    from lastgood.wire.manifest import FIXED_DIGESTS, RANGE_DIGESTS
+    from lastgood.wire.ranges import fingerprint
 
     from .commit import indexes
 
@@ -89,5 +89,5 @@ def rule_of(declared: dict | None) -> dict | None:
 
 
 def fingerprint_of(declared: dict | None) -> str | None:
-    """What the peer's `ranges_xxh3_128` must be (lastgood.ranges.fingerprint)."""
+    """What the peer's `ranges_xxh3_128` must be (lastgood.wire.ranges.fingerprint)."""
     return None if declared is None else declared["fingerprint"]

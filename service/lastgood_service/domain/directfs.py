@@ -3,7 +3,7 @@
 Where trainers mount the local store's directory (NFS, Lustre, GPFS), a rank on any host
 writes its file in place in a staging directory under the store's root, fsyncs it and
 hands over only its name - the spool's hand-over (domain/spool.py), with the same name
-contract (lastgood.names), the same take-and-check, and the same id file that proves a
+contract (lastgood.wire.names), the same take-and-check, and the same id file that proves a
 client sees this directory. The staging directory *is* a Spool, rooted in the store: the
 service renames a taken file into the store (same file system, no copy) and hashes it
 only in the `service` verification mode (domain/verification_modes.py).
@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from lastgood import names
+from lastgood.wire import names
+from lastgood.wire.info import DirectFSOffer
 
 from ..blobstore import capabilities
 from ..blobstore.base import BlobStore
@@ -53,8 +54,8 @@ class DirectFS:
     def id(self) -> str:
         return self.staging.id
 
-    def info(self) -> dict:
-        return {"dir": str(self.root), "staging": names.DIRECT_STAGING_DIR, "id": self.staging.id}
+    def info(self) -> DirectFSOffer:
+        return DirectFSOffer(dir=str(self.root), staging=names.DIRECT_STAGING_DIR, id=self.staging.id)
 
     def path_of(self, key: str) -> str | None:
         """The published blob `key` relative to the store's root (what a mounting peer opens)."""

@@ -36,7 +36,7 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from lastgood import names
+from lastgood.wire import names
 
 from ..catalog.models import ABANDONED, PENDING, Checkpoint, Launch, Run, utcnow
 from ..metrics import Metrics

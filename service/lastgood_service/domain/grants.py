@@ -45,9 +45,10 @@ from minio.error import S3Error
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from lastgood.directs3 import MAX_PARTS, part_layout  # one rule, both sides
-from lastgood.errors import FormatError
-from lastgood.format import header_length
+from lastgood.wire.info import DirectS3Offer
+from lastgood.wire.s3parts import CHECKSUM_HEADER, MAX_PARTS, part_layout  # one rule, both sides
+from lastgood.wire.errors import FormatError
+from lastgood.wire.format import header_length
 
 from ..blobstore import capabilities
 from ..blobstore.s3direct import StoredPart, composite
@@ -114,12 +115,12 @@ class DirectUploads:
                             "LASTGOOD_DIRECT_S3=true; stream the file instead")
         return d
 
-    def info(self) -> dict | None:
+    def info(self) -> DirectS3Offer | None:
         """What GET /api/v1/info says of direct uploads (None: off)."""
         if not self.settings.direct_s3 or not isinstance(self.commits.store, capabilities.GrantsDirectAccess):
             return None
-        return {"part_size": self.settings.direct_s3_part_size, "max_parts": MAX_PARTS,
-                "checksum": "crc32", "grant_seconds": self.settings.direct_s3_grant_seconds}
+        return DirectS3Offer(part_size=self.settings.direct_s3_part_size, max_parts=MAX_PARTS, checksum="crc32",
+                             grant_seconds=self.settings.direct_s3_grant_seconds)
 
     # ------------------------------------------------------------ grant
     def _file(self, h: ShardHeader, *, for_what: str):
@@ -157,7 +158,7 @@ class DirectUploads:
         parts = [{"number": i + 1, "url": d.presign_part(key, upload_id, i + 1, crc, expires), "crc32": crc}
                  for i, crc in enumerate(crc32s)]
         return {"already_present": False, "upload_id": upload_id, "part_size": part_size, "expires_in": expires,
-                "checksum_header": "x-amz-checksum-crc32", "parts": parts}
+                "checksum_header": CHECKSUM_HEADER, "parts": parts}
 
     # ------------------------------------------------------------ hand-over
     def hand_over(self, h: ShardHeader, upload_id: str, uploaded: list[UploadedPart],

@@ -34,9 +34,9 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
-from lastgood import interval as math_
-from lastgood import names
-from lastgood.health import PHASES
+from lastgood.common import interval as math_
+from lastgood.wire import names
+from lastgood.wire.vocab import Phase
 
 from ..catalog.models import Event, Heartbeat, Launch, Run, utcnow
 from . import fencing, verdicts
@@ -45,6 +45,7 @@ from .events import add_event
 from .gate import CatalogGate
 
 log = logging.getLogger("lastgood.health")
+PHASES = tuple(p.value for p in Phase)
 
 SMOOTH = 0.3          # weight of a new step time in the smoothed one
 SLOWEST_DECAY = 0.95  # per beat: a slow step is forgotten over ~14 beats (halved)

@@ -34,7 +34,7 @@ import time
 
 from sqlalchemy import func, select
 
-from lastgood.ranges import FileCheck, fingerprint
+from lastgood.wire.ranges import FileCheck, fingerprint
 
 from ..catalog.models import DECLARED, PENDING, VERIFIED, Checkpoint, Shard, Vote
 from . import declared_ranges

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from lastgood import jsonvalues, names
+from lastgood.wire import jsonvalues, names
 
 from ..catalog.models import STATUSES, Checkpoint, Event, ReadLease, Run, RunStats
 from ..catalog.models import CORRUPT, PENDING, Shard, Vote, utcnow

@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass, field
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from lastgood.hashing import hash_bytes
-from lastgood.manifest import Manifest
+from lastgood.wire.hashing import hash_bytes
+from lastgood.wire.manifest import Manifest
 
 from ..blobstore import BlobStore
 from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, DELETED, PENDING, VERIFIED, Checkpoint, Run, Shard, Vote,

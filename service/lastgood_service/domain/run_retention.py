@@ -10,7 +10,7 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from lastgood import names
+from lastgood.wire import names
 
 from ..catalog.models import Run
 from .events import add_event

@@ -34,7 +34,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from lastgood import durable, names
+from lastgood.common import durable
+from lastgood.wire import names
+from lastgood.wire.info import SpoolOffer
 
 from .errors import InvalidArgument, SpoolNotShared, SpoolRefused
 
@@ -79,7 +81,7 @@ class Followed:
     Why: handed over only once written, a file is hashed by the service after the writer
     is done, while the disk is idle, and its fsync waits for all of it; followed, the
     service hashes each range a moment after it is written, while it is still in the
-    page cache, the writer's early writeback (lastgood.durable) keeps the disk busy, and
+    page cache, the writer's early writeback (lastgood.common.durable) keeps the disk busy, and
     the hand-over ends a few milliseconds after the last byte instead of a whole re-read
     later (docs/performance.md). The trust is the spool's: the writer is the service's own
     user, trusted not to change bytes it has reported, and a later change is caught by
@@ -93,7 +95,7 @@ class Followed:
     def __init__(self, taken: Taken, reports: Iterator[tuple[int, str]], name: str,
                  cache_bytes: int = -1) -> None:
         """`cache_bytes`: beyond this many first bytes, what has been hashed is dropped from
-        the page cache once on the disk (lastgood.durable.DropBehind; negative: never)."""
+        the page cache once on the disk (lastgood.common.durable.DropBehind; negative: never)."""
         self.taken, self.reports, self.name = taken, reports, name
         self.digest: str | None = None
         self._behind = durable.DropBehind(taken.fd, cache_bytes)
@@ -159,8 +161,8 @@ class Spool:
         self.sweep_lent(0)
         self.follow = bool(follow and follow(self.taken_dir))
 
-    def info(self) -> dict:
-        return {"dir": str(self.dir), "id": self.id, "follow": self.follow}
+    def info(self) -> SpoolOffer:
+        return SpoolOffer(dir=str(self.dir), id=self.id, follow=self.follow)
 
     def take(self, name: str, spool_id: str, size: int, growing: bool = False) -> Taken:
         """Move the client's file out of its reach and check it; the caller owns the result

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from lastgood import names
+from lastgood.wire import names
 
 from ..catalog.models import Token, utcnow
 from .errors import InvalidArgument, NotFound, PermissionDenied, Unauthenticated

@@ -25,7 +25,9 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from lastgood.health import IDLE, RESTORING, SAVING
+from lastgood.wire.vocab import Phase
+
+IDLE, RESTORING, SAVING = Phase.IDLE.value, Phase.RESTORING.value, Phase.SAVING.value
 
 OK, HUNG, STRAGGLER, LOST = "ok", "hung", "straggler", "lost"
 

@@ -40,8 +40,9 @@ import os
 
 from sqlalchemy import select
 
-from lastgood.errors import FormatError
-from lastgood.format import header_length
+from lastgood.wire.errors import FormatError
+from lastgood.wire.format import header_length
+from lastgood.wire.vocab import Verification
 
 from ..blobstore import capabilities
 from ..catalog.models import COMMITTED, DECLARED, PENDING, VERIFIED, Shard, Vote
@@ -53,8 +54,8 @@ from .errors import FailedPrecondition, InvalidArgument
 from .events import add_event
 
 
-SERVICE, PEER, STORE = "service", "peer", "store"
-MODES = (SERVICE, PEER, STORE)
+SERVICE, PEER, STORE = (Verification[n].value for n in ("SERVICE", "PEER", "STORE"))
+MODES = tuple(m.value for m in Verification)
 MAX_REPORT_FILES = 1000
 
 

@@ -10,10 +10,11 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Request, Response
 from fastapi.responses import StreamingResponse
 
-from lastgood import names
+from lastgood.wire import names
 
 from ...domain.errors import Damaged, InvalidArgument, OutOfRange
 from ..contract import StrictJSONRoute, answers, error_response
+from ..errors import lookup
 from ..deps import CkptId, CommitsDep, QueriesDep
 
 router = APIRouter(route_class=StrictJSONRoute, tags=["checkpoints"])
@@ -97,7 +98,8 @@ def download(request: Request, checkpoint_id: CkptId, rank: Annotated[int, Path(
     try:
         start, end = parse_range(rng, sh.size)
     except OutOfRange as exc:
-        return error_response(416, "out_of_range", str(exc), {"Content-Range": f"bytes */{sh.size}"})
+        status, _code, name = lookup(exc)
+        return error_response(status, name, str(exc), {"Content-Range": f"bytes */{sh.size}"})
     body = commits.read_range(sh, start, end - start)
     return StreamingResponse(body, status_code=206, media_type="application/octet-stream",
                              headers={**headers, "Content-Length": str(end - start),

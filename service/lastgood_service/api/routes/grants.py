@@ -9,8 +9,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path
 from pydantic import BaseModel, ConfigDict, Field
 
-from lastgood import names
-from lastgood.directs3 import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE
+from lastgood.wire import names
+from lastgood.wire.s3parts import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE
 
 from ...domain.commit.protocol import ShardHeader
 from ...domain.errors import InvalidArgument

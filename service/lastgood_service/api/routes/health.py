@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from lastgood import names
+from lastgood.wire import names
 
 from ...domain.health import MAX_SECONDS
 from ..contract import StrictJSONRoute, answers

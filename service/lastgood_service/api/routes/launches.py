@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from lastgood import names
+from lastgood.wire import names
 
 from ..contract import StrictJSONRoute, answers
 from ..deps import CommitsDep

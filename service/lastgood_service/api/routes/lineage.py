@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from lastgood import names
+from lastgood.wire import names
 
 from ...domain.queries import LINEAGE_PAGE, MAX_LINEAGE
 from ..contract import StrictJSONRoute, answers

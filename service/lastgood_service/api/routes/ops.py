@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
+from lastgood.wire.info import Info
+from lastgood.wire.vocab import Verification
+
 from ... import __version__
 from ..contract import StrictJSONRoute
 from ...domain.grants import DirectUploads
@@ -21,13 +24,13 @@ def healthz(queries: QueriesDep):
 @router.get("/api/v1/info")
 def info(ctx: Ctx):
     s = ctx.commits.settings
-    return {"service": "lastgood", "version": __version__, "grpc_target": ctx.grpc_target,
-            "max_chunk_bytes": s.max_chunk_bytes, "max_shard_bytes": s.max_shard_bytes,
-            "lease_seconds": s.lease_seconds, "spool": ctx.spool.info() if ctx.spool else None,
-            "direct_s3": DirectUploads(ctx.commits).info(),  # direct S3 uploads (domain/grants.py)
-            "verification": s.verification, "direct_fs": ctx.direct_fs.info() if ctx.direct_fs else None,
-            "range_block_bytes": s.range_block_bytes,  # writers that upload directly declare digests by it
-            "max_request_bytes": s.max_request_bytes}  # api/limits.py: a hand-over that would not fit drops them
+    return Info(grpc_target=ctx.grpc_target, version=__version__, max_chunk_bytes=s.max_chunk_bytes,
+                max_shard_bytes=s.max_shard_bytes, lease_seconds=s.lease_seconds,
+                verification=Verification(s.verification), range_block_bytes=s.range_block_bytes,
+                max_request_bytes=s.max_request_bytes,  # api/limits.py: a hand-over that would not fit drops them
+                spool=ctx.spool.info() if ctx.spool else None,
+                direct_fs=ctx.direct_fs.info() if ctx.direct_fs else None,
+                direct_s3=DirectUploads(ctx.commits).info()).to_dict()  # direct S3 uploads (domain/grants.py)
 
 
 @router.get("/metrics", include_in_schema=False)

@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path
 from pydantic import BaseModel, Field
 
-from lastgood import names
+from lastgood.wire import names
 
 from ...domain.verification_modes import MAX_REPORT_FILES, PeerChecks
 from ..contract import StrictJSONRoute, answers
@@ -25,7 +25,7 @@ class ReadFile(BaseModel):
     xxh3_128: str | None = Field(None, pattern="^[0-9a-f]{32}$",
                                  description="what the checker read; null: it could not read the file")
     ranges_xxh3_128: str | None = Field(None, pattern="^[0-9a-f]{32}$",
-                                        description="lastgood.ranges.fingerprint of the range digests the checker "
+                                        description="lastgood.wire.ranges.fingerprint of the range digests the checker "
                                                     "recomputed by the file's rule (the assignment's `ranges`)")
 
 

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, Field
 
-from lastgood import names
+from lastgood.wire import names
 
 from ..contract import StrictJSONRoute, answers
 from ..deps import CommitsDep, CuratorDep, Limit, Offset, QueriesDep, run_prefix

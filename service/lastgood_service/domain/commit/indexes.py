@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 
-from lastgood.hashing import hash_bytes
-from lastgood.manifest import FileEntry, index_bytes, index_ref
-from lastgood.ranges import Blocks, fingerprint
+from lastgood.wire.hashing import hash_bytes
+from lastgood.wire.manifest import FileEntry, index_bytes, index_ref
+from lastgood.wire.ranges import Blocks, fingerprint
 
 from ...catalog.models import Shard
 from .. import keys

@@ -29,12 +29,12 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from lastgood import layout, names
-from lastgood.errors import FormatError
-from lastgood.format import header_length, parse_header, tensor_index
-from lastgood.ranges import RangeHasher
-from lastgood.hashing import StreamHasher, hash_bytes, is_valid_hex
-from lastgood.manifest import FileEntry, Manifest
+from lastgood.wire import layout, names
+from lastgood.wire.errors import FormatError
+from lastgood.wire.format import header_length, parse_header, tensor_index
+from lastgood.wire.ranges import RangeHasher
+from lastgood.wire.hashing import StreamHasher, hash_bytes, is_valid_hex
+from lastgood.wire.manifest import FileEntry, Manifest
 
 from ...catalog import txtimer
 from ...catalog.models import (ABANDONED, COMMITTED, CORRUPT, DECLARED, PENDING, VERIFIED, Checkpoint, Run, Shard,

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from sqlalchemy import select
 
-from lastgood.hashing import hash_bytes
-from lastgood.manifest import IndexMismatch, Manifest
+from lastgood.wire.hashing import hash_bytes
+from lastgood.wire.manifest import IndexMismatch, Manifest
 
 from ...blobstore import capabilities
 from ...catalog.models import COMMITTED, Shard

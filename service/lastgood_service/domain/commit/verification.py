@@ -7,10 +7,10 @@ import logging
 
 from sqlalchemy import select
 
-from lastgood.errors import FormatError
-from lastgood.format import META_STATE, dangling_replicas, header_length, parse_header, parse_state
-from lastgood.hashing import StreamHasher, hash_bytes
-from lastgood.ranges import FileCheck, fingerprint
+from lastgood.wire.errors import FormatError
+from lastgood.wire.format import META_STATE, dangling_replicas, header_length, parse_header, parse_state
+from lastgood.wire.hashing import StreamHasher, hash_bytes
+from lastgood.wire.ranges import FileCheck, fingerprint
 
 from ...catalog.models import COMMITTED, CORRUPT, Shard
 from .. import last_good

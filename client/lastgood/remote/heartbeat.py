@@ -1,0 +1,156 @@
+"""Heartbeats: each rank tells the service it is alive and how far it has got. torch-free.
+
+The training thread only records: `step(n)` stores the step and a timestamp, `phase()`
+says the rank is saving or restoring. A daemon thread of the Checkpointer sends the
+latest of it every period (`LASTGOOD_HEARTBEAT_SECONDS`, default 10 s; 0 turns beats off)
+and at once when the phase changes, as
+
+    POST /api/v1/runs/{run}/heartbeats
+    {"rank", "world_size", "step", "step_seconds", "phase", "attempt", "generation",
+     "max_step_seconds", "period_s", "save_stall_s"}
+
+The service keeps the latest beat per (run, rank) and derives hang and straggler verdicts
+from them (service domain/health.py, docs/health.md). A beat that fails is logged (once
+per streak of failures) and never raised: a checkpoint service that is away must not
+cost the job its training. Beats are never retried either; the next one is due soon.
+
+The phase names and the body's fields are the wire contract the service validates with.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from lastgood.remote import config
+from lastgood.wire.vocab import Phase
+
+log = logging.getLogger("lastgood")
+
+TRAIN, SAVING, RESTORING, IDLE = Phase.TRAIN, Phase.SAVING, Phase.RESTORING, Phase.IDLE
+PHASES = tuple(Phase)
+INTERVAL_REFRESH_BEATS = 6  # rank 0 asks for the run's auto interval every this many beats
+
+
+class Heartbeat:
+    """The beating thread of one rank. `step()`, `phase()` and `saved()` are called from the
+    training thread and only store values; everything else runs on the thread."""
+
+    def __init__(self, url: str, run: str, rank: int, world_size: int, *, token: str | None = None,
+                 attempt: str | None = None, generation: int | None = None, period: float | None = None,
+                 want_interval: bool = False) -> None:
+        from lastgood.remote.rest import RestClient
+
+        self.period = config.heartbeat_period() if period is None else period
+        self.run, self.rank, self.world_size = run, rank, world_size
+        self.attempt, self.generation = attempt, generation
+        self.rest = RestClient(url, timeout=max(2.0, min(10.0, self.period * 2)), token=token)
+        self.want_interval = want_interval and rank == 0
+        self.interval_s: float | None = None  # the run's auto interval, as the service last said
+        self.health: dict | None = None
+        self.beats = self.failures = 0
+        # written by the training thread, read by the beating thread (single assignments)
+        self._step: int | None = None
+        self._t: float | None = None         # when _step was recorded
+        self._max_gap = 0.0                  # longest gap between two step() calls since the last beat
+        self._phase = TRAIN
+        self._stall: float | None = None     # the training thread's stall in the last save
+        # the beating thread's own
+        self._sent: tuple[int, float] | None = None  # (step, time) of the previous beat
+        self._step_seconds: float | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---------------------------------------------------------------- training thread
+    def step(self, step: int) -> None:
+        now = time.monotonic()
+        if self._t is not None and self._step is not None and step > self._step:
+            gap = (now - self._t) / (step - self._step)
+            if gap > self._max_gap:
+                self._max_gap = gap
+        self._step, self._t = step, now
+
+    def phase(self, phase: str) -> None:
+        """Enter a phase; the thread beats at once so the service sees saves and restores."""
+        if phase != self._phase:
+            self._phase = phase
+            if phase != TRAIN:
+                self._t = None  # the time spent saving or restoring is no step's time
+            self._wake.set()
+
+    def saved(self, stall_s: float) -> None:
+        self._stall = stall_s
+
+    # ---------------------------------------------------------------- the thread
+    def start(self) -> "Heartbeat":
+        if self.period > 0 and self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="lastgood-heartbeat", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, final_phase: str = IDLE, timeout: float = 5.0) -> None:
+        """Send a last beat in `final_phase` (idle: this rank is done, not hung) and stop."""
+        if self._thread is None:
+            return
+        self._phase = final_phase
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+        self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            stopping = self._stop.is_set()
+            self.beat()
+            if stopping:
+                return
+            if self.want_interval and self.beats % INTERVAL_REFRESH_BEATS == 1:
+                self.refresh_interval()
+            self._wake.wait(self.period)
+            self._wake.clear()
+
+    def body(self) -> dict:
+        step, t = self._step, self._t
+        if step is not None and t is not None:
+            if self._sent is not None and step > self._sent[0] and t > self._sent[1]:
+                self._step_seconds = (t - self._sent[1]) / (step - self._sent[0])
+            if self._sent is None or step != self._sent[0]:
+                self._sent = (step, t)
+        elif step is None:
+            self._sent = None
+        gap, self._max_gap = self._max_gap, 0.0
+        if self._step_seconds is None and gap:
+            # steps faster than the beats (or each beat landing on a save) give no estimate
+            # from beat to beat; the training thread's own step-to-step gap is one, so a rank
+            # that hangs early is judged by the steady timeout, not the first-step allowance
+            self._step_seconds = gap
+        return {"rank": self.rank, "world_size": self.world_size, "step": step,
+                "step_seconds": self._step_seconds, "phase": self._phase, "attempt": self.attempt,
+                "generation": self.generation, "max_step_seconds": gap or None, "period_s": self.period,
+                "save_stall_s": self._stall}
+
+    def beat(self) -> bool:
+        """Send one beat now; False (logged) when it did not arrive."""
+        try:
+            self.rest.heartbeat(self.run, self.body())
+        except Exception as e:  # noqa: BLE001 - a beat never raises into training
+            self.failures += 1
+            if self.failures == 1:
+                log.warning("lastgood: heartbeat of run %s rank %s failed (will keep trying, logged once): %s",
+                            self.run, self.rank, e)
+            return False
+        if self.failures:
+            log.info("lastgood: heartbeats of run %s rank %s arrive again after %s failures", self.run, self.rank,
+                     self.failures)
+        self.failures = 0
+        self.beats += 1
+        return True
+
+    def refresh_interval(self) -> None:
+        try:
+            self.health = self.rest.health(self.run)
+            self.interval_s = (self.health.get("interval") or {}).get("seconds")
+        except Exception as e:  # noqa: BLE001 - the interval stays as it was
+            log.debug("lastgood: could not read the auto interval of %s: %s", self.run, e)

@@ -1,0 +1,2 @@
+"""The trainer-facing API: the Checkpointer (save, restore, wait, close), its queue of
+uploads, and the SpikeGuard."""

@@ -1,0 +1,629 @@
+"""Checkpointer: the trainer-facing API (save / restore / wait / close).
+
+save(step, state) snapshots the state into a pooled CPU buffer and returns; a background
+thread hashes it, begins the checkpoint, streams the shard, votes and waits for the
+commit. Saves are processed in order, one at a time, so a checkpoint's parent is always
+the previous commit (or the checkpoint restored from). A failed save aborts its
+checkpoint and leaves last-good where it was.
+
+The service may be away for a while (a restart, a network blip): every call retries
+transient failures (retry.py), and training never waits for the service. While it is
+away, save() gives up older snapshots instead of waiting for their uploads (uploads.py);
+each given-up save is logged, counted (`stats`) and posted as a `save_given_up` event once
+the service answers again. wait() and close() fail only when the newest save did not
+commit (`require_final=False` makes that a loud log line instead): an outage that later
+saves recovered from costs nothing. When a rank cannot tell whether a checkpoint
+committed, its next save first asks the service (retrying), so every rank continues from
+the same parent. docs/availability.md tells the whole story.
+Each launch registers with the service for a generation; once a newer launch of the run
+has registered, this one is fenced and save(), wait() and close() raise Fenced.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+
+from lastgood.remote import config
+from lastgood.remote.reading import RESTORE_LEASE_SECONDS, ReadLease
+from lastgood.state import distributed
+from lastgood.wire import names
+from lastgood.wire.format import file_names
+from lastgood.restore import readplan, replicas
+from lastgood.remote import heartbeat as _health
+from lastgood.remote.config import ClientConfig
+from lastgood.errors import (Conflict, CorruptCheckpoint, DataLoss, FailedPrecondition, Fenced, FormatError, LastgoodError,
+                     NotFound, NoUsableCheckpoint, PermissionDenied, SaveFailed, ServiceError)
+from lastgood.common.interval import Decider, Interval
+from lastgood.wire.manifest import Manifest
+from lastgood.remote.retry import RetryPolicy
+from lastgood.commit.session import SaveSession
+from lastgood.state import split
+from lastgood.restore.files import fetch_rank
+from lastgood.state.staging import Snapshot, StagingPool, aligned_empty, snapshot
+from lastgood.state.sharding import ShardIndex
+from lastgood.state.trainstate import TrainState, fits
+from lastgood.datapath.transport import Transport
+from lastgood.trainer.uploads import SaveRecord, UploadQueue
+
+log = logging.getLogger("lastgood")
+# service answers that say a checkpoint cannot be read as committed: missing, damaged, or
+# no longer COMMITTED
+DAMAGED = (NotFound, DataLoss, FailedPrecondition, Conflict)
+
+
+def shard_file_name(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+@dataclass
+class SaveResult:
+    step: int
+    checkpoint_id: int
+
+
+class Checkpointer:
+    def __init__(self, url: str | None = None, run: str | None = None, *, attempt: str | None = None,
+                 token: str | None = None, staging_buffers: int = 2, commit_timeout: float | None = None,
+                 retry: RetryPolicy | None = None, require_final: bool = True, new_run: bool | None = None,
+                 interval: Interval | str | None = None, heartbeat_seconds: float | None = None,
+                 retention: str | None = None, dedup: bool | None = None) -> None:
+        """`retry`: how transient failures are retried (default: the LASTGOOD_RETRY_* settings);
+        it also bounds how long a service that is starting is waited for, here and in
+        restore(). `require_final`: wait()/close() raise SaveFailed when the newest save did
+        not commit (else they log it as an error). `new_run`: accept a run name drawn at
+        random by `torchrun --standalone` (also LASTGOOD_NEW_RUN=1). `interval`: when
+        `due(step)` says to save (an Interval or its text: "auto", "500", "30m", "epoch").
+        `heartbeat_seconds`: the beat period (default LASTGOOD_HEARTBEAT_SECONDS, 10 s; 0: no
+        beats; docs/health.md). `retention`: the run's own retention policy, e.g.
+        "latest:5,every:1000,tagged,last-good,branch-heads" (docs/training.md), sent once by
+        rank 0; None leaves the run's policy as it is. `dedup`: write replicated (DDP)
+        state once per checkpoint, spread over the ranks (default on; LASTGOOD_DEDUP=0 turns
+        it off; docs/replicated.md). What is not passed comes from the
+        environment, resolved once (config.ClientConfig, kept as `self.config`)."""
+        self.config = cfg = ClientConfig.resolve(url=url, token=token, run=run, attempt=attempt, new_run=new_run,
+                                                 retry=retry, dedup=dedup)
+        if not cfg.url:
+            raise LastgoodError(f"no service URL: pass Checkpointer(url, run=...) or set {config.ENV_URL}")
+        self.run = names.check_run_name(distributed.run_name(cfg.run, cfg.new_run))
+        self.rank, self.world_size = distributed.rank_world()
+        self.retry = cfg.retry
+        self.require_final = require_final
+        self.transport = Transport(cfg.url, token=cfg.token, retry=cfg.retry, spool=cfg.spool)
+        self._record_restart()
+        commit_timeout = commit_timeout or self.transport.info.commit_timeout
+        self.launch = names.check_attempt(distributed.launch_attempt(self.world_size, cfg.attempt))[:56]
+        self._restores = 0  # every rank restores the same number of times, so they agree on the attempt
+        self.restore_reads: dict | None = None  # what the last restore by ranges read (readplan.py)
+        self.generation = self._register(retention)  # a bad retention raises here on every rank
+        self._fenced: Fenced | None = None
+        self.file_name = shard_file_name(self.rank)
+        # the commit protocol's client side, shared with DCP's writer: it keeps the parent
+        # and the checkpoints whose outcome this rank missed (commit/session.py)
+        self._session = SaveSession(self.transport, self.run, self.rank, commit_timeout=commit_timeout)
+        self.last_saved: SaveResult | None = None
+        self._pool = StagingPool(slots=staging_buffers)
+        self._jobs = UploadQueue()
+        self._record = SaveRecord()
+        self._gave_up_since_commit = False  # then the ranks converge on a step before each begin (converge)
+        self._last_error: BaseException | None = None
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name="lastgood-upload", daemon=True)
+        self._worker.start()
+        self._start_health(interval, heartbeat_seconds)
+
+    # ------------------------------------------------------------------ health (docs/health.md)
+    def _start_health(self, interval, period: float | None) -> None:
+        """Heartbeats from a daemon thread; the save decisions of `due()`."""
+        self.interval = Interval.parse(interval) if isinstance(interval, str) else interval
+        auto = bool(self.interval and self.interval.auto)
+        self.heartbeat = _health.Heartbeat(self.config.url, self.run, self.rank, self.world_size,
+                                           token=self.config.token,
+                                           attempt=self.launch, generation=self.generation,
+                                           period=self.config.heartbeat_seconds if period is None else period,
+                                           want_interval=auto).start()
+        if auto and self.heartbeat.period == 0:
+            log.warning(f"lastgood: interval 'auto' needs heartbeats ({config.ENV_HEARTBEAT}=0): "
+                        "it saves once, then only on its other triggers")
+        self._decider = Decider(self.interval, lambda: self.heartbeat.interval_s, distributed.broadcast_int) \
+            if self.interval else None
+
+    def step(self, step: int) -> None:
+        """Record that training reached `step` (a timestamp, no I/O): the heartbeat thread
+        reports it, and the service judges hangs and stragglers from it. Once per step."""
+        self.heartbeat.step(step)
+
+    def due(self, step: int, epoch_end: bool = False) -> bool:
+        """Should this step be saved, under the Checkpointer's `interval`? Call it once per
+        step on every rank (it records the step, as `step()` does); every rank gets the same
+        answer. `epoch_end=True` at the last step of an epoch."""
+        if self._decider is None:
+            raise LastgoodError("due() needs Checkpointer(..., interval=...): e.g. Interval(every_steps=500), "
+                                "'30m' or 'auto'")
+        self.heartbeat.step(step)
+        return self._decider.due(step, epoch_end)
+
+    def _record_restart(self) -> None:
+        """Under torchrun's elastic agent, every restart of the group is an event of the run."""
+        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if restarts <= 0 or self.rank != 0:
+            return
+        try:
+            self.transport.record_event(self.run, "restart", {
+                "restart_count": restarts, "world_size": self.world_size,
+                "max_restarts": int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)})
+        except ServiceError as e:  # a run that has no checkpoint yet has nowhere to record it
+            log.warning("lastgood: could not record restart %s: %s", restarts, e)
+
+    def _register(self, retention: str | None = None) -> int | None:
+        """Fencing (docs/fencing.md): this launch's generation, registered before anything is
+        read, so that a commit of an older launch either shows up in this launch's restore or
+        is refused. Rank 0 registers and broadcasts (one registration per launch, however many
+        ranks); without a process group every rank registers, which the service answers with
+        the same generation. A token that may not write (a reader restoring) neither registers
+        nor fences the job that writes; its saves are refused anyway. The run's `retention`,
+        if given, is set in the same step, so a policy the service refuses stops every rank."""
+        generation, err = 0, None
+        if self.rank == 0 or not distributed.initialized():
+            try:
+                generation = self.transport.register_launch(self.run, self.launch, self.world_size)
+                if retention is not None:
+                    self.transport.set_retention(self.run, retention)
+            except ServiceError as e:
+                if isinstance(e, PermissionDenied):
+                    log.info("lastgood: not registered as a launch of %s (read-only token): %s", self.run, e)
+                else:
+                    generation, err = -1, e
+            except Exception as e:  # noqa: BLE001 - re-raised after the broadcast
+                generation, err = -1, e
+        generation = distributed.broadcast_int(generation)
+        if generation < 0:
+            raise err or LastgoodError("rank 0 could not register this launch (or set the run's retention) "
+                                       "with the service; see its log")
+        self.transport.generation = generation or None
+        return generation or None
+
+    @property
+    def attempt(self) -> str:
+        """(run, step, attempt) names a checkpoint. After a restore the job may save steps it
+        saved before (on another branch), so every restore starts a new attempt."""
+        return self.launch if self._restores == 0 else f"{self.launch}.{self._restores}"
+
+    @property
+    def commit_timeout(self) -> float:
+        """How long a save waits for its commit after its upload (the session's; settable)."""
+        return self._session.commit_timeout
+
+    @commit_timeout.setter
+    def commit_timeout(self, value: float) -> None:
+        self._session.commit_timeout = value
+
+    @property
+    def parent_id(self) -> int | None:
+        """The parent of the next save: the last commit, or the checkpoint restored from."""
+        return self._session.parent_id
+
+    @parent_id.setter
+    def parent_id(self, value: int | None) -> None:
+        self._session.parent_id = value
+
+    @property
+    def _unsure(self) -> list:
+        """Checkpoints whose outcome this rank missed, settled before the next begin."""
+        return self._session.unsure
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, state: TrainState) -> None:
+        """Snapshot `state` into CPU memory and return; the upload continues in the background."""
+        if self._closed:
+            raise LastgoodError("Checkpointer is closed")
+        if self._fenced is not None and not self.config.dedup:  # with dedup: raised in the collective (_snapshot)
+            raise self._fenced
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        began = time.monotonic()
+        self.heartbeat.phase(_health.SAVING)
+        try:
+            self._snapshot(step, state)
+        finally:  # the stall the trainer paid: C of the auto interval
+            self.heartbeat.saved(time.monotonic() - began)
+            self.heartbeat.phase(_health.TRAIN)
+            if self._decider is not None:
+                self._decider.saved()
+
+    def _snapshot(self, step: int, state: TrainState) -> None:
+        cap = state.capture(step, self.rank, self.world_size)
+        if self.config.dedup:  # replicated state: only this rank's share of it (collective; replicas.py)
+            try:  # a fenced rank enters the collective too: every rank raises Fenced at this save
+                cap = replicas.split(cap, state, self.rank, self.world_size, fenced=self._fenced is not None)
+            except Fenced as e:
+                self._fenced = self._fenced or e
+            if self._fenced is not None:
+                raise self._fenced
+        if self._pool.full():
+            # every buffer is taken: while the service is away, give up the oldest waiting
+            # snapshot instead of waiting for an upload that cannot finish (uploads.py)
+            dropped = self._jobs.drop_oldest_if_troubled()
+            if dropped is not None:
+                self._pool.release(dropped.buffer)
+                self._given_up(dropped.step, f"superseded by step {step} while the service was unreachable")
+        # no buffer free: an upload stuck retrying gives up its buffer (see _run)
+        self._jobs.wanted = self._pool.full()
+        try:
+            # a large state's files: at most one per core by default, up to 4 when set (state/split.py)
+            most = split.files_per_rank() if self.config.files_by_cores else split.MAX_FILES
+            snap = snapshot(step, cap.json_state, cap.tensors, self._pool, self.config.file_bytes, most)
+        finally:
+            self._jobs.wanted = False
+        self._record.requested = step
+        self._jobs.put(snap)
+
+    @property
+    def stats(self) -> dict:
+        """Counters of this rank's saves: saves_committed, saves_given_up."""
+        return dict(self._record.counts)
+
+    def _given_up(self, step: int, why: str) -> None:
+        log.warning("lastgood: run %s: save of step %s given up, training goes on: %s", self.run, step, why)
+        self._gave_up_since_commit = True
+        self._record.give_up(step, why)
+
+    def _run(self) -> None:
+        while True:
+            snap = self._jobs.get()
+            committed = False
+            try:
+                if snap is None:
+                    return
+                if self._fenced is None:  # a fenced launch uploads nothing more
+                    with self.transport.stoppable(self._jobs.stop_asked):
+                        self._upload(snap)
+                        committed = True
+                        self._gave_up_since_commit = False
+                        self._record.commit(snap.step)
+                        self._report_given_up()
+            except BaseException as e:  # noqa: BLE001 - every failure is reported by wait()
+                fenced = self._as_fenced(e)
+                if fenced is not None:
+                    log.error("lastgood: %s", fenced)
+                    self._fenced = self._fenced or fenced
+                else:
+                    self._last_error = e
+                    self._given_up(snap.step, str(e))
+            finally:
+                if snap is not None:
+                    self._pool.release(snap.buffer)
+                self._jobs.task_done(committed)
+
+    def _report_given_up(self) -> None:
+        """The service answers again: tell it which saves were given up meanwhile."""
+        items = self._record.take_unreported()
+        if not items:
+            return
+        try:
+            self.transport.record_event(self.run, "save_given_up", {
+                "rank": self.rank, "count": len(items), "steps": [s for s, _ in items], "reason": items[-1][1]})
+        except ServiceError as e:
+            log.warning("lastgood: could not record the given-up saves: %s", e)
+            self._record.put_back(items)
+
+    def _upload(self, snap: Snapshot) -> None:
+        if self._jobs.troubled:
+            # the service was away at the last try: wait for it (retrying, until a newer save
+            # wants this buffer) before writing a whole shard to the spool for nothing
+            self.transport.service_info()
+        self._session.settle(self._committed_after_all)
+        # while saves are given up or failing (an outage), the ranks converge on a step
+        converging = lambda: self._jobs.troubled or self._gave_up_since_commit  # noqa: E731
+        if converging():
+            self._session.converge(snap.step, self.attempt)
+        up = self._session.checkpoint(snap.step)
+        # on the service's host the shard is handed over as a file, hashed as it is written;
+        # written before begin, so that a long write never runs into the checkpoint's lease
+        # a large state as several files, written, hashed and handed over concurrently (state/split.py)
+        views = snap.views()
+        up.add_all(list(zip(file_names(self.file_name, len(views)), views)))
+        up.begin(self.world_size, self.attempt)
+        up.commit(converging=converging)
+        self.last_saved = SaveResult(snap.step, up.checkpoint_id)
+
+    def _committed_after_all(self, step: int, cid: int) -> None:
+        """A save whose outcome this rank missed did commit, with its bytes."""
+        self.last_saved = SaveResult(step, cid)
+        self._record.commit(step)
+
+    def _as_fenced(self, e: BaseException) -> Fenced | None:
+        """Fenced, if the service refused a write of this save because a newer launch registered."""
+        while e is not None:
+            if isinstance(e, Fenced) and not e.coded:  # said here already
+                return e
+            if isinstance(e, Fenced):  # the service's refusal: say what it means for this job
+                return Fenced(f"run {self.run!r}: this launch (attempt {self.launch}, generation {self.generation}) "
+                              f"is fenced by a newer launch of the job; stop training. {e}")
+            e = e.__cause__
+        return None
+
+    def wait(self) -> None:
+        """Block until every save so far has committed or been given up (uploads retry up to
+        the retry policy's deadline). Saves given up along the way are forgiven when a later
+        one committed; if the newest did not, raise SaveFailed with a summary of what
+        committed and what did not (or log it, with require_final=False). While it waits the
+        rank's heartbeats say `saving`: a final upload may take longer than any step, and a
+        rank judged hung for it would be killed by a supervisor (docs/health.md)."""
+        self.heartbeat.phase(_health.SAVING)
+        try:
+            self._jobs.join()
+        finally:
+            self.heartbeat.phase(_health.TRAIN)
+        if self._fenced is not None:
+            raise self._fenced
+        if self._record.final_committed():
+            if self._record.counts["saves_given_up"] > self._record.told:
+                self._record.told = self._record.counts["saves_given_up"]
+                log.warning("lastgood: run %s: the newest save committed; %s", self.run, self._record.summary())
+            return
+        msg = f"run {self.run} rank {self.rank}: the newest state was NOT committed. {self._record.summary()}"
+        self._record.requested = None  # said once: close() after a failed wait() does not say it again
+        if self.require_final:
+            raise SaveFailed(msg) from self._last_error
+        log.error("lastgood: %s", msg)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self.heartbeat.stop(_health.IDLE)  # done: idle, never hung
+            self._jobs.put(None)
+            self._worker.join(timeout=10)
+            self.transport.close()
+            self._pool.clear()  # free the (possibly pinned) staging buffers
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ restore
+    OK, UNUSABLE, FAILED = 0, 1, 2
+
+    def restore(self, state: TrainState, checkpoint_id: int | None = None) -> int | None:
+        """Load the run's last-good (or the given checkpoint) into `state` in place.
+
+        Returns its step, or None if the run has no checkpoint (the service says so; an
+        error never reads as "none"). Every byte read is re-hashed and every shard's state
+        checked before anything is applied. Ranks agree on each candidate (rank 0 picks,
+        then broadcasts) and on each outcome (all_max of ok / unusable / failed), so they
+        never resume from different checkpoints and never wait on a rank that gave up. An
+        unusable candidate (bytes that differ from the commit, a file missing, too short or
+        too long, a manifest damaged, a state that cannot be read) is re-verified by the
+        service, which marks it CORRUPT, and the service's choice of its newest usable
+        ancestor is tried next. A run whose every candidate is damaged raises
+        NoUsableCheckpoint on every rank. docs/recovery.md has the whole story.
+        """
+        self.heartbeat.phase(_health.RESTORING)
+        try:
+            return self._restore(state, checkpoint_id)
+        finally:
+            self.heartbeat.phase(_health.TRAIN)
+            if self._decider is not None:
+                self._decider.restart()
+
+    def _restore(self, state: TrainState, checkpoint_id: int | None) -> int | None:
+        self._jobs.join()  # in-flight saves finish first; their failures stay for wait()
+        tried: list[int] = []
+        cid = self._agree(lambda: checkpoint_id if checkpoint_id is not None else self._last_good_id())
+        while cid > 0:
+            code, result, err = self._try_fetch(cid, state)
+            agreed = distributed.all_max(code)
+            if code == self.OK and agreed != self.OK:
+                self._give_back(state, result[3])  # fetched here, unusable elsewhere: nothing applied
+            if agreed == self.OK:
+                manifest, files, source, held = result
+                try:
+                    self._apply(state, manifest, files, source)
+                finally:
+                    self._give_back(state, held)
+                self.parent_id = cid
+                self._unsure.clear()  # the restored checkpoint is the parent now, on every rank
+                self._restores += 1
+                if tried:
+                    log.warning("lastgood: restored %s step %s (checkpoint %s), the newest good ancestor of damaged "
+                                "checkpoint(s) %s", self.run, manifest.step, cid, tried)
+                else:
+                    log.info("lastgood: restored %s step %s (checkpoint %s)", self.run, manifest.step, cid)
+                return manifest.step
+            if agreed == self.FAILED:
+                raise err or LastgoodError(f"restoring checkpoint {cid} failed on another rank; see its log")
+            if err is not None:
+                log.error("lastgood: checkpoint %s is unusable: %s", cid, err)
+            if self.rank == 0:
+                self._report_unusable(cid)
+            if checkpoint_id is not None:
+                raise err or CorruptCheckpoint(f"checkpoint {cid} is unusable on another rank")
+            tried.append(cid)
+            cid = self._agree(lambda: self._fallback(cid))
+        if tried:
+            raise NoUsableCheckpoint(f"run {self.run!r} has no usable checkpoint: {tried} and every ancestor of "
+                                     f"theirs are damaged (CORRUPT); restore a checkpoint by id or start a new run")
+        log.warning("lastgood: run %r has no checkpoint at %s: starting from the beginning", self.run,
+                    self.transport.base_url)
+        return None
+
+    def _agree(self, pick) -> int:
+        """Rank 0 picks (0: none), everyone gets its answer; a negative value tells the
+        others it failed (-2: the run has no usable checkpoint, raised alike everywhere)."""
+        value, err = 0, None
+        if self.rank == 0:
+            try:
+                value = pick() or 0
+            except Exception as e:  # noqa: BLE001 - re-raised after the broadcast
+                value, err = (-2 if isinstance(e, NoUsableCheckpoint) else -1), e
+        value = distributed.broadcast_int(value)
+        if value == -2:
+            raise err or NoUsableCheckpoint(f"run {self.run!r} has no usable checkpoint; see rank 0's log")
+        if value < 0:
+            raise err or LastgoodError("rank 0 could not choose a checkpoint to restore; see its log")
+        return value
+
+    def _last_good_id(self) -> int:
+        lg = self.transport.last_good(self.run)
+        return lg["id"] if lg else 0
+
+    def _report_unusable(self, cid: int) -> None:
+        """Have the service re-verify the checkpoint: it re-hashes every file and reads every
+        shard's state, marks the checkpoint CORRUPT when anything is wrong and moves
+        last-good back. The client only reports; the service decides."""
+        try:
+            res = self.transport.verify(cid)
+        except ServiceError as e:
+            log.error("lastgood: verify of checkpoint %s failed: %s", cid, e)
+            return
+        if res.get("ok"):
+            log.error("lastgood: the service found checkpoint %s intact, but this job cannot use it; "
+                      "trying its ancestors", cid)
+
+    def _fallback(self, failed: int) -> int:
+        """The service's newest usable ancestor of the failed checkpoint (0: none left): the
+        same rule that moves last-good back when a checkpoint turns out CORRUPT."""
+        return self.transport.ancestors(failed).get("fallback_id") or 0
+
+    def _try_fetch(self, cid: int, state: TrainState):
+        try:
+            return self.OK, self._fetch(cid, state), None
+        except (CorruptCheckpoint, FormatError) as e:  # bytes or state that are not the commit's
+            return self.UNUSABLE, None, e
+        except ServiceError as e:
+            # a blob or manifest gone or damaged, or no longer committed, in the service's own
+            # words; a proxy's bare 404/409 says nothing about the checkpoint (no fallback on it)
+            if isinstance(e, DAMAGED) and e.coded:
+                return self.UNUSABLE, None, e
+            return self.FAILED, None, e
+        except Exception as e:  # noqa: BLE001 - agreed on with the other ranks, then raised
+            return self.FAILED, None, e
+
+    def _fetch(self, cid: int, state: TrainState) -> tuple[Manifest, list, int, list]:
+        # a read lease keeps GC away from this checkpoint while its bytes are read; a restore
+        # does not renew it, so it is taken for as long as a restore may take
+        with ReadLease(self.transport, cid, f"{self.run}/rank{self.rank}", seconds=RESTORE_LEASE_SECONDS):
+            return self._fetch_leased(cid, state)
+
+    def _fetch_leased(self, cid: int, state: TrainState):
+        """(manifest, files, source rank, staging buffers held). At the saving world size a
+        rank reads its own file, into a staging buffer: restore runs between saves, when the
+        pool is idle, and a buffer already touched is written at memory speed (a new one
+        costs a page fault per 4 KiB). At another world size it reads just the verified
+        byte ranges its new shards and the replicated state need (readplan.py); a
+        checkpoint written before range digests is read whole, every rank's file: DTensor
+        shards may overlap its new shards, and replicated state comes from old rank
+        min(rank, old world - 1)."""
+        manifest = self.transport.manifest(cid)
+        old_world = manifest.world_size
+        if old_world != self.world_size:
+            before = self.transport.shard_bytes, self.transport.range_requests
+            planned = readplan.fetch(self.transport, state, manifest, self.rank, shard_file_name)
+            if planned is not None:
+                files, source, counts = planned
+                # replicated tensors written once, by other ranks: found in their files (replicas.py)
+                files = replicas.complete(self.transport, manifest, files, source)
+                self.restore_reads = {**counts, "bytes": self.transport.shard_bytes - before[0],
+                                      "requests": self.transport.range_requests - before[1]}
+                log.info("lastgood: rank %s read checkpoint %s by ranges: %s", self.rank, cid, self.restore_reads)
+                return manifest, files, source, []
+        ranks = [self.rank] if old_world == self.world_size else list(range(old_world))
+        files, held = [], []
+        try:
+            for r in ranks:
+                # every file of the rank (its first, and any it was split into: state/split.py), read
+                # concurrently; at the saving world size into a staging buffer, else an uninitialised one
+                alloc = (lambda n: _held(held, self._pool.acquire(n))) if len(ranks) == 1 else (
+                    lambda n: aligned_empty(n))
+                files.append(fetch_rank(self.transport, manifest, r, shard_file_name(r), alloc)[0])
+            # replicated tensors written once, by other ranks: found in their files (replicas.py)
+            files = replicas.complete(self.transport, manifest, files, min(self.rank, old_world - 1))
+        except BaseException:
+            for buf in held:
+                self._pool.release(buf)
+            raise
+        return manifest, files, min(self.rank, old_world - 1), held
+
+    def _give_back(self, state: TrainState, held: list) -> None:
+        """Return restore buffers to the staging pool, where the next save overwrites them.
+        Everything restored was copied out of them, unless a component kept the tensor it
+        was given (a module whose custom load keeps its input, say): then that buffer
+        belongs to the component from now on and leaves the pool."""
+        for buf in held:
+            try:
+                reuse = not state.aliases(buf)
+            except Exception as e:  # noqa: BLE001 - cannot tell: do not reuse it, but free the slot
+                log.warning("lastgood: could not check restored state against the download buffer: %s", e)
+                reuse = False
+            if not reuse:
+                log.warning("lastgood: restored state may still refer to the download buffer; "
+                            "it is left to the state and not reused for snapshots")
+            self._pool.release(buf if reuse else None)
+
+    # ------------------------------------------------------------------ tags
+    def _target(self, checkpoint_id: int | None) -> int:
+        if checkpoint_id is not None:
+            return checkpoint_id
+        self.wait()
+        if self.last_saved is None:
+            raise LastgoodError("nothing saved yet by this Checkpointer: name a checkpoint_id")
+        return self.last_saved.checkpoint_id
+
+    def tag(self, name: str, checkpoint_id: int | None = None, *, alias: bool = False) -> dict:
+        """Tag a checkpoint (default: the last one this Checkpointer saved). An alias names
+        one checkpoint per run and moves when set again; a plain tag may name many."""
+        return self.transport.tag(self._target(checkpoint_id), name, alias)
+
+    def untag(self, name: str, checkpoint_id: int | None = None) -> dict:
+        return self.transport.untag(self._target(checkpoint_id), name)
+
+    def pin(self, checkpoint_id: int | None = None, pinned: bool = True) -> dict:
+        """Pin a checkpoint so that GC keeps it whatever the retention policy says."""
+        return self.transport.pin(self._target(checkpoint_id), pinned)
+
+    def _apply(self, state: TrainState, manifest: Manifest, files: list, source: int) -> None:
+        src = next(f for f in files if f.rank == source)
+        changed = manifest.world_size != self.world_size
+        if changed:
+            log.warning("lastgood: checkpoint %s was saved by %s ranks; restoring on %s", manifest.checkpoint_id,
+                        manifest.world_size, self.world_size)
+
+        # the optimizers' current moments: restored in place, instead of into new tensors;
+        # module parameters and buffers: copied in by load_state_dict
+        targets = state.optimizer_tensors(src.state["components"])
+        direct = state.module_tensor_names()
+
+        def tensor(name: str, device: str | None):
+            dst = targets.get(name)
+            if dst is not None and fits(dst, src.tensors[name], device):
+                return dst.copy_(src.resolve(name, None, copy=False))
+            # everything else is cloned: the buffer goes back to the staging pool
+            return src.resolve(name, device, copy=name not in direct)
+
+        state.apply(src.state, tensor, src.array,
+                    shards=ShardIndex(files),
+                    reseed=None if self.rank < manifest.world_size else _derived_seed(manifest.checkpoint_id, self.rank),
+                    world_changed=changed)
+
+
+def _held(held: list, buf):
+    held.append(buf)
+    return buf
+
+
+def _derived_seed(checkpoint_id: int, rank: int) -> int:
+    """The RNG seed of a rank that did not exist when the checkpoint was saved: fixed by
+    the checkpoint and the rank, different for every rank, the same on every restore."""
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(f"lastgood:{checkpoint_id}:{rank}".encode()).digest()[:8], "little") >> 1
