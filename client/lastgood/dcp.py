@@ -53,17 +53,13 @@ from lastgood.wire import names
 from lastgood.state.codec import Encoder, UnsupportedValue, decode
 from lastgood.remote.config import ENV_URL, ClientConfig
 from lastgood.errors import CorruptCheckpoint, FormatError, LastgoodError
-from lastgood.wire.format import META_STATE, header_length, parse_header
+from lastgood.wire.format import META_STATE, header_length, parse_header, shard_file_name
 from lastgood.state.staging import StagingPool, snapshot
 from lastgood.state.buffers import tensor_from_buffer
 
 log = logging.getLogger("lastgood")
 MAGIC = b"lastgood-json:1\n"
 METADATA_FILE = "dcp.metadata.json"
-
-
-def shard_file(rank: int) -> str:
-    return f"rank{rank:05d}.safetensors"
 
 
 # ---------------------------------------------------------------------- planners
@@ -257,15 +253,15 @@ class StorageWriter(_Connected, dcp.StorageWriter):
                         raise FormatError(f"{item.index.fqn}: DCP's default planner pickled this value; "
                                           f"use planner=lastgood.dcp.SavePlanner()")
                     values[name] = raw[len(MAGIC):].decode()
-                    where = {"rank": rank, "file": shard_file(rank), "json": name}
+                    where = {"rank": rank, "file": shard_file_name(rank), "json": name}
                     size = len(raw)
                 else:
                     tensors[name] = data.detach()
-                    where = {"rank": rank, "file": shard_file(rank), "tensor": name}
+                    where = {"rank": rank, "file": shard_file_name(rank), "tensor": name}
                     size = data.numel() * data.element_size()
                 results.append(WriteResult(index=item.index, size_in_bytes=size, storage_data=where))
             snap = snapshot(self.step or 0, {"dcp_values": values}, tensors, StagingPool(slots=1, pin=False))
-            up.add(shard_file(rank), snap.view())  # the spool on the service's host, else the stream
+            up.add(shard_file_name(rank), snap.view())  # the spool on the service's host, else the stream
             self.checkpoint_id = begin()  # after the write: a long write never meets the lease
         except BaseException as e:
             if up.checkpoint_id is None:  # begun only to abort it, so the peers learn at once

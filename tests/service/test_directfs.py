@@ -26,7 +26,7 @@ from lastgood.datapath.directfs import DirectFS
 from lastgood.wire.manifest import RANGE_DIGESTS
 from lastgood.errors import SaveFailed
 from lastgood.wire.hashing import StreamHasher
-from lastgood.trainer.checkpointer import shard_file_name as ckpt_file_name
+from lastgood.wire.format import shard_file_name as ckpt_file_name
 from lastgood.datapath.choose import default_path
 from lastgood.datapath.transport import Transport
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -36,7 +35,7 @@ def _unwrap(module: nn.Module) -> nn.Module:
 @dataclass
 class Captured:
     json_state: dict
-    tensors: dict  # name -> torch.Tensor | np.ndarray
+    tensors: dict  # name -> torch.Tensor | numpy.ndarray
 
 
 class TrainState:

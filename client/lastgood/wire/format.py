@@ -265,6 +265,11 @@ def dangling_replicas(states: dict[int, dict], held: dict[int, set[str]], world_
     return out
 
 
+def shard_file_name(rank: int) -> str:
+    """The first (or only) file of a rank's shard: its state document and tensors."""
+    return f"rank{rank:05d}.safetensors"
+
+
 # A rank's state may be split into several files (lastgood.state.split): the first keeps the
 # rank's name and names the tensors of each further file (META_FILES), which are named after
 # it with a three-digit index.
