@@ -3,7 +3,7 @@
     python -m bench.alloc [SIZE_GIB] [SAVES]   # default 1 GiB, six streamed saves per setting
 
 Each setting gets a fresh service process (environment variables only: no code change);
-VmRSS is sampled every 10 ms during each save. The shards are streamed (LASTGOOD_SPOOL=0):
+VmRSS is sampled every 10 ms during each save. The shards are streamed (LASTGOOD_USE_SPOOL=0):
 a spooled hand-over allocates nothing per chunk.
 """
 
@@ -27,7 +27,7 @@ SETTINGS = {"service defaults (8 MiB stream window, 2 malloc arenas)": {},
 def main() -> None:
     import lastgood
 
-    os.environ["LASTGOOD_SPOOL"] = "0"
+    os.environ["LASTGOOD_USE_SPOOL"] = "0"
     size = int(float(sys.argv[1]) * GiB) if len(sys.argv) > 1 else GiB
     saves = int(sys.argv[2]) if len(sys.argv) > 2 else 6
     model, opt = build_state(size)

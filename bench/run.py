@@ -52,18 +52,18 @@ TARGETS = [  # (name, figure path, comparison, bound, what)
     ("save throughput vs DCP (same host: spool, one file a rank)", "save_one_file_vs_dcp", ">=", 1.0,
      "the same with LASTGOOD_FILE_BYTES=0: the state as one file"),
     ("save throughput vs DCP (streamed over gRPC)", "save_stream_vs_dcp", ">=", 0.9,
-     "the same, with the shard streamed (LASTGOOD_SPOOL=0), as from another host"),
+     "the same, with the shard streamed (LASTGOOD_USE_SPOOL=0), as from another host"),
     ("save() blocks the trainer", "block_vs_copy", "<=", 1.5, "async save() time / plain CPU copy"),
     ("restore vs DCP load (same host: spool)", "restore_vs_dcp_load", ">=", 1.0,
      "lastgood restore (hash-verified, in place) / DCP load (in place)"),
     ("restore vs gRPC ceiling (same host: spool)", "restore_vs_grpc", ">=", 0.8,
      "lastgood restore / bare gRPC download; the shard read from a link in the spool"),
     ("restore vs gRPC ceiling (streamed)", "restore_stream_vs_grpc", ">=", 0.8,
-     "the same, with the shard streamed (LASTGOOD_SPOOL=0)"),
+     "the same, with the shard streamed (LASTGOOD_USE_SPOOL=0)"),
     ("4 ranks vs raw disk (spool)", "four_ranks.ratio", ">=", 0.8,
      "aggregate ingest of 4 rank processes / raw write+fsync"),
     ("4 ranks vs raw disk (streamed)", "four_ranks_stream.ratio", ">=", 0.8,
-     "the same, every shard streamed over gRPC (LASTGOOD_SPOOL=0)"),
+     "the same, every shard streamed over gRPC (LASTGOOD_USE_SPOOL=0)"),
     ("service peak RSS while ingesting a stream", "service_rss.peak_mib", "<=", 256,
      "MiB, sampled VmRSS during the streamed save"),
     ("{ranks}-rank commit after the last vote", "scale.last_vote_to_commit_s", "<=", 1.0,
@@ -154,16 +154,16 @@ def fsync_path(path: Path) -> None:
 
 @contextlib.contextmanager
 def spool_off():
-    """Checkpointers made inside stream their shards (LASTGOOD_SPOOL=0 is read when one starts)."""
-    old = os.environ.get("LASTGOOD_SPOOL")
-    os.environ["LASTGOOD_SPOOL"] = "0"
+    """Checkpointers made inside stream their shards (LASTGOOD_USE_SPOOL=0 is read when one starts)."""
+    old = os.environ.get("LASTGOOD_USE_SPOOL")
+    os.environ["LASTGOOD_USE_SPOOL"] = "0"
     try:
         yield
     finally:
         if old is None:
-            del os.environ["LASTGOOD_SPOOL"]
+            del os.environ["LASTGOOD_USE_SPOOL"]
         else:
-            os.environ["LASTGOOD_SPOOL"] = old
+            os.environ["LASTGOOD_USE_SPOOL"] = old
 
 
 def restored_blobs(svc: Service, data_dir: Path, run: str) -> Path:
@@ -535,7 +535,7 @@ class RankProcs:
         for r in range(self.ranks):
             env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(self.ranks), "LOCAL_WORLD_SIZE": str(self.ranks),
                    "LASTGOOD_LOG_LEVEL": "WARNING",
-                   "LASTGOOD_SPOOL": "1" if self.spool else "0"}
+                   "LASTGOOD_USE_SPOOL": "1" if self.spool else "0"}
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "bench.ranks", self.svc.url, run, attempt, str(self.per_rank)],
                 cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))

@@ -54,12 +54,12 @@ def test_a_run_without_checkpoints_reads_as_none_and_a_wrong_url_never(service, 
 
 
 def test_the_spool_switch_is_read_once_with_the_services_words(service, run_name, monkeypatch):
-    """LASTGOOD_SPOOL=false, as the service spells its own switch, turns the client's
-    hand-over off too (it used to take only "0")."""
-    monkeypatch.setenv("LASTGOOD_SPOOL", "false")
+    """LASTGOOD_USE_SPOOL=false, in the words the service's switches take, turns the
+    client's hand-over off."""
+    monkeypatch.setenv("LASTGOOD_USE_SPOOL", "false")
     with lastgood.Checkpointer(service.url, run=run_name) as ckpt:
         assert ckpt.config.spool is False and ckpt.transport.spool is None
-    monkeypatch.delenv("LASTGOOD_SPOOL")
+    monkeypatch.delenv("LASTGOOD_USE_SPOOL")
     with lastgood.Checkpointer(service.url, run=run_name) as ckpt:  # control: the service's host sees it
         assert ckpt.config.spool is True and ckpt.transport.spool is not None
 

@@ -124,7 +124,7 @@ def test_streamed_files_of_a_rank_use_at_most_two_streams(service, run_name, mon
     """The ranks of a host share a token's max_streams_per_client (16): a rank streams its
     files over at most parallel.STREAM_WORKERS PutShard streams at once, not parallel.WORKERS."""
     monkeypatch.setenv("LASTGOOD_FILE_BYTES", FILE_BYTES)
-    monkeypatch.setenv("LASTGOOD_SPOOL", "0")  # streamed
+    monkeypatch.setenv("LASTGOOD_USE_SPOOL", "0")  # streamed
     calls: list[tuple[int, int, bool]] = []
     real = parallel.run_all
 

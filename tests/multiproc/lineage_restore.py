@@ -28,7 +28,7 @@ def main() -> None:
     results = []
     for spec in runs:
         run, _, how = spec.partition(":")
-        os.environ["LASTGOOD_SPOOL"] = "0" if how == "stream" else "1"
+        os.environ["LASTGOOD_USE_SPOOL"] = "0" if how == "stream" else "1"
         model, opt = make()
         try:
             with lastgood.Checkpointer(url, run=run) as ckpt:

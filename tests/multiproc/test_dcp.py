@@ -61,7 +61,7 @@ def test_dcp_save_in_peer_mode_through_direct_fs_commits(make_service, run_name,
     mount = tmp_path / "mnt" / "store"
     mount.parent.mkdir()
     mount.symlink_to(svc.blob_root)
-    res = torchrun(SCRIPT, ["sync", svc.url, run_name], env={"LASTGOOD_SPOOL": "0",
+    res = torchrun(SCRIPT, ["sync", svc.url, run_name], env={"LASTGOOD_USE_SPOOL": "0",
                                                              "LASTGOOD_DIRECT_FS_MOUNT": str(mount)}, timeout=240)
     assert res.returncode == 0, why(res)
     assert f"[rank 0] {EXACT}" in res.stdout

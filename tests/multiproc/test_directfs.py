@@ -18,7 +18,7 @@ def test_two_ranks_save_through_direct_fs_with_peer_checks_and_restore_bitwise(m
     mount = tmp_path / "mnt" / "store"
     mount.parent.mkdir()
     mount.symlink_to(svc.blob_root)
-    env = {"LASTGOOD_SPOOL": "0", "LASTGOOD_DIRECT_FS_MOUNT": str(mount)}
+    env = {"LASTGOOD_USE_SPOOL": "0", "LASTGOOD_DIRECT_FS_MOUNT": str(mount)}
     saved = torchrun(HERE / "directfs_ranks.py", [svc.url, run_name, "save", str(tmp_path)], env=env)
     assert saved.returncode == 0, why(saved)
 

@@ -19,7 +19,7 @@ def _checkpoints(svc, run):
 
 def test_rank_killed_mid_upload_leaves_nothing_visible(make_service, run_name):
     svc = make_service()
-    res = torchrun(SCRIPT, [svc.url, run_name], env={"DIE_RANK": "1", "LASTGOOD_SPOOL": "0"})
+    res = torchrun(SCRIPT, [svc.url, run_name], env={"DIE_RANK": "1", "LASTGOOD_USE_SPOOL": "0"})
     assert res.returncode != 0
     assert "dying mid-upload" in res.stdout
 

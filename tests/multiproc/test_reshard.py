@@ -38,7 +38,7 @@ def save(svc, run: str, out: Path, nproc: int, env: dict | None = None) -> dict:
 
 
 def restore(svc, run: str, out: Path, nproc: int, step: int = 2, spool: str = "1"):
-    res = torchrun(SCRIPT, ["restore", svc.url, run, str(out), str(step)], nproc=nproc, env={"LASTGOOD_SPOOL": spool})
+    res = torchrun(SCRIPT, ["restore", svc.url, run, str(out), str(step)], nproc=nproc, env={"LASTGOOD_USE_SPOOL": spool})
     assert res.returncode == 0, why(res)
     return res
 

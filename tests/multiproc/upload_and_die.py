@@ -18,7 +18,7 @@ from lastgood.wire.v1 import lastgood_pb2 as pb
 
 
 def dying_put_shard(self, checkpoint_id, rank, file_name, data, xxh3, spooled=None):
-    assert spooled is None, "the test streams (LASTGOOD_SPOOL=0): the kill must land mid-stream"
+    assert spooled is None, "the test streams (LASTGOOD_USE_SPOOL=0): the kill must land mid-stream"
 
     def messages():
         yield pb.PutShardRequest(header=pb.ShardHeader(checkpoint_id=checkpoint_id, rank=rank,

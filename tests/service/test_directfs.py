@@ -81,7 +81,7 @@ def handed_over(svc, tmp_path, run: str, data: bytes, **kw):
 def test_a_direct_fs_save_restores_bitwise_and_its_blob_is_the_file_written(mode, peer_svc, hashing_svc, run_name,
                                                                             tmp_path, monkeypatch):
     svc = peer_svc if mode == "peer" else hashing_svc
-    monkeypatch.setenv("LASTGOOD_SPOOL", "0")  # not the same-host spool: direct-FS, as from another host
+    monkeypatch.setenv("LASTGOOD_USE_SPOOL", "0")  # not the same-host spool: direct-FS, as from another host
     monkeypatch.setenv("LASTGOOD_DIRECT_FS_MOUNT", str(mount_of(svc, tmp_path)))
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 8))

@@ -19,7 +19,7 @@ PACKAGE = Path(lastgood.__file__).resolve().parent
 
 def test_arguments_win_over_the_environment_and_the_environment_over_defaults():
     env = {"LASTGOOD_URL": "http://env:1", "LASTGOOD_TOKEN": "env-token", "LASTGOOD_RUN": "env-run",
-           "LASTGOOD_ATTEMPT": "env-attempt", "LASTGOOD_NEW_RUN": "1", "LASTGOOD_SPOOL": "0",
+           "LASTGOOD_ATTEMPT": "env-attempt", "LASTGOOD_NEW_RUN": "1", "LASTGOOD_USE_SPOOL": "0",
            "LASTGOOD_RETRY_DEADLINE": "7"}
     cfg = ClientConfig.resolve(env=env)
     assert (cfg.url, cfg.token, cfg.run, cfg.attempt, cfg.new_run, cfg.spool, cfg.retry.deadline) == \
@@ -40,9 +40,22 @@ def test_arguments_win_over_the_environment_and_the_environment_over_defaults():
 @pytest.mark.parametrize("raw,spool", [("0", False), ("false", False), ("no", False), ("off", False),
                                        ("1", True), ("true", True), ("", True), ("maybe", True)])
 def test_the_spool_switch_reads_the_same_words_as_the_service(raw, spool):
-    """LASTGOOD_SPOOL=false turns the service's spool off; it now turns the client's
-    hand-over off too (it used to take only "0")."""
-    assert ClientConfig.resolve(env={"LASTGOOD_SPOOL": raw}).spool is spool
+    """LASTGOOD_USE_SPOOL takes the words the service's own switches take."""
+    assert ClientConfig.resolve(env={"LASTGOOD_USE_SPOOL": raw}).spool is spool
+
+
+def test_the_old_spool_switch_still_works_with_a_warning():
+    """LASTGOOD_SPOOL is the service's switch (offer a spool); scripts set it on trainers
+    too, so it still turns the client's hand-over off there, with a FutureWarning; the new
+    name wins, and without either the spool is used (the control)."""
+    with pytest.warns(FutureWarning, match="LASTGOOD_USE_SPOOL"):
+        assert ClientConfig.resolve(env={"LASTGOOD_SPOOL": "0"}).spool is False
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ClientConfig.resolve(env={"LASTGOOD_SPOOL": "0", "LASTGOOD_USE_SPOOL": "1"}).spool is True
+        assert ClientConfig.resolve(env={}).spool is True
 
 
 def test_a_bad_retry_setting_names_its_variable():
@@ -70,7 +83,7 @@ def test_each_environment_variable_is_named_in_config_only():
                for line, value in _constants(p) if "LASTGOOD_" in value]
     assert spelled == []
     assert {getattr(config, n) for n in dir(config) if n.startswith("ENV_")} >= {
-        "LASTGOOD_URL", "LASTGOOD_TOKEN", "LASTGOOD_RUN", "LASTGOOD_ATTEMPT", "LASTGOOD_SPOOL", "LASTGOOD_NEW_RUN"}
+        "LASTGOOD_URL", "LASTGOOD_TOKEN", "LASTGOOD_RUN", "LASTGOOD_ATTEMPT", "LASTGOOD_USE_SPOOL", "LASTGOOD_NEW_RUN"}
 
 
 def test_each_error_code_is_named_in_the_wire_only():

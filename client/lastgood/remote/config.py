@@ -9,7 +9,8 @@ fields down (the transport, the retry policy, the run and attempt). torch-free.
     LASTGOOD_RUN              the run to save to and restore from
     LASTGOOD_ATTEMPT          this launch's attempt id, the same on every rank (else drawn)
     LASTGOOD_NEW_RUN          1: accept a run name torchrun --standalone drew at random
-    LASTGOOD_SPOOL            0: never hand shards over through the service's spool; stream
+    LASTGOOD_USE_SPOOL        0: never hand shards over through the service's spool; stream
+                              (LASTGOOD_SPOOL, the service's own switch, is read too, with a warning)
     LASTGOOD_DEDUP            0: every rank writes its replicated (DDP) state too (replicas.py)
     LASTGOOD_DIRECT_FS_MOUNT  where this host mounts the service's local store directory (direct-FS)
     LASTGOOD_RETRY_DEADLINE   seconds one call keeps retrying (default 120; 0 = no retries)
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -40,7 +42,8 @@ ENV_TOKEN = "LASTGOOD_TOKEN"
 ENV_RUN = "LASTGOOD_RUN"
 ENV_ATTEMPT = "LASTGOOD_ATTEMPT"
 ENV_NEW_RUN = "LASTGOOD_NEW_RUN"
-ENV_SPOOL = "LASTGOOD_SPOOL"
+ENV_SPOOL = "LASTGOOD_USE_SPOOL"
+ENV_SPOOL_DEPRECATED = "LASTGOOD_SPOOL"  # the service's switch (offer a spool), once read here too
 ENV_DEDUP = "LASTGOOD_DEDUP"
 ENV_DIRECT_FS_MOUNT = "LASTGOOD_DIRECT_FS_MOUNT"
 ENV_RETRY_DEADLINE = "LASTGOOD_RETRY_DEADLINE"
@@ -87,7 +90,7 @@ class ClientConfig:
         return cls(url=url or env.get(ENV_URL) or None, token=token or env.get(ENV_TOKEN) or None,
                    run=run or env.get(ENV_RUN) or None, attempt=attempt or env.get(ENV_ATTEMPT) or None,
                    new_run=_flag(env, ENV_NEW_RUN, False) if new_run is None else new_run,
-                   spool=_flag(env, ENV_SPOOL, True) if spool is None else spool,
+                   spool=_spool_flag(env) if spool is None else spool,
                    dedup=_flag(env, ENV_DEDUP, True) if dedup is None else dedup,
                    direct_fs_mount=direct_fs_mount or env.get(ENV_DIRECT_FS_MOUNT) or None,
                    retry=retry or retry_policy(env),
@@ -119,6 +122,16 @@ def debug(env: Mapping[str, str] | None = None) -> bool:
     """LASTGOOD_DEBUG set to anything but a false word (0, false, no, off)."""
     raw = (os.environ if env is None else env).get(ENV_DEBUG, "").strip().lower()
     return bool(raw) and raw not in _FALSE
+
+
+def _spool_flag(env: Mapping[str, str]) -> bool:
+    """LASTGOOD_USE_SPOOL; where only the old LASTGOOD_SPOOL is set (the service's switch,
+    which scripts set for trainers too), that one, with a warning to rename it."""
+    if env.get(ENV_SPOOL, "").strip() or not env.get(ENV_SPOOL_DEPRECATED, "").strip():
+        return _flag(env, ENV_SPOOL, True)
+    warnings.warn(f"{ENV_SPOOL_DEPRECATED} on a trainer is deprecated: it is the service's switch; set "
+                  f"{ENV_SPOOL} on the trainer instead", FutureWarning, stacklevel=4)
+    return _flag(env, ENV_SPOOL_DEPRECATED, True)
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
