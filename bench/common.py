@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from lastgood.common import durable
+from lastgood.common.sizes import parse_size  # noqa: F401 - the one size rule, bench API
 from lastgood_service.launcher import ServiceProcess, free_port  # noqa: F401 - free_port is bench API
 
 MiB = 1024 * 1024
@@ -86,14 +87,6 @@ def state_tensors(model, opt) -> list:
 
 def state_bytes(model, opt) -> int:
     return sum(t.nbytes for t in state_tensors(model, opt))
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper()
-    for suffix, mult in (("GIB", GiB), ("MIB", MiB), ("KIB", 1024), ("G", GiB), ("M", MiB), ("K", 1024)):
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * mult)
-    return int(text)
 
 
 def size_label(n: int) -> str:

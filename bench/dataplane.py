@@ -38,18 +38,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import GiB, MiB, ROOT, ServiceProcess, settle
+from bench.common import GiB, MiB, ROOT, ServiceProcess, parse_size, settle
 from bench.control_plane import cpu_seconds
 
 FILE = "shard.bin"  # not .safetensors: the service reads no header, the bytes are the whole cost
 IDLE_S = 3.0  # seconds the idle service's background CPU is measured over
 TINY = 4096  # bytes of the saves that measure what a save costs whatever its size
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1024, "M": MiB, "G": GiB}
-    t = text.strip().upper().rstrip("B").rstrip("I")
-    return int(float(t[:-1]) * units[t[-1]]) if t[-1] in units else int(t)
 
 
 # ---------------------------------------------------------------------------- one rank's save

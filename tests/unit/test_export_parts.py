@@ -12,7 +12,7 @@ import pytest
 
 from lastgood.errors import CorruptCheckpoint
 from lastgood.export.convert import convert
-from lastgood.export.hf import Item, blocks, check_coverage, parse_size, split
+from lastgood.export.hf import Item, blocks, check_coverage, shard_size, split
 from lastgood.export.source import Collector, Piece, Tensor
 
 torch = pytest.importorskip("torch")
@@ -45,11 +45,11 @@ def test_conversion_matches_torch_bit_for_bit(src, dst):
 
 
 def test_sizes():
-    assert parse_size("5GB") == 5 * 10**9 and parse_size("500MiB") == 500 * 2**20
-    assert parse_size("1000") == 1000 and parse_size(" 1.5 kb ") == 1500 and parse_size(7) == 7
+    assert shard_size("5GB") == 5 * 10**9 and shard_size("500MiB") == 500 * 2**20
+    assert shard_size("1000") == 1000 and shard_size(" 1.5 kb ") == 1500 and shard_size(7) == 7
     for bad in ("", "GB", "5 parsecs", "-1GB", "0", 0, "1e9"):
         with pytest.raises(ValueError):
-            parse_size(bad)
+            shard_size(bad)
 
 
 def _item(name: str, nbytes: int) -> Item:

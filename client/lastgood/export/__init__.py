@@ -43,7 +43,7 @@ from lastgood.remote.reading import CkptRef, ReadLease, parse_ckpt, read_manifes
 from lastgood.remote.rest import RestClient
 from lastgood.wire.format import is_further
 from lastgood.wire.manifest import IndexMismatch
-from lastgood.export.hf import CONFIG, INDEX, Item, check_coverage, file_names, parse_size, split, write_file, write_json
+from lastgood.export.hf import CONFIG, INDEX, Item, check_coverage, file_names, shard_size, split, write_file, write_json
 from lastgood.export.source import Collector
 from lastgood.common.durable import fsync_dir as _fsync_dir
 
@@ -95,7 +95,7 @@ class Options:
         if dtype is not None and dtype not in DTYPES:
             raise ExportError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
         try:
-            self.max_bytes = parse_size(max_shard_size)
+            self.max_bytes = shard_size(max_shard_size)
         except ValueError as e:
             raise ExportError(f"--max-shard-size: {e}") from None
         if not isinstance(prefix, str):

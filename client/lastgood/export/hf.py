@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import combinations
@@ -25,6 +24,7 @@ from itertools import combinations
 import numpy as np
 
 from lastgood.errors import CorruptCheckpoint
+from lastgood.common.sizes import parse_size
 from lastgood.wire.format import DTYPE_SIZES, TensorSpec, plan_layout
 from lastgood.export.convert import convert
 from lastgood.export.source import Collector, Tensor
@@ -33,21 +33,10 @@ SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
 BLOCK = 4 * 1024 * 1024
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(text: str | int) -> int:
-    """`5GB` (10^9, as Hugging Face counts), `500MiB` (2^20), `1000` (bytes) -> bytes > 0."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
-        unit = m.group(2).upper() if m else None
-        if m is None or unit not in _UNITS:
-            raise ValueError(f"{str(text)[:40]!r} is not a size: a number with an optional unit "
-                             f"(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 5GB")
-        value = int(float(m.group(1)) * _UNITS[unit])
+def shard_size(text: str | int) -> int:
+    """A shard size limit (common/sizes.py: `5GB` is 10^9 as Hugging Face counts, `500MiB`
+    2^20, `1000` bytes), at least 1 byte."""
+    value = parse_size(text)
     if value < 1:
         raise ValueError(f"the size must be at least 1 byte, got {text!r}")
     return value

@@ -28,11 +28,11 @@ fields down (the transport, the retry policy, the run and attempt). torch-free.
 from __future__ import annotations
 
 import os
-import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from lastgood.common.sizes import parse_size
 from lastgood.remote.retry import RetryPolicy
 
 # the service a client talks to when neither an argument nor LASTGOOD_URL names one
@@ -156,15 +156,12 @@ def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
 def byte_count(env: Mapping[str, str], name: str, default: int) -> int:
-    """A byte count: digits with an optional K, M or G (binary units, "MiB" too); 0 allowed."""
-    raw = env.get(name, "").strip().upper().removesuffix("IB").removesuffix("B")
+    """A byte count (common/sizes.py: 268435456, 256M, 1G); 0 allowed."""
+    raw = env.get(name, "").strip()
     if not raw:
         return default
-    m = re.fullmatch(r"(\d{1,15})([KMG]?)", raw)
-    if not m:
-        raise ValueError(f"{name} must be a byte count such as 268435456, 256M or 1G, got {env.get(name)!r}")
-    return int(m.group(1)) * _UNITS[m.group(2)]
+    try:
+        return parse_size(raw)
+    except ValueError as e:
+        raise ValueError(f"{name} must be a byte count such as 268435456, 256M or 1G: {e}") from None
