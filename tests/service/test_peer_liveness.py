@@ -79,11 +79,11 @@ def test_the_retried_commit_does_not_commit_a_file_lost_since_it_was_verified(ma
     try:
         direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
         assert t.commit_rank(cid, 0, [shard_name(0)], wait=0).status == "PENDING"  # voted
-        a = t.get_json(peer._path(cid, 0))
+        a = t.peer_assignment(cid, 0)
         assert [f["name"] for f in a["files"]] == [shard_name(0)]
         # the report verifies the file; its commit attempt fails (the failpoint). Sent once,
         # not through the transport, whose retry would commit at once
-        svc.post(peer._path(cid, 0), json={"peer_rank": a["peer_rank"],
+        svc.post(f"/api/v1/checkpoints/{cid}/ranks/0/peer-check", json={"peer_rank": a["peer_rank"],
                                            "files": [peer.report_entry(shard_name(0), digest)]})
     finally:
         t.close()

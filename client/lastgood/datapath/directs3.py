@@ -164,9 +164,9 @@ def upload(transport, checkpoint_id: int, rank: int, file_name: str, data, prepa
     """Ask for a grant, then upload the parts in parallel to its presigned URLs. `renew` is
     called every `renew_every` seconds while parts are in flight: the service sees no byte
     of a direct upload, so the checkpoint's lease is kept alive by the uploader."""
-    g = transport.post_json(f"/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/grants",
-                            {"file_name": file_name, "size": prepared.size, "xxh3_128": prepared.xxh3_128,
-                             "crc32": prepared.crc32, "part_size": prepared.part_size})
+    g = transport.upload_grant(checkpoint_id, rank, {"file_name": file_name, "size": prepared.size,
+                                                     "xxh3_128": prepared.xxh3_128, "crc32": prepared.crc32,
+                                                     "part_size": prepared.part_size})
     handle = Handle(prepared, g.get("upload_id"), already_present=bool(g["already_present"]))
     if handle.already_present:
         return handle
@@ -208,7 +208,6 @@ def hand_over(transport, checkpoint_id: int, rank: int, file_name: str, handle: 
     p = handle.prepared
     if handle.already_present:
         return {"already_present": True, "size": p.size, "xxh3_128": p.xxh3_128}
-    path = f"/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/direct-files"
     body = {"file_name": file_name, "size": p.size, "xxh3_128": p.xxh3_128, "part_size": p.part_size,
             "upload_id": handle.upload_id, "parts": handle.parts}
     declared = {**body, "digests": p.digests} if ranges.declarable(p.digests) else None
@@ -219,11 +218,11 @@ def hand_over(transport, checkpoint_id: int, rank: int, file_name: str, handle: 
     limit = info.max_request_bytes if info is not None else None
     if declared is not None and (limit is None or len(json.dumps(declared).encode()) <= limit):
         try:
-            return transport.post_json(path, declared)
+            return transport.direct_file(checkpoint_id, rank, declared)
         except TooLarge:
             log.warning("lastgood: the hand-over of %s is over the service's body limit with its range digests: "
                         "sent without them", file_name)
-    return transport.post_json(path, body)
+    return transport.direct_file(checkpoint_id, rank, body)
 
 
 def turned_off(transport, e: DirectOff) -> None:
@@ -247,7 +246,7 @@ def read_file(transport, checkpoint_id: int, rank: int, file_name: str, size: in
     what = f"direct read of checkpoint {checkpoint_id} rank {rank} {file_name}"
 
     def once() -> str:  # a retry asks for a fresh URL and starts over
-        g = transport.get_json(f"/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/read-grants/{file_name}")
+        g = transport.read_grant(checkpoint_id, rank, file_name)
         try:
             resp, conn = _request("GET", g["url"], what=what)
         except StoreRefused as e:
@@ -317,7 +316,7 @@ def read_range(transport, checkpoint_id: int, rank: int, file_name: str, offset:
     what = f"direct ranged read of checkpoint {checkpoint_id} rank {rank} {file_name} [{offset}, +{length})"
 
     def once() -> None:
-        g = transport.get_json(f"/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/read-grants/{file_name}")
+        g = transport.read_grant(checkpoint_id, rank, file_name)
         try:
             resp, conn = _request("GET", g["url"], headers={"Range": f"bytes={offset}-{offset + length - 1}"},
                                   what=what)

@@ -37,10 +37,6 @@ _PIECE = 8 * 1024 * 1024
 _POLL = 0.2  # seconds between asks while the peer has not voted yet
 
 
-def _path(checkpoint_id: int, rank: int) -> str:
-    return f"/api/v1/checkpoints/{int(checkpoint_id)}/ranks/{int(rank)}/peer-check"
-
-
 def wanted(transport) -> bool:
     """Does this service want its ranks to check each other's files (LASTGOOD_VERIFICATION=peer)?"""
     info = getattr(transport, "info", None)
@@ -93,14 +89,13 @@ def check(transport, direct, checkpoint_id: int, rank: int, deadline: float,
     checks what its peer has handed over so far and returns: its peer may vote only after
     this rank returns (DCP's coordinator votes last), so waiting for it could deadlock; the
     files it leaves are hashed by the service once the grace is over (domain/peer_fallback.py)."""
-    path = _path(checkpoint_id, rank)
     while True:
-        a = transport.get_json(path)
+        a = transport.peer_assignment(checkpoint_id, rank)
         if a["status"] != Status.PENDING:
             return a["status"]
         if a["files"]:
             got = [report_entry(f["name"], read(direct, f)) for f in a["files"]]
-            r = transport.post_json(path, {"peer_rank": a["peer_rank"], "files": got})
+            r = transport.peer_report(checkpoint_id, rank, {"peer_rank": a["peer_rank"], "files": got})
             if r.get("mismatched"):
                 raise SaveFailed(f"checkpoint {checkpoint_id}: {r.get('reason', 'peer check failed')}")
             if r.get("status", Status.PENDING) != Status.PENDING:

@@ -231,6 +231,30 @@ class RestClient:
     def release_lease(self, lease_id: int) -> None:
         self.call("DELETE", f"/api/v1/leases/{int(lease_id)}")
 
+    # ---- data paths: direct uploads and reads (datapath/directs3.py), peer checks (datapath/peer.py)
+    def _rank_path(self, checkpoint_id: int, rank: int, what: str) -> str:
+        return f"/api/v1/checkpoints/{int(checkpoint_id)}/ranks/{int(rank)}/{what}"
+
+    def upload_grant(self, checkpoint_id: int, rank: int, body: dict) -> dict:
+        """Presigned part URLs for one file of a direct upload."""
+        return self.post_json(self._rank_path(checkpoint_id, rank, "grants"), body)
+
+    def direct_file(self, checkpoint_id: int, rank: int, body: dict) -> dict:
+        """Hand over a file uploaded straight to the store: the service checks it there."""
+        return self.post_json(self._rank_path(checkpoint_id, rank, "direct-files"), body)
+
+    def read_grant(self, checkpoint_id: int, rank: int, file_name: str) -> dict:
+        """A presigned GET of one committed file."""
+        return self.get_json(self._rank_path(checkpoint_id, rank, f"read-grants/{q(file_name)}"))
+
+    def peer_assignment(self, checkpoint_id: int, rank: int) -> dict:
+        """What this rank is to check of its peer's files (LASTGOOD_VERIFICATION=peer)."""
+        return self.get_json(self._rank_path(checkpoint_id, rank, "peer-check"))
+
+    def peer_report(self, checkpoint_id: int, rank: int, body: dict) -> dict:
+        """The digests this rank read back from its peer's files."""
+        return self.post_json(self._rank_path(checkpoint_id, rank, "peer-check"), body)
+
     def manifest_bytes(self, checkpoint_id: int) -> bytes:
         """The exact manifest bytes the service committed (canonical JSON): a root of
         format 2 (no tensors: see index_bytes), or an old checkpoint's whole manifest."""
