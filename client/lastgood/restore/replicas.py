@@ -42,6 +42,7 @@ from torch import nn
 from lastgood.state import distributed
 from lastgood.errors import CorruptCheckpoint, Fenced
 from lastgood.wire.format import REPLICA_REF as REF
+from lastgood.wire.format import replica_refs
 from lastgood.state.split import balance
 from lastgood.state.buffers import array_from_buffer, tensor_from_buffer
 from lastgood.state.trainstate import STATE_VERSION_REPLICAS, Captured
@@ -164,19 +165,11 @@ def _refer(node, others: dict[str, int]):
 def needed(state: dict) -> dict[int, list[str]]:
     """owner rank -> the names a stored state document refers to in other ranks' files."""
     out: dict[int, list[str]] = {}
-    todo = [state]
-    while todo:
-        node = todo.pop()
-        if isinstance(node, dict):
-            if REF in node:
-                owner, name = node.get("rank"), node[REF]
-                if type(owner) is not int or not isinstance(name, str):  # checked before use as a key
-                    raise CorruptCheckpoint(f"a replicated tensor reference is malformed: {str(node)[:200]}")
-                out.setdefault(owner, []).append(name)
-                continue
-            todo.extend(node.values())
-        elif isinstance(node, list):
-            todo.extend(node)
+    for owner, name in replica_refs(state):
+        if type(owner) is not int or not isinstance(name, str):  # checked before use as a key
+            raise CorruptCheckpoint(f"a replicated tensor reference is malformed: "
+                                    f"{str({REF: name, 'rank': owner})[:200]}")
+        out.setdefault(owner, []).append(name)
     return out
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from lastgood.wire.errors import FormatError
@@ -238,6 +239,21 @@ def parse_state(meta: dict[str, str], tensors: dict) -> dict:
     return state
 
 
+def replica_refs(state) -> Iterator[tuple[object, object]]:
+    """(rank, name) of every replicated-tensor reference (REPLICA_REF) in a state document,
+    as written: the caller checks that the rank is an int and the name a string."""
+    todo: list[object] = [state]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if REPLICA_REF in node:
+                yield node.get("rank"), node[REPLICA_REF]
+                continue
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+
+
 def dangling_replicas(states: dict[int, dict], held: dict[int, set[str]], world_size: int,
                       limit: int = 10) -> list[tuple[int, str]]:
     """(rank, what) for each replicated-tensor reference (REPLICA_REF, client replicas.py) in
@@ -247,21 +263,13 @@ def dangling_replicas(states: dict[int, dict], held: dict[int, set[str]], world_
     `limit` are listed."""
     out: list[tuple[int, str]] = []
     for rank, state in sorted(states.items()):
-        todo: list[object] = [state]
-        while todo and len(out) < limit:
-            node = todo.pop()
-            if isinstance(node, dict):
-                if REPLICA_REF in node:
-                    owner, name = node.get("rank"), node[REPLICA_REF]
-                    if type(owner) is not int or not 0 <= owner < world_size:
-                        out.append((rank, f"a replicated tensor reference names rank {str(owner)[:50]} "
-                                          f"of {world_size}"))
-                    elif not isinstance(name, str) or name not in held.get(owner, ()):
-                        out.append((rank, f"replicated tensor {str(name)[:200]!r} is not in rank {owner}'s files"))
-                    continue
-                todo.extend(node.values())
-            elif isinstance(node, list):
-                todo.extend(node)
+        for owner, name in replica_refs(state):
+            if len(out) >= limit:
+                break
+            if type(owner) is not int or not 0 <= owner < world_size:
+                out.append((rank, f"a replicated tensor reference names rank {str(owner)[:50]} of {world_size}"))
+            elif not isinstance(name, str) or name not in held.get(owner, ()):
+                out.append((rank, f"replicated tensor {str(name)[:200]!r} is not in rank {owner}'s files"))
     return out
 
 
