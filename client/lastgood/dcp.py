@@ -176,7 +176,7 @@ class _Connected:
             from lastgood.datapath.transport import Transport
 
             cfg = self.config
-            self._transport = Transport(cfg.url, token=cfg.token, retry=cfg.retry, spool=cfg.spool)
+            self._transport = Transport(cfg.url, token=cfg.token, config=cfg)
         return self._transport
 
     def __getstate__(self):

@@ -33,6 +33,7 @@ from lastgood.errors import (CorruptCheckpoint, FollowRefused, GaveUp, ServiceEr
                      SpoolRefused)
 from lastgood.wire.info import DEFAULT_CHUNK_BYTES
 from lastgood.wire.hashing import StreamHasher, hash_bytes
+from lastgood.remote.config import ClientConfig
 from lastgood.remote.rest import RestClient
 from lastgood.remote.retry import RetryPolicy
 from lastgood.wire.v1 import lastgood_pb2 as pb
@@ -70,16 +71,16 @@ def _service_error(e: grpc.RpcError, what: str) -> ServiceError:
 class Transport(RestClient):
     def __init__(self, base_url: str, timeout: float = 30.0, token: str | None = None,
                  retry: RetryPolicy | None = None, *, spool: bool | None = None,
-                 direct_fs_mount: str | None = None) -> None:
-        """`retry`, `spool` (hand shards over through the service's spool when this host
-        sees it) and `direct_fs_mount` (where this host mounts the service's local store:
-        directfs.py) default to the environment's (config.ClientConfig)."""
-        if retry is None or spool is None or direct_fs_mount is None:
-            from lastgood.remote.config import ClientConfig
-
-            cfg = ClientConfig.resolve(retry=retry, spool=spool, direct_fs_mount=direct_fs_mount)
-            retry, spool, direct_fs_mount = cfg.retry, cfg.spool, cfg.direct_fs_mount
-        self.direct_fs_mount = direct_fs_mount  # directfs.of() looks there, once
+                 config: ClientConfig | None = None) -> None:
+        """`config`: the caller's settings, resolved once (the Checkpointer's, DCP's); without
+        one they are resolved here from the environment. `retry` and `spool` (hand shards
+        over through the service's spool when this host sees it), where given, win over it;
+        `config.direct_fs_mount` is where this host mounts the service's local store
+        (directfs.py)."""
+        cfg = config or ClientConfig.resolve(retry=retry, spool=spool)
+        retry = retry or cfg.retry
+        spool = cfg.spool if spool is None else spool
+        self.direct_fs_mount = cfg.direct_fs_mount  # directfs.of() looks there, once
         # a service that is starting (or restarting) is waited for, up to the policy's deadline
         super().__init__(base_url, timeout, token, retry)
         # the same bearer token on every gRPC call, as call metadata

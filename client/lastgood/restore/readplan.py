@@ -1,8 +1,8 @@
 """The read plan of a restore at another world size: each rank reads only what it needs.
 
-Before, every rank read every old rank's whole file (the whole-file hash was the only
-check), so at 1,024 -> 1,000 ranks each rank would read ~1,000 times what it restores.
-Now, when every file's index object carries range digests (ranges.py), a rank reads:
+Read by whole files (the whole-file hash the only check), each rank at 1,024 -> 1,000 ranks
+would read ~1,000 times what it restores. So, when every file's index object carries range
+digests (ranges.py), a rank reads:
 
   1. the header (its segment, verified) of its source file and of each old file that may
      hold part of its new shards, as the root says (layout.py; every old file when the

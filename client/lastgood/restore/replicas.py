@@ -2,8 +2,8 @@
 restore finds a tensor another rank wrote (docs/replicated.md).
 
 Under DDP every rank holds the same weights and, since the gradients are all-reduced, the
-same optimizer moments; written by every rank, a checkpoint of N ranks stored the state N
-times and every rank uploaded all of it. Now each such tensor is written by one rank, its
+same optimizer moments; written by every rank, a checkpoint of N ranks would store the
+state N times and every rank upload all of it. So each such tensor is written by one rank, its
 *owner*, and the other ranks' state documents name it instead of holding it:
 
     {"__replica__": "optimizer.state.model.0.weight.exp_avg", "rank": 2}

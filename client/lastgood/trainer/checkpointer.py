@@ -79,7 +79,7 @@ class Checkpointer:
         self.rank, self.world_size = distributed.rank_world()
         self.retry = cfg.retry
         self.require_final = require_final
-        self.transport = Transport(cfg.url, token=cfg.token, retry=cfg.retry, spool=cfg.spool)
+        self.transport = Transport(cfg.url, token=cfg.token, config=cfg)
         self._record_restart()
         commit_timeout = commit_timeout or self.transport.info.commit_timeout
         self.launch = names.check_attempt(distributed.launch_attempt(self.world_size, cfg.attempt))[:56]

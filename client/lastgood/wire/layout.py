@@ -1,9 +1,9 @@
 """Where one file's DTensor shards lie, in a few bytes: what the root says of each file so
 that a rank restoring at another world size fetches only the files it overlaps.
 
-Before, every rank fetched every old file's index object and header (only the header says
-where each stored shard lies): at 1,024 -> 1,000 ranks, ~270 MB of metadata per rank to
-read ~1 GiB. Now the service, when a file is uploaded, summarises its header's DTensor
+Why: only a file's header says where each stored shard lies, and fetching every old file's
+index object and header is ~270 MB of metadata per rank at 1,024 -> 1,000 ranks, to read
+~1 GiB. So the service, when a file is uploaded, summarises its header's DTensor
 shards as `chunks` in the file's index reference (manifest.index_ref), which the commit
 copies into the root: per global shape, the (offset, local shape) of each shard the file
 holds of a tensor of that shape. Tensors of one global shape sharded alike (a weight and

@@ -27,13 +27,12 @@ from lastgood.wire.hashing import hash_bytes
 FORMAT = "lastgood.manifest/1"       # monolithic
 FORMAT_ROOT = "lastgood.manifest/2"  # root + per-file index objects
 INDEX_FORMAT = "lastgood.index/1"
-# Where an index object keeps its range digests (ranges.py). Digests by the per-tensor block
-# rule (they name a "split") go under RANGE_DIGESTS, a key clients from before the rule do
-# not know, so they read such files whole; under FIXED_DIGESTS (one block for every tensor,
-# all those clients understand) they would find a segment-count mismatch, take every new
-# checkpoint for damaged and fall back. Readers take RANGE_DIGESTS, else FIXED_DIGESTS
-# (objects written before the rule, and the few written with the rule under it before this
-# key: ranges.Blocks.read tells the two forms apart by "split"). The one place of this rule.
+# Where an index object keeps its range digests (ranges.py): digests by the per-tensor block
+# rule (they name a "split") under RANGE_DIGESTS; digests by one block for every tensor under
+# FIXED_DIGESTS, which stores also hold. A reader that knows only FIXED_DIGESTS reads a file
+# with RANGE_DIGESTS whole instead of finding a segment-count mismatch and taking the
+# checkpoint for damaged. Readers take RANGE_DIGESTS, else FIXED_DIGESTS (ranges.Blocks.read
+# tells the two forms apart by "split"). The one place of this rule (docs/format.md).
 RANGE_DIGESTS = "range_digests"
 FIXED_DIGESTS = "digests"
 _VERSIONS = {FORMAT: 1, FORMAT_ROOT: 2}
