@@ -82,3 +82,34 @@ def test_the_service_entry_point_loads_no_torch_and_no_client_module_outside_the
     outside = [m for m in client.split() if m != "lastgood" and not m.startswith(("lastgood.wire", "lastgood.common"))]
     assert client and outside == [], outside
     assert heavy == "", f"the service's entry point imports {heavy}"
+
+
+def _map(title: str, next_title: str) -> set[str]:
+    text = (ROOT / "docs/architecture.md").read_text()
+    part = text[text.index(title):text.index(next_title, text.index(title) + len(title))]
+    return {tok for cell in re.findall(r"^\| (.+?) \|", part, re.M) for tok in re.findall(r"`([^`]+)`", cell)
+            if tok.endswith((".py", "/"))}
+
+
+def _modules(package: Path, skip=("__init__.py", "__main__.py")) -> set[str]:
+    return {str(p.relative_to(package)) for p in package.rglob("*.py")
+            if p.name not in skip and "v1" not in p.relative_to(package).parts}
+
+
+def test_the_client_module_map_matches_the_tree():
+    """docs/architecture.md names every client module (or its whole package) and nothing
+    that is not there."""
+    package = ROOT / "client/lastgood"
+    named = _map("### The client's modules", "### The service's modules") - {"client/lastgood/"}
+    assert [n for n in named if not (package / n).exists()] == [], "the map names modules that are gone"
+    unnamed = [m for m in _modules(package) if m not in named and m.split("/")[0] + "/" not in named]
+    assert unnamed == [], f"add these to docs/architecture.md's client map: {unnamed}"
+
+
+def test_the_service_module_map_names_only_what_is_there():
+    package = ROOT / "service/lastgood_service"
+    named = _map("### The service's modules", "## How a save commits") - {"service/lastgood_service/"}
+    assert [n for n in named if not (package / n).exists()] == [], "the map names modules that are gone"
+    packages = {str(p.parent.relative_to(package)) + "/" for p in package.rglob("__init__.py") if p.parent != package}
+    unnamed = [d for d in packages if not any(n.startswith(d) for n in named)]
+    assert unnamed == [], f"add these packages to docs/architecture.md's service map: {unnamed}"
