@@ -7,7 +7,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 LOCALSTACK_VENV := .venv-localstack
 LOCALSTACK_STAMP := $(LOCALSTACK_VENV)/.installed
 
-.PHONY: run test test-fast demo bench bench-save chaos screenshot proto clean fuzz soak
+.PHONY: run test test-fast lint demo bench bench-save chaos screenshot proto clean fuzz soak
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,13 +34,18 @@ $(LOCALSTACK_STAMP): requirements-localstack.txt
 run: $(SERVICE_STAMP)
 	$(BIN)/lastgood-service
 
+# the slowest 30 tests close the output: where the suite's time goes (it must stay under 25 min on 2 cores)
 test: $(DEV_STAMP) $(LOCALSTACK_STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=30
 
 # the inner loop: everything but torchrun, the browser, the bench smoke and single slow tests
-# (markers in pytest.ini): 781 of 1,084 tests, 109 s on two cores with a CI install beside it
+# (markers in pytest.ini); the import contracts are among them (tests/unit/test_architecture.py)
 test-fast: $(DEV_STAMP)
 	$(BIN)/python -m pytest -m "not multiproc and not ui and not slow and not bench"
+
+# the architecture's import contracts alone (.importlinter), in a second
+lint: $(DEV_STAMP)
+	$(BIN)/lint-imports
 
 demo: $(DEV_STAMP)
 	$(BIN)/python examples/gpt/demo.py
