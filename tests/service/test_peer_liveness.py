@@ -103,6 +103,7 @@ def _reaper_transactions(svc) -> tuple[int, int]:
     return counts.get("expire", 0), counts.get("peer_sweep", 0)
 
 
+@pytest.mark.slow  # watches the reaper through several idle periods
 def test_the_reaper_reads_the_catalog_only_when_something_can_be_due(make_service, run_name):
     """Expiry and the peer-check pass ran on every reaper pass (0.2 s here), two catalog
     transactions each time, pending checkpoint or not: most of an idle service's CPU, and a

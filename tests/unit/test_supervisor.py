@@ -181,6 +181,7 @@ print(json.dumps({"ranks_left": ranks, "deaths": [[r, s] for _, r, s in watch.de
 """
 
 
+@pytest.mark.slow  # waits for a real process tree to settle
 def test_a_dead_ranks_data_loader_worker_is_not_taken_for_a_rank():
     """When a rank dies its forked workers are re-parented to the supervisor (a subreaper),
     which has no LOCAL_RANK: a worker of the rank's session must not then count as a rank
