@@ -47,7 +47,7 @@ from lastgood_service.blobstore import MemoryBlobStore
 from lastgood_service.catalog import txtimer
 from lastgood_service.catalog.db import alembic_config, make_engine, make_sessionmaker, read_sessionmaker
 from lastgood_service.domain.commit import CommitService
-from lastgood_service.domain.commit.protocol import ShardHeader
+from lastgood_service.domain.commit.types import ShardHeader
 from lastgood_service.domain.gc import GarbageCollector
 from lastgood_service.domain.queries import MAX_LINEAGE, Queries
 from lastgood_service.domain.retention import Retention

@@ -16,7 +16,7 @@ from lastgood.wire.hashing import hash_bytes
 from lastgood_service.catalog.models import Checkpoint, Event, Run, Shard, Vote
 from lastgood_service.domain import keys
 from lastgood_service.domain.commit.core import key_prefix
-from lastgood_service.domain.commit.protocol import ShardHeader
+from lastgood_service.domain.commit.types import ShardHeader
 from lastgood_service.domain.errors import Conflict, FailedPrecondition, HashMismatch, InvalidArgument, NotFound
 from tests.service.helpers import make_shard, shard_name
 

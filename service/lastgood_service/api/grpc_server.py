@@ -18,7 +18,7 @@ from lastgood.wire.v1 import lastgood_pb2 as pb
 from lastgood.wire.v1 import lastgood_pb2_grpc as pb_grpc
 
 from ..domain.commit import CommitService
-from ..domain.commit.protocol import ShardHeader
+from ..domain.commit.types import ShardHeader
 from ..domain.errors import DomainError, FollowRefused, InvalidArgument, SpoolNotShared
 from ..domain.faults import as_domain_error
 from ..domain import verification_modes

@@ -232,7 +232,7 @@ def refuse(commits, checkpoint_id: int, bad: list, rank: int | None = None) -> t
     """Files whose stored bytes are not what their writer declared - (rank, file, declared,
     read or None, how it was read) each: a hash_mismatch event each, and the checkpoint is
     aborted. Returns its status then and the reason."""
-    from .commit.protocol import ShardHeader
+    from .commit.types import ShardHeader
 
     c = commits
     for r, name, want, got, _how in bad:

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from lastgood.wire import names
 from lastgood.wire.s3parts import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE
 
-from ...domain.commit.protocol import ShardHeader
+from ...domain.commit.types import ShardHeader
 from ...domain.errors import InvalidArgument
 from ...domain.grants import DirectUploads, UploadedPart
 from ..contract import StrictJSONRoute, answers

@@ -23,7 +23,7 @@ import math
 import os
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from sqlalchemy import or_, select, update
 from sqlalchemy.exc import IntegrityError
@@ -48,17 +48,9 @@ from ..errors import (Conflict, FailedPrecondition, Fenced, FollowRefused, HashM
 from ..events import add_event
 from . import indexes
 from .core import CommitCore, key_prefix
+from .types import CommitPlan, PutResult, ShardHeader, VoteResult
 
 log = logging.getLogger("lastgood.commit")
-
-
-@dataclass(frozen=True)
-class ShardHeader:
-    checkpoint_id: int
-    rank: int
-    file_name: str
-    size: int
-    xxh3_128: str
 
 
 class _HashOnly(BlobWriter):
@@ -73,29 +65,6 @@ class _HashOnly(BlobWriter):
 
     def abort(self) -> None:
         pass
-
-
-@dataclass(frozen=True)
-class PutResult:
-    already_present: bool
-    size: int
-    xxh3_128: str
-
-
-@dataclass(frozen=True)
-class CommitPlan:
-    """What a commit writes, read while the checkpoint was PENDING with every file verified."""
-    manifest: Manifest
-    key: str       # the manifest's blob key
-    run_id: int
-    last_vote: object  # datetime of the last vote (the commit_seconds metric)
-
-
-@dataclass(frozen=True)
-class VoteResult:
-    checkpoint_id: int
-    status: str
-    missing_ranks: list[int]
 
 
 class CommitProtocol(CommitCore):
@@ -473,7 +442,7 @@ class CommitProtocol(CommitCore):
             voted = set(s.scalars(select(Vote.rank).where(Vote.checkpoint_id == checkpoint_id)))
             return VoteResult(ck.id, ck.status, sorted(set(range(ck.world_size)) - voted))
 
-    def commit_plan(self, s: Session, ck: Checkpoint) -> "CommitPlan | None":
+    def commit_plan(self, s: Session, ck: Checkpoint) -> CommitPlan | None:
         """The manifest a PENDING checkpoint commits with, read in the caller's transaction;
         None while it cannot commit (not PENDING, a rank has not voted, a file is DECLARED)."""
         if ck.status != PENDING:
@@ -505,7 +474,7 @@ class CommitProtocol(CommitCore):
         # has voted, so no vote can come after it
         return CommitPlan(manifest, keys.manifest_key(pfx), run.id, max(at for _r, _f, at in rows))
 
-    def try_commit(self, checkpoint_id: int, *, recovering: bool = False, plan: "CommitPlan | None" = None) -> bool:
+    def try_commit(self, checkpoint_id: int, *, recovering: bool = False, plan: CommitPlan | None = None) -> bool:
         """Write the manifest, then commit in one transaction. True if this call committed.
         `plan`: what `commit_plan` found in the caller's own transaction, still holding the
         checkpoint's row lock (the peer report that verified the last file): not read again."""

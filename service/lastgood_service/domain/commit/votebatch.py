@@ -51,6 +51,7 @@ from ...catalog.models import ABANDONED, COMMITTED, CORRUPT, DECLARED, PENDING, 
 from .. import fencing
 from ..errors import Conflict, DomainError, FailedPrecondition, Unavailable
 from ..faults import as_domain_error
+from .types import VoteResult
 
 log = logging.getLogger("lastgood.commit")
 
@@ -93,8 +94,6 @@ class VoteBatcher:
     def vote(self, checkpoint_id: int, rank: int, files: list[str]):
         """Record the vote (durably, in some batch's transaction), commit if its batch
         completed the checkpoint; the VoteResult as of then. Raises the vote's own refusal."""
-        from .protocol import VoteResult
-
         ask = _Ask(checkpoint_id, rank, list(files))
         self._submit(ask)
         if ask.error is not None:
