@@ -56,6 +56,7 @@ from ..catalog.models import DECLARED, PENDING, VERIFIED, Checkpoint, Run, Shard
 from . import declared_ranges, keys, verification_modes
 from .commit import indexes
 from .commit.core import key_prefix
+from .commit.protocol import read_header
 from .commit.types import PutResult, ShardHeader
 from .errors import Conflict, DirectOff, FailedPrecondition, HashMismatch, InvalidArgument
 from .events import add_event
@@ -132,7 +133,7 @@ class DirectUploads:
             ck, present = c.admit_file(s, h, for_what)
             if present is not None:
                 return None, present, None
-            ck.lease_expires_at = c._lease()
+            ck.lease_expires_at = c.lease_from_now()
             pfx = key_prefix(s, ck)
             return keys.shard_key(pfx, h.rank, h.xxh3_128), None, pfx
 
@@ -323,7 +324,7 @@ class DirectUploads:
             raise InvalidArgument(f"not a valid safetensors file: {e}") from None
         if n > 8:
             head += b"".join(store.get(key, 8, min(n, h.size) - 8))
-        data_start, tensors, chunks = self.commits._try_header(bytearray(head), h.size, final=True)
+        data_start, tensors, chunks = read_header(bytearray(head), h.size, final=True)
         digests = declared_ranges.validate(self.settings.range_block_bytes, data_start, tensors, head, digests)
         return indexes.store(self.commits.blobs, pfx, h.rank, h.file_name, data_start, tensors, digests,
                              chunks=chunks if digests is not None else None,  # as put_shard: only with digests
@@ -340,11 +341,11 @@ class DirectUploads:
                     s.add(Shard(checkpoint_id=ck.id, rank=h.rank, file_name=h.file_name, size=h.size,
                                 xxh3_128=h.xxh3_128, blob_key=key, index_json=index_json, created_at=c.clock(),
                                 status=VERIFIED if self.store_verifies else DECLARED))  # DECLARED: a peer reads it
-                    ck.lease_expires_at = c._lease()
+                    ck.lease_expires_at = c.lease_from_now()
                     add_event(s, "direct_upload", ck.run_id, ck.id, rank=h.rank, file=h.file_name, bytes=h.size)
             except IntegrityError:  # two hand-overs of the same file at once, as put_shard
                 with s.begin():
-                    return c._same_or_conflict(c._find_shard(s, h), h)
+                    return c.answer_recorded(s, h)
         return PutResult(False, h.size, h.xxh3_128)
 
     # ------------------------------------------------------------ reads

@@ -128,7 +128,7 @@ class PeerFallback:
         a voter committing it; a try of this one). try_commit is safe beside any other
         committer, here or on another replica: the manifest it writes is the same bytes,
         and only one conditional update from PENDING wins."""
-        if self.commits.vote_batches.committing(checkpoint_id):
+        if self.commits.committing(checkpoint_id):
             return False
         with self._lock:
             if checkpoint_id in self._committing or any(k[0] == checkpoint_id for k in self._hashing):
@@ -206,7 +206,7 @@ class PeerFallback:
             for chunk in c.blobs.get(key):
                 hasher.update(chunk)
                 if time.monotonic() - renewed > c.settings.lease_seconds / 4:
-                    c._renew(checkpoint_id)
+                    c.renew(checkpoint_id)
                     renewed = time.monotonic()
         except OSError as e:  # missing, or EIO: the stored file is not what was declared
             log.warning("checkpoint %s: cannot read %s: %s", checkpoint_id, key, e)
@@ -221,7 +221,7 @@ class PeerFallback:
         no DECLARED file left and tries the commit (tests/catalog/test_peer_check_race.py)."""
         c = self.commits
         with c.sessions() as s, s.begin():
-            c._get_checkpoint(s, checkpoint_id, lock=True)
+            c.get_checkpoint(s, checkpoint_id, lock=True)
             sh = s.scalar(select(Shard).where(Shard.checkpoint_id == checkpoint_id, Shard.rank == rank,
                                               Shard.file_name == name, Shard.status == DECLARED))
             if sh is not None:
@@ -236,7 +236,7 @@ def refuse(commits, checkpoint_id: int, bad: list, rank: int | None = None) -> t
 
     c = commits
     for r, name, want, got, _how in bad:
-        c._record_mismatch(ShardHeader(checkpoint_id, r, name, 0, want), got or "unreadable")
+        c.record_mismatch(ShardHeader(checkpoint_id, r, name, 0, want), got or "unreadable")
     r, name, want, got, how = bad[0]
     reason = (f"peer check: rank {r}'s {name} in the store has xxh3-128 {got or '(unreadable)'}, its writer "
               f"declared {want} ({how}); the checkpoint is not committed")
@@ -244,7 +244,7 @@ def refuse(commits, checkpoint_id: int, bad: list, rank: int | None = None) -> t
         status = c.abort(checkpoint_id, reason, r if rank is None else rank)
     except Exception:  # noqa: BLE001 - committed or expired meanwhile: say what it is
         with c.sessions() as s, s.begin():
-            status = c._get_checkpoint(s, checkpoint_id).status
+            status = c.get_checkpoint(s, checkpoint_id).status
     log.warning("checkpoint %s: %s", checkpoint_id, reason)
     return status, reason
 

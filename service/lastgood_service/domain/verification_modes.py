@@ -170,8 +170,8 @@ class PeerChecks:
         """What `rank` checks now: its peer's DECLARED files, with size and where to read each (`_where`: a path under the store's root, or a presigned GET)."""
         c = self.commits
         with c.sessions() as s, s.begin():
-            ck = c._get_checkpoint(s, checkpoint_id)
-            c._check_rank(ck, rank)
+            ck = c.get_checkpoint(s, checkpoint_id)
+            c.check_rank(ck, rank)
             # a zombie of a fenced launch gets no presigned GET of the store's objects
             fencing.check(s, ck.run_id, ck.generation, f"peer check on checkpoint {ck.id}")
             peer = peer_of(rank, ck.world_size)
@@ -198,15 +198,15 @@ class PeerChecks:
         if len(files) > MAX_REPORT_FILES:
             raise InvalidArgument(f"a report names at most {MAX_REPORT_FILES} files")
         with c.sessions() as s, s.begin():
-            ck = c._get_checkpoint(s, checkpoint_id, lock=True)  # serialises with votes and commits
-            c._check_rank(ck, rank)
+            ck = c.get_checkpoint(s, checkpoint_id, lock=True)  # serialises with votes and commits
+            c.check_rank(ck, rank)
             fencing.check(s, ck.run_id, ck.generation, f"peer check on checkpoint {ck.id}")
             if peer_rank != peer_of(rank, ck.world_size):
                 raise InvalidArgument(f"rank {rank} checks the files of rank {peer_of(rank, ck.world_size)}, "
                                       f"not of rank {peer_rank}")
             if ck.status != PENDING:
                 return {"status": ck.status, "verified": [], "mismatched": []}
-            ck.lease_expires_at = c._lease()  # a check is progressing: the checkpoint is alive
+            ck.lease_expires_at = c.lease_from_now()  # a check is progressing: the checkpoint is alive
             declared = {sh.file_name: sh for sh in s.scalars(select(Shard).where(
                 Shard.checkpoint_id == checkpoint_id, Shard.rank == peer_rank, Shard.status == DECLARED))}
             pfx = key_prefix(s, ck)
@@ -254,7 +254,7 @@ class PeerChecks:
             status = COMMITTED
         else:
             with c.sessions() as s, s.begin():
-                status = c._get_checkpoint(s, checkpoint_id).status
+                status = c.get_checkpoint(s, checkpoint_id).status
         return {"status": status, "verified": verified, "mismatched": []}
 
     def _refuse(self, checkpoint_id: int, rank: int, peer_rank: int, bad: list, verified: list) -> dict:

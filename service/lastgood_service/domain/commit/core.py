@@ -7,15 +7,16 @@ import datetime as dt
 import threading
 from collections.abc import Callable
 
+from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
 from ...blobstore import BlobStore
 from ...blobstore.metered import MeteredBlobStore
-from ...catalog.models import Checkpoint, Run, utcnow
+from ...catalog.models import PENDING, Checkpoint, Run, utcnow
 from ...metrics import Metrics
 from ...settings import Settings
 from .. import fencing, keys
-from ..errors import InvalidArgument, NotFound
+from ..errors import FailedPrecondition, InvalidArgument, NotFound
 from ..gate import CatalogGate
 from .votebatch import VoteBatcher
 
@@ -48,22 +49,48 @@ class CommitCore:
         self._fail_commit_once = settings.failpoint == "commit_fails_once"  # testing only (protocol.try_commit)
         self.launches = fencing.Launches(sessions, clock, notify=self._notify, metrics=self.metrics, gate=self.gate)
 
-    def _lease(self) -> dt.datetime:
+    # ------------------------------------------------------------ shared by the parts and
+    # by the commit's neighbours (the data paths, peer verification): public, so that no
+    # neighbour reaches into the commit's private state
+    def lease_from_now(self) -> dt.datetime:
+        """When a lease renewed now ends: what rank activity sets `lease_expires_at` to
+        (settings.lease_seconds)."""
         return self.clock() + dt.timedelta(seconds=self.settings.lease_seconds)
 
     def _lease_slack(self) -> dt.timedelta:
         """How stale a lease may be before a begin renews it: a quarter of it (puts renew as often)."""
         return dt.timedelta(seconds=self.settings.lease_seconds / 4)
 
-    def _get_checkpoint(self, s: Session, checkpoint_id: int, lock: bool = False) -> Checkpoint:
+    def renew(self, checkpoint_id: int) -> None:
+        """Renew the lease of a PENDING checkpoint, in a transaction of its own (a long read
+        of one of its files is rank activity too); a checkpoint no longer PENDING is left alone."""
+        with self.sessions() as s, s.begin():
+            s.execute(update(Checkpoint)
+                      .where(Checkpoint.id == checkpoint_id, Checkpoint.status == PENDING)
+                      .values(lease_expires_at=self.lease_from_now()))
+
+    def get_checkpoint(self, s: Session, checkpoint_id: int, lock: bool = False) -> Checkpoint:
+        """The checkpoint's row in the caller's transaction, NotFound if there is none.
+        `lock`: its row lock, which serialises votes, file records, peer reports and commits."""
         ck = s.get(Checkpoint, checkpoint_id, with_for_update=lock) if checkpoint_id > 0 else None
         if ck is None:
             raise NotFound(f"checkpoint {checkpoint_id} does not exist")
         return ck
 
-    def _check_rank(self, ck: Checkpoint, rank: int) -> None:
+    def check_rank(self, ck: Checkpoint, rank: int) -> None:
+        """InvalidArgument unless `rank` is one of the checkpoint's world."""
         if not 0 <= rank < ck.world_size:
             raise InvalidArgument(f"rank {rank} is outside world size {ck.world_size} of checkpoint {ck.id}")
+
+    @staticmethod
+    def require_pending(ck: Checkpoint, what: str) -> None:
+        """FailedPrecondition unless the checkpoint is PENDING; `what` names the operation."""
+        if ck.status != PENDING:
+            raise FailedPrecondition(f"cannot {what}: checkpoint {ck.id} is {ck.status}, not PENDING")
+
+    def committing(self, checkpoint_id: int) -> bool:
+        """Is a voter of this process committing the checkpoint right now (votebatch.py)?"""
+        return self.vote_batches.committing(checkpoint_id)
 
     def _notify(self, decided: dict[int, str] | None = None) -> None:
         """Wake whoever waits on a change. `decided`: checkpoints whose new status the caller

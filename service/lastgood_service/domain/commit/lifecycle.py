@@ -25,7 +25,7 @@ class CommitLifecycle(CommitProtocol):
     def abort(self, checkpoint_id: int, reason: str = "", rank: int | None = None) -> str:
         self.gate.check()
         with self.sessions() as s, s.begin():
-            ck = self._get_checkpoint(s, checkpoint_id)
+            ck = self.get_checkpoint(s, checkpoint_id)
             if ck.status == ABANDONED:
                 return ABANDONED
             if ck.status != PENDING:

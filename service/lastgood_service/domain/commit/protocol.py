@@ -67,6 +67,29 @@ class _HashOnly(BlobWriter):
         pass
 
 
+def read_header(prefix: bytearray, size: int, final: bool = False) -> tuple[int, dict, dict | None] | None:
+    """A safetensors file's header from its first bytes `prefix` (of a file of `size` bytes):
+    (data start, tensor index, where the file's DTensor shards lie: lastgood/layout.py);
+    None while the header is incomplete (`final`: the bytes are all there are, so an
+    incomplete header is refused). InvalidArgument for a file that is not safetensors.
+    Every path that records a file parses its header here (put_shard, direct uploads)."""
+    try:
+        if len(prefix) < 8:
+            if final:
+                raise FormatError("file shorter than a safetensors header")
+            return None
+        n = header_length(prefix)
+        if len(prefix) < n:
+            if final:
+                raise FormatError("truncated safetensors header")
+            return None
+        tensors, meta = parse_header(memoryview(prefix)[:n], file_size=size)  # no copy of a copy
+        chunks = layout.of_header(meta, tensors)  # in the guard: what it misses is the client's mistake
+    except (FormatError, ValueError, TypeError, OverflowError) as e:
+        raise InvalidArgument(f"not a valid safetensors file: {type(e).__name__}: {str(e)[:200]}") from None
+    return n, tensor_index(tensors), chunks
+
+
 class CommitProtocol(CommitCore):
     def _require_room(self, size: int) -> None:
         """Refuse a shard the store cannot hold before a byte of it is written, keeping
@@ -76,16 +99,6 @@ class CommitProtocol(CommitCore):
             raise StoreFull(f"store full: {free} bytes free, a shard of {size} bytes does not fit beside the "
                             f"{self.settings.store_reserve_bytes}-byte reserve; free space (GC, retention) "
                             f"or grow the volume")
-
-    def _require_pending(self, ck: Checkpoint, what: str) -> None:
-        if ck.status != PENDING:
-            raise FailedPrecondition(f"cannot {what}: checkpoint {ck.id} is {ck.status}, not PENDING")
-
-    def _renew(self, checkpoint_id: int) -> None:
-        with self.sessions() as s, s.begin():
-            s.execute(update(Checkpoint)
-                      .where(Checkpoint.id == checkpoint_id, Checkpoint.status == PENDING)
-                      .values(lease_expires_at=self._lease()))
 
     def _failpoint(self, name: str) -> None:
         """Crash the process here when the (testing-only) failpoint setting names this point;
@@ -154,8 +167,8 @@ class CommitProtocol(CommitCore):
                                              f"{ck.status}; save again under a new attempt")
                 # the other ranks' begins of a storm find the lease fresh: they write nothing
                 # (no WAL, no fsync), so 1,024 begins are one write and 1,023 reads
-                if ck.status == PENDING and ck.lease_expires_at < self._lease() - self._lease_slack():
-                    ck.lease_expires_at = self._lease()
+                if ck.status == PENDING and ck.lease_expires_at < self.lease_from_now() - self._lease_slack():
+                    ck.lease_expires_at = self.lease_from_now()
                 return ck
             if parent_id is not None:
                 parent = s.get(Checkpoint, parent_id)
@@ -166,7 +179,7 @@ class CommitProtocol(CommitCore):
             self._require_room(expected_bytes)
             now = self.clock()
             ck = Checkpoint(run_id=run.id, step=step, attempt=attempt, world_size=world_size,
-                            parent_id=parent_id, status=PENDING, bytes=0, lease_expires_at=self._lease(),
+                            parent_id=parent_id, status=PENDING, bytes=0, lease_expires_at=self.lease_from_now(),
                             created_at=now, generation=generation)
             s.add(ck)
             s.flush()
@@ -216,8 +229,8 @@ class CommitProtocol(CommitCore):
             ck, present = self.admit_file(s, header, "upload")
             if present is not None:
                 return present
-            if ck.lease_expires_at < self._lease() - self._lease_slack():  # fresh: a put storm writes nothing here
-                ck.lease_expires_at = self._lease()
+            if ck.lease_expires_at < self.lease_from_now() - self._lease_slack():  # fresh: a put storm writes nothing here
+                ck.lease_expires_at = self.lease_from_now()
             # The key derives from the declared hash, so an S3 multipart upload can start now;
             # bytes that do not match it are aborted and never become visible. (A followed
             # file's hash comes with its last byte: its key is chosen then, below.)
@@ -253,7 +266,7 @@ class CommitProtocol(CommitCore):
                 w.write(chunk)
                 if want_index and index_json is None:
                     prefix += chunk
-                    index_json = self._try_header(prefix, header.size)
+                    index_json = read_header(prefix, header.size)
                     if index_json is not None:
                         if not hashed:  # declared_ranges.py: checked against this header, before publish
                             declared = declared_ranges.validate(self.settings.range_block_bytes, *index_json[:2],
@@ -263,12 +276,12 @@ class CommitProtocol(CommitCore):
                 elif segments is not None:
                     segments.update(chunk)
                 if time.monotonic() - last_renew > renew_every:
-                    self._renew(header.checkpoint_id)
+                    self.renew(header.checkpoint_id)
                     last_renew = time.monotonic()
             if hasher.size != header.size:
                 raise InvalidArgument(f"stream ended after {hasher.size} of the declared {header.size} bytes")
             if want_index and index_json is None:
-                index_json = self._try_header(prefix, header.size, final=True)
+                index_json = read_header(prefix, header.size, final=True)
                 if not hashed:
                     declared = declared_ranges.validate(self.settings.range_block_bytes, *index_json[:2], prefix,
                                                         declared)
@@ -279,7 +292,7 @@ class CommitProtocol(CommitCore):
                     raise InvalidArgument("xxh3_128 must be 32 lowercase hex digits")
                 header = replace(header, xxh3_128=follow.digest)
             if digest != header.xxh3_128:
-                self._record_mismatch(header, digest)
+                self.record_mismatch(header, digest)
                 raise HashMismatch(f"xxh3-128 of the received bytes is {digest}, the client declared "
                                    f"{header.xxh3_128}: shard rejected")
             if follow is None:
@@ -304,9 +317,9 @@ class CommitProtocol(CommitCore):
         with self.sessions() as s:
             try:
                 with s.begin():
-                    ck = self._get_checkpoint(s, header.checkpoint_id, lock=True)  # serialises with votes
+                    ck = self.get_checkpoint(s, header.checkpoint_id, lock=True)  # serialises with votes
                     fencing.check(s, ck.run_id, ck.generation, f"upload to checkpoint {ck.id}")
-                    self._require_pending(ck, "record the shard")
+                    self.require_pending(ck, "record the shard")
                     self._require_not_voted(s, header)
                     s.add(Shard(checkpoint_id=ck.id, rank=header.rank, file_name=header.file_name,
                                 size=header.size, xxh3_128=digest, blob_key=key,
@@ -314,10 +327,10 @@ class CommitProtocol(CommitCore):
                                 index_json=index_json, created_at=self.clock()))
                     # a recorded file is rank activity: a whole lease from here (settings.lease_seconds),
                     # not only when stale as at admission, which a hand-over reaches a moment before
-                    ck.lease_expires_at = self._lease()
+                    ck.lease_expires_at = self.lease_from_now()
             except IntegrityError:  # the same file arrived twice at once
                 with s.begin():
-                    return self._same_or_conflict(self._find_shard(s, header), header)
+                    return self.answer_recorded(s, header)
         return PutResult(False, header.size, digest)
 
     def admit_file(self, s: Session, h: ShardHeader, what: str, *,
@@ -330,15 +343,20 @@ class CommitProtocol(CommitCore):
         PENDING and the rank must not have voted. Returns the checkpoint and, for a file
         recorded already, the answer. `lock`: take the checkpoint's row lock (serialises
         with votes). `what` names the operation in the errors."""
-        ck = self._get_checkpoint(s, h.checkpoint_id, lock=lock)
-        self._check_rank(ck, h.rank)
+        ck = self.get_checkpoint(s, h.checkpoint_id, lock=lock)
+        self.check_rank(ck, h.rank)
         fencing.check(s, ck.run_id, ck.generation, f"{what} to checkpoint {ck.id}")
         existing = self._find_shard(s, h)
         if existing is not None:
             return ck, self._same_or_conflict(existing, h)
-        self._require_pending(ck, what)
+        self.require_pending(ck, what)
         self._require_not_voted(s, h)
         return ck, None
+
+    def answer_recorded(self, s: Session, h: ShardHeader) -> PutResult:
+        """The answer to a file that is recorded already (a second hand-over of it that lost
+        the race to record it): the same bytes, already present; other bytes, Conflict."""
+        return self._same_or_conflict(self._find_shard(s, h), h)
 
     @staticmethod
     def _require_not_voted(s: Session, h: ShardHeader) -> None:
@@ -367,33 +385,9 @@ class CommitProtocol(CommitCore):
         hasher.update(prefix)
         return hasher
 
-    @classmethod
-    def _try_index(cls, prefix: bytearray, size: int, final: bool = False) -> tuple[int, dict] | None:
-        """Parse the safetensors header once its bytes are in: (data start, tensor index);
-        None while it is incomplete."""
-        parsed = cls._try_header(prefix, size, final)
-        return parsed[:2] if parsed is not None else None
-
-    @staticmethod
-    def _try_header(prefix: bytearray, size: int, final: bool = False) -> tuple[int, dict, dict | None] | None:
-        """_try_index, and where the file's DTensor shards lie (lastgood/layout.py)."""
-        try:
-            if len(prefix) < 8:
-                if final:
-                    raise FormatError("file shorter than a safetensors header")
-                return None
-            n = header_length(prefix)
-            if len(prefix) < n:
-                if final:
-                    raise FormatError("truncated safetensors header")
-                return None
-            tensors, meta = parse_header(memoryview(prefix)[:n], file_size=size)  # no copy of a copy
-            chunks = layout.of_header(meta, tensors)  # in the guard: what it misses is the client's mistake
-        except (FormatError, ValueError, TypeError, OverflowError) as e:
-            raise InvalidArgument(f"not a valid safetensors file: {type(e).__name__}: {str(e)[:200]}") from None
-        return n, tensor_index(tensors), chunks
-
-    def _record_mismatch(self, h: ShardHeader, digest: str) -> None:
+    def record_mismatch(self, h: ShardHeader, digest: str) -> None:
+        """A file whose bytes are not the hash its writer declared: logged, counted, and a
+        hash_mismatch event recorded (whoever found it: put_shard, a peer's read-back)."""
         log.warning("hash mismatch on checkpoint %s rank %s file %s", h.checkpoint_id, h.rank, h.file_name,
                     extra={"checkpoint_id": h.checkpoint_id, "rank": h.rank})
         self.metrics.hash_mismatches.inc()
@@ -427,7 +421,7 @@ class CommitProtocol(CommitCore):
             if result.status != PENDING or left <= 0:
                 if result.status in (ABANDONED, CORRUPT):
                     with self.sessions() as s, s.begin():  # abandoned because a newer launch registered?
-                        ck = self._get_checkpoint(s, checkpoint_id)
+                        ck = self.get_checkpoint(s, checkpoint_id)
                         fencing.check(s, ck.run_id, ck.generation, f"vote on checkpoint {checkpoint_id}")
                     raise FailedPrecondition(f"checkpoint {checkpoint_id} is {result.status}")
                 return result
@@ -438,7 +432,7 @@ class CommitProtocol(CommitCore):
 
     def _vote_state(self, checkpoint_id: int) -> VoteResult:
         with self.sessions() as s, s.begin():
-            ck = self._get_checkpoint(s, checkpoint_id)
+            ck = self.get_checkpoint(s, checkpoint_id)
             voted = set(s.scalars(select(Vote.rank).where(Vote.checkpoint_id == checkpoint_id)))
             return VoteResult(ck.id, ck.status, sorted(set(range(ck.world_size)) - voted))
 
@@ -483,7 +477,7 @@ class CommitProtocol(CommitCore):
             raise RuntimeError("failpoint commit_fails_once: the commit's catalog transaction fails")
         if plan is None:
             with self.sessions() as s, s.begin():
-                plan = self.commit_plan(s, self._get_checkpoint(s, checkpoint_id))
+                plan = self.commit_plan(s, self.get_checkpoint(s, checkpoint_id))
             if plan is None:
                 return False
         manifest, key, run_id, last_vote = plan.manifest, plan.key, plan.run_id, plan.last_vote

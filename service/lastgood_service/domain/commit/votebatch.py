@@ -72,7 +72,7 @@ class _Ask:
 
 class VoteBatcher:
     """One per commit service (process). `core` is the CommitProtocol: its sessions, checks
-    (_get_checkpoint, _check_rank, _require_pending), clock and lease, and try_commit."""
+    (get_checkpoint, check_rank, require_pending), clock and lease, and try_commit."""
 
     def __init__(self, core, window: float, failpoint: str | None = None) -> None:
         self.core = core
@@ -194,7 +194,7 @@ class VoteBatcher:
     def _record_checkpoint(self, s, cid: int, asks: list[_Ask]) -> None:
         core = self.core
         try:
-            ck = core._get_checkpoint(s, cid, lock=True)  # serialises with shard records and other batches
+            ck = core.get_checkpoint(s, cid, lock=True)  # serialises with shard records and other batches
             fencing.check(s, ck.run_id, ck.generation, f"vote on checkpoint {ck.id}")
         except DomainError as e:
             for a in asks:
@@ -203,7 +203,7 @@ class VoteBatcher:
         ok: list[_Ask] = []
         for a in asks:
             try:
-                core._check_rank(ck, a.rank)
+                core.check_rank(ck, a.rank)
                 ok.append(a)
             except DomainError as e:
                 a.error = e
@@ -223,7 +223,7 @@ class VoteBatcher:
                     if sorted(prior) != sorted(a.files):
                         raise Conflict(f"rank {a.rank} already voted on checkpoint {cid} with other files")
                     continue
-                core._require_pending(ck, "vote")
+                core.require_pending(ck, "vote")
                 missing = sorted(set(a.files) - have[a.rank])
                 extra = sorted(have[a.rank] - set(a.files))
                 if missing:
@@ -237,7 +237,7 @@ class VoteBatcher:
             except DomainError as e:
                 a.error = e
         if added:
-            ck.lease_expires_at = core._lease()
+            ck.lease_expires_at = core.lease_from_now()
             s.flush()
         accepted = [a for a in ok if a.error is None]
         if not accepted:
