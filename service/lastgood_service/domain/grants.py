@@ -56,7 +56,7 @@ from ..catalog.models import DECLARED, PENDING, VERIFIED, Checkpoint, Run, Shard
 from . import declared_ranges, keys, verification_modes
 from .commit import indexes
 from .commit.core import key_prefix
-from .commit.protocol import read_header
+from .commit.put import read_header
 from .commit.types import PutResult, ShardHeader
 from .errors import Conflict, DirectOff, FailedPrecondition, HashMismatch, InvalidArgument
 from .events import add_event

@@ -1,7 +1,9 @@
 """The commit of a checkpoint, one idea a module:
 
+  types.py         the values its calls take and answer (ShardHeader, PutResult, VoteResult, ...)
   core.py          what the parts share (catalog, store, clock, lease, the waiters' condition)
-  protocol.py      begin, put, vote, commit (the invariants I1-I3 are kept there)
+  put.py           the put of a file, and the checks every data path makes before it
+  protocol.py      begin, vote, commit (the invariants I1-I3, and where each is kept)
   votebatch.py     group commit of votes: the votes arriving together, one transaction
   lifecycle.py     abort, lease expiry, start-up recovery
   verification.py  re-hashing, and marking a checkpoint CORRUPT

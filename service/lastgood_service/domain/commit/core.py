@@ -10,13 +10,13 @@ from collections.abc import Callable
 from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
-from ...blobstore import BlobStore
+from ...blobstore import BlobStore, capabilities
 from ...blobstore.metered import MeteredBlobStore
 from ...catalog.models import PENDING, Checkpoint, Run, utcnow
 from ...metrics import Metrics
 from ...settings import Settings
 from .. import fencing, keys
-from ..errors import FailedPrecondition, InvalidArgument, NotFound
+from ..errors import FailedPrecondition, InvalidArgument, NotFound, StoreFull
 from ..gate import CatalogGate
 from .votebatch import VoteBatcher
 
@@ -87,6 +87,15 @@ class CommitCore:
         """FailedPrecondition unless the checkpoint is PENDING; `what` names the operation."""
         if ck.status != PENDING:
             raise FailedPrecondition(f"cannot {what}: checkpoint {ck.id} is {ck.status}, not PENDING")
+
+    def _require_room(self, size: int) -> None:
+        """Refuse a shard the store cannot hold before a byte of it is written, keeping
+        `store_reserve_bytes` free for the catalog and for GC's own writes (0: unknown size)."""
+        free = capabilities.free_bytes(self.blobs) if size else None
+        if free is not None and size > free - self.settings.store_reserve_bytes:
+            raise StoreFull(f"store full: {free} bytes free, a shard of {size} bytes does not fit beside the "
+                            f"{self.settings.store_reserve_bytes}-byte reserve; free space (GC, retention) "
+                            f"or grow the volume")
 
     def committing(self, checkpoint_id: int) -> bool:
         """Is a voter of this process committing the checkpoint right now (votebatch.py)?"""
