@@ -53,8 +53,8 @@ from lastgood.wire.format import header_length
 from ..blobstore import capabilities
 from ..blobstore.s3direct import StoredPart, composite
 from ..catalog.models import DECLARED, PENDING, VERIFIED, Checkpoint, Run, Shard
-from . import declared_ranges, keys, verification_modes
-from .commit import indexes
+from . import keys, verification_modes
+from .commit import declared_ranges, indexes
 from .commit.core import key_prefix
 from .commit.put import read_header
 from .commit.types import PutResult, ShardHeader

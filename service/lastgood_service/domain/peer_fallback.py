@@ -37,8 +37,8 @@ from sqlalchemy import func, select
 from lastgood.wire.ranges import FileCheck, fingerprint
 
 from ..catalog.models import DECLARED, PENDING, VERIFIED, Checkpoint, Shard, Vote
-from . import declared_ranges
-from .declared_ranges import fingerprint_of
+from .commit import declared_ranges
+from .commit.declared_ranges import fingerprint_of
 
 log = logging.getLogger("lastgood.commit")
 
@@ -175,7 +175,7 @@ class PeerFallback:
                     key, size, want = sh.blob_key, sh.size, sh.xxh3_128
                     from .commit.core import key_prefix  # commit imports this module
 
-                    ranges = declared_ranges.of_shard(c, key_prefix(s, ck), sh)  # the writer's, if declared
+                    ranges = declared_ranges.of_shard(c.store, key_prefix(s, ck), sh)  # the writer's, if declared
                 got, got_ranges = self._hash(checkpoint_id, key, size, declared_ranges.rule_of(ranges))
                 if got == want and got_ranges != fingerprint_of(ranges):  # the bytes are, their range digests not
                     bad.append((rank, name, want, f"{got}, range digests {got_ranges} (not the declared "

@@ -36,20 +36,17 @@ checker's trouble costs CPU, never the commit's correctness or its liveness.
 
 from __future__ import annotations
 
-import os
-
 from sqlalchemy import select
 
-from lastgood.wire.errors import FormatError
-from lastgood.wire.format import header_length
 from lastgood.wire.vocab import Verification
 
 from ..blobstore import capabilities
 from ..catalog.models import COMMITTED, DECLARED, PENDING, VERIFIED, Shard, Vote
 
-from . import declared_ranges, fencing, peer_fallback
+from . import fencing, peer_fallback
 from .commit.core import key_prefix
-from .declared_ranges import fingerprint_of
+from .commit import declared_ranges
+from .commit.declared_ranges import fingerprint_of
 from .errors import FailedPrecondition, InvalidArgument
 from .events import add_event
 
@@ -109,43 +106,6 @@ def peer_of(rank: int, world_size: int) -> int:
     return (rank + 1) % world_size
 
 
-class Declared:
-    """Stands in for the hasher of put_shard when the service does not read the bytes:
-    it counts the header bytes it is shown, and the rest of the file is vouched for by its
-    size (the hand-over checked it with fstat) until a peer hashes it."""
-
-    def __init__(self, size: int, xxh3_128: str) -> None:
-        self.size, self._total, self._digest = 0, size, xxh3_128
-
-    def update(self, data) -> None:
-        self.size += len(data)
-
-    def vouch(self) -> None:
-        self.size = self._total
-
-    def hexdigest(self) -> str:
-        return self._digest
-
-
-def header_chunks(fd: int, size: int, declared: Declared, want_header: bool, piece: int):
-    """The safetensors header of the file behind `fd` (for its tensor index), in pieces of
-    at most `piece` bytes; then the rest is vouched for (Declared.vouch)."""
-    if want_header:
-        head = os.pread(fd, min(8, size), 0)
-        try:
-            want = min(header_length(head), size)
-        except FormatError:
-            want = len(head)  # too short: the index parser says so
-        pos = 0
-        while pos < want:
-            b = os.pread(fd, min(piece, want - pos), pos)
-            if not b:
-                break
-            yield b
-            pos += len(b)
-    declared.vouch()
-
-
 class PeerChecks:
     """The service's half of peer verification, over the commit service's catalog and store."""
 
@@ -185,7 +145,7 @@ class PeerChecks:
         # no declared digest: the checker reports what it read, the service compares (report);
         # each file's writer's range digests, if any, by their rule: recomputed by the checker (declared_ranges.py)
         files = [{"name": sh.file_name, "size": sh.size, **where(sh),
-                  "ranges": declared_ranges.rule_of(declared_ranges.of_shard(c, pfx, sh))} for sh in shards
+                  "ranges": declared_ranges.rule_of(declared_ranges.of_shard(c.store, pfx, sh))} for sh in shards
                  if not hashing.hashing(checkpoint_id, peer, sh.file_name)] if where else []
         return {"verification": self.mode, "status": status, "peer_rank": peer, "peer_voted": voted,
                 "files": files if status == PENDING else []}
@@ -216,7 +176,7 @@ class PeerChecks:
                 if sh is None:
                     continue  # checked already (a retried report), or never declared
                 got = f.get("xxh3_128")
-                ranges = declared_ranges.of_shard(c, pfx, sh) if got == sh.xxh3_128 else None
+                ranges = declared_ranges.of_shard(c.store, pfx, sh) if got == sh.xxh3_128 else None
                 if got is None or (ranges is not None and f.get("ranges_xxh3_128") is None):
                     unread.append((peer_rank, sh.file_name))  # the service reads it (and its ranges) itself
                 elif got == sh.xxh3_128 and fingerprint_of(ranges) in (None, f.get("ranges_xxh3_128")):

@@ -23,13 +23,16 @@ then read whole at another world size, as before, and the save goes on.
 
 from __future__ import annotations
 
+import json
 import logging
 
 from lastgood.wire.errors import FormatError
 from lastgood.wire.hashing import hash_bytes
-from lastgood.wire.ranges import Blocks, check_declared
+from lastgood.wire.manifest import FIXED_DIGESTS, RANGE_DIGESTS
+from lastgood.wire.ranges import Blocks, check_declared, fingerprint
 
-from .errors import InvalidArgument
+from ..errors import InvalidArgument
+from . import indexes
 
 log = logging.getLogger("lastgood")
 
@@ -57,26 +60,19 @@ def validate(cap: int, data_start: int, tensors: dict, header: bytes | memoryvie
 
 
 
-def of_shard(commits, ckpt_prefix: str, sh) -> dict | None:
+def of_shard(store, ckpt_prefix: str, sh) -> dict | None:
     """{"rule", "fingerprint"} of the range digests a DECLARED file's writer declared (None:
     it declared none): what a peer's read of it must reproduce. From the catalog's row
     (indexes.store noted them at the hand-over), not the store: this runs for every file on
     every assignment poll and in the report, under the checkpoint's row lock. A row recorded
     before that note has its index object read, as then."""
-    import json
-
-    from lastgood.wire.manifest import FIXED_DIGESTS, RANGE_DIGESTS
-    from lastgood.wire.ranges import fingerprint
-
-    from .commit import indexes
-
     ref = indexes.ref_of(sh)
     if ref is None:
         return None
     if indexes.DECLARED_RANGES in ref:
         return ref[indexes.DECLARED_RANGES]
     try:  # a row from before the note
-        body = json.loads(b"".join(commits.store.get(indexes.key_of(ckpt_prefix, sh))))
+        body = json.loads(b"".join(store.get(indexes.key_of(ckpt_prefix, sh))))
     except FileNotFoundError:
         return None
     digests = body.get(RANGE_DIGESTS, body.get(FIXED_DIGESTS))  # manifest.py: where an index keeps them
