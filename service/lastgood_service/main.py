@@ -31,6 +31,7 @@ from .domain.curation import Curator
 from .domain.faults import Ballast
 from .domain.gate import CatalogGate
 from .domain.gc import GarbageCollector
+from .domain.grants import DirectUploads
 from .domain.health import Health
 from .domain.repair import Repair
 from .domain.errors import DomainError
@@ -77,6 +78,8 @@ class Service:
         self.commits = CommitService(settings, sessions, blobs, metrics=self.metrics, gate=self.gate)
         self.outcomes = OutcomeNotifier(sessions, settings.outcome_poll_interval)  # one per process
         self.commits.listeners.append(self.outcomes.poke)
+        if settings.direct_s3:  # an abort or a lease expiry aborts the direct uploads it left open
+            self.commits.end_listeners.append(DirectUploads(self.commits).end)
         self.curator = Curator(sessions, gate=self.gate)
         # heartbeats commit without an fsync each (catalog/db.py): their own small pool
         self.health_engine = make_engine(url, durable=False)

@@ -21,8 +21,9 @@ caller's token may write (api/auth.py checks the route's checkpoint), for one up
 another key, another upload or a late request is refused by the store.
 
 Nothing is orphaned: an abort or a lease expiry aborts the checkpoint's open uploads
-(lifecycle.py calls `end`), and every GC pass sweeps the open uploads of checkpoints that
-are no longer PENDING (gc.py calls `sweep`), the backstop for a service that died between.
+(`end`, which main.py makes one of the commit service's end listeners), and every GC pass
+sweeps the open uploads of checkpoints that are no longer PENDING (gc.py calls `sweep`),
+the backstop for a service that died between.
 
 Verification (domain/verification_modes.py): in `store` mode a directly uploaded file is
 verified by the *store* (per-part CRC32) and recorded VERIFIED at the hand-over; in `peer`

@@ -44,6 +44,10 @@ class CommitCore:
         self._changed = threading.Condition()
         # told of every change _notify announces, with what was decided if known (domain/outcomes.py)
         self.listeners: list[Callable[[dict[int, str] | None], None]] = []
+        # told of the checkpoints that ended without a commit (an abort, a lease expiry), after
+        # the transaction: the composition root (main.py) has the direct S3 uploads they left
+        # open aborted (domain/grants.py, DirectUploads.end)
+        self.end_listeners: list[Callable[[list[int]], None]] = []
         # votes that arrive together are written in one transaction (votebatch.py)
         self.vote_batches = VoteBatcher(self, settings.vote_batch_window, settings.failpoint)
         self._fail_commit_once = settings.failpoint == "commit_fails_once"  # testing only (protocol.try_commit)
