@@ -39,6 +39,8 @@ from .domain.retention import Retention
 from .domain.directfs import DirectFS
 from .domain.spool import Spool
 from .domain import verification_modes
+from .domain.peer_fallback import PeerFallback
+from .domain.verification_modes import PeerChecks
 from .domain.tokens import TokenStore
 from .api.limits import BodyLimit
 from .metrics import Metrics
@@ -102,6 +104,9 @@ class Service:
         # direct-FS and the verification mode (docs/dataplane.md): a mode the store cannot provide stops the start
         verification_modes.check_available(settings.verification, blobs, settings.direct_s3)
         self.direct_fs = DirectFS.open(blobs, settings.direct_fs)
+        # peer verification: one fallback hash per process, the reaper's sweep and the requests' checks share it
+        self.peer_fallback = PeerFallback(self.commits)
+        self.peer_checks = PeerChecks(self.commits, self.peer_fallback, self.direct_fs)
         self.spool = None
         if spool_dir := settings.resolved_spool_dir():
             try:
@@ -153,7 +158,7 @@ class Service:
     def app(self):
         return create_app(AppContext(self.commits, self.queries, self.grpc_target, self.curator, self.gc,
                                      self.tokens, self.metrics, self.spool,
-                                     self.health, self.outcomes, self.direct_fs))
+                                     self.health, self.outcomes, self.direct_fs, self.peer_checks))
 
     def stop(self) -> None:
         self._stop.set()

@@ -29,7 +29,6 @@ import threading
 import time
 
 from .catalog import txtimer
-from .domain import peer_fallback
 
 log = logging.getLogger("lastgood")
 
@@ -52,7 +51,7 @@ class Reaper:
         every = s.reaper_interval
         # time.monotonic() of each pass's next run: the first of each after one interval
         expire_at = check_at = spool_at = time.monotonic() + every
-        fallback = peer_fallback.of(svc.commits)
+        fallback = svc.peer_fallback
         while not stop.wait(max(0.0, min(expire_at, check_at, spool_at) - time.monotonic())):
             now = time.monotonic()
             if now >= check_at:

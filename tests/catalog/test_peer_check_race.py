@@ -41,7 +41,7 @@ def test_background_hash_and_report_racing_still_commit_postgres(pg_server, pg_u
         conn.execute(text("UPDATE shards SET status = 'DECLARED' WHERE checkpoint_id = :c"), {"c": cid})
     assert commits.vote(cid, 0, ["f1.safetensors", "f2.safetensors"]).status == "PENDING"
 
-    fb = peer_fallback.of(commits)
+    fb = peer_fallback.PeerFallback(commits)
     committed: list[bool] = []
 
     def background():  # what PeerFallback._run does once f2's bytes hashed right

@@ -27,6 +27,7 @@ from ..domain.queries import MAX_PAGE, Queries
 from ..domain.directfs import DirectFS
 from ..domain.spool import Spool
 from ..domain.tokens import TokenStore
+from ..domain.verification_modes import PeerChecks
 from ..metrics import Metrics
 from ..settings import Settings
 
@@ -44,6 +45,7 @@ class AppContext:
     health: Health | None = None
     outcomes: OutcomeNotifier | None = None  # GET .../outcome (routes/outcomes.py); one per process
     direct_fs: DirectFS | None = None  # the direct-FS data path (domain/directfs.py), announced at /api/v1/info
+    peer_checks: PeerChecks | None = None  # peer verification (domain/verification_modes.py); one per process
 
 
 # The lookups below are `async def` although they await nothing: FastAPI runs a plain `def`

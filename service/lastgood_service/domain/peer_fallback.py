@@ -61,7 +61,10 @@ def sweep_interval(settings) -> float:
 
 
 class PeerFallback:
-    """The service's own hash of DECLARED files nobody checked (one per commit service)."""
+    """The service's own hash of DECLARED files nobody checked. One per commit service,
+    built by the composition root (main.py) and shared by the lease reaper's sweep and the
+    peer checks of the requests (verification_modes.PeerChecks), so that a file is never
+    hashed twice at once."""
 
     def __init__(self, commits) -> None:
         self.commits = commits
@@ -248,14 +251,3 @@ def refuse(commits, checkpoint_id: int, bad: list, rank: int | None = None) -> t
     log.warning("checkpoint %s: %s", checkpoint_id, reason)
     return status, reason
 
-
-_lock = threading.Lock()
-
-
-def of(commits) -> PeerFallback:
-    """The one PeerFallback of this commit service (the reaper's and the requests')."""
-    with _lock:
-        fb = getattr(commits, "_peer_fallback", None)
-        if fb is None:
-            fb = commits._peer_fallback = PeerFallback(commits)
-        return fb

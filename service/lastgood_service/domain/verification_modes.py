@@ -109,8 +109,9 @@ def peer_of(rank: int, world_size: int) -> int:
 class PeerChecks:
     """The service's half of peer verification, over the commit service's catalog and store."""
 
-    def __init__(self, commits, directfs=None) -> None:
-        self.commits, self.directfs = commits, directfs
+    def __init__(self, commits, fallback: peer_fallback.PeerFallback, directfs=None) -> None:
+        """`fallback`: the commit service's one PeerFallback (main.py builds both)."""
+        self.commits, self.fallback, self.directfs = commits, fallback, directfs
 
     def _where(self):
         """How a checker reaches a stored file: (file -> {"path"} under its mount, direct-FS;
@@ -140,13 +141,13 @@ class PeerChecks:
                                                         Shard.status == DECLARED).order_by(Shard.file_name)))
             status = ck.status
             pfx = key_prefix(s, ck)
-        hashing = peer_fallback.of(c)  # files the service hashes itself are nobody's to check
         where = self._where() if shards and status == PENDING else None
         # no declared digest: the checker reports what it read, the service compares (report);
-        # each file's writer's range digests, if any, by their rule: recomputed by the checker (declared_ranges.py)
+        # each file's writer's range digests, if any, by their rule: recomputed by the checker (declared_ranges.py);
+        # files the service hashes itself (the fallback) are nobody's to check
         files = [{"name": sh.file_name, "size": sh.size, **where(sh),
                   "ranges": declared_ranges.rule_of(declared_ranges.of_shard(c.store, pfx, sh))} for sh in shards
-                 if not hashing.hashing(checkpoint_id, peer, sh.file_name)] if where else []
+                 if not self.fallback.hashing(checkpoint_id, peer, sh.file_name)] if where else []
         return {"verification": self.mode, "status": status, "peer_rank": peer, "peer_voted": voted,
                 "files": files if status == PENDING else []}
 
@@ -202,7 +203,7 @@ class PeerChecks:
                 except FailedPrecondition:  # votes and files disagree: try_commit says so, after
                     pass  # this report's checks are recorded
         if unread:  # the checker could not read them: the service hashes them, on its own thread
-            peer_fallback.of(c).start(checkpoint_id, unread, f"rank {rank} could not read it")
+            self.fallback.start(checkpoint_id, unread, f"rank {rank} could not read it")
         if bad:
             return self._refuse(checkpoint_id, rank, peer_rank, bad, verified)
         # the status as this call knows it, without another transaction: PENDING while a
