@@ -244,6 +244,16 @@ def _repair_command(args, settings: Settings) -> int:
         engine.dispose()
 
 
+def _check_settings(settings: Settings) -> None:
+    """What the settings cannot check themselves, because the rule is the domain's (the
+    settings sit below it): a retention policy that does not parse stops every command
+    at start, with the reason (domain/retention.py)."""
+    try:
+        Retention.parse(settings.retention)
+    except ValueError as e:
+        sys.exit(f"lastgood-service: LASTGOOD_RETENTION={settings.retention!r} refused: {e}")
+
+
 def _limit_malloc_arenas(n: int) -> None:
     """glibc gives each thread that allocates its own arena (up to 8 per core), and freed
     4 MiB chunks stay in them: with 2 the service's RSS while ingesting is lower and flat
@@ -307,6 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     overrides = {k: v for k, v in {"host": args.host, "port": args.port, "grpc_port": args.grpc_port,
                                    "data_dir": args.data_dir}.items() if v is not None}
     settings = Settings(**overrides)
+    _check_settings(settings)
     _logging(settings)
     if args.command == "token":
         sys.exit(_token_command(args, settings))
