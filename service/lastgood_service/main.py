@@ -46,6 +46,7 @@ from .api.limits import BodyLimit
 from .metrics import Metrics
 from .reaper import Reaper
 from .domain.queries import Queries
+from .failpoints import Failpoint
 from .settings import Settings
 
 log = logging.getLogger("lastgood")
@@ -69,7 +70,7 @@ class Service:
         self.engine = make_engine(url)
         sessions = make_sessionmaker(self.engine)
         blobs = open_blobstore(settings.resolved_blob_url(), settings)
-        if settings.failpoint == "blob_eio":  # testing only: a device that fails every write
+        if settings.failpoint == Failpoint.BLOB_EIO:  # testing only: a device that fails every write
             from .blobstore.faulty import WriteEIO
 
             blobs = WriteEIO(blobs)

@@ -11,6 +11,8 @@ from lastgood.wire.info import DEFAULT_CHUNK_BYTES, DEFAULT_LEASE_SECONDS
 from lastgood.wire.vocab import Verification
 from lastgood.wire.s3parts import MAX_PART_SIZE, MIN_PART_SIZE  # S3's bounds, one place
 
+from .failpoints import Failpoint
+
 MiB = 1024 * 1024
 
 
@@ -152,18 +154,9 @@ class Settings(BaseSettings):
                                    "take a few ms, not 60-100 ms inside whichever call triggers one (pygc.py)")
     event_retention_seconds: float = Field(30 * 24 * 3600.0, ge=0, description="events of a checkpoint GC deleted "
                                            "this long ago are pruned (its gc_delete event stays); 0 keeps them all")
-    failpoint: str | None = Field(
-        None, description="testing only: crash_before_manifest / crash_after_manifest make the process "
-                          "exit abruptly at that point of a commit; lose_commit_reply fails every "
-                          "CommitRank reply after the commit happened; vote_batch_fails_once fails the "
-                          "first vote batch's transaction after its rows were written; blob_eio fails every blob write "
-                          "with EIO; hold_manifest holds every commit before its manifest write until the file "
-                          "<data_dir>/hold_manifest.release exists; vote_fails_on_checkpoint_<id> makes the part of every vote "
-                          "batch on that checkpoint fail with an SQL error; crash_after_direct_complete exits "
-                          "after a direct upload's completion, before the file is recorded; hold_declared_index holds a "
-                          "direct hand-over that declares range digests before they are checked, until "
-                          "<data_dir>/hold_declared_index.release exists; commit_fails_once fails the process's first commit "
-                          "attempt (try_commit) before it reads anything, as a transient catalog error would")
+    failpoint: str | None = Field(None, description="testing only: the one failpoint to arm, a name of "
+                                  "failpoints.Failpoint (a crash, a hold or a failure at one point of the code; "
+                                  "failpoints.py says what each does); any other name is refused at start")
 
     @model_validator(mode="after")
     def _streams_leave_workers(self) -> "Settings":
@@ -176,6 +169,13 @@ class Settings(BaseSettings):
                              f"would leave no worker for unary RPCs; at most "
                              f"{self.grpc_workers - self.grpc_workers // 4 - 1}")
         return self
+
+    @field_validator("failpoint")
+    @classmethod
+    def _known_failpoint(cls, value: str | None) -> str | None:
+        if value is not None:
+            Failpoint.parse(value)  # a misspelt failpoint would arm nothing: refused, with the valid names
+        return value
 
     @field_validator("range_block_bytes")
     @classmethod

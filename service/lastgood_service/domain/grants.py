@@ -54,6 +54,7 @@ from lastgood.wire.format import header_length
 from ..blobstore import capabilities
 from ..blobstore.s3direct import StoredPart, composite
 from ..catalog.models import DECLARED, PENDING, VERIFIED, Checkpoint, Run, Shard
+from ..failpoints import Failpoint, reach
 from . import keys, verification_modes
 from .commit import declared_ranges, indexes
 from .commit.core import key_prefix
@@ -199,7 +200,7 @@ class DirectUploads:
             if problem:
                 self._refuse(d, h, key, upload_id, problem)
             d.complete(key, upload_id, stored)
-            self.commits._failpoint("crash_after_direct_complete")
+            reach(Failpoint.CRASH_AFTER_DIRECT_COMPLETE, self.settings.failpoint, self.settings.data_dir)
         info = self.commits.store.stat(key)
         if info is None or info.size != h.size:
             self.commits.store.delete(key)  # a whole object of other bytes: never left under the file's key
@@ -209,7 +210,8 @@ class DirectUploads:
             if other_key == key and other != upload_id:
                 d.abort_upload(key, other)
         if digests is not None:
-            self.commits._failpoint("hold_declared_index")  # testing only: another file records this key meanwhile
+            # testing only: another file records this key meanwhile
+            reach(Failpoint.HOLD_DECLARED_INDEX, self.settings.failpoint, self.settings.data_dir)
         try:
             index_json = self._index(key, h, pfx, digests)
         except InvalidArgument:  # not a safetensors file, or declared digests refused: nothing of it is kept

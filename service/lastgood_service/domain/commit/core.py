@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from ...blobstore import BlobStore, capabilities
 from ...blobstore.metered import MeteredBlobStore
 from ...catalog.models import PENDING, Checkpoint, Run, utcnow
+from ...failpoints import Failpoint
 from ...metrics import Metrics
 from ...settings import Settings
 from .. import fencing, keys
@@ -50,7 +51,7 @@ class CommitCore:
         self.end_listeners: list[Callable[[list[int]], None]] = []
         # votes that arrive together are written in one transaction (votebatch.py)
         self.vote_batches = VoteBatcher(self, settings.vote_batch_window, settings.failpoint)
-        self._fail_commit_once = settings.failpoint == "commit_fails_once"  # testing only (protocol.try_commit)
+        self._fail_commit_once = settings.failpoint == Failpoint.COMMIT_FAILS_ONCE  # testing only (protocol.try_commit)
         self.launches = fencing.Launches(sessions, clock, notify=self._notify, metrics=self.metrics, gate=self.gate)
 
     # ------------------------------------------------------------ shared by the parts and

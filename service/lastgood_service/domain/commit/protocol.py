@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 
 from sqlalchemy import or_, select, update
@@ -32,6 +31,7 @@ from lastgood.wire.manifest import FileEntry, Manifest
 
 from ...catalog import txtimer
 from ...catalog.models import ABANDONED, COMMITTED, CORRUPT, DECLARED, PENDING, VERIFIED, Checkpoint, Run, Shard, Vote
+from ...failpoints import Failpoint, reach
 from .. import branches, fencing, keys, last_good
 from ..errors import Conflict, FailedPrecondition, Fenced, InvalidArgument, NotFound
 from ..events import add_event
@@ -46,17 +46,9 @@ log = logging.getLogger("lastgood.commit")
 class CommitProtocol(CommitPut):
     """begin, vote and commit, on the put of files (put.py)."""
 
-    def _failpoint(self, name: str) -> None:
-        """Crash the process here when the (testing-only) failpoint setting names this point;
-        a hold_* point instead blocks until the file <data_dir>/<name>.release exists (a test
-        holds a commit right there, to see what other calls do meanwhile)."""
-        if self.settings.failpoint == name and name.startswith("hold_"):
-            log.warning("failpoint %s: holding until %s.release exists", name, name)
-            while not (self.settings.data_dir / f"{name}.release").exists():
-                time.sleep(0.05)
-        elif self.settings.failpoint == name:
-            log.critical("failpoint %s: exiting abruptly", name)
-            os._exit(77)
+    def _failpoint(self, point: Failpoint) -> None:
+        """A crash or hold point of the commit (failpoints.reach), armed by settings.failpoint."""
+        reach(point, self.settings.failpoint, self.settings.data_dir)
 
     # ---------------------------------------------------------------- begin
     @txtimer.label("begin")  # /metrics counts catalog transactions by these labels
@@ -146,7 +138,7 @@ class CommitProtocol(CommitPut):
         result = self.vote_batches.vote(checkpoint_id, rank, files)
         if result.status == PENDING and wait_seconds > 0:
             result = self.wait_for(checkpoint_id, min(wait_seconds, self.settings.commit_wait_max))
-        if result.status == COMMITTED and self.settings.failpoint == "lose_commit_reply":
+        if result.status == COMMITTED and self.settings.failpoint == Failpoint.LOSE_COMMIT_REPLY:
             raise RuntimeError("failpoint lose_commit_reply: the commit happened, its reply is lost")
         return result
 
@@ -219,14 +211,14 @@ class CommitProtocol(CommitPut):
                 return False
         manifest, key, run_id, last_vote = plan.manifest, plan.key, plan.run_id, plan.last_vote
         body = manifest.to_bytes()
-        self._failpoint("crash_before_manifest")
+        self._failpoint(Failpoint.CRASH_BEFORE_MANIFEST)
         stored = self.blobs.stat(key)
         if stored is None or self.blobs.read_all(key) != body:
             if recovering:
                 return False
-            self._failpoint("hold_manifest")  # testing only: a slow manifest write, held by the test
+            self._failpoint(Failpoint.HOLD_MANIFEST)  # testing only: a slow manifest write, held by the test
             self.blobs.put_bytes(key, body)
-        self._failpoint("crash_after_manifest")
+        self._failpoint(Failpoint.CRASH_AFTER_MANIFEST)
         with self.sessions() as s, s.begin():
             # the run's row first: a launch registering now (domain/fencing.py) is ordered
             # strictly before or after this commit, never interleaved with it

@@ -48,6 +48,7 @@ from sqlalchemy import select, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from ...catalog.models import ABANDONED, COMMITTED, CORRUPT, DECLARED, PENDING, Shard, Vote
+from ...failpoints import Failpoint
 from .. import fencing
 from ..errors import Conflict, DomainError, FailedPrecondition, Unavailable
 from ..faults import as_domain_error
@@ -80,9 +81,10 @@ class VoteBatcher:
         self._cv = threading.Condition()
         self._queue: list[_Ask] = []
         self._writing = False
-        self._fail_next = failpoint == "vote_batch_fails_once"  # testing only (settings.failpoint)
-        fails_on = "vote_fails_on_checkpoint_"  # testing only: an SQL error in that checkpoint's part
-        self._fail_checkpoint = int(failpoint[len(fails_on):]) if (failpoint or "").startswith(fails_on) else None
+        # testing only (settings.failpoint): the first batch fails, or an SQL error in one checkpoint's parts
+        point, checkpoint_id = Failpoint.parse(failpoint) if failpoint else (None, None)
+        self._fail_next = point is Failpoint.VOTE_BATCH_FAILS_ONCE
+        self._fail_checkpoint = checkpoint_id if point is Failpoint.VOTE_FAILS_ON_CHECKPOINT else None
         self._committing: set[int] = set()  # checkpoints a voter of this process is committing
         self.batches = 0  # transactions written, for tests and the benchmark
 
