@@ -50,7 +50,7 @@ from lastgood_service.domain.commit import CommitService
 from lastgood_service.domain.commit.types import ShardHeader
 from lastgood_service.domain.gc import GarbageCollector
 from lastgood_service.domain.queries import MAX_LINEAGE, Queries
-from lastgood_service.domain.retention import Retention
+from lastgood_service.domain.runs.retention import Retention
 from lastgood_service.settings import Settings
 
 from .common import ROOT

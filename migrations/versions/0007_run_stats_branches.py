@@ -125,7 +125,7 @@ BACKFILL = """INSERT INTO run_stats (run_id, pending, committed, abandoned, corr
 
 
 def _backfill_branches() -> None:
-    from lastgood_service.domain.lineage import assign_branches  # the rule's one owner
+    from lastgood_service.domain.runs.lineage import assign_branches  # the rule's one owner
 
     conn = op.get_bind()
     for (run_id,) in conn.execute(sa.text("SELECT id FROM runs")).all():

@@ -23,7 +23,7 @@ from lastgood_service.blobstore.base import READ_CHUNK
 from lastgood_service.blobstore.capabilities import (AdoptsFiles, GrantsDirectAccess, LendsLocalPaths,
                                                        ReportsFreeSpace)
 from lastgood_service.blobstore.metered import MeteredBlobStore
-from lastgood_service.domain.spool import Taken
+from lastgood_service.domain.dataplane.spool import Taken
 from lastgood_service.metrics import Metrics
 
 MiB = 1024 * 1024

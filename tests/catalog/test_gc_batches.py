@@ -16,10 +16,10 @@ from bench.seed import seed
 from lastgood_service.catalog import txtimer
 from lastgood_service.catalog.db import read_sessionmaker
 from lastgood_service.catalog.models import DELETED, PENDING, Checkpoint, Event, ReadLease, Run, Tag
-from lastgood_service.domain.curation import Curator
+from lastgood_service.domain.runs.curation import Curator
 from lastgood_service.domain.errors import FailedPrecondition
 from lastgood_service.domain.gc import GarbageCollector
-from lastgood_service.domain.retention import Retention
+from lastgood_service.domain.runs.retention import Retention
 
 from tests.service.helpers import make_shard, shard_name
 

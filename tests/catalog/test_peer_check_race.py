@@ -18,7 +18,7 @@ from sqlalchemy import text
 
 from lastgood_service.blobstore import MemoryBlobStore
 from lastgood_service.catalog.db import make_engine, make_sessionmaker, upgrade_head
-from lastgood_service.domain import peer_fallback
+from lastgood_service.domain.peer import peer_fallback
 from lastgood_service.domain.commit import CommitService
 from lastgood_service.settings import Settings
 from tests.service.helpers import make_shard

@@ -8,7 +8,7 @@ from __future__ import annotations
 from sqlalchemy import select
 
 from lastgood_service.catalog.models import Checkpoint, Run
-from lastgood_service.domain.lineage import assign_branches
+from lastgood_service.domain.runs.lineage import assign_branches
 from lastgood_service.domain.queries import Queries
 
 from tests.service.helpers import make_shard, shard_name

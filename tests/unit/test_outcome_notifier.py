@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from lastgood_service.domain.outcomes import OutcomeNotifier
+from lastgood_service.domain.commit.outcomes import OutcomeNotifier
 
 CID = 7
 WAITERS = 50

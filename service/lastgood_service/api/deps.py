@@ -18,16 +18,16 @@ from lastgood.wire import names
 from lastgood.wire.codes import GENERATION_HEADER
 
 from ..domain.commit import CommitService
-from ..domain.curation import Curator
+from ..domain.runs.curation import Curator
 from ..domain.errors import Unavailable
 from ..domain.gc import GarbageCollector
-from ..domain.health import Health
-from ..domain.outcomes import OutcomeNotifier
+from ..domain.health.heartbeats import Health
+from ..domain.commit.outcomes import OutcomeNotifier
 from ..domain.queries import MAX_PAGE, Queries
-from ..domain.directfs import DirectFS
-from ..domain.spool import Spool
+from ..domain.dataplane.directfs import DirectFS
+from ..domain.dataplane.spool import Spool
 from ..domain.tokens import TokenStore
-from ..domain.verification_modes import PeerChecks
+from ..domain.peer.verification_modes import PeerChecks
 from ..metrics import Metrics
 from ..settings import Settings
 

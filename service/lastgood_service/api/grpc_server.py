@@ -21,8 +21,8 @@ from ..domain.commit import CommitService
 from ..domain.commit.types import ShardHeader
 from ..domain.errors import DomainError, FollowRefused, InvalidArgument, SpoolNotShared
 from ..domain.faults import as_domain_error
-from ..domain import verification_modes
-from ..domain.spool import Followed, Spool
+from ..domain.peer import verification_modes
+from ..domain.dataplane.spool import Followed, Spool
 from ..domain.tokens import READER, WRITER, Principal, TokenStore
 from ..domain.queries import Queries
 from .errors import bounded, lookup

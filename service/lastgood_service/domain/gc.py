@@ -40,11 +40,12 @@ from ..metrics import Metrics
 from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, DELETED, PENDING, STATUSES, Checkpoint, Event, ReadLease, Run,
                               RunStats, Shard, Tag, utcnow)
 from .commit import indexes
-from . import grants, keys
+from . import keys
+from .dataplane import grants
 from .events import add_event
 from .faults import Ballast, is_disk_full
 from .gate import CatalogGate
-from .retention import Retention, RunView, effective
+from .runs.retention import Retention, RunView, effective
 
 log = logging.getLogger("lastgood.gc")
 

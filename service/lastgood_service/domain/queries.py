@@ -14,11 +14,11 @@ from lastgood.wire import jsonvalues, names
 
 from ..catalog.models import STATUSES, Checkpoint, Event, ReadLease, Run, RunStats
 from ..catalog.models import CORRUPT, PENDING, Shard, Vote, utcnow
-from . import last_good, lineage
+from .runs import last_good, lineage
 from .gate import CatalogGate
 from .errors import Damaged, FailedPrecondition, InvalidArgument, NoCheckpoint, NotFound, NoUsableCheckpoint
-from .lineage import tags_by_checkpoint
-from .retention import Retention
+from .runs.lineage import tags_by_checkpoint
+from .runs.retention import Retention
 
 MAX_PAGE = 1000
 MAX_LINEAGE = 10000

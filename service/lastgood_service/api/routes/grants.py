@@ -14,7 +14,7 @@ from lastgood.wire.s3parts import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE
 
 from ...domain.commit.types import ShardHeader
 from ...domain.errors import InvalidArgument
-from ...domain.grants import DirectUploads, UploadedPart
+from ...domain.dataplane.grants import DirectUploads, UploadedPart
 from ..contract import StrictJSONRoute, answers
 from ..deps import CkptId, CommitsDep
 

@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 
 from lastgood.wire import names
 
-from ...domain.health import MAX_SECONDS
+from ...domain.health.heartbeats import MAX_SECONDS
 from ..contract import StrictJSONRoute, answers
 from ..deps import HealthDep
 

@@ -9,7 +9,7 @@ from lastgood.wire.vocab import Verification
 
 from ... import __version__
 from ..contract import StrictJSONRoute
-from ...domain.grants import DirectUploads
+from ...domain.dataplane.grants import DirectUploads
 from ..deps import Ctx, QueriesDep
 
 router = APIRouter(route_class=StrictJSONRoute, tags=["ops"])

@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field
 from lastgood.wire import names
 
 from ...domain.errors import Unavailable
-from ...domain.verification_modes import MAX_REPORT_FILES, PeerChecks
+from ...domain.peer.verification_modes import MAX_REPORT_FILES, PeerChecks
 from ..contract import StrictJSONRoute, answers
 from ..deps import CkptId, Ctx
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from ...domain.retention import MAX_SPEC
-from ...domain.run_retention import RunRetention
+from ...domain.runs.retention import MAX_SPEC
+from ...domain.runs.run_retention import RunRetention
 from ..contract import StrictJSONRoute, answers
 from ..deps import GCDep
 

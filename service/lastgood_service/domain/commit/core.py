@@ -16,7 +16,8 @@ from ...catalog.models import PENDING, Checkpoint, Run, utcnow
 from ...failpoints import Failpoint
 from ...metrics import Metrics
 from ...settings import Settings
-from .. import fencing, keys
+from .. import keys
+from ..runs import fencing
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, StoreFull
 from ..gate import CatalogGate
 from .votebatch import VoteBatcher

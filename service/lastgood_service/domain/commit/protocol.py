@@ -32,9 +32,10 @@ from lastgood.wire.manifest import FileEntry, Manifest
 from ...catalog import txtimer
 from ...catalog.models import ABANDONED, COMMITTED, CORRUPT, DECLARED, PENDING, VERIFIED, Checkpoint, Run, Shard, Vote
 from ...failpoints import Failpoint, reach
-from .. import branches, fencing, keys, last_good
+from .. import keys
 from ..errors import Conflict, FailedPrecondition, Fenced, InvalidArgument, NotFound
 from ..events import add_event
+from ..runs import branches, fencing, last_good
 from . import indexes
 from .core import key_prefix
 from .put import CommitPut

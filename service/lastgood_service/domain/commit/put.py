@@ -27,7 +27,8 @@ from ...catalog import txtimer
 from ...catalog.models import DECLARED, VERIFIED, Checkpoint, Shard, Vote
 from ...blobstore import capabilities
 from ...blobstore.base import BlobWriter
-from .. import fencing, keys
+from .. import keys
+from ..runs import fencing
 from ..errors import Conflict, FailedPrecondition, FollowRefused, HashMismatch, InvalidArgument, SpoolRefused, TooLarge
 from ..events import add_event
 from . import declared_ranges, indexes

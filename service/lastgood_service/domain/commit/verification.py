@@ -13,7 +13,7 @@ from lastgood.wire.hashing import StreamHasher, hash_bytes
 from lastgood.wire.ranges import FileCheck, fingerprint
 
 from ...catalog.models import COMMITTED, CORRUPT, Shard
-from .. import last_good
+from ..runs import last_good
 from ..errors import FailedPrecondition
 from ..events import add_event
 from . import indexes

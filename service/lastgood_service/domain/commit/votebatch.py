@@ -49,7 +49,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ...catalog.models import ABANDONED, COMMITTED, CORRUPT, DECLARED, PENDING, Shard, Vote
 from ...failpoints import Failpoint
-from .. import fencing
+from ..runs import fencing
 from ..errors import Conflict, DomainError, FailedPrecondition, Unavailable
 from ..faults import as_domain_error
 from .types import VoteResult

@@ -36,9 +36,11 @@ from sqlalchemy import func, select
 
 from lastgood.wire.ranges import FileCheck, fingerprint
 
-from ..catalog.models import DECLARED, PENDING, VERIFIED, Checkpoint, Shard, Vote
-from .commit import declared_ranges
-from .commit.declared_ranges import fingerprint_of
+from ...catalog.models import DECLARED, PENDING, VERIFIED, Checkpoint, Shard, Vote
+from ..commit import declared_ranges
+from ..commit.core import key_prefix
+from ..commit.declared_ranges import fingerprint_of
+from ..commit.types import ShardHeader
 
 log = logging.getLogger("lastgood.commit")
 
@@ -176,8 +178,6 @@ class PeerFallback:
                     if sh is None or ck is None or ck.status != PENDING:
                         continue  # a checker reported it meanwhile, or the checkpoint is decided
                     key, size, want = sh.blob_key, sh.size, sh.xxh3_128
-                    from .commit.core import key_prefix  # commit imports this module
-
                     ranges = declared_ranges.of_shard(c.store, key_prefix(s, ck), sh)  # the writer's, if declared
                 got, got_ranges = self._hash(checkpoint_id, key, size, declared_ranges.rule_of(ranges))
                 if got == want and got_ranges != fingerprint_of(ranges):  # the bytes are, their range digests not
@@ -235,8 +235,6 @@ def refuse(commits, checkpoint_id: int, bad: list, rank: int | None = None) -> t
     """Files whose stored bytes are not what their writer declared - (rank, file, declared,
     read or None, how it was read) each: a hash_mismatch event each, and the checkpoint is
     aborted. Returns its status then and the reason."""
-    from .commit.types import ShardHeader
-
     c = commits
     for r, name, want, got, _how in bad:
         c.record_mismatch(ShardHeader(checkpoint_id, r, name, 0, want), got or "unreadable")

@@ -38,11 +38,12 @@ from lastgood.common import interval as math_
 from lastgood.wire import names
 from lastgood.wire.vocab import Phase
 
-from ..catalog.models import Event, Heartbeat, Launch, Run, utcnow
-from . import fencing, verdicts
-from .errors import InvalidArgument, NotFound
-from .events import add_event
-from .gate import CatalogGate
+from ...catalog.models import Event, Heartbeat, Launch, Run, utcnow
+from ..errors import InvalidArgument, NotFound
+from ..events import add_event
+from ..gate import CatalogGate
+from ..runs import fencing
+from . import verdicts
 
 log = logging.getLogger("lastgood.health")
 PHASES = tuple(p.value for p in Phase)

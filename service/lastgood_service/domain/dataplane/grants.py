@@ -51,17 +51,18 @@ from lastgood.wire.s3parts import CHECKSUM_HEADER, MAX_PARTS, part_layout  # one
 from lastgood.wire.errors import FormatError
 from lastgood.wire.format import header_length
 
-from ..blobstore import capabilities
-from ..blobstore.s3direct import StoredPart, composite
-from ..catalog.models import DECLARED, PENDING, VERIFIED, Checkpoint, Run, Shard
-from ..failpoints import Failpoint, reach
-from . import keys, verification_modes
-from .commit import declared_ranges, indexes
-from .commit.core import key_prefix
-from .commit.put import read_header
-from .commit.types import PutResult, ShardHeader
-from .errors import Conflict, DirectOff, FailedPrecondition, HashMismatch, InvalidArgument
-from .events import add_event
+from ...blobstore import capabilities
+from ...blobstore.s3direct import StoredPart, composite
+from ...catalog.models import DECLARED, PENDING, VERIFIED, Checkpoint, Run, Shard
+from ...failpoints import Failpoint, reach
+from .. import keys
+from ..commit import declared_ranges, indexes
+from ..commit.core import key_prefix
+from ..commit.put import read_header
+from ..commit.types import PutResult, ShardHeader
+from ..errors import Conflict, DirectOff, FailedPrecondition, HashMismatch, InvalidArgument
+from ..events import add_event
+from ..peer import verification_modes
 
 log = logging.getLogger("lastgood.grants")
 

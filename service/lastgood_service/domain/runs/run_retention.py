@@ -12,10 +12,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from lastgood.wire import names
 
-from ..catalog.models import Run
-from .events import add_event
-from .errors import InvalidArgument, NotFound
-from .gate import CatalogGate
+from ...catalog.models import Run
+from ..events import add_event
+from ..errors import InvalidArgument, NotFound
+from ..gate import CatalogGate
 from .retention import Retention, effective
 
 

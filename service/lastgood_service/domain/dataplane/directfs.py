@@ -24,8 +24,8 @@ from pathlib import Path
 from lastgood.wire import names
 from lastgood.wire.info import DirectFSOffer
 
-from ..blobstore import capabilities
-from ..blobstore.base import BlobStore
+from ...blobstore import capabilities
+from ...blobstore.base import BlobStore
 from .spool import Spool
 
 log = logging.getLogger("lastgood")

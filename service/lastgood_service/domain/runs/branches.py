@@ -21,7 +21,7 @@ from __future__ import annotations
 from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
-from ..catalog.models import Checkpoint
+from ...catalog.models import Checkpoint
 from .lineage import assign_branches
 
 

@@ -40,15 +40,15 @@ from sqlalchemy import select
 
 from lastgood.wire.vocab import Verification
 
-from ..blobstore import capabilities
-from ..catalog.models import COMMITTED, DECLARED, PENDING, VERIFIED, Shard, Vote
-
-from . import fencing, peer_fallback
-from .commit.core import key_prefix
-from .commit import declared_ranges
-from .commit.declared_ranges import fingerprint_of
-from .errors import FailedPrecondition, InvalidArgument
-from .events import add_event
+from ...blobstore import capabilities
+from ...catalog.models import COMMITTED, DECLARED, PENDING, VERIFIED, Shard, Vote
+from ..commit import declared_ranges
+from ..commit.core import key_prefix
+from ..commit.declared_ranges import fingerprint_of
+from ..errors import FailedPrecondition, InvalidArgument
+from ..events import add_event
+from ..runs import fencing
+from . import peer_fallback
 
 
 SERVICE, PEER, STORE = (Verification[n].value for n in ("SERVICE", "PEER", "STORE"))

@@ -20,7 +20,7 @@ from collections import defaultdict
 from sqlalchemy import func, select, type_coerce
 from sqlalchemy.orm import Session
 
-from ..catalog.models import LAST_GOOD, RAW_UTC, SYSTEM, Checkpoint, Run, RunStats, Tag, Vote, iso_utc
+from ...catalog.models import LAST_GOOD, RAW_UTC, SYSTEM, Checkpoint, Run, RunStats, Tag, Vote, iso_utc
 
 
 def assign_branches(rows: list[tuple[int, int | None, bool]], branch: dict[int | None, int] | None = None,

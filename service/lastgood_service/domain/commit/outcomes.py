@@ -32,8 +32,8 @@ from functools import cached_property
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from ..catalog.models import PENDING, Checkpoint, Vote
-from .errors import NotFound
+from ...catalog.models import PENDING, Checkpoint, Vote
+from ..errors import NotFound
 
 log = logging.getLogger("lastgood.outcomes")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from ..catalog.models import SUSPECT
+from ...catalog.models import SUSPECT
 
 
 @dataclass
