@@ -1,4 +1,8 @@
-"""One typed settings object, built in `main` and passed down. Nothing connects at import."""
+"""One typed settings object, built in `main` and passed down. Nothing connects at import.
+
+The settings sit below the domain, which reads them, and above the catalog and the blob
+stores, which know nothing of them (.importlinter, service-layers): a value whose rule
+the domain owns (the retention policy) is checked by main.py at start, not here."""
 
 from __future__ import annotations
 
