@@ -111,7 +111,7 @@ class Service:
         self.spool = None
         if spool_dir := settings.resolved_spool_dir():
             try:
-                # files handed over while they are written are adopted by rename (domain/spool.Followed)
+                # files handed over while they are written are adopted by rename (domain/dataplane/spool.Followed)
                 self.spool = Spool(spool_dir, follow=lambda d: capabilities.adopts_from(blobs, d))
             except OSError as e:
                 log.warning("no spool (same-host hand-over off; clients stream): %s", e)
@@ -248,7 +248,7 @@ def _repair_command(args, settings: Settings) -> int:
 def _check_settings(settings: Settings) -> None:
     """What the settings cannot check themselves, because the rule is the domain's (the
     settings sit below it): a retention policy that does not parse stops every command
-    at start, with the reason (domain/retention.py)."""
+    at start, with the reason (domain/runs/retention.py)."""
     try:
         Retention.parse(settings.retention)
     except ValueError as e:

@@ -1,7 +1,7 @@
 """The service's background passes over pending checkpoints, each run when it can have work.
 
 Three passes share one thread: lease expiry (a rank died: ABANDONED), peer verification's
-liveness pass (domain/peer_fallback.py: the service hashes what no checker reported, and
+liveness pass (domain/peer/peer_fallback.py: the service hashes what no checker reported, and
 commits what is left), and the spool's sweep (files whose writer died). Run on every
 `reaper_interval` (1 s), the first two were two catalog transactions a second whatever
 was pending: most of an idle service's CPU, and a pending save paid for them the longer it

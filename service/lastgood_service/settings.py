@@ -81,7 +81,7 @@ class Settings(BaseSettings):
     auth_required: bool = Field(False, description="every API call needs a bearer token (required off loopback)")
     admin_token: SecretStr | None = Field(None, description="a bootstrap admin token (create real ones with it)")
     spool: bool = Field(True, description="clients on this host may hand shard files over through the spool "
-                                          "directory instead of streaming them (see domain/spool.py)")
+                                          "directory instead of streaming them (see domain/dataplane/spool.py)")
     spool_dir: Path | None = Field(None, description="the spool directory; default <data_dir>/spool (put it on "
                                                      "the blob store's file system: files are adopted by rename)")
     spool_cache_bytes: int = Field(512 * MiB, ge=-1, description="of each file handed over while it is written "
@@ -89,7 +89,7 @@ class Settings(BaseSettings):
                                    "beyond them, what the service has hashed is dropped from it once on the disk "
                                    "(drop-behind: a large save does not take its size in page-cache pages; "
                                    "docs/performance.md). 0: drop everything behind; -1: never drop")
-    # direct uploads to an S3 store (domain/grants.py, docs/direct-s3.md): off until enabled
+    # direct uploads to an S3 store (domain/dataplane/grants.py, docs/direct-s3.md): off until enabled
     direct_s3: bool = Field(False, description="trainers upload shard files straight to an s3:// blob store "
                             "through presigned multipart URLs (per-part CRC32 the store verifies) and read "
                             "them back through presigned GETs; the service only signs, checks metadata, commits")
@@ -100,7 +100,7 @@ class Settings(BaseSettings):
                                          "of a direct upload or read lasts")
     direct_s3_part_size: int = Field(64 * MiB, ge=MIN_PART_SIZE, le=MAX_PART_SIZE, description="part size of a direct "
                                      "upload (S3: 5 MiB to 5 GiB; grown for files that would need over 10,000 parts)")
-    # data paths and verification (docs/dataplane.md; domain/verification_modes.py owns the modes)
+    # data paths and verification (docs/dataplane.md; domain/peer/verification_modes.py owns the modes)
     verification: str = Field(Verification.SERVICE.value, pattern=f"^({'|'.join(Verification)})$", description="who hashes a file handed "
                               "over by name (direct-FS, direct S3): service (the service re-reads every byte; not "
                               "with direct S3), peer (another rank reads it back from the store before the commit), "
@@ -108,8 +108,8 @@ class Settings(BaseSettings):
                               "start without them)")
     peer_check_grace_seconds: float | None = Field(None, ge=0, description="peer mode: once every rank has voted, "
                                                    "a file no rank reported checking within this long is hashed by the "
-                                                   "service itself (domain/peer_fallback.py); default half the lease; "
-                                                   "at or past the lease: never (the lease then abandons it)")
+                                                   "service itself (domain/peer/peer_fallback.py); default half the "
+                                                   "lease; at or past the lease: never (the lease then abandons it)")
     direct_fs: bool = Field(True, description="trainers that mount a local store's directory may write their files "
                             "in place (<blob root>/direct) and hand over only the name, from any host")
     max_request_bytes: int = Field(1024 * 1024, gt=0, description="largest REST request body")
@@ -123,11 +123,11 @@ class Settings(BaseSettings):
     log_format: str = Field("text", pattern="^(text|json)$", description="text, or json: one object a line")
     retention: str = Field("latest:3,tagged,last-good,branch-heads",
                            description="what GC keeps: latest:N, every:N (steps), tagged, last-good, branch-heads "
-                                       "(domain/retention.py owns the syntax; main.py refuses a bad one at start)")
+                                       "(domain/runs/retention.py owns the syntax; main.py refuses a bad one at start)")
     gc_interval: float = Field(3600.0, ge=0, description="seconds between scheduled GC passes; 0 turns them off")
     gc_grace_seconds: float = Field(3600.0, ge=0,
                                     description="ABANDONED and CORRUPT checkpoints are kept at least this long")
-    # run health (domain/health.py, docs/health.md)
+    # run health (domain/health/heartbeats.py, docs/health.md)
     health_interval: float = Field(5.0, ge=0, description="seconds between health sweeps, which record hung, "
                                    "straggler and lost ranks as events; 0 turns them off (GET .../health still judges)")
     hang_timeout: float | None = Field(None, gt=0, description="a fixed hang timeout in seconds instead of the "

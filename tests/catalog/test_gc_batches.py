@@ -1,4 +1,4 @@
-"""GC at scale on each backend (domain/gc.py): passes plan only runs where something
+"""GC at scale on each backend (domain/gc/): passes plan only runs where something
 changed, execution marks checkpoints in short bounded transactions that commits run
 between, and I4 holds while tags, leases and saves race a batched pass.
 

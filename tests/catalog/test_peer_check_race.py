@@ -1,4 +1,4 @@
-"""The last of a checkpoint's peer checks commits it, whoever does it (domain/peer_fallback.py).
+"""The last of a checkpoint's peer checks commits it, whoever does it (domain/peer/peer_fallback.py).
 
 Two parties turn DECLARED files VERIFIED: a rank's report (under the checkpoint's row lock)
 and the service's own background hash. Each commits if it saw no DECLARED file left. If the

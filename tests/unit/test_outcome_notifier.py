@@ -1,4 +1,4 @@
-"""The outcome notifier (domain/outcomes.py): a commit made in this process answers every
+"""The outcome notifier (domain/commit/outcomes.py): a commit made in this process answers every
 waiter of its checkpoint without a catalog read, with one answer made once; a poke that
 does not say what was decided (an abort, an expiry) reads the statuses, as before.
 

@@ -44,8 +44,9 @@ class AppContext:
     spool: Spool | None = None
     health: Health | None = None
     outcomes: OutcomeNotifier | None = None  # GET .../outcome (routes/outcomes.py); one per process
-    direct_fs: DirectFS | None = None  # the direct-FS data path (domain/directfs.py), announced at /api/v1/info
-    peer_checks: PeerChecks | None = None  # peer verification (domain/verification_modes.py); one per process
+    # the direct-FS data path (domain/dataplane/directfs.py), announced at /api/v1/info
+    direct_fs: DirectFS | None = None
+    peer_checks: PeerChecks | None = None  # peer verification (domain/peer/verification_modes.py); one per process
 
 
 # The lookups below are `async def` although they await nothing: FastAPI runs a plain `def`

@@ -256,7 +256,7 @@ class S3BlobStore(BlobStore):
         """(object name, upload id) of every multipart upload under this store's prefix (and
         `key_prefix` under it) not yet completed or aborted, and when it began if `initiated`
         (a datetime, None where the store does not say). For operators, tests and the
-        direct uploads' sweep (domain/grants.py): after publish or abort there is none."""
+        direct uploads' sweep (domain/dataplane/grants.py): after publish or abort there is none."""
         out: list[tuple] = []
         key_marker = upload_marker = None
         while True:

@@ -1,5 +1,5 @@
 """Direct access to an S3 store for trainers that hold no credentials: presigned URLs, and
-the multipart calls the service makes around them (domain/grants.py uses them).
+the multipart calls the service makes around them (domain/dataplane/grants.py uses them).
 
 Why our own SigV4 presigning (about thirty lines) instead of minio's `get_presigned_url`:
 minio signs the host alone. A grant for one part signs the part's CRC32 too

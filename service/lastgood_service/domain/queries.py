@@ -207,7 +207,7 @@ class Queries:
             return self._checkpoint(s, lease.checkpoint_id)[1].name
 
     def lineage_json(self, run_name: str, limit: int = LINEAGE_PAGE, offset: int = 0) -> bytes:
-        """A lineage page as the REST answer's JSON text (domain/lineage.py says why text)."""
+        """A lineage page as the REST answer's JSON text (domain/runs/lineage.py says why text)."""
         if not 1 <= limit <= MAX_LINEAGE or offset < 0:
             raise InvalidArgument(f"limit must be 1..{MAX_LINEAGE} and offset >= 0")
         with self.sessions() as s, s.begin():

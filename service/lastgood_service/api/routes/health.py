@@ -1,5 +1,5 @@
 """REST routes of run health: heartbeats in, verdicts and the checkpoint interval out
-(domain/health.py; docs/health.md)."""
+(domain/health/heartbeats.py; docs/health.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Peer verification (domain/verification_modes.py): a rank asks which of its peer's files
+"""Peer verification (domain/peer/verification_modes.py): a rank asks which of its peer's files
 to read back from the store, and reports what it read. Writers only: the report decides
 whether a checkpoint may commit."""
 

@@ -1,4 +1,4 @@
-"""A run's own retention policy (domain/run_retention.py): read it, set it, clear it."""
+"""A run's own retention policy (domain/runs/run_retention.py): read it, set it, clear it."""
 
 from __future__ import annotations
 

@@ -44,11 +44,11 @@ class CommitCore:
         self.store = blobs
         self.blobs = MeteredBlobStore(blobs, self.metrics)
         self._changed = threading.Condition()
-        # told of every change _notify announces, with what was decided if known (domain/outcomes.py)
+        # told of every change _notify announces, with what was decided if known (domain/commit/outcomes.py)
         self.listeners: list[Callable[[dict[int, str] | None], None]] = []
         # told of the checkpoints that ended without a commit (an abort, a lease expiry), after
         # the transaction: the composition root (main.py) has the direct S3 uploads they left
-        # open aborted (domain/grants.py, DirectUploads.end)
+        # open aborted (domain/dataplane/grants.py, DirectUploads.end)
         self.end_listeners: list[Callable[[list[int]], None]] = []
         # votes that arrive together are written in one transaction (votebatch.py)
         self.vote_batches = VoteBatcher(self, settings.vote_batch_window, settings.failpoint)
@@ -110,7 +110,7 @@ class CommitCore:
     def _notify(self, decided: dict[int, str] | None = None) -> None:
         """Wake whoever waits on a change. `decided`: checkpoints whose new status the caller
         knows and has committed (the commit's), passed on so that their waiters are answered
-        without a catalog read (domain/outcomes.py)."""
+        without a catalog read (domain/commit/outcomes.py)."""
         with self._changed:
             self._changed.notify_all()
         for listener in self.listeners:

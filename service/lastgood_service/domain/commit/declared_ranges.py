@@ -1,9 +1,9 @@
 """Range digests declared by a file's writer, for files the service does not read.
 
-A direct upload to S3 (grants.py) and a direct-FS file in `peer` mode (verification_modes.py)
-pass no byte through the service, so it cannot compute their range digests as put_shard
-does for streamed files; without them a restore at another world size reads such files
-whole (docs/resharding.md). Their writer computes them instead, with the same rule
+A direct upload to S3 (domain/dataplane/grants.py) and a direct-FS file in `peer` mode
+(domain/peer/verification_modes.py) pass no byte through the service, so it cannot compute
+their range digests as put_shard does for streamed files; without them a restore at
+another world size reads such files whole (docs/resharding.md). Their writer computes them instead, with the same rule
 (lastgood.wire.ranges.block_for) in the pass that hashes the file for its upload, and declares
 them with the hand-over. Here they are checked for shape (lastgood.wire.ranges.check_declared:
 the service's rule, the header's tensors and their extents, the counts) and, cheaply, the
@@ -14,7 +14,7 @@ Trust: they are as good as the file's declared xxh3-128 in the mode. `store`: th
 checked each part's CRC32 of the bytes the writer hashed in that same pass. `peer`: the
 checking rank recomputes them from the stored bytes as it re-reads the file
 (lastgood.wire.ranges.FileCheck), and a mismatch aborts the checkpoint as an xxh3-128 mismatch
-does; so does the service's own read when no peer reported (peer_fallback.py).
+does; so does the service's own read when no peer reported (domain/peer/peer_fallback.py).
 
 Digests under another rule than the service's (it restarted with another
 LASTGOOD_RANGE_BLOCK_BYTES since the writer asked) are dropped, not refused: the file is

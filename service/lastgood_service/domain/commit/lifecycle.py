@@ -82,7 +82,7 @@ class CommitLifecycle(CommitProtocol):
     def shards_present(self, checkpoint_id: int) -> bool:
         """Is every shard row's blob in the store at its recorded size (a stat each, no
         read)? Asked before a commit that does not follow the call that verified the files
-        (recovery at start-up, peer mode's retried commit: peer_fallback.py): a crash of the
+        (recovery at start-up, peer mode's retried commit: domain/peer/peer_fallback.py): a crash of the
         host since may have lost blobs that were published but not yet on disk."""
         with self.sessions() as s, s.begin():
             shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == checkpoint_id)))

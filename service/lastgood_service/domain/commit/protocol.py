@@ -8,7 +8,7 @@ Invariants (docs/architecture.md), and where this module keeps them:
      rank voted with exactly its verified files (each vote checked where it is written,
      votebatch.py, and all of them again by try_commit; reads.py serves COMMITTED
      checkpoints only; verification.py re-hashes and marks CORRUPT).
-  I3 last-good moves forward only in the commit transaction (domain/last_good.py, advance);
+  I3 last-good moves forward only in the commit transaction (domain/runs/last_good.py, advance);
      a failed save never touches it.
 Commit is exactly-once under races: the status change is a conditional UPDATE
 (`WHERE status = 'PENDING'`), so of two committers, or a committer and the lease reaper
@@ -55,7 +55,7 @@ class CommitProtocol(CommitPut):
     @txtimer.label("begin")  # /metrics counts catalog transactions by these labels
     def begin(self, run: str, step: int, world_size: int, parent_id: int | None, attempt: str,
               rank: int = 0, generation: int = 0, expected_bytes: int = 0) -> Checkpoint:
-        """`generation`: the caller's launch (domain/fencing.py); 0 for a client that did not register.
+        """`generation`: the caller's launch (domain/runs/fencing.py); 0 for a client that did not register.
         `expected_bytes`: what this rank is about to upload (0: unknown); refused at once if
         the store cannot hold it, before any rank uploads a byte."""
         self.gate.check()
@@ -122,7 +122,7 @@ class CommitProtocol(CommitPut):
                             created_at=now, generation=generation)
             s.add(ck)
             s.flush()
-            branches.settle(s, run.id, ck.id)  # its stored branch (domain/branches.py)
+            branches.settle(s, run.id, ck.id)  # its stored branch (domain/runs/branches.py)
             add_event(s, "begin", run.id, ck.id, step=step, world_size=world_size, attempt=attempt, rank=rank)
             return ck
 
@@ -182,7 +182,7 @@ class CommitProtocol(CommitPut):
                                   Shard.index_json).where(Shard.checkpoint_id == checkpoint_id)).all()
         if set(votes) != set(range(ck.world_size)):
             return None
-        if any(sh.status == DECLARED for sh in shards):  # a peer has yet to check it (verification_modes.py)
+        if any(sh.status == DECLARED for sh in shards):  # a peer has yet to check it (peer/verification_modes.py)
             return None
         by_rank: dict[int, list[FileEntry]] = {r: [] for r in votes}
         pfx = key_prefix(s, ck)
@@ -221,7 +221,7 @@ class CommitProtocol(CommitPut):
             self.blobs.put_bytes(key, body)
         self._failpoint(Failpoint.CRASH_AFTER_MANIFEST)
         with self.sessions() as s, s.begin():
-            # the run's row first: a launch registering now (domain/fencing.py) is ordered
+            # the run's row first: a launch registering now (domain/runs/fencing.py) is ordered
             # strictly before or after this commit, never interleaved with it
             s.get(Run, run_id, with_for_update=True)
             now = self.clock()

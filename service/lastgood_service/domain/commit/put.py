@@ -77,7 +77,7 @@ def read_header(prefix: bytearray, size: int, final: bool = False) -> tuple[int,
 
 class Declared:
     """Stands in for the hasher of put_shard when the service does not read the bytes (a
-    file handed over by name outside the `service` verification mode, verification_modes.py):
+    file handed over by name outside the `service` verification mode, domain/peer/verification_modes.py):
     it counts the header bytes it is shown, and the rest of the file is vouched for by its
     size (the hand-over checked it with fstat) until a peer hashes it."""
 
@@ -139,14 +139,14 @@ class CommitPut(CommitCore):
         """Stream one shard file into a temporary blob, hashing as bytes arrive; publish it
         durably and record it VERIFIED only if size and hash match the client's.
 
-        `adopt`: the chunks are read from this spooled shard (domain/spool.Taken); a blob
+        `adopt`: the chunks are read from this spooled shard (domain/dataplane/spool.Taken); a blob
         store that can make that very file the blob does so instead of copying it.
         `hashed=False` (an adopted direct-FS file outside the `service` verification mode,
-        domain/verification_modes.py): the file is published unread but for its header, and
+        domain/peer/verification_modes.py): the file is published unread but for its header, and
         recorded DECLARED; the commit waits until a peer has checked it. `declared`: the
-        range digests its writer declared for such a file (domain/declared_ranges.py).
+        range digests its writer declared for such a file (domain/commit/declared_ranges.py).
         `follow`: `chunks` come from a spooled file its writer is still writing
-        (domain/spool.Followed, `adopt` its Taken); the header has no hash, the writer's
+        (domain/dataplane/spool.Followed, `adopt` its Taken); the header has no hash, the writer's
         arrives with the last byte and is checked then, and the blob's key, which derives
         from it, is chosen then."""
         self.check_header(header, digest=follow is None)
@@ -180,7 +180,7 @@ class CommitPut(CommitCore):
             writer = capabilities.adopt_writer(self.blobs, key, adopt) if adopt is not None else None
         if not hashed and writer is None:
             raise SpoolRefused("spool: this hand-over cannot be renamed into the store; stream the shard")
-        if not hashed:  # verification_modes.py: a peer checks the bytes; only the header is read here
+        if not hashed:  # domain/peer/verification_modes.py: a peer checks the bytes; only the header is read here
             hasher = Declared(header.size, header.xxh3_128)
             chunks = header_chunks(adopt.fd, header.size, hasher, want_index,
                                                       self.settings.max_chunk_bytes)
@@ -264,7 +264,7 @@ class CommitPut(CommitCore):
     def admit_file(self, s: Session, h: ShardHeader, what: str, *,
                    lock: bool = False) -> tuple[Checkpoint, PutResult | None]:
         """The checks every data path makes before it takes, grants or records one file of a
-        rank (put_shard; direct uploads' grant, hand-over and record, domain/grants.py), in
+        rank (put_shard; direct uploads' grant, hand-over and record, domain/dataplane/grants.py), in
         one place so the paths cannot drift apart: the checkpoint exists, the rank is one of
         it, its launch is not fenced; a file recorded already is answered as it is (the
         same bytes: already present; other bytes: Conflict); else the checkpoint must be

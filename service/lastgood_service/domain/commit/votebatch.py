@@ -25,7 +25,7 @@ batch was being written, and within `vote_batch_window` seconds after - and writ
   try_commit, as the completing vote always did), unless a commit of that checkpoint is
   already under way in this process (a vote sent again while the manifest is written), or
   a file of it is still DECLARED (peer mode: the report or the service's own hash that
-  verifies the last one commits, under the same row lock: verification_modes.py);
+  verifies the last one commits, under the same row lock: domain/peer/verification_modes.py);
   the others answer PENDING at once, with no missing ranks, like any vote of an incomplete
   checkpoint: the caller waits for the outcome as its wait_seconds allows (protocol.vote,
   bounded by commit_wait_max and the gRPC waiters' limit), never for a slow manifest write
@@ -89,7 +89,7 @@ class VoteBatcher:
         self.batches = 0  # transactions written, for tests and the benchmark
 
     def committing(self, checkpoint_id: int) -> bool:
-        """Is a voter of this process committing the checkpoint (peer_fallback.py asks)?"""
+        """Is a voter of this process committing the checkpoint (domain/peer/peer_fallback.py asks)?"""
         with self._cv:
             return checkpoint_id in self._committing
 
@@ -256,7 +256,7 @@ class VoteBatcher:
         # DECLARED cannot commit, and its try_commit (every vote and file read back, then a
         # read of the status) was wasted. The last report to verify a file, serialised with
         # this batch by the checkpoint's row lock, sees every vote and commits it instead
-        # (verification_modes.py, report; peer_fallback.py)
+        # (domain/peer/verification_modes.py, report; peer_fallback.py)
         completes = ck.status == PENDING and not missing_ranks and s.scalar(select(Shard.id).where(
             Shard.checkpoint_id == cid, Shard.status == DECLARED).limit(1)) is None
         for a in accepted:

@@ -22,14 +22,14 @@ another key, another upload or a late request is refused by the store.
 
 Nothing is orphaned: an abort or a lease expiry aborts the checkpoint's open uploads
 (`end`, which main.py makes one of the commit service's end listeners), and every GC pass
-sweeps the open uploads of checkpoints that are no longer PENDING (gc.py calls `sweep`),
+sweeps the open uploads of checkpoints that are no longer PENDING (domain/gc/ calls `sweep`),
 the backstop for a service that died between.
 
-Verification (domain/verification_modes.py): in `store` mode a directly uploaded file is
+Verification (domain/peer/verification_modes.py): in `store` mode a directly uploaded file is
 verified by the *store* (per-part CRC32) and recorded VERIFIED at the hand-over; in `peer`
 mode it is recorded DECLARED and another rank reads the object back through a presigned GET
 and checks its xxh3-128 before the checkpoint may commit (or the service does, after the
-grace: domain/peer_fallback.py). Then a CRC32 the store does not report (moto keeps none)
+grace: domain/peer/peer_fallback.py). Then a CRC32 the store does not report (moto keeps none)
 refuses nothing: the read-back checks the bytes; one it reports that disagrees still does.
 The restoring client checks the xxh3-128 end to end in either mode.
 """
@@ -169,7 +169,7 @@ class DirectUploads:
                   part_size: int | None = None, digests: dict | None = None) -> PutResult:
         """Confirm the upload from the store's metadata, complete it, record the file (VERIFIED,
         or DECLARED for a peer to read back). `digests`: the range digests its writer declared
-        (declared_ranges.py)."""
+        (domain/commit/declared_ranges.py)."""
         d = self._direct()
         if not upload_id or len(upload_id) > 1024:
             raise InvalidArgument("upload_id must be 1..1024 characters")
@@ -317,7 +317,7 @@ class DirectUploads:
 
     def _index(self, key: str, h: ShardHeader, pfx: str, digests: dict | None = None) -> str | None:
         """The tensor index object of a safetensors file, from its header alone (ranged reads),
-        with the range digests its writer declared, checked for shape (declared_ranges.py)."""
+        with the range digests its writer declared, checked for shape (domain/commit/declared_ranges.py)."""
         if not h.file_name.endswith(".safetensors"):
             return None
         store = self.commits.store
@@ -384,7 +384,7 @@ class DirectUploads:
 
 def sweep(sessions, store, now: dt.datetime, grant_seconds: float) -> int:
     """Abort every open upload under ckpt/ whose checkpoint is no longer PENDING: GC's
-    backstop (gc.py) for an abort or expiry whose own `end` did not get through. An upload
+    backstop (domain/gc/) for an abort or expiry whose own `end` did not get through. An upload
     of a checkpoint this catalog has no row for (the row purged, the catalog rebuilt or
     restored) is aborted once it is older than a grant lives (`grant_seconds`): nobody can
     upload to it or hand it over any more. Never raises: a store that cannot list uploads

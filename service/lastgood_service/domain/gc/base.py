@@ -125,7 +125,7 @@ class GCBase:
               rows: list[_Row] | list[_ViewRow]) -> tuple[RunView, set[int]]:
         """What the policies see of the run, and the checkpoints a user's tag or pin protects.
         A branch's head is its newest COMMITTED checkpoint, by the branch stored with each
-        row (domain/branches.py): no walk over the run's DELETED history."""
+        row (domain/runs/branches.py): no walk over the run's DELETED history."""
         heads: dict[int, tuple[int, int]] = {}
         committed = [r for r in rows if r.status == COMMITTED]
         for r in committed:

@@ -154,7 +154,7 @@ class GCExecution(GCBase):
                     deleted.append(d.checkpoint_id)
                     freed += d.bytes
         orphans_done = self._delete_orphans(plan.orphans)
-        grants.sweep(self.sessions, self.blobs, now, self.grant_seconds)  # direct S3 uploads (domain/grants.py)
+        grants.sweep(self.sessions, self.blobs, now, self.grant_seconds)  # direct S3 uploads (dataplane/grants.py)
         freed += sum(n for _, n in orphans_done)
         events_pruned = self._prune_events(plan.events_of, now)
         self._write_marks([m for m in plan.runs if m.run not in unsettled

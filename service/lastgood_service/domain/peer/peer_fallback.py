@@ -1,4 +1,4 @@
-"""The liveness rule of peer verification (domain/verification_modes.py), one place.
+"""The liveness rule of peer verification (domain/peer/verification_modes.py), one place.
 
 A peer-checked file is DECLARED until a rank reads it back and reports its digest. Ranks
 can fail to: a checker crashed after its vote, a rank that does not wait for the outcome

@@ -14,12 +14,12 @@ xxh3-128 their writer declared, before the checkpoint may commit:
            checks its own bytes - unless it is alone (world 1), when reading its own file
            back from the store still checks the stored bytes against the declared digest.
   store    the store checked the declared checksums as it took the bytes (direct S3
-           uploads, whose parts carry a CRC32 the store verifies: domain/grants.py). A
+           uploads, whose parts carry a CRC32 the store verifies: domain/dataplane/grants.py). A
            deployment that cannot (a file system never does; direct uploads off) is refused
            at start (`check_available`).
 
-The mode governs the hand-overs by name: direct-FS (domain/directfs.py) and direct S3
-uploads (domain/grants.py; `service` is refused there: the service would have to read
+The mode governs the hand-overs by name: direct-FS (domain/dataplane/directfs.py) and direct S3
+uploads (domain/dataplane/grants.py; `service` is refused there: the service would have to read
 every object back, undoing the path). Bytes the service receives anyway - a stream, the
 same-host spool - are hashed as they pass, whatever the mode.
 
@@ -30,7 +30,7 @@ never the digest their writer declared: a checker cannot echo it) and reports wh
 mismatch records a hash_mismatch event and aborts the checkpoint (ABANDONED, with the
 reason); a file the checker could not read (it does not mount the store, the blob is
 missing) is hashed by the service itself, and so is a file no checker reported within a
-grace once every rank has voted (domain/peer_fallback.py, the liveness rule), so a
+grace once every rank has voted (domain/peer/peer_fallback.py, the liveness rule), so a
 checker's trouble costs CPU, never the commit's correctness or its liveness.
 """
 
@@ -62,7 +62,7 @@ class ModeUnavailable(ValueError):
 
 def check_available(mode: str, store, direct_s3: bool) -> None:
     """Refuse, at start, a mode the data paths cannot provide. `store` needs the direct S3
-    uploads (domain/grants.py), where the store verifies each part's declared CRC32 as it
+    uploads (domain/dataplane/grants.py), where the store verifies each part's declared CRC32 as it
     takes it: a store that grants no direct access, or a service with them off, has
     nothing that would verify a file it does not hash. Direct uploads take `store` or
     `peer` (ranks read each other's objects back through presigned GETs: the one mode
@@ -143,7 +143,8 @@ class PeerChecks:
             pfx = key_prefix(s, ck)
         where = self._where() if shards and status == PENDING else None
         # no declared digest: the checker reports what it read, the service compares (report);
-        # each file's writer's range digests, if any, by their rule: recomputed by the checker (declared_ranges.py);
+        # each file's writer's range digests, if any, by their rule: recomputed by the checker
+        # (domain/commit/declared_ranges.py);
         # files the service hashes itself (the fallback) are nobody's to check
         files = [{"name": sh.file_name, "size": sh.size, **where(sh),
                   "ranges": declared_ranges.rule_of(declared_ranges.of_shard(c.store, pfx, sh))} for sh in shards

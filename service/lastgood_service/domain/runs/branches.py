@@ -1,6 +1,6 @@
 """Stored branches: each checkpoint's branch number (`checkpoints.branch`), written when
 it is begun, committed or rebuilt, so a lineage page reads an index range instead of
-walking the whole run to derive them (domain/lineage.py).
+walking the whole run to derive them (domain/runs/lineage.py).
 
 The rule is lineage.assign_branches, the one owner: walking a run in creation order, a
 checkpoint's branch depends only on the rows before it. A commit can change the answer

@@ -54,7 +54,7 @@ class Curator:
 
     def set_tag(self, checkpoint_id: int, name: str, alias: bool = False, generation: int | None = None) -> dict:
         """A plain tag may name many checkpoints; an alias names one per run and moves.
-        `generation`: the caller's launch; a fenced one is refused (domain/fencing.py)."""
+        `generation`: the caller's launch; a fenced one is refused (domain/runs/fencing.py)."""
         self.gate.check()
         check_tag_name(name)
         with self.sessions() as s, s.begin():

@@ -8,7 +8,7 @@ stay on their parent's branch without claiming it, so a retried save after a cra
 mistaken for a branch. Whether a row claims is whether it was ever committed
 (`committed_at`), not its status now: GC turns committed and abandoned checkpoints alike
 into DELETED, and only the first kind continued its parent's branch. Each checkpoint's
-branch is stored when it is begun or committed (domain/branches.py applies this rule to
+branch is stored when it is begun or committed (domain/runs/branches.py applies this rule to
 the rows a change can affect), so a lineage page reads its own rows, not the whole run.
 """
 

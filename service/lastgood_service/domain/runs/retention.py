@@ -1,7 +1,7 @@
 """Retention as small composable policies: each names the checkpoints of a run it keeps;
 GC deletes what no policy keeps. Spelled in settings as a comma list, e.g.
 `latest:3,every:1000,tagged,last-good,branch-heads` (LASTGOOD_RETENTION), the service's
-default; a run may carry its own in the same syntax (runs.retention, domain/run_retention.py)."""
+default; a run may carry its own in the same syntax (runs.retention, domain/runs/run_retention.py)."""
 
 from __future__ import annotations
 
