@@ -271,9 +271,9 @@ def _limit_malloc_arenas(n: int) -> None:
 
 class _Server(uvicorn.Server):
     """uvicorn's server with its housekeeping tick (the Date header, the exit check) once a
-    second instead of ten times: those wakeups were most of an idle service's CPU (3 ms a
-    second here), paid by every save for as long as it took (bench/README.md, "Data
-    paths"). A signal still ends it at once: handle_exit wakes the loop."""
+    second instead of ten times: ten wakeups a second would be most of an idle service's
+    CPU (3 ms a second here), paid by every save for as long as it takes (bench/README.md,
+    "Data paths"). A signal still ends it at once: handle_exit wakes the loop."""
 
     async def main_loop(self) -> None:
         self._wake, self._loop = asyncio.Event(), asyncio.get_running_loop()

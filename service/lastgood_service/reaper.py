@@ -3,17 +3,18 @@
 Three passes share one thread: lease expiry (a rank died: ABANDONED), peer verification's
 liveness pass (domain/peer/peer_fallback.py: the service hashes what no checker reported, and
 commits what is left), and the spool's sweep (files whose writer died). Run on every
-`reaper_interval` (1 s), the first two were two catalog transactions a second whatever
-was pending: most of an idle service's CPU, and a pending save paid for them the longer it
-took (bench/README.md, "Data paths"). Each pass now says when it can next have work, and
-the thread sleeps until the earliest of them:
+`reaper_interval` (1 s), the first two would be two catalog transactions a second whatever
+was pending: most of an idle service's CPU, paid by a pending save the longer it takes
+(bench/README.md, "Data paths"). So each pass says when it can next have work, and the
+thread sleeps until the earliest of them:
 
 - expiry: the earliest lease of a PENDING checkpoint, or a lease from now when none is
   pending, and never more than EXPIRY_RECHECK_S. A checkpoint begun or renewed later
   expires later than that (every lease is `lease_seconds` from its last renewal), so an
-  expiry is never found later than before. The cap is for replicas sharing a catalog
-  with different leases (a rolling change of `LASTGOOD_LEASE_SECONDS`): a checkpoint
-  begun by a replica with a shorter lease, which then stops, is found at most that late;
+  expiry is found as soon as a pass every `reaper_interval` would find it. The cap is for
+  replicas sharing a catalog with different leases (a rolling change of
+  `LASTGOOD_LEASE_SECONDS`): a checkpoint begun by a replica with a shorter lease, which
+  then stops, is found at most that late;
 - the peer pass: `peer_fallback.PeerFallback.next_in` (the grace of the youngest
   checkpoint's begin, or every `sweep_interval` while an older one is pending);
 - the spool: every SPOOL_SWEEP_INTERVAL.

@@ -51,7 +51,7 @@ class AppContext:
 
 # The lookups below are `async def` although they await nothing: FastAPI runs a plain `def`
 # dependency in its thread pool, a thread hop per dependency per request, which at 1,024
-# ranks asking for their outcome at once cost the event loop more than the answers did
+# ranks asking for their outcome at once costs the event loop more than the answers do
 # (docs/control-plane.md). An attribute read needs no thread.
 async def context(request: Request) -> AppContext:
     return request.app.state.ctx

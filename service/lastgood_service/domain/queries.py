@@ -23,8 +23,8 @@ from .runs.retention import Retention
 MAX_PAGE = 1000
 MAX_LINEAGE = 10000
 # a lineage page when none is asked for: what one answer builds and holds at once (the web
-# page and the CLI page through longer runs); the whole 10,000 once made every poll of a
-# long run a multi-MB peak that the service's RSS kept
+# page and the CLI page through longer runs); the whole 10,000 would make every poll of a
+# long run a multi-MB peak that the service's RSS keeps
 LINEAGE_PAGE = 1000
 # events that mean a save or a checkpoint went wrong: the runs overview counts the recent ones
 FAILURE_EVENTS = ("abort", "expired", "corrupt", "hash_mismatch")
@@ -48,8 +48,8 @@ def checkpoint_view(ck: Checkpoint, run: Run, tags: list[dict] | None = None) ->
 
 
 def _event_data(text: str):
-    """An event's data as strict JSON can carry it, whatever an older service stored: NaN,
-    Infinity or a lone surrogate in one row once made every read of the run's events fail."""
+    """An event's data as strict JSON can carry it, whatever the row holds: NaN, Infinity or
+    a lone surrogate in one row would otherwise make every read of the run's events fail."""
     try:
         return jsonvalues.carried(json.loads(text))
     except (ValueError, RecursionError):

@@ -173,8 +173,8 @@ class CommitProtocol(CommitPut):
             return None
         checkpoint_id = ck.id
         run = s.get(Run, ck.run_id)
-        # plain rows, not ORM objects: at 1,024 ranks building 2,048 instances was a third
-        # of the commit's CPU, on the path every rank waits on (docs/control-plane.md)
+        # plain rows, not ORM objects: at 1,024 ranks building 2,048 instances would be a
+        # third of the commit's CPU, on the path every rank waits on (docs/control-plane.md)
         rows = s.execute(select(Vote.rank, Vote.files_json, Vote.created_at)
                          .where(Vote.checkpoint_id == checkpoint_id)).all()
         votes = {rank: set(json.loads(files)) for rank, files, _at in rows}

@@ -1,10 +1,10 @@
 """Group commit of votes: the votes that arrive together are written in ONE transaction.
 
 At 1,024 ranks every rank votes within the same second. Written one transaction each,
-under the checkpoint's row lock, each also counting and re-reading every vote before it,
-a checkpoint cost O(ranks) catalog transactions and O(ranks^2) rows read, and on SQLite
-every transaction appends its own pages to the WAL. Here a vote joins a queue; one of the
-waiting voters (the leader) takes everything queued - what arrived while the previous
+under the checkpoint's row lock, each also counting and re-reading every vote before it, a
+checkpoint would cost O(ranks) catalog transactions and O(ranks^2) rows read, and on
+SQLite every transaction appends its own pages to the WAL. So a vote joins a queue; one of
+the waiting voters (the leader) takes everything queued - what arrived while the previous
 batch was being written, and within `vote_batch_window` seconds after - and writes it:
 
 - one transaction per batch, whatever the number of checkpoints and ranks in it: each
@@ -13,7 +13,7 @@ batch was being written, and within `vote_batch_window` seconds after - and writ
   written, and the voted ranks are read back in one query (the count that says "all ranks
   voted", and the missing ranks the answer carries);
 - a voter's answer leaves only after its batch's transaction has committed (a vote is
-  durable when acknowledged, as before);
+  durable when acknowledged);
 - a vote the protocol refuses (wrong files, a checkpoint not PENDING, fenced) is refused
   to that voter alone and writes nothing; the others in the batch are written;
 - each checkpoint's part of the batch runs under its own SAVEPOINT: an SQL error in it (a
@@ -22,14 +22,13 @@ batch was being written, and within `vote_batch_window` seconds after - and writ
 - a batch whose transaction fails (a catalog error, a lost connection) has written nothing
   (rolled back as a whole) and every voter in it hears Unavailable: vote again;
 - the batch that completes a checkpoint has one of its voters commit it (the protocol's
-  try_commit, as the completing vote always did), unless a commit of that checkpoint is
-  already under way in this process (a vote sent again while the manifest is written), or
-  a file of it is still DECLARED (peer mode: the report or the service's own hash that
-  verifies the last one commits, under the same row lock: domain/peer/verification_modes.py);
-  the others answer PENDING at once, with no missing ranks, like any vote of an incomplete
-  checkpoint: the caller waits for the outcome as its wait_seconds allows (protocol.vote,
-  bounded by commit_wait_max and the gRPC waiters' limit), never for a slow manifest write
-  it did not ask to wait for.
+  try_commit), unless a commit of that checkpoint is already under way in this process (a
+  vote sent again while the manifest is written), or a file of it is still DECLARED (peer
+  mode: the report or the service's own hash that verifies the last one commits, under the
+  same row lock: domain/peer/verification_modes.py); the others answer PENDING at once,
+  with no missing ranks, like any vote of an incomplete checkpoint: the caller waits for
+  the outcome as its wait_seconds allows (protocol.vote, bounded by commit_wait_max and
+  the gRPC waiters' limit), never for a slow manifest write it did not ask to wait for.
 
 The protocol's checks and invariants are protocol.py's (I1-I3); this module only groups.
 """
@@ -254,7 +253,7 @@ class VoteBatcher:
             return
         # in `peer` mode the votes come before the checks: a completing vote with a file still
         # DECLARED cannot commit, and its try_commit (every vote and file read back, then a
-        # read of the status) was wasted. The last report to verify a file, serialised with
+        # read of the status) would be wasted. The last report to verify a file, serialised with
         # this batch by the checkpoint's row lock, sees every vote and commits it instead
         # (domain/peer/verification_modes.py, report; peer_fallback.py)
         completes = ck.status == PENDING and not missing_ranks and s.scalar(select(Shard.id).where(

@@ -1,10 +1,10 @@
 """Who hashes the bytes of a file a rank handed over by name: LASTGOOD_VERIFICATION.
 
-"Every shard has arrived and been hashed" (I2) must stay true when the service no longer
-reads every byte. The mode says who reads the stored bytes and checks them against the
+"Every shard has arrived and been hashed" (I2) must hold where the service does not read
+every byte. The mode says who reads the stored bytes and checks them against the
 xxh3-128 their writer declared, before the checkpoint may commit:
 
-  service  (default) the service re-reads every byte it adopts, as it always has.
+  service  (default) the service re-reads every byte it adopts.
   peer     another rank reads the file back from the store and checks it - through its
            mount on direct-FS, through a presigned GET the assignment grants it on direct
            S3 (the checker holds no credentials) - and the service reads only the file's
@@ -192,7 +192,7 @@ class PeerChecks:
             if verified:
                 add_event(s, "peer_verified", ck.run_id, ck.id, rank=peer_rank, checked_by=rank, files=verified)
             # try_commit reads every vote and file of the checkpoint: called on every report it
-            # made a checkpoint's reports cost O(world²) (bench/cluster.py); only once none is left
+            # would make a checkpoint's reports cost O(world²) (bench/cluster.py); only once none is left
             left = s.scalar(select(Shard.id).where(Shard.checkpoint_id == checkpoint_id,
                                                    Shard.status == DECLARED).limit(1)) is not None
             # the last file verified: what the commit writes is read here, under the row lock

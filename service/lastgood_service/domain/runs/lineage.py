@@ -62,9 +62,9 @@ def tags_by_checkpoint(s: Session, run: Run, ids: list[int] | None = None,
     return out
 
 
-# a lineage node's columns, read as plain rows: a page of 1,000 ORM objects cost more
-# (identity map, attribute access) than the query itself; its times read raw (RAW_UTC: a
-# quarter of the page's CPU was UTCDateTime's Python call a value)
+# a lineage node's columns, read as plain rows: a page of 1,000 ORM objects costs more
+# (identity map, attribute access) than the query itself; its times read raw (RAW_UTC:
+# UTCDateTime's Python call a value would be a quarter of the page's CPU)
 _NODE_COLUMNS = (Checkpoint.id, Checkpoint.step, Checkpoint.status, Checkpoint.parent_id, Checkpoint.branch,
                  Checkpoint.bytes, Checkpoint.world_size, Checkpoint.attempt,
                  type_coerce(Checkpoint.created_at, RAW_UTC), type_coerce(Checkpoint.committed_at, RAW_UTC),
@@ -74,8 +74,8 @@ _NODE_COLUMNS = (Checkpoint.id, Checkpoint.step, Checkpoint.status, Checkpoint.p
                  select(func.max(type_coerce(Vote.created_at, RAW_UTC))).where(Vote.checkpoint_id == Checkpoint.id)
                  .scalar_subquery())
 # the REST answer's encoder (Starlette's JSONResponse renders with exactly these options):
-# the page's text below is built from its pieces, so it is byte for byte what a dict a node
-# rendered by the route was (tests/catalog/test_lineage_answer.py holds that answer)
+# the page's text below is built from its pieces, so it is byte for byte what the route
+# renders from a dict a node (tests/catalog/test_lineage_answer.py holds that answer)
 _json = json.JSONEncoder(ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode
 _NODE = ('{{"id":{},"step":{},"status":{},"parent_id":{},"branch":{},"tags":{},"bytes":{},"world_size":{},'
          '"attempt":{},"last_good":{},"created_at":"{}","committed_at":{},"save_seconds":{},"commit_seconds":{}}}')

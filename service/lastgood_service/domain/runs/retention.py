@@ -133,8 +133,8 @@ def _parsed(spec: str) -> Retention:
 
 def effective(run_spec: str | None, default: Retention) -> Retention:
     """The policy GC applies to a run: its own, else the service's default. A run's spec
-    was validated when it was set; one that no longer parses (an older service's syntax)
-    falls back to the default, which is never less safe than what it keeps."""
+    was validated when it was set; one that does not parse (a syntax this service does not
+    know) falls back to the default, which is never less safe than what it keeps."""
     if not run_spec:
         return default
     try:
