@@ -47,10 +47,10 @@ from lastgood_service.blobstore import MemoryBlobStore
 from lastgood_service.catalog import txtimer
 from lastgood_service.catalog.db import alembic_config, make_engine, make_sessionmaker, read_sessionmaker
 from lastgood_service.domain.commit import CommitService
-from lastgood_service.domain.commit.protocol import ShardHeader
+from lastgood_service.domain.commit.types import ShardHeader
 from lastgood_service.domain.gc import GarbageCollector
 from lastgood_service.domain.queries import MAX_LINEAGE, Queries
-from lastgood_service.domain.retention import Retention
+from lastgood_service.domain.runs.retention import Retention
 from lastgood_service.settings import Settings
 
 from .common import ROOT
@@ -208,7 +208,7 @@ def bench_catalog(url: str, runs: int, checkpoints: int, ranks: int, backlog: in
         views = {
             "overview (100 runs)": lambda: queries.overview(limit=100),
             "runs list (100 runs)": lambda: queries.list_runs(limit=100),
-            # the REST answer's JSON text, as the route sends it (domain/lineage.py)
+            # the REST answer's JSON text, as the route sends it (domain/runs/lineage.py)
             "lineage (a whole run)": lambda: queries.lineage_json(run, limit=MAX_LINEAGE),
             "lineage page (200)": lambda: queries.lineage_json(run, limit=200, offset=400),
             "events by kind (the page)": lambda: queries.events(run, kinds=PAGE_EVENT_KINDS, limit=1000),

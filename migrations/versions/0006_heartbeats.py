@@ -1,6 +1,6 @@
 """heartbeats: the latest beat per (run, rank)
 
-One row per rank of a run, updated in place by every beat (domain/health.py).
+One row per rank of a run, updated in place by every beat (domain/health/heartbeats.py).
 
 Revision ID: 0006
 Revises: 0005

@@ -1,6 +1,6 @@
 """run_stats: per-run counters kept by the catalog itself; stored branches
 
-Stored branches: `checkpoints.branch`, written by domain/branches.py when a checkpoint is
+Stored branches: `checkpoints.branch`, written by domain/runs/branches.py when a checkpoint is
 begun, committed or rebuilt, so a lineage page reads an index range of the run instead of
 the whole run; indexes on (run_id, parent_id) and (run_id, branch) serve it. Existing
 catalogs get theirs computed here, run by run, by the rule's one owner
@@ -19,7 +19,7 @@ counters add no lock-order deadlock and no wait while the transaction runs.
 begun or changing status (but to DELETED: deleting what no policy keeps changes nothing
 they keep), a tag, pin or alias set or removed, last-good moved. GC reads a run's view
 once, outside its write transactions, and re-reads it under the lock only if `changes`
-moved (domain/gc.py).
+moved (domain/gc/).
 
 A later migration that rebuilds `checkpoints` or `runs` on SQLite (batch_alter_table
 copies the table) drops these triggers with it and must create them again
@@ -125,7 +125,7 @@ BACKFILL = """INSERT INTO run_stats (run_id, pending, committed, abandoned, corr
 
 
 def _backfill_branches() -> None:
-    from lastgood_service.domain.lineage import assign_branches  # the rule's one owner
+    from lastgood_service.domain.runs.lineage import assign_branches  # the rule's one owner
 
     conn = op.get_bind()
     for (run_id,) in conn.execute(sa.text("SELECT id FROM runs")).all():

@@ -26,23 +26,27 @@ from .blobstore import capabilities, open_blobstore
 from .catalog import txtimer
 from .catalog.db import make_engine, make_sessionmaker, read_sessionmaker, upgrade_head
 from .domain.commit import CommitService
-from .domain.outcomes import OutcomeNotifier
-from .domain.curation import Curator
+from .domain.commit.outcomes import OutcomeNotifier
+from .domain.runs.curation import Curator
 from .domain.faults import Ballast
 from .domain.gate import CatalogGate
 from .domain.gc import GarbageCollector
-from .domain.health import Health
+from .domain.dataplane.grants import DirectUploads
+from .domain.health.heartbeats import Health
 from .domain.repair import Repair
 from .domain.errors import DomainError
-from .domain.retention import Retention
-from .domain.directfs import DirectFS
-from .domain.spool import Spool
-from .domain import verification_modes
+from .domain.runs.retention import Retention
+from .domain.dataplane.directfs import DirectFS
+from .domain.dataplane.spool import Spool
+from .domain.peer import verification_modes
+from .domain.peer.peer_fallback import PeerFallback
+from .domain.peer.verification_modes import PeerChecks
 from .domain.tokens import TokenStore
 from .api.limits import BodyLimit
 from .metrics import Metrics
 from .reaper import Reaper
 from .domain.queries import Queries
+from .failpoints import Failpoint
 from .settings import Settings
 
 log = logging.getLogger("lastgood")
@@ -66,7 +70,7 @@ class Service:
         self.engine = make_engine(url)
         sessions = make_sessionmaker(self.engine)
         blobs = open_blobstore(settings.resolved_blob_url(), settings)
-        if settings.failpoint == "blob_eio":  # testing only: a device that fails every write
+        if settings.failpoint == Failpoint.BLOB_EIO:  # testing only: a device that fails every write
             from .blobstore.faulty import WriteEIO
 
             blobs = WriteEIO(blobs)
@@ -77,6 +81,8 @@ class Service:
         self.commits = CommitService(settings, sessions, blobs, metrics=self.metrics, gate=self.gate)
         self.outcomes = OutcomeNotifier(sessions, settings.outcome_poll_interval)  # one per process
         self.commits.listeners.append(self.outcomes.poke)
+        if settings.direct_s3:  # an abort or a lease expiry aborts the direct uploads it left open
+            self.commits.end_listeners.append(DirectUploads(self.commits).end)
         self.curator = Curator(sessions, gate=self.gate)
         # heartbeats commit without an fsync each (catalog/db.py): their own small pool
         self.health_engine = make_engine(url, durable=False)
@@ -99,10 +105,13 @@ class Service:
         # direct-FS and the verification mode (docs/dataplane.md): a mode the store cannot provide stops the start
         verification_modes.check_available(settings.verification, blobs, settings.direct_s3)
         self.direct_fs = DirectFS.open(blobs, settings.direct_fs)
+        # peer verification: one fallback hash per process, the reaper's sweep and the requests' checks share it
+        self.peer_fallback = PeerFallback(self.commits)
+        self.peer_checks = PeerChecks(self.commits, self.peer_fallback, self.direct_fs)
         self.spool = None
         if spool_dir := settings.resolved_spool_dir():
             try:
-                # files handed over while they are written are adopted by rename (domain/spool.Followed)
+                # files handed over while they are written are adopted by rename (domain/dataplane/spool.Followed)
                 self.spool = Spool(spool_dir, follow=lambda d: capabilities.adopts_from(blobs, d))
             except OSError as e:
                 log.warning("no spool (same-host hand-over off; clients stream): %s", e)
@@ -150,7 +159,7 @@ class Service:
     def app(self):
         return create_app(AppContext(self.commits, self.queries, self.grpc_target, self.curator, self.gc,
                                      self.tokens, self.metrics, self.spool,
-                                     self.health, self.outcomes, self.direct_fs))
+                                     self.health, self.outcomes, self.direct_fs, self.peer_checks))
 
     def stop(self) -> None:
         self._stop.set()
@@ -236,6 +245,16 @@ def _repair_command(args, settings: Settings) -> int:
         engine.dispose()
 
 
+def _check_settings(settings: Settings) -> None:
+    """What the settings cannot check themselves, because the rule is the domain's (the
+    settings sit below it): a retention policy that does not parse stops every command
+    at start, with the reason (domain/runs/retention.py)."""
+    try:
+        Retention.parse(settings.retention)
+    except ValueError as e:
+        sys.exit(f"lastgood-service: LASTGOOD_RETENTION={settings.retention!r} refused: {e}")
+
+
 def _limit_malloc_arenas(n: int) -> None:
     """glibc gives each thread that allocates its own arena (up to 8 per core), and freed
     4 MiB chunks stay in them: with 2 the service's RSS while ingesting is lower and flat
@@ -252,9 +271,9 @@ def _limit_malloc_arenas(n: int) -> None:
 
 class _Server(uvicorn.Server):
     """uvicorn's server with its housekeeping tick (the Date header, the exit check) once a
-    second instead of ten times: those wakeups were most of an idle service's CPU (3 ms a
-    second here), paid by every save for as long as it took (bench/README.md, "Data
-    paths"). A signal still ends it at once: handle_exit wakes the loop."""
+    second instead of ten times: ten wakeups a second would be most of an idle service's
+    CPU (3 ms a second here), paid by every save for as long as it takes (bench/README.md,
+    "Data paths"). A signal still ends it at once: handle_exit wakes the loop."""
 
     async def main_loop(self) -> None:
         self._wake, self._loop = asyncio.Event(), asyncio.get_running_loop()
@@ -299,6 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     overrides = {k: v for k, v in {"host": args.host, "port": args.port, "grpc_port": args.grpc_port,
                                    "data_dir": args.data_dir}.items() if v is not None}
     settings = Settings(**overrides)
+    _check_settings(settings)
     _logging(settings)
     if args.command == "token":
         sys.exit(_token_command(args, settings))

@@ -6,7 +6,7 @@ holds about 110,000 that will never be garbage (the modules, classes and functio
 SQLAlchemy, FastAPI, gRPC, pydantic and our own). Such a collection takes 60-100 ms of
 CPU, in whichever thread happens to allocate when it is due: that query, or that GC
 batch holding the catalog's write lock, takes 60-100 ms longer. At 100,000 checkpoints
-about one query in 70 had one inside it: those were the p99s over 50 ms
+about one query in 70 has one inside it, unless frozen: those are the p99s over 50 ms
 (bench/README.md, "The catalog at scale": timed with `gc.callbacks`).
 
 `gc.freeze()` moves every object alive at that moment to a permanent generation the

@@ -1,19 +1,20 @@
 """The service's background passes over pending checkpoints, each run when it can have work.
 
 Three passes share one thread: lease expiry (a rank died: ABANDONED), peer verification's
-liveness pass (domain/peer_fallback.py: the service hashes what no checker reported, and
+liveness pass (domain/peer/peer_fallback.py: the service hashes what no checker reported, and
 commits what is left), and the spool's sweep (files whose writer died). Run on every
-`reaper_interval` (1 s), the first two were two catalog transactions a second whatever
-was pending: most of an idle service's CPU, and a pending save paid for them the longer it
-took (bench/README.md, "Data paths"). Each pass now says when it can next have work, and
-the thread sleeps until the earliest of them:
+`reaper_interval` (1 s), the first two would be two catalog transactions a second whatever
+was pending: most of an idle service's CPU, paid by a pending save the longer it takes
+(bench/README.md, "Data paths"). So each pass says when it can next have work, and the
+thread sleeps until the earliest of them:
 
 - expiry: the earliest lease of a PENDING checkpoint, or a lease from now when none is
   pending, and never more than EXPIRY_RECHECK_S. A checkpoint begun or renewed later
   expires later than that (every lease is `lease_seconds` from its last renewal), so an
-  expiry is never found later than before. The cap is for replicas sharing a catalog
-  with different leases (a rolling change of `LASTGOOD_LEASE_SECONDS`): a checkpoint
-  begun by a replica with a shorter lease, which then stops, is found at most that late;
+  expiry is found as soon as a pass every `reaper_interval` would find it. The cap is for
+  replicas sharing a catalog with different leases (a rolling change of
+  `LASTGOOD_LEASE_SECONDS`): a checkpoint begun by a replica with a shorter lease, which
+  then stops, is found at most that late;
 - the peer pass: `peer_fallback.PeerFallback.next_in` (the grace of the youngest
   checkpoint's begin, or every `sweep_interval` while an older one is pending);
 - the spool: every SPOOL_SWEEP_INTERVAL.
@@ -29,7 +30,6 @@ import threading
 import time
 
 from .catalog import txtimer
-from .domain import peer_fallback
 
 log = logging.getLogger("lastgood")
 
@@ -52,7 +52,7 @@ class Reaper:
         every = s.reaper_interval
         # time.monotonic() of each pass's next run: the first of each after one interval
         expire_at = check_at = spool_at = time.monotonic() + every
-        fallback = peer_fallback.of(svc.commits)
+        fallback = svc.peer_fallback
         while not stop.wait(max(0.0, min(expire_at, check_at, spool_at) - time.monotonic())):
             now = time.monotonic()
             if now >= check_at:

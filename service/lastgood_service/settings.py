@@ -1,4 +1,8 @@
-"""One typed settings object, built in `main` and passed down. Nothing connects at import."""
+"""One typed settings object, built in `main` and passed down. Nothing connects at import.
+
+The settings sit below the domain, which reads them, and above the catalog and the blob
+stores, which know nothing of them (.importlinter, service-layers): a value whose rule
+the domain owns (the retention policy) is checked by main.py at start, not here."""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from lastgood.wire.info import DEFAULT_CHUNK_BYTES, DEFAULT_LEASE_SECONDS
 from lastgood.wire.vocab import Verification
 from lastgood.wire.s3parts import MAX_PART_SIZE, MIN_PART_SIZE  # S3's bounds, one place
+
+from .failpoints import Failpoint
 
 MiB = 1024 * 1024
 
@@ -75,7 +81,7 @@ class Settings(BaseSettings):
     auth_required: bool = Field(False, description="every API call needs a bearer token (required off loopback)")
     admin_token: SecretStr | None = Field(None, description="a bootstrap admin token (create real ones with it)")
     spool: bool = Field(True, description="clients on this host may hand shard files over through the spool "
-                                          "directory instead of streaming them (see domain/spool.py)")
+                                          "directory instead of streaming them (see domain/dataplane/spool.py)")
     spool_dir: Path | None = Field(None, description="the spool directory; default <data_dir>/spool (put it on "
                                                      "the blob store's file system: files are adopted by rename)")
     spool_cache_bytes: int = Field(512 * MiB, ge=-1, description="of each file handed over while it is written "
@@ -83,7 +89,7 @@ class Settings(BaseSettings):
                                    "beyond them, what the service has hashed is dropped from it once on the disk "
                                    "(drop-behind: a large save does not take its size in page-cache pages; "
                                    "docs/performance.md). 0: drop everything behind; -1: never drop")
-    # direct uploads to an S3 store (domain/grants.py, docs/direct-s3.md): off until enabled
+    # direct uploads to an S3 store (domain/dataplane/grants.py, docs/direct-s3.md): off until enabled
     direct_s3: bool = Field(False, description="trainers upload shard files straight to an s3:// blob store "
                             "through presigned multipart URLs (per-part CRC32 the store verifies) and read "
                             "them back through presigned GETs; the service only signs, checks metadata, commits")
@@ -94,7 +100,7 @@ class Settings(BaseSettings):
                                          "of a direct upload or read lasts")
     direct_s3_part_size: int = Field(64 * MiB, ge=MIN_PART_SIZE, le=MAX_PART_SIZE, description="part size of a direct "
                                      "upload (S3: 5 MiB to 5 GiB; grown for files that would need over 10,000 parts)")
-    # data paths and verification (docs/dataplane.md; domain/verification_modes.py owns the modes)
+    # data paths and verification (docs/dataplane.md; domain/peer/verification_modes.py owns the modes)
     verification: str = Field(Verification.SERVICE.value, pattern=f"^({'|'.join(Verification)})$", description="who hashes a file handed "
                               "over by name (direct-FS, direct S3): service (the service re-reads every byte; not "
                               "with direct S3), peer (another rank reads it back from the store before the commit), "
@@ -102,8 +108,8 @@ class Settings(BaseSettings):
                               "start without them)")
     peer_check_grace_seconds: float | None = Field(None, ge=0, description="peer mode: once every rank has voted, "
                                                    "a file no rank reported checking within this long is hashed by the "
-                                                   "service itself (domain/peer_fallback.py); default half the lease; "
-                                                   "at or past the lease: never (the lease then abandons it)")
+                                                   "service itself (domain/peer/peer_fallback.py); default half the "
+                                                   "lease; at or past the lease: never (the lease then abandons it)")
     direct_fs: bool = Field(True, description="trainers that mount a local store's directory may write their files "
                             "in place (<blob root>/direct) and hand over only the name, from any host")
     max_request_bytes: int = Field(1024 * 1024, gt=0, description="largest REST request body")
@@ -116,11 +122,12 @@ class Settings(BaseSettings):
                                      "receives a message for this many seconds is cancelled, freeing its worker")
     log_format: str = Field("text", pattern="^(text|json)$", description="text, or json: one object a line")
     retention: str = Field("latest:3,tagged,last-good,branch-heads",
-                           description="what GC keeps: latest:N, every:N (steps), tagged, last-good, branch-heads")
+                           description="what GC keeps: latest:N, every:N (steps), tagged, last-good, branch-heads "
+                                       "(domain/runs/retention.py owns the syntax; main.py refuses a bad one at start)")
     gc_interval: float = Field(3600.0, ge=0, description="seconds between scheduled GC passes; 0 turns them off")
     gc_grace_seconds: float = Field(3600.0, ge=0,
                                     description="ABANDONED and CORRUPT checkpoints are kept at least this long")
-    # run health (domain/health.py, docs/health.md)
+    # run health (domain/health/heartbeats.py, docs/health.md)
     health_interval: float = Field(5.0, ge=0, description="seconds between health sweeps, which record hung, "
                                    "straggler and lost ranks as events; 0 turns them off (GET .../health still judges)")
     hang_timeout: float | None = Field(None, gt=0, description="a fixed hang timeout in seconds instead of the "
@@ -151,18 +158,9 @@ class Settings(BaseSettings):
                                    "take a few ms, not 60-100 ms inside whichever call triggers one (pygc.py)")
     event_retention_seconds: float = Field(30 * 24 * 3600.0, ge=0, description="events of a checkpoint GC deleted "
                                            "this long ago are pruned (its gc_delete event stays); 0 keeps them all")
-    failpoint: str | None = Field(
-        None, description="testing only: crash_before_manifest / crash_after_manifest make the process "
-                          "exit abruptly at that point of a commit; lose_commit_reply fails every "
-                          "CommitRank reply after the commit happened; vote_batch_fails_once fails the "
-                          "first vote batch's transaction after its rows were written; blob_eio fails every blob write "
-                          "with EIO; hold_manifest holds every commit before its manifest write until the file "
-                          "<data_dir>/hold_manifest.release exists; vote_fails_on_checkpoint_<id> makes the part of every vote "
-                          "batch on that checkpoint fail with an SQL error; crash_after_direct_complete exits "
-                          "after a direct upload's completion, before the file is recorded; hold_declared_index holds a "
-                          "direct hand-over that declares range digests before they are checked, until "
-                          "<data_dir>/hold_declared_index.release exists; commit_fails_once fails the process's first commit "
-                          "attempt (try_commit) before it reads anything, as a transient catalog error would")
+    failpoint: str | None = Field(None, description="testing only: the one failpoint to arm, a name of "
+                                  "failpoints.Failpoint (a crash, a hold or a failure at one point of the code; "
+                                  "failpoints.py says what each does); any other name is refused at start")
 
     @model_validator(mode="after")
     def _streams_leave_workers(self) -> "Settings":
@@ -175,6 +173,13 @@ class Settings(BaseSettings):
                              f"would leave no worker for unary RPCs; at most "
                              f"{self.grpc_workers - self.grpc_workers // 4 - 1}")
         return self
+
+    @field_validator("failpoint")
+    @classmethod
+    def _known_failpoint(cls, value: str | None) -> str | None:
+        if value is not None:
+            Failpoint.parse(value)  # a misspelt failpoint would arm nothing: refused, with the valid names
+        return value
 
     @field_validator("range_block_bytes")
     @classmethod
@@ -192,14 +197,6 @@ class Settings(BaseSettings):
             from .blobstore.s3direct import parse_endpoint
 
             parse_endpoint(value)  # a bad endpoint stops the service at start, not every grant
-        return value
-
-    @field_validator("retention")
-    @classmethod
-    def _valid_retention(cls, value: str) -> str:
-        from .domain.retention import Retention
-
-        Retention.parse(value)  # a bad policy stops the service at start, with the reason
         return value
 
     def exposed_without_auth(self) -> list[str]:

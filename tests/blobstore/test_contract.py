@@ -23,7 +23,7 @@ from lastgood_service.blobstore.base import READ_CHUNK
 from lastgood_service.blobstore.capabilities import (AdoptsFiles, GrantsDirectAccess, LendsLocalPaths,
                                                        ReportsFreeSpace)
 from lastgood_service.blobstore.metered import MeteredBlobStore
-from lastgood_service.domain.spool import Taken
+from lastgood_service.domain.dataplane.spool import Taken
 from lastgood_service.metrics import Metrics
 
 MiB = 1024 * 1024
@@ -291,7 +291,7 @@ def test_an_adopted_file_becomes_the_blob(backend, tmp_path):
 
 
 def test_a_store_that_adopts_files_says_so_before_one_is_there(backend, tmp_path):
-    """A followed hand-over (domain/spool.Followed) is adopted only once its hash names the
+    """A followed hand-over (domain/dataplane/spool.Followed) is adopted only once its hash names the
     blob, so whether the spool's files can be adopted is asked of the directory first."""
     needs(backend, AdoptsFiles)
     (tmp_path / "spool").mkdir()

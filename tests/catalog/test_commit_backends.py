@@ -16,7 +16,7 @@ from lastgood.wire.hashing import hash_bytes
 from lastgood_service.catalog.models import Checkpoint, Event, Run, Shard, Vote
 from lastgood_service.domain import keys
 from lastgood_service.domain.commit.core import key_prefix
-from lastgood_service.domain.commit.protocol import ShardHeader
+from lastgood_service.domain.commit.types import ShardHeader
 from lastgood_service.domain.errors import Conflict, FailedPrecondition, HashMismatch, InvalidArgument, NotFound
 from tests.service.helpers import make_shard, shard_name
 
@@ -240,7 +240,7 @@ def test_a_reissued_id_never_writes_into_a_lost_checkpoints_blobs(commits, sessi
     with a lost one's id must get blob keys of its own: the lost manifest stays readable
     (the store is the source of truth for `rebuild`), and GC of the new one leaves it."""
     from lastgood_service.domain.gc import GarbageCollector
-    from lastgood_service.domain.retention import Retention
+    from lastgood_service.domain.runs.retention import Retention
 
     lost = save(commits, "run-lost", 7)
     lost_prefix = prefix_of(sessions, lost)

@@ -15,7 +15,7 @@ from lastgood_service.blobstore import MemoryBlobStore
 from lastgood_service.catalog.db import make_engine, make_sessionmaker
 from lastgood_service.catalog.models import Checkpoint, Event, Run
 from lastgood_service.domain.commit import CommitService
-from lastgood_service.domain.curation import Curator
+from lastgood_service.domain.runs.curation import Curator
 from lastgood_service.domain.errors import FailedPrecondition, Fenced, InvalidArgument
 from lastgood_service.settings import Settings
 from tests.service.helpers import make_shard, shard_name

@@ -1,4 +1,4 @@
-"""GC's batches are bounded by time, not only by count (domain/gc.py, next_batch_size):
+"""GC's batches are bounded by time, not only by count (domain/gc/, next_batch_size):
 a batch's cost per checkpoint depends on the run and on the machine's load, so each
 batch's size follows from how long the previous one held the catalog."""
 

@@ -1,4 +1,4 @@
-"""GC at scale on each backend (domain/gc.py): passes plan only runs where something
+"""GC at scale on each backend (domain/gc/): passes plan only runs where something
 changed, execution marks checkpoints in short bounded transactions that commits run
 between, and I4 holds while tags, leases and saves race a batched pass.
 
@@ -16,10 +16,10 @@ from bench.seed import seed
 from lastgood_service.catalog import txtimer
 from lastgood_service.catalog.db import read_sessionmaker
 from lastgood_service.catalog.models import DELETED, PENDING, Checkpoint, Event, ReadLease, Run, Tag
-from lastgood_service.domain.curation import Curator
+from lastgood_service.domain.runs.curation import Curator
 from lastgood_service.domain.errors import FailedPrecondition
 from lastgood_service.domain.gc import GarbageCollector
-from lastgood_service.domain.retention import Retention
+from lastgood_service.domain.runs.retention import Retention
 
 from tests.service.helpers import make_shard, shard_name
 

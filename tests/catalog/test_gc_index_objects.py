@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from lastgood_service.domain.gc import GarbageCollector
 from lastgood_service.domain.keys import INDEX_SUFFIX
-from lastgood_service.domain.retention import Retention
+from lastgood_service.domain.runs.retention import Retention
 
 from .test_commit_backends import prefix_of, save
 

@@ -10,9 +10,9 @@ from sqlalchemy import func, select
 
 from lastgood_service.catalog.db import make_engine, make_sessionmaker
 from lastgood_service.catalog.models import Event, Heartbeat
-from lastgood_service.domain.fencing import Launches
-from lastgood_service.domain.health import Health
-from lastgood_service.domain.verdicts import Limits
+from lastgood_service.domain.runs.fencing import Launches
+from lastgood_service.domain.health.heartbeats import Health
+from lastgood_service.domain.health.verdicts import Limits
 
 
 def beat(rank: int, step: int) -> dict:

@@ -46,7 +46,7 @@ def test_expire_leases_locks_checkpoints_in_id_order_postgres(pg_server, pg_url)
     b = commits.begin("run-b", 1, 1, None, ATTEMPT).id
     assert a < b
     clock.advance(5)
-    commits._renew(a)  # a's lease now ends after b's, and its row version lies after b's
+    commits.renew(a)  # a's lease now ends after b's, and its row version lies after b's
     clock.advance(600)  # both leases ran out
     holder, prober = engine.connect(), engine.connect()
     expired: list[int] = []

@@ -1,4 +1,4 @@
-"""A lineage page's answer, rendered straight to JSON text (domain/lineage.py), is byte for
+"""A lineage page's answer, rendered straight to JSON text (domain/runs/lineage.py), is byte for
 byte what the page's dict of nodes rendered by the REST route's encoder was, on SQLite and
 PostgreSQL: seeded runs (GC done and not), branches, an abort, a pending save, tags with
 quotes and non-ASCII names, a timestamp without microseconds, pages at every offset. And a

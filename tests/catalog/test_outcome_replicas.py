@@ -1,6 +1,6 @@
 """Two replicas on one PostgreSQL catalog: a rank waiting for the outcome on replica B hears
 a commit decided on replica A. B was never told (the commit ran in A's process); its one
-outcome notifier sees it in its shared poll of the watched checkpoints (domain/outcomes.py)."""
+outcome notifier sees it in its shared poll of the watched checkpoints (domain/commit/outcomes.py)."""
 
 from __future__ import annotations
 

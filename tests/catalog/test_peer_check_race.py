@@ -1,4 +1,4 @@
-"""The last of a checkpoint's peer checks commits it, whoever does it (domain/peer_fallback.py).
+"""The last of a checkpoint's peer checks commits it, whoever does it (domain/peer/peer_fallback.py).
 
 Two parties turn DECLARED files VERIFIED: a rank's report (under the checkpoint's row lock)
 and the service's own background hash. Each commits if it saw no DECLARED file left. If the
@@ -18,7 +18,7 @@ from sqlalchemy import text
 
 from lastgood_service.blobstore import MemoryBlobStore
 from lastgood_service.catalog.db import make_engine, make_sessionmaker, upgrade_head
-from lastgood_service.domain import peer_fallback
+from lastgood_service.domain.peer import peer_fallback
 from lastgood_service.domain.commit import CommitService
 from lastgood_service.settings import Settings
 from tests.service.helpers import make_shard
@@ -41,7 +41,7 @@ def test_background_hash_and_report_racing_still_commit_postgres(pg_server, pg_u
         conn.execute(text("UPDATE shards SET status = 'DECLARED' WHERE checkpoint_id = :c"), {"c": cid})
     assert commits.vote(cid, 0, ["f1.safetensors", "f2.safetensors"]).status == "PENDING"
 
-    fb = peer_fallback.of(commits)
+    fb = peer_fallback.PeerFallback(commits)
     committed: list[bool] = []
 
     def background():  # what PeerFallback._run does once f2's bytes hashed right

@@ -118,10 +118,10 @@ def test_control_a_scan_is_seen(seeded, sessions):
 
 
 def test_a_gc_plan_reads_a_runs_rows_through_indexes(seeded, sessions, blobs):
-    """GC's plan of a run (domain/gc.py): its live rows through (run_id, status), its
+    """GC's plan of a run (domain/gc/): its live rows through (run_id, status), its
     DELETED rows' prunable events probed by checkpoint: no statement reads a whole table."""
     from lastgood_service.domain.gc import GarbageCollector
-    from lastgood_service.domain.retention import Retention
+    from lastgood_service.domain.runs.retention import Retention
 
     engine = seeded
     gc = GarbageCollector(sessions, blobs, Retention.parse("latest:3,tagged,last-good,branch-heads"), 3600)

@@ -9,7 +9,7 @@ from alembic import command
 from sqlalchemy import create_engine, text
 
 from lastgood_service.catalog.db import alembic_config, upgrade_head
-from lastgood_service.domain.lineage import assign_branches
+from lastgood_service.domain.runs.lineage import assign_branches
 
 from .conftest import BACKENDS, MIGRATIONS, empty_catalog
 

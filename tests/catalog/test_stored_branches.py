@@ -1,4 +1,4 @@
-"""Stored branches (checkpoints.branch, domain/branches.py) equal the rule's answer over
+"""Stored branches (checkpoints.branch, domain/runs/branches.py) equal the rule's answer over
 the whole run (lineage.assign_branches, what the lineage computed on every read before)
 after begins, commits in and out of creation order, aborts, rollback-style branches from
 older checkpoints, and a lineage page reads them."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 from sqlalchemy import select
 
 from lastgood_service.catalog.models import Checkpoint, Run
-from lastgood_service.domain.lineage import assign_branches
+from lastgood_service.domain.runs.lineage import assign_branches
 from lastgood_service.domain.queries import Queries
 
 from tests.service.helpers import make_shard, shard_name

@@ -55,7 +55,7 @@ def test_dcp_save_in_peer_mode_through_direct_fs_commits(make_service, run_name,
     """Peer verification with DCP: rank 1 votes in write_data without waiting, and its peer
     is rank 0, DCP's coordinator, which votes only in finish() - after rank 1 returned. Rank 1
     must not wait for that vote (it did: the save hung until the lease abandoned it); the
-    file it leaves unchecked is hashed by the service after the grace (domain/peer_fallback.py)."""
+    file it leaves unchecked is hashed by the service after the grace (domain/peer/peer_fallback.py)."""
     svc = make_service(LASTGOOD_VERIFICATION="peer", LASTGOOD_LEASE_SECONDS="30",
                        LASTGOOD_PEER_CHECK_GRACE_SECONDS="2")
     mount = tmp_path / "mnt" / "store"

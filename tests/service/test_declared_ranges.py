@@ -1,5 +1,5 @@
 """Range digests of files the service never reads (docs/resharding.md, "Who computes
-them"; service domain/declared_ranges.py): a direct S3 upload declares them with its
+them"; service domain/commit/declared_ranges.py): a direct S3 upload declares them with its
 hand-over, the service checks their shape and writes them into the file's index object,
 and a restore at another world size then reads that file by ranges (presigned ranged
 GETs, counted at the transport) instead of whole. Hostile declarations are refused and

@@ -8,7 +8,7 @@ grants it (the rank holds no store credentials) and reports its xxh3-128; only t
 checkpoint commit. A part changed after its checksum was computed never commits (control:
 the same upload, with the read-back replaced by a check that trusts the digest it is told,
 commits the bad bytes). A file nobody checks is hashed by the service from S3 after the
-grace (domain/peer_fallback.py), and still refused when it is bad."""
+grace (domain/peer/peer_fallback.py), and still refused when it is bad."""
 
 from __future__ import annotations
 

@@ -248,7 +248,7 @@ def test_direct_s3_uploads_need_store_or_peer_verification():
     tests/service/test_direct_s3_peer.py): `service` would claim a hash nobody makes and is
     refused at start, whatever the store. `store` is then checked against the store's
     capability; `peer` needs none (the control: it starts)."""
-    from lastgood_service.domain import verification_modes as vm
+    from lastgood_service.domain.peer import verification_modes as vm
 
     with pytest.raises(vm.ModeUnavailable, match="LASTGOOD_DIRECT_S3=true needs LASTGOOD_VERIFICATION=store or peer"):
         vm.check_available("service", None, direct_s3=True)
@@ -263,7 +263,7 @@ def test_direct_s3_uploads_on_a_store_that_grants_none_are_refused_at_start(tmp_
     access): refused at start, in `peer` mode too, rather than silently streaming. Control:
     the same store without the setting starts in `peer` mode."""
     from lastgood_service.blobstore import LocalBlobStore
-    from lastgood_service.domain import verification_modes as vm
+    from lastgood_service.domain.peer import verification_modes as vm
 
     local = LocalBlobStore(tmp_path / "blobs")
     with pytest.raises(vm.ModeUnavailable, match=r"LASTGOOD_DIRECT_S3=true: the blob store \(LocalBlobStore\) grants"):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import lastgood
-from lastgood_service.domain.retention import Retention, RunView
+from lastgood_service.domain.runs.retention import Retention, RunView
 
 from .helpers import Client, blob_files, checkpoint, ckpt_dir, http, json_error, last_good_id
 
@@ -106,7 +106,7 @@ def test_execute_rechecks_and_never_exceeds_its_plan(make_service, run_name):
     not touch the third (it was not in the plan)."""
     from lastgood_service.blobstore import open_blobstore
     from lastgood_service.catalog.db import make_engine, make_sessionmaker
-    from lastgood_service.domain.curation import Curator
+    from lastgood_service.domain.runs.curation import Curator
     from lastgood_service.domain.gc import GarbageCollector
 
     svc = make_service(**GC_ENV)

@@ -1,4 +1,4 @@
-"""Peer verification's liveness (domain/peer_fallback.py, docs/dataplane.md): a checkpoint
+"""Peer verification's liveness (domain/peer/peer_fallback.py, docs/dataplane.md): a checkpoint
 whose ranks all voted commits even when no rank checks a file - a checker that died after
 its vote, a rank that does not wait for the outcome (DCP's non-coordinators), a checker
 that hit EIO part-way: the service hashes what nobody reported, after a grace, in the

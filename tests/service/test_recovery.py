@@ -1,6 +1,6 @@
 """Start-up recovery: a service that dies in the middle of a commit, restarted on the same data.
 
-The failpoint setting (LASTGOOD_FAILPOINT, domain/commit/protocol.py `_failpoint`) makes the process exit
+The failpoint setting (LASTGOOD_FAILPOINT, lastgood_service/failpoints.py) makes the process exit
 with code 77 at a named point of `try_commit`:
   crash_after_manifest  -> manifest written, transaction not run: recovery rolls forward;
   crash_before_manifest -> no manifest: recovery leaves it PENDING and the lease abandons it.

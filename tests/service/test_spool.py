@@ -256,7 +256,7 @@ def test_without_a_spool_clients_stream(make_service, run_name):
 
 
 def test_sweep_removes_only_abandoned_spool_files(tmp_path):
-    from lastgood_service.domain.spool import Spool
+    from lastgood_service.domain.dataplane.spool import Spool
 
     spool = Spool(tmp_path / "spool")
     old, fresh, other = (spool.dir / ("a" * 32 + ".part"), spool.dir / ("b" * 32 + ".part"),
@@ -285,7 +285,7 @@ def test_a_lent_link_ages_by_its_name_not_by_its_blobs_inode(tmp_path):
     """A link lent two hours ago whose blob was lent again just now (a new link: the shared
     inode's ctime is now) is swept as two hours old; the new link stays. By ctime, the
     stale one would live as long as the blob keeps being read."""
-    from lastgood_service.domain.spool import Spool
+    from lastgood_service.domain.dataplane.spool import Spool
 
     spool = Spool(tmp_path / "spool")
     blob = tmp_path / "blob"

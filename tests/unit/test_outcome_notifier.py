@@ -1,4 +1,4 @@
-"""The outcome notifier (domain/outcomes.py): a commit made in this process answers every
+"""The outcome notifier (domain/commit/outcomes.py): a commit made in this process answers every
 waiter of its checkpoint without a catalog read, with one answer made once; a poke that
 does not say what was decided (an abort, an expiry) reads the statuses, as before.
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from lastgood_service.domain.outcomes import OutcomeNotifier
+from lastgood_service.domain.commit.outcomes import OutcomeNotifier
 
 CID = 7
 WAITERS = 50

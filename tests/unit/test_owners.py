@@ -22,10 +22,10 @@ def _writes(tree: ast.AST, attr: str) -> list[int]:
 
 
 def test_only_domain_last_good_moves_the_last_good_pointer():
-    owner = SERVICE / "domain" / "last_good.py"
+    owner = SERVICE / "domain" / "runs" / "last_good.py"
     found = {str(p.relative_to(SERVICE)): lines for p in sorted(SERVICE.rglob("*.py"))
              if p != owner and (lines := _writes(ast.parse(p.read_text()), "last_good_id"))}
-    assert not found, f"call domain/last_good.py (advance, retreat, roll_back_to) instead: {found}"
+    assert not found, f"call domain/runs/last_good.py (advance, retreat, roll_back_to) instead: {found}"
     assert _writes(ast.parse(owner.read_text()), "last_good_id"), "the owner itself no longer writes it"
 
 

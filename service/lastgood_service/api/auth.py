@@ -94,7 +94,7 @@ def make_authorizer(tokens: TokenStore, run_of_checkpoint: Callable[[int], str],
         # A caller without a token on a service that requires none is the anonymous admin:
         # checking it reads nothing, so it runs on the event loop. Anything else may read the
         # catalog (a token not cached, a scoped token's run) and runs in the thread pool:
-        # a thread hop per request, which 1,024 ranks waiting for an outcome at once felt.
+        # a thread hop per request, which 1,024 ranks waiting for an outcome at once would feel.
         if not tokens.required and not request.headers.get("authorization"):
             return check(request)
         return await run_in_threadpool(check, request)

@@ -18,15 +18,16 @@ from lastgood.wire import names
 from lastgood.wire.codes import GENERATION_HEADER
 
 from ..domain.commit import CommitService
-from ..domain.curation import Curator
+from ..domain.runs.curation import Curator
 from ..domain.errors import Unavailable
 from ..domain.gc import GarbageCollector
-from ..domain.health import Health
-from ..domain.outcomes import OutcomeNotifier
+from ..domain.health.heartbeats import Health
+from ..domain.commit.outcomes import OutcomeNotifier
 from ..domain.queries import MAX_PAGE, Queries
-from ..domain.directfs import DirectFS
-from ..domain.spool import Spool
+from ..domain.dataplane.directfs import DirectFS
+from ..domain.dataplane.spool import Spool
 from ..domain.tokens import TokenStore
+from ..domain.peer.verification_modes import PeerChecks
 from ..metrics import Metrics
 from ..settings import Settings
 
@@ -43,12 +44,14 @@ class AppContext:
     spool: Spool | None = None
     health: Health | None = None
     outcomes: OutcomeNotifier | None = None  # GET .../outcome (routes/outcomes.py); one per process
-    direct_fs: DirectFS | None = None  # the direct-FS data path (domain/directfs.py), announced at /api/v1/info
+    # the direct-FS data path (domain/dataplane/directfs.py), announced at /api/v1/info
+    direct_fs: DirectFS | None = None
+    peer_checks: PeerChecks | None = None  # peer verification (domain/peer/verification_modes.py); one per process
 
 
 # The lookups below are `async def` although they await nothing: FastAPI runs a plain `def`
 # dependency in its thread pool, a thread hop per dependency per request, which at 1,024
-# ranks asking for their outcome at once cost the event loop more than the answers did
+# ranks asking for their outcome at once costs the event loop more than the answers do
 # (docs/control-plane.md). An attribute read needs no thread.
 async def context(request: Request) -> AppContext:
     return request.app.state.ctx

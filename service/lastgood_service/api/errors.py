@@ -55,8 +55,8 @@ MAX_MESSAGE = 1024  # characters of an error message; the rest is counted, not s
 
 def bounded(message: str) -> str:
     """An error message cut to MAX_MESSAGE characters. Messages echo input (a vote's missing
-    files, a bad header): unbounded, 20,000 file names outgrew gRPC's metadata limit and the
-    client saw RESOURCE_EXHAUSTED instead of the real status."""
+    files, a bad header): unbounded, 20,000 file names outgrow gRPC's metadata limit and the
+    client would see RESOURCE_EXHAUSTED instead of the real status."""
     if len(message) <= MAX_MESSAGE:
         return message
     return f"{message[:MAX_MESSAGE]}… ({len(message) - MAX_MESSAGE} more characters)"

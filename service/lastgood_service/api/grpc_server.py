@@ -18,11 +18,11 @@ from lastgood.wire.v1 import lastgood_pb2 as pb
 from lastgood.wire.v1 import lastgood_pb2_grpc as pb_grpc
 
 from ..domain.commit import CommitService
-from ..domain.commit.protocol import ShardHeader
+from ..domain.commit.types import ShardHeader
 from ..domain.errors import DomainError, FollowRefused, InvalidArgument, SpoolNotShared
 from ..domain.faults import as_domain_error
-from ..domain import verification_modes
-from ..domain.spool import Followed, Spool
+from ..domain.peer import verification_modes
+from ..domain.dataplane.spool import Followed, Spool
 from ..domain.tokens import READER, WRITER, Principal, TokenStore
 from ..domain.queries import Queries
 from .errors import bounded, lookup
@@ -50,7 +50,7 @@ def _abort_unexpected(context, name: str, exc: Exception) -> None:
 
 
 def _declared(raw: str):
-    """The range digests a direct-FS hand-over declares (JSON; domain/declared_ranges.py)."""
+    """The range digests a direct-FS hand-over declares (JSON; domain/commit/declared_ranges.py)."""
     if not raw:
         return None
     try:
@@ -165,7 +165,7 @@ class Servicer(pb_grpc.CheckpointsServicer):
                  spool: Spool | None = None, direct_fs=None) -> None:
         self.commits = commits
         self.spool = spool
-        self.direct_fs = direct_fs  # domain/directfs.py: its staging directory is a spool of its own
+        self.direct_fs = direct_fs  # domain/dataplane/directfs.py: its staging directory is a spool of its own
         self.queries = queries
         self.tokens = tokens
         settings = commits.settings
@@ -222,14 +222,14 @@ class Servicer(pb_grpc.CheckpointsServicer):
         return pb.PutShardResponse(already_present=res.already_present, size=res.size, xxh3_128=res.xxh3_128)
 
     def _put_spooled(self, h, header: ShardHeader, request_iterator):
-        """The same-host hand-over (domain/spool.py): the bytes are in a file, not in chunks."""
+        """The same-host hand-over (domain/dataplane/spool.py): the bytes are in a file, not in chunks."""
         spool, hashed = self.spool, True
         if self.direct_fs is not None and h.spool_id == self.direct_fs.id:  # direct-FS: hashed per the mode
             spool, hashed = self.direct_fs.staging, verification_modes.service_hashes(self.commits.settings.verification)
         if spool is None:
             raise SpoolNotShared("spool: this service takes no spooled files; stream the shard")
         if h.follow:
-            if spool is not self.spool:  # direct-FS hands over finished files (directfs.py)
+            if spool is not self.spool:  # direct-FS hands over finished files (domain/dataplane/directfs.py)
                 raise InvalidArgument("only a file in the spool can be handed over while it is written")
             if not spool.follow:
                 raise FollowRefused("spool: this service takes spooled files once written; stream the shard")

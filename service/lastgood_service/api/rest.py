@@ -30,7 +30,7 @@ __all__ = ["AppContext", "create_app"]
 
 # The routes every rank calls, outcome waits and heartbeats, come first: a request is matched
 # against each router in turn, and at 1,024 ranks asking at once matching through eleven
-# routers before the outcome's was most of the event loop's work per request
+# routers before the outcome's would be most of the event loop's work per request
 # (docs/control-plane.md). Their paths overlap no other router's, so the order changes nothing else.
 ROUTERS = (outcomes, health, ops, runs, tokens, lineage, tags, launches, leases, gc, retention, checkpoints, page,
            grants, peer_checks)

@@ -3,20 +3,29 @@ See base.BlobStore for the protocol every one of them keeps."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 from urllib.parse import urlparse
+
+from pydantic import SecretStr
 
 from .base import BlobInfo, BlobStore, BlobWriter
 from .local import LocalBlobStore
 from .memory import MemoryBlobStore
 
-if TYPE_CHECKING:
-    from ..settings import Settings
-
-__all__ = ["BlobInfo", "BlobStore", "BlobWriter", "LocalBlobStore", "MemoryBlobStore", "open_blobstore"]
+__all__ = ["BlobInfo", "BlobStore", "BlobWriter", "Credentials", "LocalBlobStore", "MemoryBlobStore",
+           "open_blobstore"]
 
 
-def open_blobstore(url: str, settings: "Settings | None" = None) -> BlobStore:
+class Credentials(Protocol):
+    """What an s3:// store is opened with: the service's settings have both
+    (LASTGOOD_S3_ACCESS_KEY, LASTGOOD_S3_SECRET_KEY). The stores know nothing else of the
+    settings, which sit above them (.importlinter, service-layers)."""
+
+    s3_access_key: str | None
+    s3_secret_key: SecretStr | None
+
+
+def open_blobstore(url: str, settings: Credentials | None = None) -> BlobStore:
     """The store `url` names. An s3:// store takes its credentials from `settings`
     (LASTGOOD_S3_ACCESS_KEY / LASTGOOD_S3_SECRET_KEY), never from the URL."""
     parsed = urlparse(url)

@@ -6,7 +6,7 @@ small protocol of its own, checked by the caller at the point of use.
   LendsLocalPaths  a blob is a file on this host, which a same-host reader may link to
   ReportsFreeSpace the store can tell how many bytes it has left (a local file system)
   GrantsDirectAccess trainers may upload and read blobs straight from the store through
-                   presigned URLs the service signs (S3; blobstore/s3direct.py, domain/grants.py)
+                   presigned URLs the service signs (S3; blobstore/s3direct.py, domain/dataplane/grants.py)
 
 A store without a capability is asked nothing: the helpers below answer what the caller
 does then (None: copy the file through a writer; stream the chunks; the room is unknown).
@@ -25,14 +25,14 @@ from .base import BlobStore, BlobWriter
 @runtime_checkable
 class AdoptsFiles(Protocol):
     def adopt_writer(self, key: str, taken) -> BlobWriter | None:
-        """A writer whose bytes are already in `taken` (domain/spool.Taken: a path and an
+        """A writer whose bytes are already in `taken` (domain/dataplane/spool.Taken: a path and an
         open descriptor): `write` ignores what it is given (the caller hashes the file
         through the descriptor and passes the pieces on), `publish` makes that file the
         blob, `abort` leaves it to its owner. None when this file cannot be adopted."""
 
     def adopts_from(self, directory: Path) -> bool:
         """Can files in `directory` be adopted (adopt_writer not None)? Asked before a file
-        is there: a file handed over while it is written (domain/spool.Followed) is
+        is there: a file handed over while it is written (domain/dataplane/spool.Followed) is
         adopted only once its hash, which names its blob, is known."""
 
 

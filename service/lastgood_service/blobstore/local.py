@@ -26,7 +26,7 @@ def _publish(store: "LocalBlobStore", fd: int, tmp: Path, dest: Path) -> None:
     """Make the file read-only, fsync it, rename it into place, fsync every directory from
     the blob's up to blobs/ (a concurrent publisher may have created one of them, and its
     entry must be durable before we acknowledge). Read-only, because the spool lends
-    readers hard links to blobs (domain/spool.py), which share the blob's inode and mode."""
+    readers hard links to blobs (domain/dataplane/spool.py), which share the blob's inode and mode."""
     os.fchmod(fd, BLOB_MODE)
     os.fsync(fd)
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -73,7 +73,7 @@ class _LocalWriter(BlobWriter):
 
 
 class _AdoptedWriter(BlobWriter):
-    """A spooled file (domain/spool.Taken) becomes the blob: its bytes are there already."""
+    """A spooled file (domain/dataplane/spool.Taken) becomes the blob: its bytes are there already."""
 
     def __init__(self, store: "LocalBlobStore", key: str, taken) -> None:
         self._store, self._dest, self._taken = store, store._path(key), taken
@@ -125,7 +125,7 @@ class LocalBlobStore(BlobStore, AdoptsFiles, LendsLocalPaths, ReportsFreeSpace):
         return path if path.is_file() else None
 
     def adopt_writer(self, key: str, taken) -> BlobWriter | None:
-        """A taken spool file (domain/spool.Taken) becomes the blob by rename, fsync'd like a
+        """A taken spool file (domain/dataplane/spool.Taken) becomes the blob by rename, fsync'd like a
         written one, when its directory can rename into this store; else it is copied."""
         return _AdoptedWriter(self, key, taken) if self._renames_from(taken.path.parent) else None
 

@@ -24,7 +24,7 @@ from .capabilities import AdoptsFiles, LendsLocalPaths, ReportsFreeSpace
 class _MeteredWriter(BlobWriter):
     """`adopted`: the size of the file an adopting writer makes the blob, counted whatever
     passed through write() (a file followed while it was written passes nothing: its
-    writer is made once its hash is known, domain/commit/protocol.py)."""
+    writer is made once its hash is known, domain/commit/put.py)."""
 
     def __init__(self, inner: BlobWriter, metrics, adopted: int | None = None) -> None:
         self.inner, self.metrics, self.size, self.adopted = inner, metrics, 0, adopted

@@ -33,6 +33,7 @@ from minio.error import S3Error
 from lastgood.wire.s3parts import MAX_PARTS, MIN_PART_SIZE
 
 from .base import READ_CHUNK, BlobInfo, BlobStore, BlobWriter, check_key
+from .s3errors import not_found
 
 log = logging.getLogger("lastgood.blobstore.s3")
 
@@ -163,10 +164,6 @@ class _S3Writer(BlobWriter):
                               self._upload.bucket, self._upload.name)
 
 
-def _not_found(e: S3Error) -> bool:
-    return e.code in ("NoSuchKey", "NoSuchObject")
-
-
 class S3BlobStore(BlobStore):
     def __init__(self, *, bucket: str, endpoint: str, access_key: str, secret_key: str,
                  secure: bool = True, region: str | None = None, prefix: str = "",
@@ -213,7 +210,7 @@ class S3BlobStore(BlobStore):
             resp = self.client.get_object(bucket_name=self.bucket, object_name=name, offset=offset,
                                           length=length or 0)
         except S3Error as e:
-            if _not_found(e):
+            if not_found(e):
                 raise FileNotFoundError(key) from None
             if e.code == "InvalidRange":  # offset at or past the end: an empty read, as a file gives
                 if self.stat(key) is None:
@@ -236,7 +233,7 @@ class S3BlobStore(BlobStore):
         try:
             obj = self.client.stat_object(bucket_name=self.bucket, object_name=self._name(key))
         except S3Error as e:
-            if _not_found(e):
+            if not_found(e):
                 return None
             raise
         return BlobInfo(key, obj.size)
@@ -259,7 +256,7 @@ class S3BlobStore(BlobStore):
         """(object name, upload id) of every multipart upload under this store's prefix (and
         `key_prefix` under it) not yet completed or aborted, and when it began if `initiated`
         (a datetime, None where the store does not say). For operators, tests and the
-        direct uploads' sweep (domain/grants.py): after publish or abort there is none."""
+        direct uploads' sweep (domain/dataplane/grants.py): after publish or abort there is none."""
         out: list[tuple] = []
         key_marker = upload_marker = None
         while True:

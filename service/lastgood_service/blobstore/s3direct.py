@@ -1,5 +1,5 @@
 """Direct access to an S3 store for trainers that hold no credentials: presigned URLs, and
-the multipart calls the service makes around them (domain/grants.py uses them).
+the multipart calls the service makes around them (domain/dataplane/grants.py uses them).
 
 Why our own SigV4 presigning (about thirty lines) instead of minio's `get_presigned_url`:
 minio signs the host alone. A grant for one part signs the part's CRC32 too
@@ -30,7 +30,7 @@ from minio.error import S3Error
 
 from lastgood.wire.s3parts import CHECKSUM_HEADER
 
-from .s3 import _not_found
+from .s3errors import not_found
 
 _NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
 MAX_EXPIRES = 7 * 24 * 3600  # SigV4's limit on a presigned URL
@@ -174,7 +174,7 @@ class S3Direct:
         try:
             r = self._call("HEAD", key, {}, headers={"x-amz-checksum-mode": "ENABLED"})
         except S3Error as e:
-            if _not_found(e) or e.code == "ResourceNotFound":
+            if not_found(e) or e.code == "ResourceNotFound":
                 return None
             raise
         return (int(r.headers.get("Content-Length", -1)), (r.headers.get("ETag") or "").strip('"'),

@@ -39,8 +39,8 @@ def _ensure_sqlite_dir(url: str) -> None:
 def make_engine(url: str, durable: bool = True) -> Engine:
     """`durable=False`: commits return before they reach the disk (SQLite synchronous=NORMAL
     in WAL mode, PostgreSQL synchronous_commit=off). Still atomic and consistent; a power
-    loss may forget the last commits. For heartbeats only (domain/health.py): the next beat
-    rewrites the row anyway, and an fsync per beat was most of a beat's latency.
+    loss may forget the last commits. For heartbeats only (domain/health/heartbeats.py): the next beat
+    rewrites the row anyway, and an fsync per beat would be most of a beat's latency.
     Every engine carries a TxTimer (catalog/txtimer.py): each transaction's lock timings."""
     if url.startswith("sqlite"):
         _ensure_sqlite_dir(url)

@@ -15,7 +15,8 @@ PENDING, COMMITTED, ABANDONED, CORRUPT, DELETED = (Status[n].value for n in
                                                   ("PENDING", "COMMITTED", "ABANDONED", "CORRUPT", "DELETED"))
 STATUSES = tuple(s.value for s in Status)
 VERIFIED = ShardStatus.VERIFIED.value
-DECLARED = ShardStatus.DECLARED.value  # a shard handed over unhashed, until a peer checks it (domain/verification_modes.py)
+# a shard handed over unhashed, until a peer checks it (domain/peer/verification_modes.py)
+DECLARED = ShardStatus.DECLARED.value
 
 # tag kinds: a plain tag may name many checkpoints of a run; an alias names at most one and
 # moves when set again; a pin keeps a checkpoint from GC; system tags are set by lastgood
@@ -76,11 +77,11 @@ class Run(Base):
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
     last_good_id: Mapped[int | None] = mapped_column(
         ForeignKey("checkpoints.id", use_alter=True), nullable=True)
-    # the newest launch's generation (domain/fencing.py); 0 until a launch registers
+    # the newest launch's generation (domain/runs/fencing.py); 0 until a launch registers
     generation: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
-    # the run's own retention (domain/retention.py syntax); None: the service's default
+    # the run's own retention (domain/runs/retention.py syntax); None: the service's default
     retention: Mapped[str | None] = mapped_column(String(512), nullable=True)
-    # GC's bookkeeping (domain/gc.py): the newest event of the run its last pass saw, the
+    # GC's bookkeeping (domain/gc/): the newest event of the run its last pass saw, the
     # policy it applied, and when time alone (a grace period, a read lease) may make
     # something deletable. A pass plans a run again only if one of the three says so.
     gc_event_id: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
@@ -98,7 +99,7 @@ class Checkpoint(Base):
         Index("ix_checkpoints_run_status_bytes", "run_id", "status", "bytes"),
         # a run's checkpoints in creation order: the lineage and its pages, GC's view of a run
         Index("ix_checkpoints_run_id", "run_id", "id"),
-        # stored branches (domain/branches.py): a parent's children, a run's highest branch
+        # stored branches (domain/runs/branches.py): a parent's children, a run's highest branch
         Index("ix_checkpoints_run_parent", "run_id", "parent_id"),
         Index("ix_checkpoints_run_branch", "run_id", "branch"),
     )
@@ -118,13 +119,13 @@ class Checkpoint(Base):
     deleted_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
     # the generation of the launch that began it; 0: a client that did not register (never fenced)
     generation: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
-    # its branch in the run's lineage, stored by domain/branches.py (the rule: lineage.assign_branches)
+    # its branch in the run's lineage, stored by domain/runs/branches.py (the rule: lineage.assign_branches)
     branch: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class Launch(Base):
     """One launch of a job, registered once per (run, attempt): its generation is the run's
-    counter at that moment, so generations of a run are monotone (domain/fencing.py)."""
+    counter at that moment, so generations of a run are monotone (domain/runs/fencing.py)."""
 
     __tablename__ = "launches"
     __table_args__ = (
@@ -221,7 +222,7 @@ class Event(Base):
 
 class Heartbeat(Base):
     """The latest beat of one rank of a run: one row per (run, rank), updated in place, so a
-    job of N ranks costs N rows however long it runs (domain/health.py). Times are the
+    job of N ranks costs N rows however long it runs (domain/health/heartbeats.py). Times are the
     service's clock, never the client's. The smoothed step times, the progress time and
     the outlier start are what the verdicts need from the past beats."""
 
@@ -262,7 +263,7 @@ class RunStats(Base):
     deleted: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     bytes_stored: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     newest_step: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
-    # every change that may alter what a retention policy keeps (domain/gc.py reads it)
+    # every change that may alter what a retention policy keeps (domain/gc/ reads it)
     changes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
     def by_status(self) -> dict[str, int]:

@@ -24,12 +24,12 @@ class FailedPrecondition(DomainError):
 
 
 class Fenced(FailedPrecondition):
-    """A write from a launch older than the run's newest registered one (domain/fencing.py)."""
+    """A write from a launch older than the run's newest registered one (domain/runs/fencing.py)."""
 
 
 class SpoolRefused(FailedPrecondition):
     """A spooled hand-over this service cannot take (the file is gone, or another user's):
-    the client streams the shard instead (domain/spool.py)."""
+    the client streams the shard instead (domain/dataplane/spool.py)."""
 
 
 class SpoolNotShared(SpoolRefused):
@@ -38,13 +38,13 @@ class SpoolNotShared(SpoolRefused):
 
 
 class FollowRefused(SpoolRefused):
-    """A followed hand-over (domain/spool.Followed) this store cannot adopt: the client
+    """A followed hand-over (domain/dataplane/spool.Followed) this store cannot adopt: the client
     streams the shard, and hands its files over once written from then on."""
 
 
 class DirectOff(FailedPrecondition):
     """A grant or read grant of a direct upload asked of a service that offers none (any
-    more): the client refreshes the service's info and streams instead (domain/grants.py)."""
+    more): the client refreshes the service's info and streams instead (domain/dataplane/grants.py)."""
 
 
 class HashMismatch(DomainError):

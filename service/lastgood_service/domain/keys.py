@@ -54,7 +54,7 @@ def manifest_key(ckpt_prefix: str) -> str:
 @dataclass(frozen=True)
 class ParsedKey:
     checkpoint_id: int
-    nonce: str | None   # None: a key from before the nonce
+    nonce: str | None   # None: a key without one (its id alone names its checkpoint)
     rest: str           # "manifest.json" or "r<rank>/<xxh3>"
 
     @property
@@ -74,5 +74,5 @@ def parse(key: str) -> ParsedKey | None:
 
 def belongs_to(parsed: ParsedKey, checkpoint_id: int, run: str, step: int, attempt: str) -> bool:
     """Whether a blob is this catalog row's: same id, and the nonce of its run, step and
-    attempt (a key from before the nonce belongs to the row with its id)."""
+    attempt (a key without a nonce belongs to the row with its id)."""
     return parsed.checkpoint_id == checkpoint_id and parsed.nonce in (None, nonce(run, step, attempt))

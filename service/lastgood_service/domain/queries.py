@@ -14,17 +14,17 @@ from lastgood.wire import jsonvalues, names
 
 from ..catalog.models import STATUSES, Checkpoint, Event, ReadLease, Run, RunStats
 from ..catalog.models import CORRUPT, PENDING, Shard, Vote, utcnow
-from . import last_good, lineage
+from .runs import last_good, lineage
 from .gate import CatalogGate
 from .errors import Damaged, FailedPrecondition, InvalidArgument, NoCheckpoint, NotFound, NoUsableCheckpoint
-from .lineage import tags_by_checkpoint
-from .retention import Retention
+from .runs.lineage import tags_by_checkpoint
+from .runs.retention import Retention
 
 MAX_PAGE = 1000
 MAX_LINEAGE = 10000
 # a lineage page when none is asked for: what one answer builds and holds at once (the web
-# page and the CLI page through longer runs); the whole 10,000 once made every poll of a
-# long run a multi-MB peak that the service's RSS kept
+# page and the CLI page through longer runs); the whole 10,000 would make every poll of a
+# long run a multi-MB peak that the service's RSS keeps
 LINEAGE_PAGE = 1000
 # events that mean a save or a checkpoint went wrong: the runs overview counts the recent ones
 FAILURE_EVENTS = ("abort", "expired", "corrupt", "hash_mismatch")
@@ -48,8 +48,8 @@ def checkpoint_view(ck: Checkpoint, run: Run, tags: list[dict] | None = None) ->
 
 
 def _event_data(text: str):
-    """An event's data as strict JSON can carry it, whatever an older service stored: NaN,
-    Infinity or a lone surrogate in one row once made every read of the run's events fail."""
+    """An event's data as strict JSON can carry it, whatever the row holds: NaN, Infinity or
+    a lone surrogate in one row would otherwise make every read of the run's events fail."""
     try:
         return jsonvalues.carried(json.loads(text))
     except (ValueError, RecursionError):
@@ -207,7 +207,7 @@ class Queries:
             return self._checkpoint(s, lease.checkpoint_id)[1].name
 
     def lineage_json(self, run_name: str, limit: int = LINEAGE_PAGE, offset: int = 0) -> bytes:
-        """A lineage page as the REST answer's JSON text (domain/lineage.py says why text)."""
+        """A lineage page as the REST answer's JSON text (domain/runs/lineage.py says why text)."""
         if not 1 <= limit <= MAX_LINEAGE or offset < 0:
             raise InvalidArgument(f"limit must be 1..{MAX_LINEAGE} and offset >= 0")
         with self.sessions() as s, s.begin():

@@ -31,10 +31,10 @@ from lastgood.wire.manifest import Manifest
 from ..blobstore import BlobStore
 from ..catalog.models import (ABANDONED, COMMITTED, CORRUPT, DELETED, PENDING, VERIFIED, Checkpoint, Run, Shard, Vote,
                               utcnow)
-from . import keys, last_good
-from . import branches
+from . import keys
+from .runs import branches, last_good
 from .commit import indexes
-from .fencing import GENERATION_GAP
+from .runs.fencing import GENERATION_GAP
 from .events import add_event
 
 log = logging.getLogger("lastgood.repair")

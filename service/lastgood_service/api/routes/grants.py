@@ -1,4 +1,4 @@
-"""Direct uploads to an S3 store (domain/grants.py, docs/direct-s3.md): a rank's grant of
+"""Direct uploads to an S3 store (domain/dataplane/grants.py, docs/direct-s3.md): a rank's grant of
 presigned part URLs for one of its files, the hand-over of what it uploaded, and presigned
 reads of committed files. Off (409) unless LASTGOOD_DIRECT_S3 and an s3:// store."""
 
@@ -12,9 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from lastgood.wire import names
 from lastgood.wire.s3parts import MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE
 
-from ...domain.commit.protocol import ShardHeader
+from ...domain.commit.types import ShardHeader
 from ...domain.errors import InvalidArgument
-from ...domain.grants import DirectUploads, UploadedPart
+from ...domain.dataplane.grants import DirectUploads, UploadedPart
 from ..contract import StrictJSONRoute, answers
 from ..deps import CkptId, CommitsDep
 
@@ -55,7 +55,8 @@ class HandOverBody(FileBody):
     upload_id: str = Field(min_length=1, max_length=1024)
     parts: list[Part] = Field(min_length=1, max_length=MAX_PARTS)
     digests: dict | None = Field(None, description="the file's range digests, computed by the rank with the "
-                                 "service's rule (lastgood/ranges.py; checked for shape: domain/declared_ranges.py)")
+                                 "service's rule (lastgood/ranges.py; checked for shape: "
+                                 "domain/commit/declared_ranges.py)")
 
 
 def _header(checkpoint_id: int, rank: int, body: FileBody) -> ShardHeader:

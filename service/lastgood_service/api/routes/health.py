@@ -1,5 +1,5 @@
 """REST routes of run health: heartbeats in, verdicts and the checkpoint interval out
-(domain/health.py; docs/health.md)."""
+(domain/health/heartbeats.py; docs/health.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 
 from lastgood.wire import names
 
-from ...domain.health import MAX_SECONDS
+from ...domain.health.heartbeats import MAX_SECONDS
 from ..contract import StrictJSONRoute, answers
 from ..deps import HealthDep
 

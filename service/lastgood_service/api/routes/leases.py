@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from ...domain.curation import MAX_LEASE_SECONDS
+from ...domain.runs.curation import MAX_LEASE_SECONDS
 from ..contract import StrictJSONRoute, answers
 from ..deps import CkptId, CuratorDep, Id
 

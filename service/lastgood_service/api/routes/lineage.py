@@ -30,7 +30,7 @@ def run_lineage(run: str, queries: QueriesDep, limit: Annotated[int, Query(ge=1,
                 offset: Offset = 0):
     """One page of the run's checkpoint tree, oldest first: nodes (step, status, branch, tags,
     bytes, durations), parent edges, and `total` to page on with `offset`."""
-    # the answer's JSON text, built from the rows (domain/lineage.py): no dict a node for
+    # the answer's JSON text, built from the rows (domain/runs/lineage.py): no dict a node for
     # FastAPI's encoder (it walked each of 1,000 again, ~30 ms) or Python's GC to walk
     return Response(queries.lineage_json(run, limit, offset), media_type="application/json")
 

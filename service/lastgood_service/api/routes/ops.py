@@ -9,7 +9,7 @@ from lastgood.wire.vocab import Verification
 
 from ... import __version__
 from ..contract import StrictJSONRoute
-from ...domain.grants import DirectUploads
+from ...domain.dataplane.grants import DirectUploads
 from ..deps import Ctx, QueriesDep
 
 router = APIRouter(route_class=StrictJSONRoute, tags=["ops"])
@@ -30,7 +30,7 @@ def info(ctx: Ctx):
                 max_request_bytes=s.max_request_bytes,  # api/limits.py: a hand-over that would not fit drops them
                 spool=ctx.spool.info() if ctx.spool else None,
                 direct_fs=ctx.direct_fs.info() if ctx.direct_fs else None,
-                direct_s3=DirectUploads(ctx.commits).info()).to_dict()  # direct S3 uploads (domain/grants.py)
+                direct_s3=DirectUploads(ctx.commits).info()).to_dict()  # direct S3 uploads (domain/dataplane/grants.py)
 
 
 @router.get("/metrics", include_in_schema=False)

@@ -1,6 +1,6 @@
 """GET /api/v1/checkpoints/{id}/outcome?wait=S: a rank that has voted waits here for the
 checkpoint's outcome. The handler is a coroutine on the server's event loop, so a waiting
-rank holds no thread; the one notifier per process (domain/outcomes.py) wakes every waiter
+rank holds no thread; the one notifier per process (domain/commit/outcomes.py) wakes every waiter
 of a checkpoint at once (docs/control-plane.md)."""
 
 from __future__ import annotations

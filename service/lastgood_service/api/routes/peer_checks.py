@@ -1,4 +1,4 @@
-"""Peer verification (domain/verification_modes.py): a rank asks which of its peer's files
+"""Peer verification (domain/peer/verification_modes.py): a rank asks which of its peer's files
 to read back from the store, and reports what it read. Writers only: the report decides
 whether a checkpoint may commit."""
 
@@ -11,7 +11,8 @@ from pydantic import BaseModel, Field
 
 from lastgood.wire import names
 
-from ...domain.verification_modes import MAX_REPORT_FILES, PeerChecks
+from ...domain.errors import Unavailable
+from ...domain.peer.verification_modes import MAX_REPORT_FILES, PeerChecks
 from ..contract import StrictJSONRoute, answers
 from ..deps import CkptId, Ctx
 
@@ -35,7 +36,9 @@ class PeerReport(BaseModel):
 
 
 def _checks(ctx) -> PeerChecks:
-    return PeerChecks(ctx.commits, ctx.direct_fs)
+    if ctx.peer_checks is None:  # an app built without them (a test's context)
+        raise Unavailable("peer checks are not served by this app")
+    return ctx.peer_checks
 
 
 @router.get("/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/peer-check", responses=answers(400, 404, 409))

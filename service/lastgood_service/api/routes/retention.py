@@ -1,12 +1,12 @@
-"""A run's own retention policy (domain/run_retention.py): read it, set it, clear it."""
+"""A run's own retention policy (domain/runs/run_retention.py): read it, set it, clear it."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from ...domain.retention import MAX_SPEC
-from ...domain.run_retention import RunRetention
+from ...domain.runs.retention import MAX_SPEC
+from ...domain.runs.run_retention import RunRetention
 from ..contract import StrictJSONRoute, answers
 from ..deps import GCDep
 

@@ -1,14 +1,14 @@
 """Tensor index objects: each safetensors file's index stored as a blob of its own.
 
-Why: a monolithic manifest held every rank's tensor index, so the commit parsed and wrote
-O(total tensors) and every restoring rank downloaded all of it (docs/architecture.md,
-"Checkpoint metadata"). Now put_shard writes the file's index object as soon as the file
+Why: a manifest that held every rank's tensor index would make the commit parse and write
+O(total tensors) and every restoring rank download all of it (docs/architecture.md,
+"Checkpoint metadata"). So put_shard writes the file's index object as soon as the file
 is verified (each rank's upload pays for its own index, in parallel), the catalog's
 `shards.index_json` keeps only its reference {xxh3_128, size, tensors}, and the commit
 copies references into the root: O(files), whatever the tensor count.
 
-A row from before this layout holds the whole index in `index_json`; its object is written
-when the commit meets it (once, for checkpoints pending across the upgrade).
+A row whose `index_json` holds the whole index (not a reference) has its object written
+when the commit meets it, once.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def key_of(ckpt_prefix: str, sh: Shard) -> str | None:
 
 
 def entry(blobs, ckpt_prefix: str, sh: Shard) -> FileEntry:
-    """The shard's line in the root (a legacy row's index object is written now)."""
+    """The shard's line in the root (a row holding its whole index has its object written here)."""
     ref = None
     if sh.index_json:
         d = json.loads(sh.index_json)

@@ -25,7 +25,7 @@ class CommitLifecycle(CommitProtocol):
     def abort(self, checkpoint_id: int, reason: str = "", rank: int | None = None) -> str:
         self.gate.check()
         with self.sessions() as s, s.begin():
-            ck = self._get_checkpoint(s, checkpoint_id)
+            ck = self.get_checkpoint(s, checkpoint_id)
             if ck.status == ABANDONED:
                 return ABANDONED
             if ck.status != PENDING:
@@ -37,7 +37,7 @@ class CommitLifecycle(CommitProtocol):
                     extra={"checkpoint_id": checkpoint_id, "rank": rank})
         self.metrics.abandoned.labels("abort").inc()
         self._notify()
-        self._end_direct([checkpoint_id])
+        self._ended([checkpoint_id])
         return ABANDONED
 
     next_expiry: dt.datetime | None = None  # the earliest lease left PENDING by the last expire_leases
@@ -71,20 +71,18 @@ class CommitLifecycle(CommitProtocol):
                             extra={"checkpoint_id": cid})
             self.metrics.abandoned.labels("lease_expired").inc(len(expired))
             self._notify()
-            self._end_direct(expired)
+            self._ended(expired)
         return expired
 
-    def _end_direct(self, checkpoint_ids: list[int]) -> None:
-        """Abort the direct S3 uploads the ended checkpoints left open (domain/grants.py)."""
-        if self.settings.direct_s3:
-            from ..grants import DirectUploads  # grants.py builds on this package
-
-            DirectUploads(self).end(checkpoint_ids)
+    def _ended(self, checkpoint_ids: list[int]) -> None:
+        """Tell the end listeners of checkpoints that ended without a commit (core.py)."""
+        for listener in self.end_listeners:
+            listener(checkpoint_ids)
 
     def shards_present(self, checkpoint_id: int) -> bool:
         """Is every shard row's blob in the store at its recorded size (a stat each, no
         read)? Asked before a commit that does not follow the call that verified the files
-        (recovery at start-up, peer mode's retried commit: peer_fallback.py): a crash of the
+        (recovery at start-up, peer mode's retried commit: domain/peer/peer_fallback.py): a crash of the
         host since may have lost blobs that were published but not yet on disk."""
         with self.sessions() as s, s.begin():
             shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == checkpoint_id)))

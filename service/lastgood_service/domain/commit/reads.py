@@ -22,10 +22,10 @@ class CommitReads(CommitVerification):
 
     def shard_for_read(self, checkpoint_id: int, rank: int, file_name: str) -> Shard:
         with self.sessions() as s, s.begin():
-            ck = self._get_checkpoint(s, checkpoint_id)
+            ck = self.get_checkpoint(s, checkpoint_id)
             if ck.status != COMMITTED:
                 raise FailedPrecondition(f"checkpoint {checkpoint_id} is {ck.status}; only committed checkpoints are readable")
-            self._check_rank(ck, rank)
+            self.check_rank(ck, rank)
             sh = s.scalar(select(Shard).where(Shard.checkpoint_id == checkpoint_id, Shard.rank == rank,
                                               Shard.file_name == file_name))
             if sh is None:
@@ -56,7 +56,7 @@ class CommitReads(CommitVerification):
 
     def manifest_bytes(self, checkpoint_id: int) -> bytes:
         with self.sessions() as s, s.begin():
-            ck = self._get_checkpoint(s, checkpoint_id)
+            ck = self.get_checkpoint(s, checkpoint_id)
             if ck.status != COMMITTED:
                 raise FailedPrecondition(f"checkpoint {checkpoint_id} is {ck.status}; it has no visible manifest")
             key, want = ck.manifest_key, ck.manifest_hash
@@ -82,7 +82,7 @@ class CommitReads(CommitVerification):
             if ref is None:
                 raise NotFound(f"checkpoint {checkpoint_id} rank {rank} file {file_name!r} has no tensor index "
                                f"(not a safetensors file, or a manifest of format 1 that holds it inline)")
-            key = indexes.key_of(key_prefix(s, self._get_checkpoint(s, checkpoint_id)), sh)
+            key = indexes.key_of(key_prefix(s, self.get_checkpoint(s, checkpoint_id)), sh)
         what = {"rank": rank, "file": f"{file_name} (tensor index)", "expected": ref["xxh3_128"]}
         try:
             body = self.blobs.read_all(key)

@@ -13,7 +13,7 @@ from lastgood.wire.hashing import StreamHasher, hash_bytes
 from lastgood.wire.ranges import FileCheck, fingerprint
 
 from ...catalog.models import COMMITTED, CORRUPT, Shard
-from .. import last_good
+from ..runs import last_good
 from ..errors import FailedPrecondition
 from ..events import add_event
 from . import indexes
@@ -29,7 +29,7 @@ class CommitVerification(CommitCore):
         or a state that cannot be read marks it CORRUPT, records an event and moves
         last-good back to the newest good commit."""
         with self.sessions() as s, s.begin():
-            ck = self._get_checkpoint(s, checkpoint_id)
+            ck = self.get_checkpoint(s, checkpoint_id)
             if ck.status not in (COMMITTED, CORRUPT):
                 raise FailedPrecondition(f"checkpoint {checkpoint_id} is {ck.status}; only committed ones are verified")
             shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == checkpoint_id)
@@ -84,7 +84,7 @@ class CommitVerification(CommitCore):
         self.gate.check()  # moving last-good back on a catalog behind the store would pick from what it lost
         log.error("checkpoint %s is CORRUPT: %s", checkpoint_id, bad, extra={"checkpoint_id": checkpoint_id})
         with self.sessions() as s, s.begin():
-            ck = self._get_checkpoint(s, checkpoint_id)
+            ck = self.get_checkpoint(s, checkpoint_id)
             first = ck.status != CORRUPT
             ck.status = CORRUPT
             now_last_good = last_good.retreat(s, ck)

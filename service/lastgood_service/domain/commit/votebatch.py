@@ -1,10 +1,10 @@
 """Group commit of votes: the votes that arrive together are written in ONE transaction.
 
 At 1,024 ranks every rank votes within the same second. Written one transaction each,
-under the checkpoint's row lock, each also counting and re-reading every vote before it,
-a checkpoint cost O(ranks) catalog transactions and O(ranks^2) rows read, and on SQLite
-every transaction appends its own pages to the WAL. Here a vote joins a queue; one of the
-waiting voters (the leader) takes everything queued - what arrived while the previous
+under the checkpoint's row lock, each also counting and re-reading every vote before it, a
+checkpoint would cost O(ranks) catalog transactions and O(ranks^2) rows read, and on
+SQLite every transaction appends its own pages to the WAL. So a vote joins a queue; one of
+the waiting voters (the leader) takes everything queued - what arrived while the previous
 batch was being written, and within `vote_batch_window` seconds after - and writes it:
 
 - one transaction per batch, whatever the number of checkpoints and ranks in it: each
@@ -13,7 +13,7 @@ batch was being written, and within `vote_batch_window` seconds after - and writ
   written, and the voted ranks are read back in one query (the count that says "all ranks
   voted", and the missing ranks the answer carries);
 - a voter's answer leaves only after its batch's transaction has committed (a vote is
-  durable when acknowledged, as before);
+  durable when acknowledged);
 - a vote the protocol refuses (wrong files, a checkpoint not PENDING, fenced) is refused
   to that voter alone and writes nothing; the others in the batch are written;
 - each checkpoint's part of the batch runs under its own SAVEPOINT: an SQL error in it (a
@@ -22,14 +22,13 @@ batch was being written, and within `vote_batch_window` seconds after - and writ
 - a batch whose transaction fails (a catalog error, a lost connection) has written nothing
   (rolled back as a whole) and every voter in it hears Unavailable: vote again;
 - the batch that completes a checkpoint has one of its voters commit it (the protocol's
-  try_commit, as the completing vote always did), unless a commit of that checkpoint is
-  already under way in this process (a vote sent again while the manifest is written), or
-  a file of it is still DECLARED (peer mode: the report or the service's own hash that
-  verifies the last one commits, under the same row lock: verification_modes.py);
-  the others answer PENDING at once, with no missing ranks, like any vote of an incomplete
-  checkpoint: the caller waits for the outcome as its wait_seconds allows (protocol.vote,
-  bounded by commit_wait_max and the gRPC waiters' limit), never for a slow manifest write
-  it did not ask to wait for.
+  try_commit), unless a commit of that checkpoint is already under way in this process (a
+  vote sent again while the manifest is written), or a file of it is still DECLARED (peer
+  mode: the report or the service's own hash that verifies the last one commits, under the
+  same row lock: domain/peer/verification_modes.py); the others answer PENDING at once,
+  with no missing ranks, like any vote of an incomplete checkpoint: the caller waits for
+  the outcome as its wait_seconds allows (protocol.vote, bounded by commit_wait_max and
+  the gRPC waiters' limit), never for a slow manifest write it did not ask to wait for.
 
 The protocol's checks and invariants are protocol.py's (I1-I3); this module only groups.
 """
@@ -48,9 +47,11 @@ from sqlalchemy import select, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from ...catalog.models import ABANDONED, COMMITTED, CORRUPT, DECLARED, PENDING, Shard, Vote
-from .. import fencing
+from ...failpoints import Failpoint
+from ..runs import fencing
 from ..errors import Conflict, DomainError, FailedPrecondition, Unavailable
 from ..faults import as_domain_error
+from .types import VoteResult
 
 log = logging.getLogger("lastgood.commit")
 
@@ -71,7 +72,7 @@ class _Ask:
 
 class VoteBatcher:
     """One per commit service (process). `core` is the CommitProtocol: its sessions, checks
-    (_get_checkpoint, _check_rank, _require_pending), clock and lease, and try_commit."""
+    (get_checkpoint, check_rank, require_pending), clock and lease, and try_commit."""
 
     def __init__(self, core, window: float, failpoint: str | None = None) -> None:
         self.core = core
@@ -79,22 +80,21 @@ class VoteBatcher:
         self._cv = threading.Condition()
         self._queue: list[_Ask] = []
         self._writing = False
-        self._fail_next = failpoint == "vote_batch_fails_once"  # testing only (settings.failpoint)
-        fails_on = "vote_fails_on_checkpoint_"  # testing only: an SQL error in that checkpoint's part
-        self._fail_checkpoint = int(failpoint[len(fails_on):]) if (failpoint or "").startswith(fails_on) else None
+        # testing only (settings.failpoint): the first batch fails, or an SQL error in one checkpoint's parts
+        point, checkpoint_id = Failpoint.parse(failpoint) if failpoint else (None, None)
+        self._fail_next = point is Failpoint.VOTE_BATCH_FAILS_ONCE
+        self._fail_checkpoint = checkpoint_id if point is Failpoint.VOTE_FAILS_ON_CHECKPOINT else None
         self._committing: set[int] = set()  # checkpoints a voter of this process is committing
         self.batches = 0  # transactions written, for tests and the benchmark
 
     def committing(self, checkpoint_id: int) -> bool:
-        """Is a voter of this process committing the checkpoint (peer_fallback.py asks)?"""
+        """Is a voter of this process committing the checkpoint (domain/peer/peer_fallback.py asks)?"""
         with self._cv:
             return checkpoint_id in self._committing
 
     def vote(self, checkpoint_id: int, rank: int, files: list[str]):
         """Record the vote (durably, in some batch's transaction), commit if its batch
         completed the checkpoint; the VoteResult as of then. Raises the vote's own refusal."""
-        from .protocol import VoteResult
-
         ask = _Ask(checkpoint_id, rank, list(files))
         self._submit(ask)
         if ask.error is not None:
@@ -195,7 +195,7 @@ class VoteBatcher:
     def _record_checkpoint(self, s, cid: int, asks: list[_Ask]) -> None:
         core = self.core
         try:
-            ck = core._get_checkpoint(s, cid, lock=True)  # serialises with shard records and other batches
+            ck = core.get_checkpoint(s, cid, lock=True)  # serialises with shard records and other batches
             fencing.check(s, ck.run_id, ck.generation, f"vote on checkpoint {ck.id}")
         except DomainError as e:
             for a in asks:
@@ -204,7 +204,7 @@ class VoteBatcher:
         ok: list[_Ask] = []
         for a in asks:
             try:
-                core._check_rank(ck, a.rank)
+                core.check_rank(ck, a.rank)
                 ok.append(a)
             except DomainError as e:
                 a.error = e
@@ -224,7 +224,7 @@ class VoteBatcher:
                     if sorted(prior) != sorted(a.files):
                         raise Conflict(f"rank {a.rank} already voted on checkpoint {cid} with other files")
                     continue
-                core._require_pending(ck, "vote")
+                core.require_pending(ck, "vote")
                 missing = sorted(set(a.files) - have[a.rank])
                 extra = sorted(have[a.rank] - set(a.files))
                 if missing:
@@ -238,7 +238,7 @@ class VoteBatcher:
             except DomainError as e:
                 a.error = e
         if added:
-            ck.lease_expires_at = core._lease()
+            ck.lease_expires_at = core.lease_from_now()
             s.flush()
         accepted = [a for a in ok if a.error is None]
         if not accepted:
@@ -253,9 +253,9 @@ class VoteBatcher:
             return
         # in `peer` mode the votes come before the checks: a completing vote with a file still
         # DECLARED cannot commit, and its try_commit (every vote and file read back, then a
-        # read of the status) was wasted. The last report to verify a file, serialised with
+        # read of the status) would be wasted. The last report to verify a file, serialised with
         # this batch by the checkpoint's row lock, sees every vote and commits it instead
-        # (verification_modes.py, report; peer_fallback.py)
+        # (domain/peer/verification_modes.py, report; peer_fallback.py)
         completes = ck.status == PENDING and not missing_ranks and s.scalar(select(Shard.id).where(
             Shard.checkpoint_id == cid, Shard.status == DECLARED).limit(1)) is None
         for a in accepted:

@@ -1,4 +1,4 @@
-"""The liveness rule of peer verification (domain/verification_modes.py), one place.
+"""The liveness rule of peer verification (domain/peer/verification_modes.py), one place.
 
 A peer-checked file is DECLARED until a rank reads it back and reports its digest. Ranks
 can fail to: a checker crashed after its vote, a rank that does not wait for the outcome
@@ -36,9 +36,11 @@ from sqlalchemy import func, select
 
 from lastgood.wire.ranges import FileCheck, fingerprint
 
-from ..catalog.models import DECLARED, PENDING, VERIFIED, Checkpoint, Shard, Vote
-from . import declared_ranges
-from .declared_ranges import fingerprint_of
+from ...catalog.models import DECLARED, PENDING, VERIFIED, Checkpoint, Shard, Vote
+from ..commit import declared_ranges
+from ..commit.core import key_prefix
+from ..commit.declared_ranges import fingerprint_of
+from ..commit.types import ShardHeader
 
 log = logging.getLogger("lastgood.commit")
 
@@ -61,7 +63,10 @@ def sweep_interval(settings) -> float:
 
 
 class PeerFallback:
-    """The service's own hash of DECLARED files nobody checked (one per commit service)."""
+    """The service's own hash of DECLARED files nobody checked. One per commit service,
+    built by the composition root (main.py) and shared by the lease reaper's sweep and the
+    peer checks of the requests (verification_modes.PeerChecks), so that a file is never
+    hashed twice at once."""
 
     def __init__(self, commits) -> None:
         self.commits = commits
@@ -128,7 +133,7 @@ class PeerFallback:
         a voter committing it; a try of this one). try_commit is safe beside any other
         committer, here or on another replica: the manifest it writes is the same bytes,
         and only one conditional update from PENDING wins."""
-        if self.commits.vote_batches.committing(checkpoint_id):
+        if self.commits.committing(checkpoint_id):
             return False
         with self._lock:
             if checkpoint_id in self._committing or any(k[0] == checkpoint_id for k in self._hashing):
@@ -173,9 +178,7 @@ class PeerFallback:
                     if sh is None or ck is None or ck.status != PENDING:
                         continue  # a checker reported it meanwhile, or the checkpoint is decided
                     key, size, want = sh.blob_key, sh.size, sh.xxh3_128
-                    from .commit.core import key_prefix  # commit imports this module
-
-                    ranges = declared_ranges.of_shard(c, key_prefix(s, ck), sh)  # the writer's, if declared
+                    ranges = declared_ranges.of_shard(c.store, key_prefix(s, ck), sh)  # the writer's, if declared
                 got, got_ranges = self._hash(checkpoint_id, key, size, declared_ranges.rule_of(ranges))
                 if got == want and got_ranges != fingerprint_of(ranges):  # the bytes are, their range digests not
                     bad.append((rank, name, want, f"{got}, range digests {got_ranges} (not the declared "
@@ -206,7 +209,7 @@ class PeerFallback:
             for chunk in c.blobs.get(key):
                 hasher.update(chunk)
                 if time.monotonic() - renewed > c.settings.lease_seconds / 4:
-                    c._renew(checkpoint_id)
+                    c.renew(checkpoint_id)
                     renewed = time.monotonic()
         except OSError as e:  # missing, or EIO: the stored file is not what was declared
             log.warning("checkpoint %s: cannot read %s: %s", checkpoint_id, key, e)
@@ -221,7 +224,7 @@ class PeerFallback:
         no DECLARED file left and tries the commit (tests/catalog/test_peer_check_race.py)."""
         c = self.commits
         with c.sessions() as s, s.begin():
-            c._get_checkpoint(s, checkpoint_id, lock=True)
+            c.get_checkpoint(s, checkpoint_id, lock=True)
             sh = s.scalar(select(Shard).where(Shard.checkpoint_id == checkpoint_id, Shard.rank == rank,
                                               Shard.file_name == name, Shard.status == DECLARED))
             if sh is not None:
@@ -232,11 +235,9 @@ def refuse(commits, checkpoint_id: int, bad: list, rank: int | None = None) -> t
     """Files whose stored bytes are not what their writer declared - (rank, file, declared,
     read or None, how it was read) each: a hash_mismatch event each, and the checkpoint is
     aborted. Returns its status then and the reason."""
-    from .commit.protocol import ShardHeader
-
     c = commits
     for r, name, want, got, _how in bad:
-        c._record_mismatch(ShardHeader(checkpoint_id, r, name, 0, want), got or "unreadable")
+        c.record_mismatch(ShardHeader(checkpoint_id, r, name, 0, want), got or "unreadable")
     r, name, want, got, how = bad[0]
     reason = (f"peer check: rank {r}'s {name} in the store has xxh3-128 {got or '(unreadable)'}, its writer "
               f"declared {want} ({how}); the checkpoint is not committed")
@@ -244,18 +245,7 @@ def refuse(commits, checkpoint_id: int, bad: list, rank: int | None = None) -> t
         status = c.abort(checkpoint_id, reason, r if rank is None else rank)
     except Exception:  # noqa: BLE001 - committed or expired meanwhile: say what it is
         with c.sessions() as s, s.begin():
-            status = c._get_checkpoint(s, checkpoint_id).status
+            status = c.get_checkpoint(s, checkpoint_id).status
     log.warning("checkpoint %s: %s", checkpoint_id, reason)
     return status, reason
 
-
-_lock = threading.Lock()
-
-
-def of(commits) -> PeerFallback:
-    """The one PeerFallback of this commit service (the reaper's and the requests')."""
-    with _lock:
-        fb = getattr(commits, "_peer_fallback", None)
-        if fb is None:
-            fb = commits._peer_fallback = PeerFallback(commits)
-        return fb

@@ -10,12 +10,12 @@ from collections.abc import Callable
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from ..catalog.models import (ALIAS, COMMITTED, CORRUPT, LAST_GOOD, PIN, PINNED, ROLLBACK_TARGET, SUSPECT, SYSTEM,
-                              TAG, Checkpoint, ReadLease, Run, Tag, utcnow)
+from ...catalog.models import (ALIAS, COMMITTED, CORRUPT, LAST_GOOD, PIN, PINNED, ROLLBACK_TARGET, SUSPECT, SYSTEM,
+                               TAG, Checkpoint, ReadLease, Run, Tag, utcnow)
 from . import fencing, last_good
-from .events import add_event
-from .gate import CatalogGate
-from .errors import FailedPrecondition, InvalidArgument, NotFound
+from ..events import add_event
+from ..gate import CatalogGate
+from ..errors import FailedPrecondition, InvalidArgument, NotFound
 from .lineage import descendants
 
 RESERVED = {SUSPECT, ROLLBACK_TARGET, LAST_GOOD, PINNED}
@@ -54,7 +54,7 @@ class Curator:
 
     def set_tag(self, checkpoint_id: int, name: str, alias: bool = False, generation: int | None = None) -> dict:
         """A plain tag may name many checkpoints; an alias names one per run and moves.
-        `generation`: the caller's launch; a fenced one is refused (domain/fencing.py)."""
+        `generation`: the caller's launch; a fenced one is refused (domain/runs/fencing.py)."""
         self.gate.check()
         check_tag_name(name)
         with self.sessions() as s, s.begin():

@@ -18,7 +18,7 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ..catalog.models import COMMITTED, SUSPECT, SYSTEM, Checkpoint, Run, Tag, utcnow
+from ...catalog.models import COMMITTED, SUSPECT, SYSTEM, Checkpoint, Run, Tag, utcnow
 from .lineage import ancestors
 
 

@@ -8,7 +8,7 @@ stay on their parent's branch without claiming it, so a retried save after a cra
 mistaken for a branch. Whether a row claims is whether it was ever committed
 (`committed_at`), not its status now: GC turns committed and abandoned checkpoints alike
 into DELETED, and only the first kind continued its parent's branch. Each checkpoint's
-branch is stored when it is begun or committed (domain/branches.py applies this rule to
+branch is stored when it is begun or committed (domain/runs/branches.py applies this rule to
 the rows a change can affect), so a lineage page reads its own rows, not the whole run.
 """
 
@@ -20,7 +20,7 @@ from collections import defaultdict
 from sqlalchemy import func, select, type_coerce
 from sqlalchemy.orm import Session
 
-from ..catalog.models import LAST_GOOD, RAW_UTC, SYSTEM, Checkpoint, Run, RunStats, Tag, Vote, iso_utc
+from ...catalog.models import LAST_GOOD, RAW_UTC, SYSTEM, Checkpoint, Run, RunStats, Tag, Vote, iso_utc
 
 
 def assign_branches(rows: list[tuple[int, int | None, bool]], branch: dict[int | None, int] | None = None,
@@ -62,9 +62,9 @@ def tags_by_checkpoint(s: Session, run: Run, ids: list[int] | None = None,
     return out
 
 
-# a lineage node's columns, read as plain rows: a page of 1,000 ORM objects cost more
-# (identity map, attribute access) than the query itself; its times read raw (RAW_UTC: a
-# quarter of the page's CPU was UTCDateTime's Python call a value)
+# a lineage node's columns, read as plain rows: a page of 1,000 ORM objects costs more
+# (identity map, attribute access) than the query itself; its times read raw (RAW_UTC:
+# UTCDateTime's Python call a value would be a quarter of the page's CPU)
 _NODE_COLUMNS = (Checkpoint.id, Checkpoint.step, Checkpoint.status, Checkpoint.parent_id, Checkpoint.branch,
                  Checkpoint.bytes, Checkpoint.world_size, Checkpoint.attempt,
                  type_coerce(Checkpoint.created_at, RAW_UTC), type_coerce(Checkpoint.committed_at, RAW_UTC),
@@ -74,8 +74,8 @@ _NODE_COLUMNS = (Checkpoint.id, Checkpoint.step, Checkpoint.status, Checkpoint.p
                  select(func.max(type_coerce(Vote.created_at, RAW_UTC))).where(Vote.checkpoint_id == Checkpoint.id)
                  .scalar_subquery())
 # the REST answer's encoder (Starlette's JSONResponse renders with exactly these options):
-# the page's text below is built from its pieces, so it is byte for byte what a dict a node
-# rendered by the route was (tests/catalog/test_lineage_answer.py holds that answer)
+# the page's text below is built from its pieces, so it is byte for byte what the route
+# renders from a dict a node (tests/catalog/test_lineage_answer.py holds that answer)
 _json = json.JSONEncoder(ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode
 _NODE = ('{{"id":{},"step":{},"status":{},"parent_id":{},"branch":{},"tags":{},"bytes":{},"world_size":{},'
          '"attempt":{},"last_good":{},"created_at":"{}","committed_at":{},"save_seconds":{},"commit_seconds":{}}}')

@@ -38,11 +38,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from lastgood.wire import names
 
-from ..catalog.models import ABANDONED, PENDING, Checkpoint, Launch, Run, utcnow
-from ..metrics import Metrics
-from .errors import Conflict, Fenced, InvalidArgument, NotFound
-from .events import add_event
-from .gate import CatalogGate
+from ...catalog.models import ABANDONED, PENDING, Checkpoint, Launch, Run, utcnow
+from ...metrics import Metrics
+from ..errors import Conflict, Fenced, InvalidArgument, NotFound
+from ..events import add_event
+from ..gate import CatalogGate
 
 
 def launch_view(launch: Launch, run: Run, current: int) -> dict:

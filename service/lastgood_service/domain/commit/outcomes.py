@@ -1,11 +1,11 @@
 """How a waiting rank learns its checkpoint's outcome without a thread of its own.
 
 A rank that has voted waits for COMMITTED (or ABANDONED, CORRUPT). Holding a thread per
-waiting rank (the waiting CommitRank vote) caps how many may wait and polls the catalog once
-per waiter per interval; at 1,024 ranks most could not wait at all and backed off instead.
-Here a waiter is a coroutine on the REST server's event loop (GET
-/api/v1/checkpoints/{id}/outcome?wait=S, api/routes/outcomes.py) sharing one future per
-checkpoint, and ONE notifier per service process decides when to look:
+waiting rank (a waiting CommitRank vote) would cap how many may wait and poll the catalog
+once per waiter per interval: at 1,024 ranks most could not wait at all. So a waiter is a
+coroutine on the REST server's event loop (GET /api/v1/checkpoints/{id}/outcome?wait=S,
+api/routes/outcomes.py) sharing one future per checkpoint, and ONE notifier per service
+process decides when to look:
 
 - a change made in this process (a commit, an abort, an expiry: _notify in domain/commit/core.py)
   pokes it, and it reads every watched checkpoint's status in one query at once; a commit
@@ -32,8 +32,8 @@ from functools import cached_property
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from ..catalog.models import PENDING, Checkpoint, Vote
-from .errors import NotFound
+from ...catalog.models import PENDING, Checkpoint, Vote
+from ..errors import NotFound
 
 log = logging.getLogger("lastgood.outcomes")
 

@@ -1,6 +1,6 @@
 """Stored branches: each checkpoint's branch number (`checkpoints.branch`), written when
 it is begun, committed or rebuilt, so a lineage page reads an index range instead of
-walking the whole run to derive them (domain/lineage.py).
+walking the whole run to derive them (domain/runs/lineage.py).
 
 The rule is lineage.assign_branches, the one owner: walking a run in creation order, a
 checkpoint's branch depends only on the rows before it. A commit can change the answer
@@ -21,7 +21,7 @@ from __future__ import annotations
 from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
-from ..catalog.models import Checkpoint
+from ...catalog.models import Checkpoint
 from .lineage import assign_branches
 
 

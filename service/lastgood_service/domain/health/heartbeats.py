@@ -6,7 +6,7 @@ runs -- which also keeps what the verdicts need from the past: a smoothed step t
 slowly decaying maximum step time, the smoothed save stall, and when the step or the
 phase last changed. Times are the service's clock.
 
-Verdicts (domain/verdicts.py) are computed when asked (GET .../health), so any replica
+Verdicts (domain/health/verdicts.py) are computed when asked (GET .../health), so any replica
 answers alike. A sweep (Service._health_loop, every `health_interval`) computes them for
 every run that beat recently, keeps the time each straggler became an outlier, and
 records each change of a rank's verdict to hung, straggler or lost as an event of that
@@ -38,11 +38,12 @@ from lastgood.common import interval as math_
 from lastgood.wire import names
 from lastgood.wire.vocab import Phase
 
-from ..catalog.models import Event, Heartbeat, Launch, Run, utcnow
-from . import fencing, verdicts
-from .errors import InvalidArgument, NotFound
-from .events import add_event
-from .gate import CatalogGate
+from ...catalog.models import Event, Heartbeat, Launch, Run, utcnow
+from ..errors import InvalidArgument, NotFound
+from ..events import add_event
+from ..gate import CatalogGate
+from ..runs import fencing
+from . import verdicts
 
 log = logging.getLogger("lastgood.health")
 PHASES = tuple(p.value for p in Phase)

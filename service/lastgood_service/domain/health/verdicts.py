@@ -1,5 +1,5 @@
 """Hang and straggler verdicts from the latest beat of each rank. Pure functions: the
-catalog half is domain/health.py, the numbers' meaning docs/health.md.
+catalog half is domain/health/heartbeats.py, the numbers' meaning docs/health.md.
 
 Hang. A rank is `hung` when it has made no progress (its step or phase has not changed)
 for longer than its timeout, or has not beaten for that long. The timeout is computed

@@ -21,14 +21,15 @@ caller's token may write (api/auth.py checks the route's checkpoint), for one up
 another key, another upload or a late request is refused by the store.
 
 Nothing is orphaned: an abort or a lease expiry aborts the checkpoint's open uploads
-(lifecycle.py calls `end`), and every GC pass sweeps the open uploads of checkpoints that
-are no longer PENDING (gc.py calls `sweep`), the backstop for a service that died between.
+(`end`, which main.py makes one of the commit service's end listeners), and every GC pass
+sweeps the open uploads of checkpoints that are no longer PENDING (domain/gc/ calls `sweep`),
+the backstop for a service that died between.
 
-Verification (domain/verification_modes.py): in `store` mode a directly uploaded file is
+Verification (domain/peer/verification_modes.py): in `store` mode a directly uploaded file is
 verified by the *store* (per-part CRC32) and recorded VERIFIED at the hand-over; in `peer`
 mode it is recorded DECLARED and another rank reads the object back through a presigned GET
 and checks its xxh3-128 before the checkpoint may commit (or the service does, after the
-grace: domain/peer_fallback.py). Then a CRC32 the store does not report (moto keeps none)
+grace: domain/peer/peer_fallback.py). Then a CRC32 the store does not report (moto keeps none)
 refuses nothing: the read-back checks the bytes; one it reports that disagrees still does.
 The restoring client checks the xxh3-128 end to end in either mode.
 """
@@ -50,15 +51,18 @@ from lastgood.wire.s3parts import CHECKSUM_HEADER, MAX_PARTS, part_layout  # one
 from lastgood.wire.errors import FormatError
 from lastgood.wire.format import header_length
 
-from ..blobstore import capabilities
-from ..blobstore.s3direct import StoredPart, composite
-from ..catalog.models import DECLARED, PENDING, VERIFIED, Checkpoint, Run, Shard
-from . import declared_ranges, keys, verification_modes
-from .commit import indexes
-from .commit.core import key_prefix
-from .commit.protocol import PutResult, ShardHeader
-from .errors import Conflict, DirectOff, FailedPrecondition, HashMismatch, InvalidArgument
-from .events import add_event
+from ...blobstore import capabilities
+from ...blobstore.s3direct import StoredPart, composite
+from ...catalog.models import DECLARED, PENDING, VERIFIED, Checkpoint, Run, Shard
+from ...failpoints import Failpoint, reach
+from .. import keys
+from ..commit import declared_ranges, indexes
+from ..commit.core import key_prefix
+from ..commit.put import read_header
+from ..commit.types import PutResult, ShardHeader
+from ..errors import Conflict, DirectOff, FailedPrecondition, HashMismatch, InvalidArgument
+from ..events import add_event
+from ..peer import verification_modes
 
 log = logging.getLogger("lastgood.grants")
 
@@ -132,7 +136,7 @@ class DirectUploads:
             ck, present = c.admit_file(s, h, for_what)
             if present is not None:
                 return None, present, None
-            ck.lease_expires_at = c._lease()
+            ck.lease_expires_at = c.lease_from_now()
             pfx = key_prefix(s, ck)
             return keys.shard_key(pfx, h.rank, h.xxh3_128), None, pfx
 
@@ -165,7 +169,7 @@ class DirectUploads:
                   part_size: int | None = None, digests: dict | None = None) -> PutResult:
         """Confirm the upload from the store's metadata, complete it, record the file (VERIFIED,
         or DECLARED for a peer to read back). `digests`: the range digests its writer declared
-        (declared_ranges.py)."""
+        (domain/commit/declared_ranges.py)."""
         d = self._direct()
         if not upload_id or len(upload_id) > 1024:
             raise InvalidArgument("upload_id must be 1..1024 characters")
@@ -197,7 +201,7 @@ class DirectUploads:
             if problem:
                 self._refuse(d, h, key, upload_id, problem)
             d.complete(key, upload_id, stored)
-            self.commits._failpoint("crash_after_direct_complete")
+            reach(Failpoint.CRASH_AFTER_DIRECT_COMPLETE, self.settings.failpoint, self.settings.data_dir)
         info = self.commits.store.stat(key)
         if info is None or info.size != h.size:
             self.commits.store.delete(key)  # a whole object of other bytes: never left under the file's key
@@ -207,7 +211,8 @@ class DirectUploads:
             if other_key == key and other != upload_id:
                 d.abort_upload(key, other)
         if digests is not None:
-            self.commits._failpoint("hold_declared_index")  # testing only: another file records this key meanwhile
+            # testing only: another file records this key meanwhile
+            reach(Failpoint.HOLD_DECLARED_INDEX, self.settings.failpoint, self.settings.data_dir)
         try:
             index_json = self._index(key, h, pfx, digests)
         except InvalidArgument:  # not a safetensors file, or declared digests refused: nothing of it is kept
@@ -312,7 +317,7 @@ class DirectUploads:
 
     def _index(self, key: str, h: ShardHeader, pfx: str, digests: dict | None = None) -> str | None:
         """The tensor index object of a safetensors file, from its header alone (ranged reads),
-        with the range digests its writer declared, checked for shape (declared_ranges.py)."""
+        with the range digests its writer declared, checked for shape (domain/commit/declared_ranges.py)."""
         if not h.file_name.endswith(".safetensors"):
             return None
         store = self.commits.store
@@ -323,7 +328,7 @@ class DirectUploads:
             raise InvalidArgument(f"not a valid safetensors file: {e}") from None
         if n > 8:
             head += b"".join(store.get(key, 8, min(n, h.size) - 8))
-        data_start, tensors, chunks = self.commits._try_header(bytearray(head), h.size, final=True)
+        data_start, tensors, chunks = read_header(bytearray(head), h.size, final=True)
         digests = declared_ranges.validate(self.settings.range_block_bytes, data_start, tensors, head, digests)
         return indexes.store(self.commits.blobs, pfx, h.rank, h.file_name, data_start, tensors, digests,
                              chunks=chunks if digests is not None else None,  # as put_shard: only with digests
@@ -340,11 +345,11 @@ class DirectUploads:
                     s.add(Shard(checkpoint_id=ck.id, rank=h.rank, file_name=h.file_name, size=h.size,
                                 xxh3_128=h.xxh3_128, blob_key=key, index_json=index_json, created_at=c.clock(),
                                 status=VERIFIED if self.store_verifies else DECLARED))  # DECLARED: a peer reads it
-                    ck.lease_expires_at = c._lease()
+                    ck.lease_expires_at = c.lease_from_now()
                     add_event(s, "direct_upload", ck.run_id, ck.id, rank=h.rank, file=h.file_name, bytes=h.size)
             except IntegrityError:  # two hand-overs of the same file at once, as put_shard
                 with s.begin():
-                    return c._same_or_conflict(c._find_shard(s, h), h)
+                    return c.answer_recorded(s, h)
         return PutResult(False, h.size, h.xxh3_128)
 
     # ------------------------------------------------------------ reads
@@ -379,7 +384,7 @@ class DirectUploads:
 
 def sweep(sessions, store, now: dt.datetime, grant_seconds: float) -> int:
     """Abort every open upload under ckpt/ whose checkpoint is no longer PENDING: GC's
-    backstop (gc.py) for an abort or expiry whose own `end` did not get through. An upload
+    backstop (domain/gc/) for an abort or expiry whose own `end` did not get through. An upload
     of a checkpoint this catalog has no row for (the row purged, the catalog rebuilt or
     restored) is aborted once it is older than a grant lives (`grant_seconds`): nobody can
     upload to it or hand it over any more. Never raises: a store that cannot list uploads

@@ -1,8 +1,8 @@
 """A run's own retention policy: read it, set it, clear it (back to the service default).
 
-The spec is the service default's syntax (domain/retention.py) and is checked the same
+The spec is the service default's syntax (domain/runs/retention.py) and is checked the same
 way: a bad one is refused and changes nothing. Setting it records a `retention` event, so
-the next GC pass plans the run again (domain/gc.py also sees the policy it applied differ).
+the next GC pass plans the run again (domain/gc/ also sees the policy it applied differ).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from lastgood.wire import names
 
-from ..catalog.models import Run
-from .events import add_event
-from .errors import InvalidArgument, NotFound
-from .gate import CatalogGate
+from ...catalog.models import Run
+from ..events import add_event
+from ..errors import InvalidArgument, NotFound
+from ..gate import CatalogGate
 from .retention import Retention, effective
 
 

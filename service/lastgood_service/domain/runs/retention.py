@@ -1,14 +1,14 @@
 """Retention as small composable policies: each names the checkpoints of a run it keeps;
 GC deletes what no policy keeps. Spelled in settings as a comma list, e.g.
 `latest:3,every:1000,tagged,last-good,branch-heads` (LASTGOOD_RETENTION), the service's
-default; a run may carry its own in the same syntax (runs.retention, domain/run_retention.py)."""
+default; a run may carry its own in the same syntax (runs.retention, domain/runs/run_retention.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from ..catalog.models import SUSPECT
+from ...catalog.models import SUSPECT
 
 
 @dataclass
@@ -133,8 +133,8 @@ def _parsed(spec: str) -> Retention:
 
 def effective(run_spec: str | None, default: Retention) -> Retention:
     """The policy GC applies to a run: its own, else the service's default. A run's spec
-    was validated when it was set; one that no longer parses (an older service's syntax)
-    falls back to the default, which is never less safe than what it keeps."""
+    was validated when it was set; one that does not parse (a syntax this service does not
+    know) falls back to the default, which is never less safe than what it keeps."""
     if not run_spec:
         return default
     try:

@@ -2,11 +2,11 @@
 
 Where trainers mount the local store's directory (NFS, Lustre, GPFS), a rank on any host
 writes its file in place in a staging directory under the store's root, fsyncs it and
-hands over only its name - the spool's hand-over (domain/spool.py), with the same name
+hands over only its name - the spool's hand-over (domain/dataplane/spool.py), with the same name
 contract (lastgood.wire.names), the same take-and-check, and the same id file that proves a
 client sees this directory. The staging directory *is* a Spool, rooted in the store: the
 service renames a taken file into the store (same file system, no copy) and hashes it
-only in the `service` verification mode (domain/verification_modes.py).
+only in the `service` verification mode (domain/peer/verification_modes.py).
 
 Trust is the spool's: the staging directory is the service user's (mode 0700), so only
 processes running as that user - on every host that mounts it - can hand files over.
@@ -24,8 +24,8 @@ from pathlib import Path
 from lastgood.wire import names
 from lastgood.wire.info import DirectFSOffer
 
-from ..blobstore import capabilities
-from ..blobstore.base import BlobStore
+from ...blobstore import capabilities
+from ...blobstore.base import BlobStore
 from .spool import Spool
 
 log = logging.getLogger("lastgood")

@@ -38,7 +38,7 @@ from lastgood.common import durable
 from lastgood.wire import names
 from lastgood.wire.info import SpoolOffer
 
-from .errors import InvalidArgument, SpoolNotShared, SpoolRefused
+from ..errors import InvalidArgument, SpoolNotShared, SpoolRefused
 
 
 class Taken:

@@ -1,10 +1,10 @@
 """Who hashes the bytes of a file a rank handed over by name: LASTGOOD_VERIFICATION.
 
-"Every shard has arrived and been hashed" (I2) must stay true when the service no longer
-reads every byte. The mode says who reads the stored bytes and checks them against the
+"Every shard has arrived and been hashed" (I2) must hold where the service does not read
+every byte. The mode says who reads the stored bytes and checks them against the
 xxh3-128 their writer declared, before the checkpoint may commit:
 
-  service  (default) the service re-reads every byte it adopts, as it always has.
+  service  (default) the service re-reads every byte it adopts.
   peer     another rank reads the file back from the store and checks it - through its
            mount on direct-FS, through a presigned GET the assignment grants it on direct
            S3 (the checker holds no credentials) - and the service reads only the file's
@@ -14,12 +14,12 @@ xxh3-128 their writer declared, before the checkpoint may commit:
            checks its own bytes - unless it is alone (world 1), when reading its own file
            back from the store still checks the stored bytes against the declared digest.
   store    the store checked the declared checksums as it took the bytes (direct S3
-           uploads, whose parts carry a CRC32 the store verifies: domain/grants.py). A
+           uploads, whose parts carry a CRC32 the store verifies: domain/dataplane/grants.py). A
            deployment that cannot (a file system never does; direct uploads off) is refused
            at start (`check_available`).
 
-The mode governs the hand-overs by name: direct-FS (domain/directfs.py) and direct S3
-uploads (domain/grants.py; `service` is refused there: the service would have to read
+The mode governs the hand-overs by name: direct-FS (domain/dataplane/directfs.py) and direct S3
+uploads (domain/dataplane/grants.py; `service` is refused there: the service would have to read
 every object back, undoing the path). Bytes the service receives anyway - a stream, the
 same-host spool - are hashed as they pass, whatever the mode.
 
@@ -30,28 +30,25 @@ never the digest their writer declared: a checker cannot echo it) and reports wh
 mismatch records a hash_mismatch event and aborts the checkpoint (ABANDONED, with the
 reason); a file the checker could not read (it does not mount the store, the blob is
 missing) is hashed by the service itself, and so is a file no checker reported within a
-grace once every rank has voted (domain/peer_fallback.py, the liveness rule), so a
+grace once every rank has voted (domain/peer/peer_fallback.py, the liveness rule), so a
 checker's trouble costs CPU, never the commit's correctness or its liveness.
 """
 
 from __future__ import annotations
 
-import os
-
 from sqlalchemy import select
 
-from lastgood.wire.errors import FormatError
-from lastgood.wire.format import header_length
 from lastgood.wire.vocab import Verification
 
-from ..blobstore import capabilities
-from ..catalog.models import COMMITTED, DECLARED, PENDING, VERIFIED, Shard, Vote
-
-from . import declared_ranges, fencing, peer_fallback
-from .commit.core import key_prefix
-from .declared_ranges import fingerprint_of
-from .errors import FailedPrecondition, InvalidArgument
-from .events import add_event
+from ...blobstore import capabilities
+from ...catalog.models import COMMITTED, DECLARED, PENDING, VERIFIED, Shard, Vote
+from ..commit import declared_ranges
+from ..commit.core import key_prefix
+from ..commit.declared_ranges import fingerprint_of
+from ..errors import FailedPrecondition, InvalidArgument
+from ..events import add_event
+from ..runs import fencing
+from . import peer_fallback
 
 
 SERVICE, PEER, STORE = (Verification[n].value for n in ("SERVICE", "PEER", "STORE"))
@@ -65,7 +62,7 @@ class ModeUnavailable(ValueError):
 
 def check_available(mode: str, store, direct_s3: bool) -> None:
     """Refuse, at start, a mode the data paths cannot provide. `store` needs the direct S3
-    uploads (domain/grants.py), where the store verifies each part's declared CRC32 as it
+    uploads (domain/dataplane/grants.py), where the store verifies each part's declared CRC32 as it
     takes it: a store that grants no direct access, or a service with them off, has
     nothing that would verify a file it does not hash. Direct uploads take `store` or
     `peer` (ranks read each other's objects back through presigned GETs: the one mode
@@ -109,48 +106,12 @@ def peer_of(rank: int, world_size: int) -> int:
     return (rank + 1) % world_size
 
 
-class Declared:
-    """Stands in for the hasher of put_shard when the service does not read the bytes:
-    it counts the header bytes it is shown, and the rest of the file is vouched for by its
-    size (the hand-over checked it with fstat) until a peer hashes it."""
-
-    def __init__(self, size: int, xxh3_128: str) -> None:
-        self.size, self._total, self._digest = 0, size, xxh3_128
-
-    def update(self, data) -> None:
-        self.size += len(data)
-
-    def vouch(self) -> None:
-        self.size = self._total
-
-    def hexdigest(self) -> str:
-        return self._digest
-
-
-def header_chunks(fd: int, size: int, declared: Declared, want_header: bool, piece: int):
-    """The safetensors header of the file behind `fd` (for its tensor index), in pieces of
-    at most `piece` bytes; then the rest is vouched for (Declared.vouch)."""
-    if want_header:
-        head = os.pread(fd, min(8, size), 0)
-        try:
-            want = min(header_length(head), size)
-        except FormatError:
-            want = len(head)  # too short: the index parser says so
-        pos = 0
-        while pos < want:
-            b = os.pread(fd, min(piece, want - pos), pos)
-            if not b:
-                break
-            yield b
-            pos += len(b)
-    declared.vouch()
-
-
 class PeerChecks:
     """The service's half of peer verification, over the commit service's catalog and store."""
 
-    def __init__(self, commits, directfs=None) -> None:
-        self.commits, self.directfs = commits, directfs
+    def __init__(self, commits, fallback: peer_fallback.PeerFallback, directfs=None) -> None:
+        """`fallback`: the commit service's one PeerFallback (main.py builds both)."""
+        self.commits, self.fallback, self.directfs = commits, fallback, directfs
 
     def _where(self):
         """How a checker reaches a stored file: (file -> {"path"} under its mount, direct-FS;
@@ -170,8 +131,8 @@ class PeerChecks:
         """What `rank` checks now: its peer's DECLARED files, with size and where to read each (`_where`: a path under the store's root, or a presigned GET)."""
         c = self.commits
         with c.sessions() as s, s.begin():
-            ck = c._get_checkpoint(s, checkpoint_id)
-            c._check_rank(ck, rank)
+            ck = c.get_checkpoint(s, checkpoint_id)
+            c.check_rank(ck, rank)
             # a zombie of a fenced launch gets no presigned GET of the store's objects
             fencing.check(s, ck.run_id, ck.generation, f"peer check on checkpoint {ck.id}")
             peer = peer_of(rank, ck.world_size)
@@ -180,13 +141,14 @@ class PeerChecks:
                                                         Shard.status == DECLARED).order_by(Shard.file_name)))
             status = ck.status
             pfx = key_prefix(s, ck)
-        hashing = peer_fallback.of(c)  # files the service hashes itself are nobody's to check
         where = self._where() if shards and status == PENDING else None
         # no declared digest: the checker reports what it read, the service compares (report);
-        # each file's writer's range digests, if any, by their rule: recomputed by the checker (declared_ranges.py)
+        # each file's writer's range digests, if any, by their rule: recomputed by the checker
+        # (domain/commit/declared_ranges.py);
+        # files the service hashes itself (the fallback) are nobody's to check
         files = [{"name": sh.file_name, "size": sh.size, **where(sh),
-                  "ranges": declared_ranges.rule_of(declared_ranges.of_shard(c, pfx, sh))} for sh in shards
-                 if not hashing.hashing(checkpoint_id, peer, sh.file_name)] if where else []
+                  "ranges": declared_ranges.rule_of(declared_ranges.of_shard(c.store, pfx, sh))} for sh in shards
+                 if not self.fallback.hashing(checkpoint_id, peer, sh.file_name)] if where else []
         return {"verification": self.mode, "status": status, "peer_rank": peer, "peer_voted": voted,
                 "files": files if status == PENDING else []}
 
@@ -198,15 +160,15 @@ class PeerChecks:
         if len(files) > MAX_REPORT_FILES:
             raise InvalidArgument(f"a report names at most {MAX_REPORT_FILES} files")
         with c.sessions() as s, s.begin():
-            ck = c._get_checkpoint(s, checkpoint_id, lock=True)  # serialises with votes and commits
-            c._check_rank(ck, rank)
+            ck = c.get_checkpoint(s, checkpoint_id, lock=True)  # serialises with votes and commits
+            c.check_rank(ck, rank)
             fencing.check(s, ck.run_id, ck.generation, f"peer check on checkpoint {ck.id}")
             if peer_rank != peer_of(rank, ck.world_size):
                 raise InvalidArgument(f"rank {rank} checks the files of rank {peer_of(rank, ck.world_size)}, "
                                       f"not of rank {peer_rank}")
             if ck.status != PENDING:
                 return {"status": ck.status, "verified": [], "mismatched": []}
-            ck.lease_expires_at = c._lease()  # a check is progressing: the checkpoint is alive
+            ck.lease_expires_at = c.lease_from_now()  # a check is progressing: the checkpoint is alive
             declared = {sh.file_name: sh for sh in s.scalars(select(Shard).where(
                 Shard.checkpoint_id == checkpoint_id, Shard.rank == peer_rank, Shard.status == DECLARED))}
             pfx = key_prefix(s, ck)
@@ -216,7 +178,7 @@ class PeerChecks:
                 if sh is None:
                     continue  # checked already (a retried report), or never declared
                 got = f.get("xxh3_128")
-                ranges = declared_ranges.of_shard(c, pfx, sh) if got == sh.xxh3_128 else None
+                ranges = declared_ranges.of_shard(c.store, pfx, sh) if got == sh.xxh3_128 else None
                 if got is None or (ranges is not None and f.get("ranges_xxh3_128") is None):
                     unread.append((peer_rank, sh.file_name))  # the service reads it (and its ranges) itself
                 elif got == sh.xxh3_128 and fingerprint_of(ranges) in (None, f.get("ranges_xxh3_128")):
@@ -230,7 +192,7 @@ class PeerChecks:
             if verified:
                 add_event(s, "peer_verified", ck.run_id, ck.id, rank=peer_rank, checked_by=rank, files=verified)
             # try_commit reads every vote and file of the checkpoint: called on every report it
-            # made a checkpoint's reports cost O(world²) (bench/cluster.py); only once none is left
+            # would make a checkpoint's reports cost O(world²) (bench/cluster.py); only once none is left
             left = s.scalar(select(Shard.id).where(Shard.checkpoint_id == checkpoint_id,
                                                    Shard.status == DECLARED).limit(1)) is not None
             # the last file verified: what the commit writes is read here, under the row lock
@@ -242,7 +204,7 @@ class PeerChecks:
                 except FailedPrecondition:  # votes and files disagree: try_commit says so, after
                     pass  # this report's checks are recorded
         if unread:  # the checker could not read them: the service hashes them, on its own thread
-            peer_fallback.of(c).start(checkpoint_id, unread, f"rank {rank} could not read it")
+            self.fallback.start(checkpoint_id, unread, f"rank {rank} could not read it")
         if bad:
             return self._refuse(checkpoint_id, rank, peer_rank, bad, verified)
         # the status as this call knows it, without another transaction: PENDING while a
@@ -254,7 +216,7 @@ class PeerChecks:
             status = COMMITTED
         else:
             with c.sessions() as s, s.begin():
-                status = c._get_checkpoint(s, checkpoint_id).status
+                status = c.get_checkpoint(s, checkpoint_id).status
         return {"status": status, "verified": verified, "mismatched": []}
 
     def _refuse(self, checkpoint_id: int, rank: int, peer_rank: int, bad: list, verified: list) -> dict:

@@ -1,35 +1,39 @@
 """Range digests declared by a file's writer, for files the service does not read.
 
-A direct upload to S3 (grants.py) and a direct-FS file in `peer` mode (verification_modes.py)
-pass no byte through the service, so it cannot compute their range digests as put_shard
-does for streamed files; without them a restore at another world size reads such files
-whole (docs/resharding.md). Their writer computes them instead, with the same rule
-(lastgood.wire.ranges.block_for) in the pass that hashes the file for its upload, and declares
-them with the hand-over. Here they are checked for shape (lastgood.wire.ranges.check_declared:
-the service's rule, the header's tensors and their extents, the counts) and, cheaply, the
-header's digest against the header the service reads anyway; then they go into the file's
-index object as if the service had computed them, with the root's `chunks`.
+A direct upload to S3 (domain/dataplane/grants.py) and a direct-FS file in `peer` mode
+(domain/peer/verification_modes.py) pass no byte through the service, so it cannot compute
+their range digests as put_shard does for streamed files; without them a restore at
+another world size reads such files whole (docs/resharding.md). Their writer computes them
+instead, with the same rule (lastgood.wire.ranges.block_for) in the pass that hashes the
+file for its upload, and declares them with the hand-over. Here they are checked for shape
+(lastgood.wire.ranges.check_declared: the service's rule, the header's tensors and their
+extents, the counts) and, cheaply, the header's digest against the header the service
+reads anyway; then they go into the file's index object as if the service had computed
+them, with the root's `chunks`.
 
 Trust: they are as good as the file's declared xxh3-128 in the mode. `store`: the store
 checked each part's CRC32 of the bytes the writer hashed in that same pass. `peer`: the
 checking rank recomputes them from the stored bytes as it re-reads the file
 (lastgood.wire.ranges.FileCheck), and a mismatch aborts the checkpoint as an xxh3-128 mismatch
-does; so does the service's own read when no peer reported (peer_fallback.py).
+does; so does the service's own read when no peer reported (domain/peer/peer_fallback.py).
 
 Digests under another rule than the service's (it restarted with another
 LASTGOOD_RANGE_BLOCK_BYTES since the writer asked) are dropped, not refused: the file is
-then read whole at another world size, as before, and the save goes on.
+then read whole at another world size, and the save goes on.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 
 from lastgood.wire.errors import FormatError
 from lastgood.wire.hashing import hash_bytes
-from lastgood.wire.ranges import Blocks, check_declared
+from lastgood.wire.manifest import FIXED_DIGESTS, RANGE_DIGESTS
+from lastgood.wire.ranges import Blocks, check_declared, fingerprint
 
-from .errors import InvalidArgument
+from ..errors import InvalidArgument
+from . import indexes
 
 log = logging.getLogger("lastgood")
 
@@ -57,26 +61,19 @@ def validate(cap: int, data_start: int, tensors: dict, header: bytes | memoryvie
 
 
 
-def of_shard(commits, ckpt_prefix: str, sh) -> dict | None:
+def of_shard(store, ckpt_prefix: str, sh) -> dict | None:
     """{"rule", "fingerprint"} of the range digests a DECLARED file's writer declared (None:
     it declared none): what a peer's read of it must reproduce. From the catalog's row
     (indexes.store noted them at the hand-over), not the store: this runs for every file on
-    every assignment poll and in the report, under the checkpoint's row lock. A row recorded
-    before that note has its index object read, as then."""
-    import json
-
-    from lastgood.wire.manifest import FIXED_DIGESTS, RANGE_DIGESTS
-    from lastgood.wire.ranges import fingerprint
-
-    from .commit import indexes
-
+    every assignment poll and in the report, under the checkpoint's row lock. A row without
+    the note has its index object read from the store."""
     ref = indexes.ref_of(sh)
     if ref is None:
         return None
     if indexes.DECLARED_RANGES in ref:
         return ref[indexes.DECLARED_RANGES]
-    try:  # a row from before the note
-        body = json.loads(b"".join(commits.store.get(indexes.key_of(ckpt_prefix, sh))))
+    try:  # a row without the note: its index object holds the digests
+        body = json.loads(b"".join(store.get(indexes.key_of(ckpt_prefix, sh))))
     except FileNotFoundError:
         return None
     digests = body.get(RANGE_DIGESTS, body.get(FIXED_DIGESTS))  # manifest.py: where an index keeps them
