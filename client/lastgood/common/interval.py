@@ -16,7 +16,7 @@ We always use Daly's form: for C ≪ M it is Young's within a fraction of a perc
 stays right when checkpoints are expensive or the job fails often. The expected work lost
 per failure is (τ + C)/2: half an interval on average, the failure falling anywhere in it
 or in the checkpoint that closes it. The service computes τ for a run from the cost its
-ranks report and the failures it has seen (domain/health.py); `Interval` turns τ into
+ranks report and the failures it has seen (domain/health/heartbeats.py); `Interval` turns τ into
 save decisions that every rank takes at the same step.
 """
 

@@ -1,6 +1,6 @@
 """Direct uploads to an S3 store: a rank's file goes from the trainer straight to the store,
 in parts, in parallel; the service only grants, checks the store's metadata and commits
-(the service's domain/grants.py; docs/direct-s3.md). torch-free.
+(the service's domain/dataplane/grants.py; docs/direct-s3.md). torch-free.
 
     parts = prepare(data, part_size)          # one pass: xxh3-128 of the file, CRC32 of each part
     handle = upload(transport, cid, rank, name, data, parts)   # grant, then the parts, in parallel

@@ -1,4 +1,4 @@
-"""Peer verification, the rank's half (the service's: domain/verification_modes.py).
+"""Peer verification, the rank's half (the service's: domain/peer/verification_modes.py).
 
 Under LASTGOOD_VERIFICATION=peer the service does not read the files ranks write in place
 on direct-FS (directfs.py) or upload straight to S3 (directs3.py); before the checkpoint may
@@ -88,7 +88,7 @@ def check(transport, direct, checkpoint_id: int, rank: int, deadline: float,
     `wait_for_peer=False` (a rank that does not wait for the outcome: DCP's non-coordinators)
     checks what its peer has handed over so far and returns: its peer may vote only after
     this rank returns (DCP's coordinator votes last), so waiting for it could deadlock; the
-    files it leaves are hashed by the service once the grace is over (domain/peer_fallback.py)."""
+    files it leaves are hashed by the service once the grace is over (domain/peer/peer_fallback.py)."""
     while True:
         a = transport.peer_assignment(checkpoint_id, rank)
         if a["status"] != Status.PENDING:

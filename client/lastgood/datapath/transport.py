@@ -129,7 +129,7 @@ class Transport(RestClient):
     def spool_write(self, data, hasher: StreamHasher | None = None, spool: dict | None = None,
                     fsync: bool = False) -> str | None:
         """Write a shard into the service's spool (same host, see the service's
-        domain/spool.py) - or into another hand-over directory `spool` (direct-FS's staging
+        domain/dataplane/spool.py) - or into another hand-over directory `spool` (direct-FS's staging
         directory, directfs.py) - and return the file's name for put_shard(spooled=...);
         None when there is no such directory here or writing failed (the shard is then
         streamed). `hasher` is fed each piece just before it is written, while it is in the
@@ -209,7 +209,7 @@ class Transport(RestClient):
 
     def put_followed(self, checkpoint_id: int, rank: int, file_name: str, data) -> str:
         """Write the shard into the service's spool while the service reads it behind the
-        writer (a followed hand-over, ShardHeader.follow; the service's domain/spool.Followed):
+        writer (a followed hand-over, ShardHeader.follow; the service's domain/dataplane/spool.Followed):
         each 8 MiB piece is hashed, written, its writeback started, and reported written;
         the last report carries the hash. The service has then hashed nearly every byte
         already, and the disk has written most of them. Returns the file's xxh3-128.

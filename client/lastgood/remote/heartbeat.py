@@ -10,7 +10,7 @@ and at once when the phase changes, as
      "max_step_seconds", "period_s", "save_stall_s"}
 
 The service keeps the latest beat per (run, rank) and derives hang and straggler verdicts
-from them (service domain/health.py, docs/health.md). A beat that fails is logged (once
+from them (service domain/health/heartbeats.py, docs/health.md). A beat that fails is logged (once
 per streak of failures) and never raised: a checkpoint service that is away must not
 cost the job its training. Beats are never retried either; the next one is due soon.
 

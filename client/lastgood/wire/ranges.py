@@ -30,7 +30,7 @@ The index object's own hash is in the manifest's root, whose hash the service ch
 the chain from the commit to every segment is whole. A file the service never reads (a
 direct upload) gets them from its writer, by the same rule, checked for shape by the
 service and recomputed by a checking peer (hasher_of, check_declared, FileCheck below;
-the service's domain/declared_ranges.py). A file whose index has no digests
+the service's domain/commit/declared_ranges.py). A file whose index has no digests
 (uploaded before them) is read whole, as before. This module is torch-free.
 """
 

@@ -23,7 +23,6 @@ DECLARED = ShardStatus.DECLARED.value
 # itself (suspect, rollback-target). "last-good" is shown as a system tag but derived from
 # runs.last_good_id, so there is one source of truth.
 TAG, ALIAS, PIN, SYSTEM = "tag", "alias", "pin", "system"
-TAG_KINDS = (TAG, ALIAS, PIN, SYSTEM)
 SUSPECT, ROLLBACK_TARGET, LAST_GOOD, PINNED = "suspect", "rollback-target", "last-good", "pinned"
 
 

@@ -3,7 +3,6 @@ downloads of a rank's file (with HTTP Range), and the files the catalog holds.""
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Annotated
 
