@@ -1,5 +1,7 @@
 # Two commands on a fresh machine: `make run` and `make test` (see README.md).
 PYTHON ?= python3
+# our own modules compile once, not in every test's service process
+unexport PYTHONDONTWRITEBYTECODE
 VENV ?= .venv
 BIN := $(VENV)/bin
 SERVICE_STAMP := $(VENV)/.installed-service
@@ -39,9 +41,10 @@ test: $(DEV_STAMP) $(LOCALSTACK_STAMP)
 	$(BIN)/python -m pytest --durations=30
 
 # the inner loop: everything but torchrun, the browser, the bench smoke and single slow tests
-# (markers in pytest.ini); the import contracts are among them (tests/unit/test_architecture.py)
+# (markers in pytest.ini), on two workers (pytest-xdist): they wait on service processes more
+# than they compute; the import contracts are among them (tests/unit/test_architecture.py)
 test-fast: $(DEV_STAMP)
-	$(BIN)/python -m pytest -m "not multiproc and not ui and not slow and not bench"
+	$(BIN)/python -m pytest -n 2 -m "not multiproc and not ui and not slow and not bench"
 
 # the architecture's import contracts alone (.importlinter), in a second
 lint: $(DEV_STAMP)
