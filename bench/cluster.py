@@ -44,7 +44,7 @@ from pathlib import Path
 from urllib.parse import parse_qs
 
 from bench.common import Service, machine, median
-from bench.control_plane import Catalog, catalog_transactions, cpu_seconds
+from bench.probes import Catalog, catalog_transactions, cpu_seconds
 
 MiB = 1024 * 1024
 GB = 1e9

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from bench.common import (ROOT, Service, build_state, drop_clean_cache, iqr_spread, machine, order_of, parse_size,
                           settle, size_label, state_bytes, write_results)
-from bench.run import SERVICE_ENV, dcp_load, dcp_save
+from bench.one_size import SERVICE_ENV
+from bench.peers import dcp_load, dcp_save
 
 CASES = ("past the page cache", "through the page cache", "dcp load")
 IN_MEMORY = ("tmpfs", "ramfs")  # file systems whose pages are the files: nothing on them is ever cold

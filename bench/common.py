@@ -6,6 +6,7 @@ import json
 import math
 import mmap
 import os
+import shutil
 import signal
 import statistics
 import threading
@@ -337,3 +338,28 @@ def iqr_spread(xs) -> float:
     q1, _, q3 = statistics.quantiles(xs, n=4, method="inclusive")
     m = median(xs)
     return (q3 - q1) / m if m else 0.0
+
+
+def timed(fn, cpu: list | None = None) -> float:
+    """Wall seconds of fn(); `cpu` gets this process's CPU seconds (every thread) for it."""
+    c0, t0 = time.process_time(), time.perf_counter()
+    fn()
+    t = time.perf_counter() - t0
+    if cpu is not None:
+        cpu.append(time.process_time() - c0)
+    return t
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rm(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

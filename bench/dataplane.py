@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from bench.common import GiB, MiB, ROOT, ServiceProcess, parse_size, settle
-from bench.control_plane import cpu_seconds
+from bench.probes import cpu_seconds
 
 FILE = "shard.bin"  # not .safetensors: the service reads no header, the bytes are the whole cost
 IDLE_S = 3.0  # seconds the idle service's background CPU is measured over

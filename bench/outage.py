@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from bench.common import ROOT, Service, build_state, machine, median, parse_size, size_label, state_tensors
-from bench.run import CopyFloor
+from bench.peers import CopyFloor
 
 
 def main(argv: list[str]) -> dict:

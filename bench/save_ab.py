@@ -33,7 +33,8 @@ from pathlib import Path
 
 from bench.common import (GiB, ROOT, Service, build_state, drop_clean_cache, iqr_spread, machine, order_of, parse_size,
                           settle, size_label, state_bytes, write_results)
-from bench.run import SERVICE_ENV, dcp_save
+from bench.one_size import SERVICE_ENV
+from bench.peers import dcp_save
 from lastgood.common import durable
 
 
