@@ -32,12 +32,17 @@ _LAZY = {
     **dict.fromkeys(_ERRORS, "lastgood.errors"),
 }
 
+_SUBMODULES = ("errors", "dcp", "export", "wire", "common", "remote", "datapath", "commit", "state", "restore",
+               "trainer", "supervise", "cli")
+
 __all__ = [*_LAZY]
 
 
 def __getattr__(name: str):
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _SUBMODULES:  # `import lastgood; lastgood.errors.Fenced`
+        return importlib.import_module(f"lastgood.{name}")
     raise AttributeError(f"module 'lastgood' has no attribute {name!r}")
 
 

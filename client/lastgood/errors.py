@@ -32,10 +32,7 @@ import json
 
 from lastgood.wire import codes as c
 from lastgood.wire.codes import ERROR_METADATA
-from lastgood.wire.errors import FormatError, LastgoodError
-
-__all__ = ["ERROR_METADATA", "FormatError", "LastgoodError"]  # and every class below
-
+from lastgood.wire.errors import FormatError, LastgoodError  # noqa: F401 - FormatError is raised as lastgood.errors.FormatError
 
 class SaveFailed(LastgoodError):
     """A background save did not commit; last-good did not move."""

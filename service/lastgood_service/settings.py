@@ -64,7 +64,7 @@ class Settings(BaseSettings):
     max_world_size: int = Field(65536, gt=0)
     range_block_bytes: int = Field(1 * MiB, ge=0, le=64 * MiB, description="tensors are cut into blocks of at "
                                    "most this many bytes (each tensor's ~1/32 of it, at least 16 KiB), each hashed on upload, so a reader can verify a byte range "
-                                   "without reading the whole file (lastgood/ranges.py, docs/resharding.md); "
+                                   "without reading the whole file (lastgood/wire/ranges.py, docs/resharding.md); "
                                    "0: none (files are then read whole by a restore at another world size); "
                                    "at least 4 KiB otherwise (smaller blocks cost more in digests, kept in "
                                    "memory while a file streams in, than they save in reads)")

@@ -1,5 +1,5 @@
 """Rank script: a DDP model with AdamW, a scheduler and a BatchNorm, its replicated state
-written once (lastgood/replicas.py), restored at the same or another world size.
+written once (lastgood/restore/replicas.py), restored at the same or another world size.
 
     save    URL RUN OUT         train 3 steps, each rank on its own batches; save steps 1 and 2
     restore URL RUN OUT [STEP]  a fresh, differently initialised model: restore (expecting

@@ -1,4 +1,4 @@
-"""DDP's replicated state written once (lastgood/replicas.py, docs/replicated.md): a 4-rank
+"""DDP's replicated state written once (lastgood/restore/replicas.py, docs/replicated.md): a 4-rank
 checkpoint stores about one copy of the weights and Adam moments, not four (the catalog's
 recorded bytes), each rank uploading about a quarter; it restores bitwise at 4 ranks and at
 2, per-rank state (BatchNorm statistics, RNG, scheduler) from each rank's own file; the

@@ -1,4 +1,4 @@
-"""Direct uploads to S3 (domain/dataplane/grants.py, lastgood/directs3.py, docs/direct-s3.md), against a
+"""Direct uploads to S3 (domain/dataplane/grants.py, lastgood/datapath/directs3.py, docs/direct-s3.md), against a
 real service and LocalStack's S3, which verifies part checksums and presigned URLs
 (tests/localstack.py); moto, which verifies neither, is the control that shows why the
 `store` verification needs a checking store."""

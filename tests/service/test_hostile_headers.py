@@ -1,4 +1,4 @@
-"""Shard headers are bounded before they are parsed or multiplied out (lastgood/format.py).
+"""Shard headers are bounded before they are parsed or multiplied out (lastgood/wire/format.py).
 
 The hostile headers are the benchmark's (bench/headers.py measures the service's memory
 under them): each is refused with INVALID_ARGUMENT and a bounded message naming the limit

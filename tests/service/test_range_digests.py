@@ -1,4 +1,4 @@
-"""Range digests written with each file's tensor index object (lastgood/ranges.py): computed
+"""Range digests written with each file's tensor index object (lastgood/wire/ranges.py): computed
 by the service from the stream it checks against the client's hash, they verify ranged
 reads of the stored bytes; LASTGOOD_RANGE_BLOCK_BYTES=0 writes none (the format before)."""
 
@@ -85,7 +85,7 @@ def commit_one(svc, run_name: str, data: bytes) -> Manifest:
 
 def test_the_root_says_where_each_files_shards_lie(make_service, run_name):
     """The root's index reference carries the file's DTensor chunks by global shape
-    (lastgood/layout.py), a few bytes a file: a rank restoring at another world size
+    (lastgood/wire/layout.py), a few bytes a file: a rank restoring at another world size
     fetches only the index objects of the files it overlaps. Without range digests
     (block 0) there is none: such files are read whole anyway."""
     root = commit_one(make_service(), run_name, sharded_file())

@@ -1,4 +1,4 @@
-"""Where a file's DTensor shards lie, as the root says it (lastgood/layout.py): a few
+"""Where a file's DTensor shards lie, as the root says it (lastgood/wire/layout.py): a few
 entries per file, grouped by global shape, and a test that keeps every file that may hold
 part of a region (a superset), never fewer."""
 

@@ -1,4 +1,4 @@
-"""Range digests (lastgood/ranges.py): the segments of a file, their digests computed from
+"""Range digests (lastgood/wire/ranges.py): the segments of a file, their digests computed from
 any chunking of the stream, and which segments verify a byte range."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A resharding restore keeps exactly the bytes of what it planned (lastgood/readplan.py):
+"""A resharding restore keeps exactly the bytes of what it planned (lastgood/restore/readplan.py):
 ranges read as one request are copied out of the request's buffer, which is then freed,
 so a rank never holds a whole old file when its pieces are smaller than a block."""
 

@@ -1,4 +1,4 @@
-"""The pure parts of replicated state written once (lastgood/replicas.py): who owns what,
+"""The pure parts of replicated state written once (lastgood/restore/replicas.py): who owns what,
 which tensors the rule calls replicated, and the refs a rank's state holds instead. The
 torchrun round trips are tests/multiproc/test_ddp_dedup.py."""
 

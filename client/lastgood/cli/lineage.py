@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from lastgood.wire.names import LAST_GOOD_TAG
 from lastgood.wire.vocab import Status
 
 
@@ -45,7 +46,7 @@ class View:
 
 
 def _interesting(node: dict) -> bool:
-    return node["status"] == Status.CORRUPT or any(t["name"] != "last-good" for t in node.get("tags", ()))
+    return node["status"] == Status.CORRUPT or any(t["name"] != LAST_GOOD_TAG for t in node.get("tags", ()))
 
 
 def build(nodes: list[dict], max_nodes: int = 0) -> View:

@@ -15,8 +15,9 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree
 
-from lastgood.wire.vocab import Status
 from lastgood.cli import lineage
+from lastgood.wire import names
+from lastgood.wire.vocab import Status
 
 STATUS_STYLE = {Status.COMMITTED: "green", Status.PENDING: "yellow", Status.ABANDONED: "dim", Status.CORRUPT: "bold red",
                 Status.DELETED: "dim strike"}
@@ -48,7 +49,7 @@ def status_text(status: str) -> Text:
 def tags_text(tags: list[dict], skip_last_good: bool = False) -> Text:
     out = Text()
     for t in tags:
-        if skip_last_good and t["name"] == "last-good" and t["kind"] == "system":
+        if skip_last_good and t["name"] == names.LAST_GOOD_TAG and t["kind"] == "system":
             continue
         if out:
             out.append("  ")

@@ -4,7 +4,7 @@ StorageWriter). torch-free.
     session = SaveSession(transport, run, rank, commit_timeout=...)   # one per writer
     up = session.checkpoint(step)        # one rank's part in one checkpoint
     up.add("rank00000.safetensors", data)  # prepared by the data path (paths.py), before begin
-    up.add_all([(name, data), ...])       # several files of the rank, prepared concurrently (split.py)
+    up.add_all([(name, data), ...])       # several files of the rank, prepared concurrently (common/parallel.py)
     up.begin(world_size, attempt)        # or up.join(cid): a checkpoint another rank began
     up.commit()                          # send, vote, wait for the outcome (or commit(wait=False): vote only)
 
@@ -165,7 +165,7 @@ class Upload:
 
     def add_all(self, files: list[tuple[str, object]]) -> list[Prepared]:
         """Prepare several files of this rank concurrently (a rank's state split into files,
-        split.py): each hashed and written at once with the others; in the order given."""
+        common/parallel.py): each hashed and written at once with the others; in the order given."""
         names = [n for n, _ in files]
         if len(set(names)) != len(names) or any(h.name in names for h in self.files):
             raise ValueError(f"a file added twice to the save of step {self.step}: {names}")
@@ -218,7 +218,7 @@ class Upload:
             self._failed(e, remember=False)
 
     def _send(self) -> None:
-        # every file not yet sent, handed over concurrently (split.py); a path's send is
+        # every file not yet sent, handed over concurrently (common/parallel.py); a path's send is
         # final and safe to retry, and a file it handed over holds no token to discard
         def send(handle: Prepared) -> None:
             self.path.send(self.checkpoint_id, self.rank, handle)

@@ -99,7 +99,7 @@ class Transport(RestClient):
         self.shard_bytes = self.range_requests = self.lent_ranges = 0
         self._counts = threading.Lock()  # a restore reads a rank's files and ranges on several threads
         _open.add(self)
-        # the shard streams carry hand-framed chunks (see wire.py): raw bytes at this end
+        # the shard streams carry hand-framed chunks (see wire/framing.py): raw bytes at this end
         self._put_shard = self._channel.stream_unary(
             "/lastgood.v1.Checkpoints/PutShard", request_serializer=None,
             response_deserializer=pb.PutShardResponse.FromString)

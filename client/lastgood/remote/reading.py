@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from lastgood.errors import CorruptCheckpoint, InvalidArgument, NotFound, ServiceError, ServiceUnreachable
 from lastgood.wire import names
 from lastgood.wire.hashing import StreamHasher
+from lastgood.wire.names import LAST_GOOD_TAG as LAST_GOOD
 from lastgood.wire.manifest import FileEntry, Manifest
 
 log = logging.getLogger("lastgood")
@@ -29,7 +30,6 @@ log = logging.getLogger("lastgood")
 CHUNK = 1024 * 1024
 LEASE_SECONDS = 600.0          # renewed every half period while a download or export reads
 RESTORE_LEASE_SECONDS = 3600.0  # not renewed: a restore holds its lease this long at most
-LAST_GOOD = "last-good"  # the tag every run has: its last-good checkpoint
 
 
 @dataclass(frozen=True)

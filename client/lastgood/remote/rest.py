@@ -261,7 +261,7 @@ class RestClient:
         return self._metadata(f"/api/v1/checkpoints/{int(checkpoint_id)}/manifest")
 
     def manifest(self, checkpoint_id: int) -> Manifest:
-        """What a restore reads: every file's name, size and hash (lastgood/manifest.py)."""
+        """What a restore reads: every file's name, size and hash (lastgood/wire/manifest.py)."""
         # over REST: a manifest of thousands of ranks outgrows one gRPC message
         return Manifest.from_bytes(self.manifest_bytes(checkpoint_id))
 

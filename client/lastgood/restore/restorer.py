@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Callable
 
 from lastgood.errors import (Conflict, CorruptCheckpoint, DataLoss, FailedPrecondition, FormatError, LastgoodError,
                              NotFound, NoUsableCheckpoint, ServiceError)
@@ -36,9 +37,15 @@ class Restorer:
 
     OK, UNUSABLE, FAILED = 0, 1, 2
 
-    def __init__(self, transport, run: str, rank: int, world_size: int, pool: StagingPool) -> None:
-        self.transport, self.run, self.rank, self.world_size, self.pool = transport, run, rank, world_size, pool
+    def __init__(self, transport, run: str, rank: int, world_size: int, pool: Callable[[], StagingPool]) -> None:
+        """`pool`: the staging pool of the writer this restore shares buffers with, asked
+        for at each restore (the Checkpointer's, which a caller may share among several)."""
+        self.transport, self.run, self.rank, self.world_size, self._pool_of = transport, run, rank, world_size, pool
         self.reads: dict | None = None  # what the last restore by ranges read (readplan.py)
+
+    @property
+    def pool(self) -> StagingPool:
+        return self._pool_of()
 
     def restore(self, state: TrainState, checkpoint_id: int | None) -> tuple[int, int] | None:
         """(step, checkpoint id) of the checkpoint restored into `state`, or None when the

@@ -16,7 +16,6 @@ from torch import nn
 from lastgood.state import loaders, rng
 from lastgood.state.codec import Encoder, decode
 from lastgood.state.dtypes import ST_TO_TORCH
-from lastgood.state.sharding import fill_tree, is_sharded
 from lastgood.errors import LastgoodError
 
 STATE_VERSION = 1
@@ -58,6 +57,8 @@ class TrainState:
         self._adapters = {n: loaders.adapt(o) for n, o in components.items() if loaders.is_loader(o)}
         # FSDP2 (DTensor) modules, and for each optimizer over one of them, that module:
         # their state goes through torch.distributed.checkpoint.state_dict, shard by shard
+        from lastgood.state.sharding import is_sharded  # torch.distributed.checkpoint, loaded when needed
+
         self._sharded = {n for n, o in components.items() if isinstance(o, nn.Module) and is_sharded(_unwrap(o))}
         self._owner: dict[str, nn.Module] = {}
         for n, o in components.items():
@@ -259,11 +260,15 @@ class TrainState:
             elif kind == "sharded_module":
                 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+                from lastgood.state.sharding import fill_tree
+
                 module = _unwrap(obj)
                 set_model_state_dict(module, fill_tree(sd, get_model_state_dict(module), shards))
             elif kind == "sharded_optimizer":
                 from torch.distributed.checkpoint.state_dict import (_init_optim_state, get_optimizer_state_dict,
                                                                      set_optimizer_state_dict)
+
+                from lastgood.state.sharding import fill_tree
 
                 _init_optim_state(obj)  # a fresh optimizer has no moments to fill yet
                 live = get_optimizer_state_dict(self._owner[name], obj)

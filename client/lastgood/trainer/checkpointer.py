@@ -92,7 +92,7 @@ class Checkpointer:
         self._session = SaveSession(self.transport, self.run, self.rank, commit_timeout=commit_timeout)
         self.last_saved: SaveResult | None = None
         self._pool = StagingPool(slots=staging_buffers)
-        self._restorer = Restorer(self.transport, self.run, self.rank, self.world_size, self._pool)
+        self._restorer = Restorer(self.transport, self.run, self.rank, self.world_size, lambda: self._pool)
         self._jobs = UploadQueue()
         self._record = SaveRecord()
         self._gave_up_since_commit = False  # then the ranks converge on a step before each begin (converge)

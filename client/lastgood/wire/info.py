@@ -2,8 +2,11 @@
 
 The service builds one `Info` and sends `to_dict()`; the client reads the answer with
 `Info.from_dict`, so each field's name, type and default is written here once. A field the
-client does not know is ignored (a newer service); a field it knows with a wrong type is
-refused (`FormatError`), never guessed at.
+client does not know is kept in `extra` (a newer service); so is a verification mode it
+does not know (the client then checks no peer's files, as for `service`). A data-path
+offer (`spool`, `direct_fs`, `direct_s3`) it cannot read is dropped with a warning: the
+client streams instead. Any other known field with a wrong type is refused
+(`FormatError`), never guessed at.
 
 The rules that follow from the terms live here too: `commit_timeout` (how long a rank
 waits for its checkpoint's outcome) follows from the lease.
@@ -12,12 +15,14 @@ waits for its checkpoint's outcome) follows from the lease.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from lastgood.wire.errors import FormatError
 from lastgood.wire.vocab import Verification
 
+log = logging.getLogger("lastgood")
 MiB = 1024 * 1024
 DEFAULT_LEASE_SECONDS = 60.0   # a pending checkpoint with no rank activity for this long is abandoned
 DEFAULT_CHUNK_BYTES = 4 * MiB  # largest chunk of one PutShard / GetShard message
@@ -87,25 +92,31 @@ class Info:
             raise FormatError(f"/api/v1/info: expected a JSON object, got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         args = {k: v for k, v in d.items() if k in known and v is not None}
-        try:
-            info = cls(
-                grpc_target=_typed(args, "grpc_target", str, required=True),
-                service=_typed(args, "service", str, cls.service),
-                version=_typed(args, "version", str, cls.version),
-                max_chunk_bytes=_typed(args, "max_chunk_bytes", int, cls.max_chunk_bytes),
-                max_shard_bytes=_typed(args, "max_shard_bytes", int),
-                lease_seconds=float(_typed(args, "lease_seconds", (int, float), cls.lease_seconds)),
-                verification=Verification(_typed(args, "verification", str, cls.verification.value)),
-                range_block_bytes=_typed(args, "range_block_bytes", int),
-                max_request_bytes=_typed(args, "max_request_bytes", int),
-                spool=_offer(SpoolOffer, args.get("spool")),
-                direct_fs=_offer(DirectFSOffer, args.get("direct_fs")),
-                direct_s3=_offer(DirectS3Offer, args.get("direct_s3")),
-                extra={k: v for k, v in d.items() if k not in known},
-            )
-        except ValueError as e:  # an unknown verification mode
-            raise FormatError(f"/api/v1/info: {e}") from None
-        return info
+        extra = {k: v for k, v in d.items() if k not in known}
+        mode = _typed(args, "verification", str, cls.verification.value)
+        if mode not in {m.value for m in Verification}:
+            extra["verification"] = mode
+            mode = cls.verification.value
+        offers = {}
+        for name, kind in (("spool", SpoolOffer), ("direct_fs", DirectFSOffer), ("direct_s3", DirectS3Offer)):
+            try:
+                offers[name] = _offer(kind, args.get(name))
+            except FormatError as e:
+                log.warning("lastgood: the %s offer: %s; that data path is not used", name, e)
+                offers[name] = None
+        return cls(
+            grpc_target=_typed(args, "grpc_target", str, required=True),
+            service=_typed(args, "service", str, cls.service),
+            version=_typed(args, "version", str, cls.version),
+            max_chunk_bytes=_typed(args, "max_chunk_bytes", int, cls.max_chunk_bytes),
+            max_shard_bytes=_typed(args, "max_shard_bytes", int),
+            lease_seconds=float(_typed(args, "lease_seconds", (int, float), cls.lease_seconds)),
+            verification=Verification(mode),
+            range_block_bytes=_typed(args, "range_block_bytes", int),
+            max_request_bytes=_typed(args, "max_request_bytes", int),
+            **offers,
+            extra=extra,
+        )
 
 
 _TYPES = {"str": str, "int": int, "bool": bool, "float": (int, float)}

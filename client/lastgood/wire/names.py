@@ -25,6 +25,9 @@ from __future__ import annotations
 import re
 import secrets
 
+# the system tag every run has, naming its last-good checkpoint (derived, never stored as a tag)
+LAST_GOOD_TAG = "last-good"
+
 _RUN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _FILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
 _ATTEMPT = re.compile(r"[A-Za-z0-9._:-]{1,64}")

@@ -123,7 +123,7 @@ def _put_message(raw: bytes) -> pb.PutShardRequest:
 
 def _chunks(raw_messages):
     """The chunks of a PutShard stream after its header, as memoryviews into the received
-    messages (wire.py: no copy); a message framed any other way goes through protobuf."""
+    messages (wire/framing.py: no copy); a message framed any other way goes through protobuf."""
     for raw in raw_messages:
         chunk = framing.unframe(raw, framing.PUT_CHUNK)
         if chunk is None:
@@ -319,7 +319,7 @@ PENDING_CALLS = 65536  # calls gRPC may queue for a worker: every rank of a 16,3
 
 def handlers(servicer: Servicer) -> dict[str, grpc.RpcMethodHandler]:
     """The generated registration, except for the two shard streams: PutShard receives and
-    GetShard sends raw message bytes, framed and parsed by hand (wire.py), and for requests
+    GetShard sends raw message bytes, framed and parsed by hand (wire/framing.py), and for requests
     that do not parse: INVALID_ARGUMENT (_lenient), not gRPC's INTERNAL. Every method of
     the service in the .proto must be here (a test checks it)."""
     unary = grpc.unary_unary_rpc_method_handler

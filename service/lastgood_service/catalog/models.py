@@ -8,6 +8,7 @@ from sqlalchemy import (BigInteger, DateTime, Float, ForeignKey, Index, Integer,
                         TypeDecorator, UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from lastgood.wire.names import LAST_GOOD_TAG
 from lastgood.wire.vocab import ShardStatus, Status
 
 # the wire's words as plain strings, the form the catalog stores and SQL compares
@@ -23,7 +24,7 @@ DECLARED = ShardStatus.DECLARED.value
 # itself (suspect, rollback-target). "last-good" is shown as a system tag but derived from
 # runs.last_good_id, so there is one source of truth.
 TAG, ALIAS, PIN, SYSTEM = "tag", "alias", "pin", "system"
-SUSPECT, ROLLBACK_TARGET, LAST_GOOD, PINNED = "suspect", "rollback-target", "last-good", "pinned"
+SUSPECT, ROLLBACK_TARGET, LAST_GOOD, PINNED = "suspect", "rollback-target", LAST_GOOD_TAG, "pinned"
 
 
 class UTCDateTime(TypeDecorator):

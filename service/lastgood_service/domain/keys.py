@@ -42,7 +42,7 @@ def shard_key(ckpt_prefix: str, rank: int, xxh3: str) -> str:
 
 
 def index_key(ckpt_prefix: str, rank: int, index_xxh3: str) -> str:
-    """A file's tensor index object (lastgood/manifest.py): named by its hash, like a shard,
+    """A file's tensor index object (lastgood/wire/manifest.py): named by its hash, like a shard,
     so the root's reference (hash, size) is all a reader or a rebuild needs to find it."""
     return f"{ckpt_prefix}r{rank}/{index_xxh3}{INDEX_SUFFIX}"
 

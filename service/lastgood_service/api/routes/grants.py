@@ -55,7 +55,7 @@ class HandOverBody(FileBody):
     upload_id: str = Field(min_length=1, max_length=1024)
     parts: list[Part] = Field(min_length=1, max_length=MAX_PARTS)
     digests: dict | None = Field(None, description="the file's range digests, computed by the rank with the "
-                                 "service's rule (lastgood/ranges.py; checked for shape: "
+                                 "service's rule (lastgood/wire/ranges.py; checked for shape: "
                                  "domain/commit/declared_ranges.py)")
 
 

@@ -25,9 +25,9 @@ from .. import keys
 
 def store(blobs, ckpt_prefix: str, rank: int, file_name: str, data_start: int, tensors: dict,
           digests: dict | None = None, chunks: dict | None = None, declared: bool = False) -> str:
-    """Write one file's index object, with its range digests when given (lastgood/ranges.py);
+    """Write one file's index object, with its range digests when given (lastgood/wire/ranges.py);
     what `shards.index_json` keeps of it: the reference, with the file's `chunks` when
-    given (lastgood/layout.py), which the commit copies into the root. `declared`: the
+    given (lastgood/wire/layout.py), which the commit copies into the root. `declared`: the
     digests are its writer's, for a peer to reproduce; the row also keeps their rule and
     fingerprint (DECLARED_RANGES), so that the peer check compares them without reading
     the index object back from the store (declared_ranges.of_shard)."""

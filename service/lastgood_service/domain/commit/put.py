@@ -54,7 +54,7 @@ class _HashOnly(BlobWriter):
 
 def read_header(prefix: bytearray, size: int, final: bool = False) -> tuple[int, dict, dict | None] | None:
     """A safetensors file's header from its first bytes `prefix` (of a file of `size` bytes):
-    (data start, tensor index, where the file's DTensor shards lie: lastgood/layout.py);
+    (data start, tensor index, where the file's DTensor shards lie: lastgood/wire/layout.py);
     None while the header is incomplete (`final`: the bytes are all there are, so an
     incomplete header is refused). InvalidArgument for a file that is not safetensors.
     Every path that records a file parses its header here (put_shard, direct uploads)."""
@@ -305,7 +305,7 @@ class CommitPut(CommitCore):
                        f"with different bytes ({existing.size} bytes, xxh3 {existing.xxh3_128})")
 
     def _segments(self, index: tuple[int, dict], prefix: bytearray) -> RangeHasher | None:
-        """The file's range digests (lastgood/ranges.py), fed from here on; the bytes so far
+        """The file's range digests (lastgood/wire/ranges.py), fed from here on; the bytes so far
         are `prefix`. None when range_block_bytes is 0."""
         if not self.settings.range_block_bytes:
             return None

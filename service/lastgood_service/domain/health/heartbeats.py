@@ -1,6 +1,6 @@
 """Run health: heartbeats in, verdicts and the checkpoint interval out (docs/health.md).
 
-Every rank beats through its Checkpointer's background thread (client lastgood/health.py).
+Every rank beats through its Checkpointer's background thread (client lastgood/remote/heartbeat.py).
 A beat is one upsert of the rank's row -- a job of N ranks holds N rows however long it
 runs -- which also keeps what the verdicts need from the past: a smoothed step time, a
 slowly decaying maximum step time, the smoothed save stall, and when the step or the
@@ -13,7 +13,7 @@ records each change of a rank's verdict to hung, straggler or lost as an event o
 kind -- once, even with several replicas: the verdict column changes by a conditional
 UPDATE and only the replica whose UPDATE matched records the event.
 
-Interval: the Young/Daly optimum (lastgood/interval.py) from C, the largest smoothed
+Interval: the Young/Daly optimum (lastgood/common/interval.py) from C, the largest smoothed
 save stall any current rank reports, and M, the run's mean time between failures: the
 time since its first launch over the failures seen, or the configured prior before the
 first. Failures are relaunches (each launch after the first), torchrun restarts, hangs,
