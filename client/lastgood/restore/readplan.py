@@ -10,7 +10,7 @@ digests (ranges.py), a rank reads:
   2. for each DTensor shard of its new sharding, the rows of each stored shard that
      overlap it (DCP's planner, sharding.ShardIndex.read_items), as one byte range;
   3. the replicated state (every tensor that is not a DTensor shard) from one source,
-     old rank min(rank, old world - 1), as before;
+     old rank min(rank, old world - 1), as at the saving world size;
 
 each range read whole-segment by whole-segment through a bounded window and checked
 against its digest before a byte of it is kept (RangeReader). A mismatch is
@@ -296,7 +296,7 @@ def _refs(saved, target, out: list) -> None:
 def fetch(transport, state, manifest: Manifest, rank: int, file_name) -> tuple[list, int, dict] | None:
     """Plan and read this rank's part of a checkpoint saved at another world size:
     (files read from, source rank, counts), or None when a file it needs has no range
-    digests (written before them: the caller reads whole files, as before).
+    digests (written before them: the caller reads whole files).
 
     Which old files: the source (the replicated state, and the stored state's tree), then
     only those whose root entry says they may hold part of a new shard of this rank

@@ -26,7 +26,7 @@ the rank with the fewest bytes so far (ties: the lowest rank).
 Restore: every rank's state document still lists every tensor, so a restoring rank finds
 each `__replica__` in its owner's file through the manifest (that file's tensor index and
 range digests), and reads it by verified ranges, or, for a file without range digests,
-reads that whole file and checks its xxh3-128: every byte is verified as before. A
+reads that whole file and checks its xxh3-128: every byte is verified. A
 tensor its owner's file does not hold is a damaged checkpoint (CorruptCheckpoint), which
 every rank falls back from.
 """

@@ -6,7 +6,7 @@ worth less with every newer one, and the trainer must not wait for either. When 
 needs a staging buffer and every buffer is taken while uploads are failing (retrying
 transient errors, since the last upload that committed), the oldest waiting snapshot is
 given up and its buffer reused; if none is waiting, the upload in flight is asked to give up instead (its retry
-loop polls `wanted`). With a healthy service save() waits for a buffer as it always did.
+loop polls `wanted`). With a healthy service save() waits for a free buffer.
 Memory stays at the pool's buffers however long the outage lasts.
 """
 

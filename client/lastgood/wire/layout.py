@@ -19,7 +19,7 @@ reference names the index object by hash, and each kept file's own header, verif
 its digest, must hold no chunk the root leaves out (within(); CorruptCheckpoint otherwise).
 
 A file with more than MAX_CHUNKS distinct chunks (many shapes, or another sharding than
-one chunk per tensor) gets no summary: its checkpoint is planned as before, every old
+one chunk per tensor) gets no summary: its checkpoint is planned without one, every old
 file's index object and header fetched. Torch-free: the service computes it.
 """
 

@@ -31,7 +31,7 @@ the chain from the commit to every segment is whole. A file the service never re
 direct upload) gets them from its writer, by the same rule, checked for shape by the
 service and recomputed by a checking peer (hasher_of, check_declared, FileCheck below;
 the service's domain/commit/declared_ranges.py). A file whose index has no digests
-(uploaded before them) is read whole, as before. This module is torch-free.
+(uploaded before them) is read whole. This module is torch-free.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def segments(data_start: int, tensors: dict, block) -> list[Segment]:
 class RangeHasher:
     """Fed a file's bytes in order (any chunking), yields the digests of its segments.
     `block` is the cap of the adaptive rule (block_for); `split=None` writes one block for
-    every tensor, as before the rule (for tests of old index objects)."""
+    every tensor, the form of index objects written before the per-tensor rule (for tests of them)."""
 
     def __init__(self, data_start: int, tensors: dict, block: int, split: int | None = SPLIT,
                  floor: int = FLOOR) -> None:
@@ -358,7 +358,7 @@ DIGEST_JSON_BYTES = 35  # one digest in the declaration's JSON: 32 hex digits, q
 def declarable(digests: dict | None) -> bool:
     """Whether a writer declares these digests: they fit one hand-over request. A file of
     more (over ~20,000 blocks: ~0.3 GiB of 0.5-1 MiB tensors, ~20 GiB of large ones at the
-    default cap) declares none and is read whole at another world size, as before."""
+    default cap) declares none and is read whole at another world size."""
     import json
 
     return digests is not None and len(json.dumps(digests, separators=(",", ":"))) <= DECLARE_BYTES
