@@ -36,13 +36,15 @@ $(LOCALSTACK_STAMP): requirements-localstack.txt
 run: $(SERVICE_STAMP)
 	$(BIN)/lastgood-service
 
-# every test, in two passes: the fast subset on two workers (as test-fast), then torchrun, the
-# browser, the bench smoke and the slow tests one at a time (they load both cores themselves);
-# the slowest 30 close the output: where the suite's time goes (it must stay under 25 min here)
+# every test, in three passes: the fast subset on two workers (as test-fast); the browser, the
+# bench smoke and the slow tests on two workers (each worker starts its own PostgreSQL and
+# LocalStack, on free ports); then the torchrun tests one at a time (their ranks load both
+# cores). The slowest 30 of each pass close it: where the suite's time goes (under 25 min here)
 FAST := not multiproc and not ui and not slow and not bench
 test: $(DEV_STAMP) $(LOCALSTACK_STAMP)
 	$(BIN)/python -m pytest -n 2 -m "$(FAST)"
-	$(BIN)/python -m pytest -m "not ($(FAST))" --durations=30
+	$(BIN)/python -m pytest -n 2 -m "not ($(FAST)) and not multiproc" --durations=30
+	$(BIN)/python -m pytest -m multiproc --durations=30
 
 # the inner loop: everything but torchrun, the browser, the bench smoke and single slow tests
 # (markers in pytest.ini), on two workers (pytest-xdist): they wait on service processes more
