@@ -9,7 +9,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 LOCALSTACK_VENV := .venv-localstack
 LOCALSTACK_STAMP := $(LOCALSTACK_VENV)/.installed
 
-.PHONY: run test test-fast lint demo bench bench-save chaos screenshot proto clean fuzz soak
+.PHONY: run test test-fast lint demo bench bench-save bench-gpu chaos screenshot proto clean fuzz soak
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,12 @@ bench: $(DEV_STAMP)
 # lastgood vs DCP save, restore and stall at 1 GiB and 4 GiB, 7 interleaved reps; run it on an idle machine
 bench-save: $(DEV_STAMP)
 	$(BIN)/python -m bench.run --quiet-check --quiet-wait 900 --only-sizes --sizes 1G,4G --reps 7
+
+# the GPU path on one CUDA device (bench/gpu.py): save()'s stall against a plain pinned copy, D2H
+# against the PCIe limit, step time with saves against without, restore; under 8 minutes.
+# Without CUDA it runs its CPU fallback (as tests/bench/test_gpu_smoke.py does)
+bench-gpu: $(DEV_STAMP)
+	$(BIN)/python -m bench.gpu
 
 # not CI: 30 minutes of writers, scheduled GC and page polling; drift per 5-minute window (bench/README.md)
 soak: $(DEV_STAMP)
