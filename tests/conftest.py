@@ -15,7 +15,7 @@ import pytest
 
 from lastgood_service.launcher import ServiceProcess, free_port  # noqa: F401 - free_port is used by the tests
 
-pytest_plugins = ["tests.pg", "tests.s3", "tests.localstack"]  # real PostgreSQL and S3 (moto; LocalStack)
+pytest_plugins = ["tests.pg", "tests.s3", "tests.localstack", "tests.slurm"]  # real PostgreSQL, S3 (moto; LocalStack), Slurm
 
 ROOT = Path(__file__).resolve().parents[1]
 
