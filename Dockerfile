@@ -15,11 +15,9 @@ COPY client/ /app/client/
 COPY service/ /app/service/
 RUN pip install --constraint /app/service/requirements.lock /app/client /app/service
 
-# the Alembic environment: the service migrates at start unless LASTGOOD_AUTO_MIGRATE=false,
-# and `alembic -c /app/migrations/alembic.ini upgrade head` runs it by hand
-COPY migrations/ /app/migrations/
-ENV LASTGOOD_MIGRATIONS_DIR=/app/migrations \
-    LASTGOOD_DATA_DIR=/var/lib/lastgood
+# the Alembic environment ships in the service package: the service migrates at start unless
+# LASTGOOD_AUTO_MIGRATE=false, and `lastgood-service migrate` runs it as a one-shot job
+ENV LASTGOOD_DATA_DIR=/var/lib/lastgood
 
 RUN useradd --system --uid 10001 --home-dir /var/lib/lastgood --create-home lastgood
 USER lastgood

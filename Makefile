@@ -9,7 +9,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 LOCALSTACK_VENV := .venv-localstack
 LOCALSTACK_STAMP := $(LOCALSTACK_VENV)/.installed
 
-.PHONY: run test test-fast lint demo bench bench-save bench-gpu chaos screenshot proto clean fuzz soak
+.PHONY: run test test-fast lint dist demo bench bench-save bench-gpu chaos screenshot proto clean fuzz soak
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,11 @@ test-fast: $(DEV_STAMP)
 # the architecture's import contracts alone (.importlinter), in a second
 lint: $(DEV_STAMP)
 	$(BIN)/lint-imports
+
+# the client's and the service's wheel and sdist into dist/ (PyPA build, isolated)
+dist: $(DEV_STAMP)
+	$(BIN)/python -m build --outdir dist client
+	$(BIN)/python -m build --outdir dist service
 
 demo: $(DEV_STAMP)
 	$(BIN)/python examples/gpt/demo.py

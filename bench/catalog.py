@@ -127,7 +127,7 @@ def stamp(sizes: tuple[int, ...]) -> dict:
     seeder (a catalog kept before a new migration or seeder is seeded again)."""
     from alembic.script import ScriptDirectory
 
-    head = ScriptDirectory.from_config(alembic_config("sqlite://", ROOT / "migrations")).get_current_head()
+    head = ScriptDirectory.from_config(alembic_config("sqlite://", ROOT / "service/lastgood_service/migrations")).get_current_head()
     seeder = hashlib.sha256((ROOT / "bench" / "seed.py").read_bytes()).hexdigest()[:16]
     return {"sizes": list(sizes), "migrations_head": head, "seeder": seeder}
 

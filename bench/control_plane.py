@@ -384,8 +384,11 @@ def older_code(ref: str, into: Path) -> str:
     import tarfile
 
     into.mkdir(parents=True)
-    tar = subprocess.run(["git", "archive", ref, "service", "client", "migrations"], cwd=ROOT, check=True,
-                         capture_output=True).stdout
+    # older commits keep the Alembic environment at the top (migrations/), newer ones in the service package
+    top = subprocess.run(["git", "ls-tree", "--name-only", ref], cwd=ROOT, check=True, capture_output=True,
+                         text=True).stdout.split()
+    paths = ["service", "client", *(["migrations"] if "migrations" in top else [])]
+    tar = subprocess.run(["git", "archive", ref, *paths], cwd=ROOT, check=True, capture_output=True).stdout
     tarfile.open(fileobj=io.BytesIO(tar)).extractall(into, filter="data")
     path = [str(into / "service"), str(into / "client")]
     if "uvloop" not in (into / "service" / "pyproject.toml").read_text():

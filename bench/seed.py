@@ -34,7 +34,7 @@ def seed(url: str, runs: int = 100, checkpoints: int = 1000, ranks: int = 8, kee
          prefix: str = "seed", migrate: bool = True) -> dict:
     """Add `runs` runs to the catalog at url (migrated first); returns counts and seconds."""
     if migrate:
-        upgrade_head(url, ROOT / "migrations")
+        upgrade_head(url, ROOT / "service/lastgood_service/migrations")
     engine = make_engine(url)
     t0 = time.perf_counter()
     now = dt.datetime.now(dt.timezone.utc)

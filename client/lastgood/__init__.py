@@ -33,16 +33,23 @@ _LAZY = {
 }
 
 _SUBMODULES = ("errors", "dcp", "export", "wire", "common", "remote", "datapath", "commit", "state", "restore",
-               "trainer", "supervise", "cli")
+               "trainer", "supervise", "integrations", "cli")
+_TORCH_HINT = ("lastgood.{name} needs PyTorch, which this environment lacks: install the client with its torch "
+               "extra (pip install 'lastgood[torch]'), or torch itself at the version your training uses")
 
 __all__ = [*_LAZY]
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    if name in _SUBMODULES:  # `import lastgood; lastgood.errors.Fenced`
-        return importlib.import_module(f"lastgood.{name}")
+    try:
+        if name in _LAZY:
+            return getattr(importlib.import_module(_LAZY[name]), name)
+        if name in _SUBMODULES:  # `import lastgood; lastgood.errors.Fenced`
+            return importlib.import_module(f"lastgood.{name}")
+    except ModuleNotFoundError as e:
+        if e.name in ("torch", "numpy"):  # the torch-free install: say which extra is missing
+            raise ModuleNotFoundError(_TORCH_HINT.format(name=name), name=e.name) from e
+        raise
     raise AttributeError(f"module 'lastgood' has no attribute {name!r}")
 
 

@@ -314,6 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     fsck.add_argument("--rehash", action="store_true", help="also re-hash every committed shard (reads every byte)")
     fsck.add_argument("--json", action="store_true")
     sub.add_parser("rebuild", help="restore the catalog's lost commits from the manifests in the blob store")
+    sub.add_parser("migrate", help="bring the catalog's schema to this version's head (Alembic) and exit")
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in {"host": args.host, "port": args.port, "grpc_port": args.grpc_port,
                                    "data_dir": args.data_dir}.items() if v is not None}
@@ -324,6 +325,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(_token_command(args, settings))
     if args.command in ("fsck", "rebuild"):
         sys.exit(_repair_command(args, settings))
+    if args.command == "migrate":  # the one-shot job of a deploy (LASTGOOD_AUTO_MIGRATE=false on the service)
+        upgrade_head(settings.resolved_catalog_url(), settings.migrations_dir)
+        print(f"catalog at head: {settings.migrations_dir}")
+        sys.exit(0)
     exposed = settings.exposed_without_auth()
     if exposed:
         sys.exit(f"lastgood-service: refusing to listen on {', '.join(exposed)} without authentication: "

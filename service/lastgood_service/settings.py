@@ -21,9 +21,9 @@ MiB = 1024 * 1024
 
 
 def _default_migrations_dir() -> Path:
-    # The repo's top-level migrations/ folder; the service is installed editable (make run)
-    # or the folder is copied next to it and named with LASTGOOD_MIGRATIONS_DIR.
-    return Path(__file__).resolve().parents[2] / "migrations"
+    # The Alembic environment ships inside the package (its package data), so an installed
+    # service migrates its catalog with nothing else at hand.
+    return Path(__file__).resolve().parent / "migrations"
 
 
 class Settings(BaseSettings):

@@ -16,7 +16,7 @@ from lastgood_service.domain.commit import CommitService
 from lastgood_service.settings import Settings
 from tests.conftest import ROOT
 
-MIGRATIONS = ROOT / "migrations"
+MIGRATIONS = ROOT / "service/lastgood_service/migrations"
 BACKENDS = ["sqlite", "postgresql"]
 
 

@@ -202,12 +202,12 @@ def test_ports_match_the_settings(compose, settings_of):
     assert advertised_port == ports[settings_of.grpc_port], "clients dial the advertised port: it must be published"
 
 
-def test_the_migrate_job_runs_alembic_on_the_image_migrations(compose):
-    cmd = compose["services"]["migrate"]["command"]
-    assert cmd[:2] == ["alembic", "-c"] and cmd[-2:] == ["upgrade", "head"]
-    ini = Path(cmd[2])
-    assert ini.name == "alembic.ini" and (ROOT / "migrations" / "alembic.ini").exists()
-    assert ini.parent.as_posix() == dockerfile_env()["LASTGOOD_MIGRATIONS_DIR"]
+def test_the_migrate_job_runs_the_services_own_migration(compose):
+    """The image carries the migrations inside the service package; the job runs them with the
+    service's own command, on the catalog URL the service uses."""
+    assert compose["services"]["migrate"]["command"] == ["lastgood-service", "migrate"]
+    assert "LASTGOOD_MIGRATIONS_DIR" not in dockerfile_env()
+    assert (ROOT / "service/lastgood_service/migrations/alembic.ini").exists()
 
 
 def dockerfile_lines() -> list[str]:
@@ -233,13 +233,13 @@ def test_dockerfile_builds_the_service_without_torch():
         if line.startswith("COPY "):
             src, dest = shlex.split(line[5:])
             copies[src.rstrip("/")] = dest.rstrip("/")
-    assert {"client", "service", "migrations"} <= set(copies), copies
+    assert {"client", "service"} <= set(copies), copies
     installs = " ".join(line for line in lines if line.startswith("RUN ") and "pip install" in line)
     assert copies["client"] in installs and copies["service"] in installs
     assert "torch" not in installs and "[torch" not in installs and "-e " not in installs
     env = dockerfile_env()
-    assert env["LASTGOOD_MIGRATIONS_DIR"] == copies["migrations"]
-    assert (ROOT / "migrations" / "env.py").exists()
+    # the migrations travel inside the service package (its package data), as in every install
+    assert "LASTGOOD_MIGRATIONS_DIR" not in env and (ROOT / "service/lastgood_service/migrations/env.py").exists()
     assert set(env) - {"PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED", "PIP_NO_CACHE_DIR",
                        "PIP_DISABLE_PIP_VERSION_CHECK"} <= {f"LASTGOOD_{n.upper()}" for n in Settings.model_fields}
     assert lines[-1] == 'CMD ["lastgood-service"]'

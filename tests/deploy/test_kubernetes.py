@@ -103,7 +103,7 @@ def test_probes_ports_images_and_the_migration(service_settings):
     assert ports == {"http": s.port, "grpc": s.grpc_port}
     svc = by_kind("Service", "lastgood")
     assert {p["name"]: p["targetPort"] for p in svc["spec"]["ports"]} == ports
-    assert migrate["command"][:1] == ["alembic"]
+    assert migrate["command"] == ["lastgood-service", "migrate"]
     assert pod_env(migrate, by_kind("Secret", "lastgood-secrets"))["LASTGOOD_CATALOG_URL"] == s.catalog_url
     assert pod["securityContext"]["runAsUser"] == 10001  # the Dockerfile's user
     assert "--uid 10001" in (ROOT / "Dockerfile").read_text()

@@ -1,7 +1,8 @@
 """Alembic environment for the lastgood catalog.
 
 The URL comes from the Config the service builds (`lastgood_service.catalog.db`), or from
-LASTGOOD_CATALOG_URL when alembic is run by hand (`alembic -c migrations/alembic.ini upgrade head`).
+LASTGOOD_CATALOG_URL when alembic is run by hand (`alembic -c service/lastgood_service/migrations/alembic.ini
+upgrade head`; `lastgood-service migrate` does the same).
 """
 
 from __future__ import annotations
