@@ -89,6 +89,8 @@ def test_wheels_install_into_a_fresh_environment_and_run_the_readme_snippet(tmp_
 
     # the service from its wheel, on embedded defaults
     pip(env_dir, str(service))
+    migrated = run(bin_ / "lastgood-service", "migrate", env={"LASTGOOD_DATA_DIR": str(tmp_path / "data")})
+    assert migrated.returncode == 0 and "catalog at head" in migrated.stdout, migrated.stdout + migrated.stderr
     port = free_port()
     svc = subprocess.Popen([str(bin_ / "lastgood-service")], cwd=tmp_path, stdout=subprocess.DEVNULL,
                            stderr=subprocess.STDOUT,
