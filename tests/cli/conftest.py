@@ -46,7 +46,7 @@ def lastgood(*argv: str, url: str | None = None, code: int | None = 0, env: dict
              timeout: float = 60) -> Result:
     """Run the console script; by default it must exit 0."""
     args = (["--url", url] if url else []) + list(argv)
-    proc = subprocess.run(COMMAND + args, capture_output=True, text=True, timeout=timeout,
+    proc = subprocess.run(COMMAND + args, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
                           env={**ENV, **(env or {})})
     return _check(proc, args, code)
 
@@ -59,6 +59,7 @@ def lastgood_many(calls: list[tuple], parallel: int = 4) -> list[Result]:
         batch = []
         for argv, code, *env in calls[i:i + parallel]:
             p = subprocess.Popen(COMMAND + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 stdin=subprocess.DEVNULL,
                                  env={**ENV, **(env[0] if env else {})})
             batch.append((argv, code, p))
         for argv, code, p in batch:

@@ -89,11 +89,15 @@ def test_gc_plan_execute_and_download_lease(make_service, tmp_path):
     assert proc.returncode == 0, err
     assert planned(svc) == {old, mid}  # released when it finished
 
-    done = lastgood("--json", "gc", url=svc.url).json()
+    # without a terminal to ask, gc refuses (exit 2, nothing deleted) until told --yes
+    refused = lastgood("gc", url=svc.url, code=2)
+    assert "gc would delete 2 checkpoints, freeing 24.0 MiB" in refused.err and "pass --yes" in refused.err
+    assert _statuses(svc, run) == {old: "COMMITTED", mid: "COMMITTED", new: "COMMITTED"}
+    done = lastgood("--json", "gc", "--yes", url=svc.url).json()
     assert done["dry_run"] is False and done["result"]["deleted"] == [old, mid]
     assert done["result"]["bytes_freed"] == doc["plan"]["bytes_freed"]
     assert _statuses(svc, run) == {old: "DELETED", mid: "DELETED", new: "COMMITTED"}
-    again = lastgood("gc", url=svc.url).out
+    again = lastgood("gc", url=svc.url).out  # nothing to delete: nothing to ask
     assert "deleting 0 checkpoints, freeing 0 B" in again and "deleted 0 checkpoints" in again
     res = lastgood("download", str(old), str(tmp_path / "gone"), url=svc.url, code=4)
     assert f"checkpoint {old} is DELETED" in error_line(res)

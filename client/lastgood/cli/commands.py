@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 from rich.text import Text
 
@@ -167,17 +169,21 @@ def unpin(st: State, ckpt: CkptRef) -> None:
 @cli.command()
 @click.option("--dry-run", is_flag=True, help="Only show the plan: what would go and the bytes freed.")
 @click.option("--run", "run", type=RUN, default=None, help="With --dry-run: only this run's part of the plan.")
+@click.option("--yes", "-y", is_flag=True, help="Delete without asking (needed where no terminal can answer).")
 @json_option
 @pass_state
-def gc(st: State, dry_run: bool, run: str | None) -> None:
+def gc(st: State, dry_run: bool, run: str | None, yes: bool) -> None:
     """Delete what nothing keeps (retention, tags, pins, leases).
 
-    Without --dry-run it runs now, for every run (the service also runs it on its own
-    schedule), and shows the plan and the result. JSON: {"plan": ..., "dry_run": ...,
-    "result": ...}; with --run, "run" too, and the plan holds that run's checkpoints only.
+    Without --dry-run it shows the plan, asks, and runs now, for every run (the service also
+    runs it on its own schedule); --yes skips the question, and without a terminal to ask it
+    is required. JSON: {"plan": ..., "dry_run": ..., "result": ...}; with --run, "run" too, and
+    the plan holds that run's checkpoints only.
     """
     if run is not None and not dry_run:
         raise click.UsageError("--run filters the plan of --dry-run; GC itself runs for every run")
+    if not dry_run and not yes:
+        _confirm_gc(st.rest.gc_plan())
     if dry_run:
         plan = st.rest.gc_plan()
         doc = {"plan": plan if run is None else render.plan_of_run(plan, run), "dry_run": True}
@@ -191,6 +197,18 @@ def gc(st: State, dry_run: bool, run: str | None) -> None:
         if "result" in doc:
             render.gc_result(out, doc["result"])
     st.emit(doc, human)
+
+
+def _confirm_gc(plan: dict) -> None:
+    """Ask before deleting; where nobody can answer, refuse (exit 2) and say how to go on."""
+    if not plan["checkpoints"] and not plan["orphans"]:
+        return  # nothing to delete, nothing to ask
+    what = render.gc_summary(plan, "gc would delete")
+    if not sys.stdin.isatty():
+        raise click.UsageError(f"{what}; pass --yes to delete without asking "
+                               "(gc --dry-run shows the plan)")
+    if not click.confirm(f"{what}. Delete?", default=False, err=True):
+        raise click.UsageError("nothing deleted")
 
 
 @cli.command()

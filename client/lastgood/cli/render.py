@@ -312,6 +312,17 @@ def plan_of_run(plan: dict, run: str) -> dict:
             "unknown": [], "run": run, "all_runs_bytes_freed": plan["bytes_freed"]}
 
 
+def gc_summary(plan: dict, verb: str) -> str:
+    """'<verb> N checkpoints [of run R] [and M orphan blobs], freeing X (B bytes)'."""
+    cks, orphans = plan["checkpoints"], plan["orphans"]
+    summary = f"{verb} {len(cks)} checkpoint{'s' if len(cks) != 1 else ''}"
+    if "run" in plan:
+        summary += f" of run {plan['run']}"
+    if orphans:
+        summary += f" and {len(orphans)} orphan blob{'s' if len(orphans) != 1 else ''}"
+    return summary + f", freeing {fmt_bytes(plan['bytes_freed'])} ({plan['bytes_freed']:,} bytes)"
+
+
 def gc_plan(console: Console, plan: dict, dry_run: bool) -> None:
     verb = "would delete" if dry_run else "deleting"
     cks = plan["checkpoints"]
@@ -324,14 +335,7 @@ def gc_plan(console: Console, plan: dict, dry_run: bool) -> None:
             table.add_row(ckpt_id(d["checkpoint_id"]), Text(d["run"]), Text(str(d["step"])),
                           status_text(d["status"]), Text(fmt_bytes(d["bytes"])), Text(d["reason"]))
         console.print(table)
-    orphans = plan["orphans"]
-    summary = f"{verb} {len(cks)} checkpoint{'s' if len(cks) != 1 else ''}"
-    if "run" in plan:
-        summary += f" of run {plan['run']}"
-    if orphans:
-        summary += f" and {len(orphans)} orphan blob{'s' if len(orphans) != 1 else ''}"
-    summary += f", freeing {fmt_bytes(plan['bytes_freed'])} ({plan['bytes_freed']:,} bytes)"
-    console.print(Text(summary, style="bold"))
+    console.print(Text(gc_summary(plan, verb), style="bold"))
     if "all_runs_bytes_freed" in plan:
         console.print(Text(f"all runs: {fmt_bytes(plan['all_runs_bytes_freed'])} freed", style="dim"))
     if plan["unknown"]:
