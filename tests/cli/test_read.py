@@ -59,6 +59,14 @@ def test_runs(service, tree):
         assert f"runs 1-1 of {doc['total']}; more with --offset 1" in first
 
 
+def test_a_url_copied_with_the_api_prefix_means_its_service(service, tree):
+    """--url http://host:port/api/v1 (copied from an answer or the OpenAPI page) is the same
+    service, not a vague 404 on /api/v1/api/v1/..."""
+    for url in (service.url + "/api/v1", service.url + "/api/v1/"):
+        doc = lastgood("--json", "show", f"{tree.run}@last-good", url=url).json()
+        assert doc["id"] == tree.f
+
+
 def test_ls_filters_and_pages(service, tree):
     doc = lastgood("ls", tree.run, "--json", url=service.url).json()
     assert doc == rest(service, f"/api/v1/runs/{tree.run}/checkpoints")

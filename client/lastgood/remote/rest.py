@@ -26,6 +26,16 @@ from lastgood.wire.info import Info
 from lastgood.wire.manifest import IndexMismatch, Manifest
 from lastgood.remote.retry import NO_RETRY, RetryPolicy
 
+API_PREFIX = "/api/v1"  # every REST path below starts with it
+
+
+def service_base(url: str) -> str:
+    """The service's base URL from what a user gave: a URL copied from an API answer or the
+    OpenAPI page (ending in /api/v1) names the same service."""
+    url = url.rstrip("/")
+    return url[: -len(API_PREFIX)] if url.endswith(API_PREFIX) else url
+
+
 def q(segment: str) -> str:
     """One URL path segment, quoted (run names are safe already; tags are free text)."""
     return urllib.parse.quote(str(segment), safe="")
@@ -34,7 +44,7 @@ def q(segment: str) -> str:
 class RestClient:
     def __init__(self, base_url: str, timeout: float = 30.0, token: str | None = None,
                  retry: RetryPolicy | None = None) -> None:
-        self.base_url = base_url.rstrip("/")
+        self.base_url = service_base(base_url)
         self.timeout = timeout
         self.retry = retry or NO_RETRY
         self._local = threading.local()  # this thread's stop() for retries, see stoppable()
