@@ -45,7 +45,7 @@ def test_refusals_and_not_found(service, tree):
     # conflict / refused: exit 4, with the service's own message; not found: exit 3
     u = ["--url", service.url]
     cases = [
-        (["tag", str(tree.p), "x"], 4, f"checkpoint {tree.p} is ABANDONED; only committed checkpoints are tagged"),
+        (["tag", str(tree.p), "x"], 4, f"checkpoint {tree.p} is ABANDONED: its save never completed"),
         (["pin", str(tree.p)], 4, f"checkpoint {tree.p} is ABANDONED"),
         (["tag", str(tree.b), "suspect"], 4, "'suspect' is a system tag"),
         (["tag", str(tree.b), " padded "], 4, "without leading or trailing spaces"),

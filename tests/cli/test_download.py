@@ -87,7 +87,8 @@ def test_download_of_ranks(service, tree, tmp_path):
     assert "rank 2 is outside world size 2" in error_line(res)
     # an ABANDONED checkpoint has nothing to download (no read lease for it)
     res = lastgood("download", str(tree.p), str(tmp_path / "abandoned"), url=service.url, code=4)
-    assert f"checkpoint {tree.p} is ABANDONED" in error_line(res)
+    assert (f"checkpoint {tree.p} is ABANDONED: its save never completed" in error_line(res)
+            and "only COMMITTED checkpoints can be read" in error_line(res))
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ def test_rank_killed_mid_upload_leaves_nothing_visible(make_service, run_name):
     assert detail["manifest"] is None
     for rank in (0, 1):
         r = svc.get(f"/api/v1/checkpoints/{cks[1]['id']}/ranks/{rank}/files/rank{rank:05d}.safetensors")
-        assert r.status_code == 409 and "only committed" in r.json()["error"]["message"]
+        assert r.status_code == 409 and "only COMMITTED checkpoints can be read" in r.json()["error"]["message"]
 
     deadline = time.monotonic() + 20
     while _checkpoints(svc, run_name)[1]["status"] == "PENDING" and time.monotonic() < deadline:

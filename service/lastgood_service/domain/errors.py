@@ -23,6 +23,23 @@ class FailedPrecondition(DomainError):
     """The request is valid but the checkpoint is not in a state that allows it."""
 
 
+# why a checkpoint of each status other than COMMITTED cannot be read, tagged or leased
+_NOT_COMMITTED = {
+    "PENDING": "its save is still in progress",
+    "ABANDONED": "its save never completed (not every rank's shard arrived before it was abandoned)",
+    "CORRUPT": "a verification found bytes that do not match its manifest",
+    "DELETED": "GC deleted its files",
+}
+
+
+def not_committed(checkpoint_id: int, status: str, use: str, allowed: str = "COMMITTED") -> FailedPrecondition:
+    """The refusal of a read, tag or lease of a checkpoint that is not COMMITTED: its status,
+    what that means, and which checkpoints can be `use`d ('read', 'tagged', 'leased')."""
+    why = _NOT_COMMITTED.get(status)
+    return FailedPrecondition(f"checkpoint {checkpoint_id} is {status}" + (f": {why}" if why else "")
+                              + f"; only {allowed} checkpoints can be {use}")
+
+
 class Fenced(FailedPrecondition):
     """A write from a launch older than the run's newest registered one (domain/runs/fencing.py)."""
 

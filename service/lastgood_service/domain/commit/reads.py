@@ -11,7 +11,7 @@ from lastgood.wire.manifest import IndexMismatch, Manifest
 
 from ...blobstore import capabilities
 from ...catalog.models import COMMITTED, Shard
-from ..errors import DamagedMismatch, DamagedMissing, FailedPrecondition, NotFound, OutOfRange
+from ..errors import DamagedMismatch, DamagedMissing, FailedPrecondition, NotFound, OutOfRange, not_committed
 from . import indexes
 from .core import key_prefix
 from .verification import CommitVerification
@@ -24,7 +24,7 @@ class CommitReads(CommitVerification):
         with self.sessions() as s, s.begin():
             ck = self.get_checkpoint(s, checkpoint_id)
             if ck.status != COMMITTED:
-                raise FailedPrecondition(f"checkpoint {checkpoint_id} is {ck.status}; only committed checkpoints are readable")
+                raise not_committed(checkpoint_id, ck.status, "read")
             self.check_rank(ck, rank)
             sh = s.scalar(select(Shard).where(Shard.checkpoint_id == checkpoint_id, Shard.rank == rank,
                                               Shard.file_name == file_name))

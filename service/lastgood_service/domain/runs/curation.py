@@ -15,7 +15,7 @@ from ...catalog.models import (ALIAS, COMMITTED, CORRUPT, LAST_GOOD, PIN, PINNED
 from . import fencing, last_good
 from ..events import add_event
 from ..gate import CatalogGate
-from ..errors import FailedPrecondition, InvalidArgument, NotFound
+from ..errors import FailedPrecondition, InvalidArgument, NotFound, not_committed
 from .lineage import descendants
 
 RESERVED = {SUSPECT, ROLLBACK_TARGET, LAST_GOOD, PINNED}
@@ -49,7 +49,7 @@ class Curator:
         if ck is None:
             raise NotFound(f"checkpoint {checkpoint_id} does not exist")
         if ck.status not in (COMMITTED, CORRUPT):
-            raise FailedPrecondition(f"checkpoint {checkpoint_id} is {ck.status}; only committed checkpoints are tagged")
+            raise not_committed(checkpoint_id, ck.status, "tagged", "COMMITTED (or CORRUPT)")
         return ck
 
     def set_tag(self, checkpoint_id: int, name: str, alias: bool = False, generation: int | None = None) -> dict:
@@ -171,7 +171,7 @@ class Curator:
             if ck is None:
                 raise NotFound(f"checkpoint {checkpoint_id} does not exist")
             if ck.status != COMMITTED:
-                raise FailedPrecondition(f"checkpoint {checkpoint_id} is {ck.status}; only committed checkpoints are leased")
+                raise not_committed(checkpoint_id, ck.status, "read")
             lease = ReadLease(checkpoint_id=ck.id, holder=holder[:128],
                               expires_at=self.clock() + dt.timedelta(seconds=seconds))
             s.add(lease)
