@@ -61,8 +61,29 @@ def test_a_bad_retention_is_refused_and_changes_nothing(service, run_name, spec,
     err = json_error(h.put(url, json={"retention": spec}), status)
     assert err["message"]
     assert h.get(url).json()["own"] == OWN
-    json_error(h.put("/api/v1/runs/no-such-run/retention", json={"retention": OWN}), 404)
-    json_error(h.get("/api/v1/runs/no-such-run/retention"), 404)
+    # on a run that does not exist yet, a bad spec creates nothing either
+    fresh = f"/api/v1/runs/{run_name}-fresh/retention"
+    json_error(h.put(fresh, json={"retention": spec}), status)
+    json_error(h.get(fresh), 404)
+
+
+@pytest.mark.slow
+def test_a_policy_set_before_the_first_save_is_in_force_from_it(make_service, run_name):
+    """docs/training.md sets a run's retention before its job starts: the run is created with
+    it (it answered 404), and GC applies it to the checkpoints the first launch saves."""
+    svc = make_service(**GC_ENV)
+    h = http(svc)
+    url = f"/api/v1/runs/{run_name}/retention"
+    r = h.put(url, json={"retention": OWN})
+    assert r.status_code == 200 and r.json()["own"] == OWN, r.text
+    c = Client(svc.grpc_target)
+    try:
+        ids = _chain(c, run_name, 4)
+    finally:
+        c.close()
+    assert h.get(url).json()["own"] == OWN
+    plan = h.get("/api/v1/gc/plan").json()
+    assert [d["checkpoint_id"] for d in plan["checkpoints"]] == ids[:1]  # latest:3 kept, not latest:1
 
 
 def test_the_checkpointer_sends_the_runs_retention(service, run_name):

@@ -20,7 +20,7 @@ class RetentionBody(BaseModel):
 
 
 def _policies(gc: GCDep) -> RunRetention:
-    return RunRetention(gc.sessions, gc.retention, gate=gc.gate)  # GC's sessions: they write
+    return RunRetention(gc.sessions, gc.retention, gate=gc.gate, clock=gc.clock)  # GC's sessions: they write
 
 
 @router.get("/api/v1/runs/{run}/retention", responses=answers(400, 404))
@@ -29,7 +29,8 @@ def get_retention(run: str, gc: GCDep):
     return _policies(gc).get(run)
 
 
-@router.put("/api/v1/runs/{run}/retention", responses=answers(400, 404, 413))
+@router.put("/api/v1/runs/{run}/retention", responses=answers(400, 413))
 def set_retention(run: str, body: RetentionBody, gc: GCDep):
-    """Give the run its own retention (validated as the service default is), or clear it."""
+    """Give the run its own retention (validated as the service default is), or clear it.
+    A run with no checkpoint yet is created with it: the policy holds from its first save."""
     return _policies(gc).set(run, body.retention)
