@@ -39,7 +39,7 @@ run: $(SERVICE_STAMP)
 # every test, in three passes: the fast subset on two workers (as test-fast); the browser, the
 # bench smoke and the slow tests on two workers (each worker starts its own PostgreSQL and
 # LocalStack, on free ports); then the torchrun tests one at a time (their ranks load both
-# cores). The slowest 30 of each pass close it: where the suite's time goes (under 25 min here)
+# cores). The slowest 30 of each pass close it: where the suite's time goes
 FAST := not multiproc and not ui and not slow and not bench
 test: $(DEV_STAMP) $(LOCALSTACK_STAMP)
 	$(BIN)/python -m pytest -n 2 -m "$(FAST)"
@@ -72,7 +72,7 @@ fuzz: $(DEV_STAMP)
 		$(BIN)/python -m pytest -m fuzz -q -s -o timeout=3600 tests/fuzz
 
 # the full benchmark against the peers and the limits, the disk's own variance first
-# (about 25 minutes on 2 cores; see bench/README.md); run it on an idle machine
+# (bench/README.md says what it runs); run it on an idle machine
 bench: $(DEV_STAMP)
 	$(BIN)/python -m bench.run --quiet-check --quiet-wait 900
 

@@ -22,6 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+# the settings a launched service is placed by (settings.py reads them, prefix LASTGOOD_)
+ENV_DATA_DIR, ENV_PORT, ENV_GRPC_PORT = "LASTGOOD_DATA_DIR", "LASTGOOD_PORT", "LASTGOOD_GRPC_PORT"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -55,8 +59,8 @@ class ServiceProcess:
             self.port, self.grpc_port = free_port(), 0
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.log = self.data_dir / f"service-{self.port}.log"
-        env = {**os.environ, "LASTGOOD_DATA_DIR": str(self.data_dir), "LASTGOOD_PORT": str(self.port),
-               "LASTGOOD_GRPC_PORT": str(self.grpc_port), **self.env}
+        env = {**os.environ, ENV_DATA_DIR: str(self.data_dir), ENV_PORT: str(self.port),
+               ENV_GRPC_PORT: str(self.grpc_port), **self.env}
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "lastgood_service.main"], env=env,
                                          stdout=log, stderr=subprocess.STDOUT)

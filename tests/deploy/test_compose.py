@@ -202,6 +202,24 @@ def test_ports_match_the_settings(compose, settings_of):
     assert advertised_port == ports[settings_of.grpc_port], "clients dial the advertised port: it must be published"
 
 
+def test_the_host_ports_move_together_with_the_advertised_address():
+    """LASTGOOD_PUBLISH_REST / _GRPC publish the service on other host ports (the defaults
+    8000 and 50051 may be taken), and the gRPC address clients are told follows."""
+    res = compose_config(COMPOSE, {**REQUIRED, "LASTGOOD_PUBLISH_REST": "8100", "LASTGOOD_PUBLISH_GRPC": "50100"})
+    assert res.returncode == 0, res.stderr
+    svc = json.loads(res.stdout)["services"]["lastgood"]
+    assert {int(p["published"]) for p in svc["ports"]} == {8100, 50100}
+    assert environment(svc)["LASTGOOD_GRPC_ADVERTISE"] == "localhost:50100"
+
+
+def test_the_readmes_port_example_does_not_collide_with_compose(compose):
+    """The README's `make run` on other ports must work beside `docker compose up`."""
+    example = re.search(r"LASTGOOD_PORT=(\d+) LASTGOOD_GRPC_PORT=(\d+) make run", (ROOT / "README.md").read_text())
+    assert example, "the README's port example moved"
+    published = {int(p["published"]) for s in compose["services"].values() for p in s.get("ports") or []}
+    assert published and not {int(example[1]), int(example[2])} & published
+
+
 def test_the_migrate_job_runs_the_services_own_migration(compose):
     """The image carries the migrations inside the service package; the job runs them with the
     service's own command, on the catalog URL the service uses."""
