@@ -17,6 +17,7 @@ from lastgood.wire import codes as c
 from .. import __version__
 from ..domain.errors import DomainError
 from ..domain.faults import as_domain_error
+from .answers import document
 from .auth import make_authorizer
 from .contract import StrictJSONRoute, error_response, problem
 from .deps import AppContext
@@ -73,4 +74,5 @@ def create_app(ctx: AppContext) -> FastAPI:
     for module in ROUTERS:
         app.include_router(module.router)
     page.mount_static(app)
+    document(app)  # each route's success answer in /openapi.json (api/answers.py)
     return app

@@ -43,6 +43,8 @@ def parse_range(header: str, size: int) -> tuple[int, int]:
 
 @router.get("/api/v1/checkpoints/{checkpoint_id}", responses=answers(404, 409))
 def get_checkpoint(checkpoint_id: CkptId, queries: QueriesDep, commits: CommitsDep):
+    """One checkpoint: its status, tags and lineage fields, and its manifest (what every rank saved,
+    with sizes and xxh3-128 digests)."""
     view = queries.get_checkpoint(checkpoint_id)
     # the full view, every tensor index fetched and checked: for tools, never the restore path
     if view["status"] == "COMMITTED":
@@ -57,6 +59,8 @@ def get_checkpoint(checkpoint_id: CkptId, queries: QueriesDep, commits: CommitsD
 
 @router.get("/api/v1/checkpoints/{checkpoint_id}/manifest", responses=answers(404, 409))
 def get_manifest(checkpoint_id: CkptId, commits: CommitsDep):
+    """The checkpoint's manifest (docs/format.md), read from the store and checked against the hash the
+    catalog recorded."""
     return Response(commits.manifest_bytes(checkpoint_id), media_type="application/json")
 
 
@@ -82,6 +86,8 @@ def verify(checkpoint_id: CkptId, commits: CommitsDep):
             responses=answers(400, 404, 409, 416))
 def download(request: Request, checkpoint_id: CkptId, rank: Annotated[int, Path(ge=0, le=names.MAX_RANK)],
              file_name: str, commits: CommitsDep):
+    """A file's bytes (application/octet-stream), its xxh3-128 in the ETag and X-Lastgood-Xxh3-128
+    headers; `Range: bytes=a-b` reads part of it (206; 416 outside the file)."""
     try:
         names.check_file_name(file_name)
     except names.InvalidName as exc:

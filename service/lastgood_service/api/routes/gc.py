@@ -19,6 +19,8 @@ def gc_plan(gc: GCDep):
 
 @router.post("/api/v1/gc", responses=answers())
 def gc_run(gc: GCDep, dry_run: bool = False):
+    """Run GC now for every run: the plan (as GET /gc/plan) and what was deleted; `dry_run=true` only
+    plans."""
     plan = gc.plan()
     out = {"plan": plan.to_dict(), "dry_run": dry_run}
     if not dry_run:

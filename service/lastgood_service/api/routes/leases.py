@@ -25,4 +25,5 @@ def acquire_lease(checkpoint_id: CkptId, body: LeaseBody, curator: CuratorDep):
 
 @router.delete("/api/v1/leases/{lease_id}", responses=answers(404))
 def release_lease(lease_id: Id, curator: CuratorDep):
+    """End a read lease before it expires, so GC may plan the checkpoint again."""
     return curator.release_lease(lease_id)

@@ -37,6 +37,8 @@ def run_lineage(run: str, queries: QueriesDep, limit: Annotated[int, Query(ge=1,
 
 @router.get("/api/v1/checkpoints/{checkpoint_id}/ancestors", responses=answers(404))
 def ancestors(checkpoint_id: CkptId, queries: QueriesDep):
+    """The checkpoint's ancestors, newest first, and the newest committed one a restore would fall back
+    to."""
     return queries.ancestors(checkpoint_id)
 
 

@@ -17,12 +17,15 @@ router = APIRouter(route_class=StrictJSONRoute, tags=["ops"])
 
 @router.get("/healthz")
 def healthz(queries: QueriesDep):
+    """Liveness and readiness: ok once the catalog answers (public, no token)."""
     queries.list_runs(limit=1)  # proves the catalog answers
     return {"status": "ok"}
 
 
 @router.get("/api/v1/info")
 def info(ctx: Ctx):
+    """The service's version, its gRPC address, its limits (chunk, shard and request sizes, the
+    lease) and the data paths it offers (spool, direct-FS, direct S3): what a client reads first."""
     s = ctx.commits.settings
     return Info(grpc_target=ctx.grpc_target, version=__version__, max_chunk_bytes=s.max_chunk_bytes,
                 max_shard_bytes=s.max_shard_bytes, lease_seconds=s.lease_seconds,

@@ -24,17 +24,21 @@ class EventBody(BaseModel):
 
 @router.get("/api/v1/runs", responses=answers(400))
 def list_runs(request: Request, queries: QueriesDep, limit: Limit = 100, offset: Offset = 0):
+    """Runs, with each one's last-good and its checkpoint counts by status (a scoped token sees its own
+    runs)."""
     return queries.list_runs(limit, offset, run_prefix(request))
 
 
 @router.get("/api/v1/runs/{run}", responses=answers(400, 404))
 def get_run(run: str, queries: QueriesDep):
+    """One run: its generation, last-good and checkpoint counts by status."""
     return queries.get_run(run)
 
 
 @router.get("/api/v1/runs/{run}/checkpoints", responses=answers(400, 404))
 def list_checkpoints(run: str, queries: QueriesDep, status: str | None = None, limit: Limit = 100,
                      offset: Offset = 0):
+    """The run's checkpoints, newest first; `status` filters by one status."""
     return queries.list_checkpoints(run, status, limit, offset)
 
 
@@ -53,11 +57,14 @@ def last_good(run: str, queries: QueriesDep, commits: CommitsDep, manifest: bool
 @router.get("/api/v1/runs/{run}/events", responses=answers(400, 404))
 def events(run: str, queries: QueriesDep, limit: Limit = 100, offset: Offset = 0,
            kind: Annotated[str | None, Query(max_length=400, description="comma list of kinds")] = None):
+    """The run's events, oldest first (begin, commit, abandon, launch, rollback, save_given_up, ...);
+    `kind` filters by a comma list of kinds."""
     return queries.events(run, limit, offset, kind.split(",") if kind is not None else None)
 
 
 @router.post("/api/v1/runs/{run}/events", responses=answers(400, 404, 413))
 def record_event(run: str, body: EventBody, curator: CuratorDep):
+    """Record an event of the run (spike, restart or note), optionally naming one of its checkpoints."""
     return curator.record_event(run, body.kind, body.checkpoint_id, body.data)
 
 

@@ -19,6 +19,7 @@ class TokenBody(BaseModel):
 
 @router.get("/api/v1/tokens", responses=answers(params=False))
 def list_tokens(tokens: TokensDep):
+    """Every token: id, name, role and run scope (never the secret)."""
     return {"items": tokens.list()}
 
 
@@ -30,4 +31,5 @@ def create_token(body: TokenBody, tokens: TokensDep):
 
 @router.delete("/api/v1/tokens/{token_id}", responses=answers(404))
 def revoke_token(token_id: Id, tokens: TokensDep):
+    """Revoke a token: calls with it are refused from now on."""
     return tokens.revoke(token_id)
