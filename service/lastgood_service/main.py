@@ -43,6 +43,7 @@ from .domain.peer.peer_fallback import PeerFallback
 from .domain.peer.verification_modes import PeerChecks
 from .domain.tokens import TokenStore
 from .api.connections import Limits, LimitedHttp, budget
+from .api.contract import Nosniff
 from .api.limits import BodyLimit
 from .metrics import Metrics
 from .reaper import Reaper
@@ -375,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
     log.info("gRPC on %s; REST on http://%s:%s (catalog %s, blobs %s, auth %s)", service.grpc_target,
              settings.host, settings.port, catalog, settings.resolved_blob_url(),
              "required" if settings.auth_required else "off (loopback only)")
-    app = BodyLimit(service.app(), settings.max_request_bytes)
+    app = Nosniff(BodyLimit(service.app(), settings.max_request_bytes))
     pygc.freeze_startup(settings)  # start-up is done: its objects are never walked by Python's GC again
     # uvicorn shuts HTTP down gracefully on SIGINT or SIGTERM, then raises the signal again
     # into the handler it found: SIGINT's raises KeyboardInterrupt, and SIGTERM's must not be
