@@ -48,6 +48,27 @@ def test_405_keeps_its_allow_header(svc):
         assert allow <= {m.strip() for m in r.headers["allow"].split(",")}, (method, path, r.headers)
 
 
+def test_a_405_allows_every_method_of_its_path(svc):
+    """Allow lists each method the path has, from the OpenAPI document, whichever route of
+    the path the router tried first (issue 36, finding 12: it named one of two)."""
+    h = http(svc)
+    doc = h.get("/openapi.json").json()
+    checked = 0
+    for path, ops in doc["paths"].items():
+        declared = {m.upper() for m in ops}
+        if len(declared) < 2:
+            continue
+        concrete = path.replace("{run}", "allow-run").replace("{name}", "t")
+        for param in ("checkpoint_id", "rank", "token_id", "lease_id"):
+            concrete = concrete.replace("{" + param + "}", "1")
+        r = h.request("PATCH", concrete)
+        assert r.status_code == 405, (path, r.status_code)
+        allow = {m.strip() for m in r.headers["allow"].split(",")}
+        assert declared <= allow, (path, sorted(declared), r.headers["allow"])
+        checked += 1
+    assert checked >= 4  # /tokens, .../retention, .../peer-check, .../pin at least
+
+
 def test_the_openapi_document_declares_each_routes_errors(svc):
     doc = http(svc).get("/openapi.json").json()
     assert doc["components"]["schemas"]["ErrorBody"]["properties"]["error"]
