@@ -41,6 +41,7 @@ class ServiceProcess:
     proc: subprocess.Popen | None = None
     log: Path | None = None
     info: dict = field(default_factory=dict)  # GET /api/v1/info once it is up
+    nofile: int | None = None  # the process's open-file limit (soft and hard), e.g. to test it under a low one
 
     @property
     def url(self) -> str:
@@ -63,7 +64,8 @@ class ServiceProcess:
                ENV_GRPC_PORT: str(self.grpc_port), **self.env}
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "lastgood_service.main"], env=env,
-                                         stdout=log, stderr=subprocess.STDOUT)
+                                         stdout=log, stderr=subprocess.STDOUT,
+                                         preexec_fn=None if self.nofile is None else self._limits)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -77,6 +79,11 @@ class ServiceProcess:
                 time.sleep(0.1)
         self.stop()
         raise RuntimeError(f"service did not come up:\n{self.log.read_text()[-3000:]}")
+
+    def _limits(self) -> None:
+        import resource  # in the child, before it runs the service
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
 
     def stop(self, sig: int = signal.SIGTERM, grace: float = 10.0) -> None:
         if self.proc is not None and self.proc.poll() is None:

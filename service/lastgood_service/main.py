@@ -42,6 +42,8 @@ from .domain.peer import verification_modes
 from .domain.peer.peer_fallback import PeerFallback
 from .domain.peer.verification_modes import PeerChecks
 from .domain.tokens import TokenStore
+from .api.connections import Limits, LimitedHttp, budget
+from .api.contract import Nosniff
 from .api.limits import BodyLimit
 from .metrics import Metrics
 from .reaper import Reaper
@@ -293,6 +295,33 @@ class _Server(uvicorn.Server):
             loop.call_soon_threadsafe(self._wake.set)
 
 
+def _raise_open_files() -> int:
+    """The soft open-file limit raised to the hard one (REST's connection budget is sized
+    from it, api/connections.py); the limit it is then."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as e:
+            log.warning("open-file limit stays %s (hard %s): %s", soft, hard, e)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def _rest_limits(settings: Settings, nofile: int) -> Limits:
+    total = budget(nofile, settings.rest_max_connections)
+    per_client = settings.rest_max_connections_per_client or max(1, total // 2)
+    log.info("open files at most %s: REST holds at most %s connections, %s per client address; "
+             "a request's headers and body within %s s", nofile, total, per_client,
+             settings.rest_read_timeout or "unbounded")
+    if total > nofile:
+        log.warning("LASTGOOD_REST_MAX_CONNECTIONS=%s is over the open-file limit (%s): a flood of "
+                    "connections can take every file descriptor", total, nofile)
+    return Limits(total, min(per_client, total), settings.rest_read_timeout)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="lastgood-service",
                                      description="Run the lastgood service (settings from LASTGOOD_* variables).")
@@ -335,6 +364,7 @@ def main(argv: list[str] | None = None) -> None:
                  f"anyone who can reach it could read and overwrite checkpoints. Set LASTGOOD_AUTH_REQUIRED=true "
                  f"(and create tokens with `lastgood-service token create`), or bind to 127.0.0.1.")
     _limit_malloc_arenas(settings.malloc_arena_max)
+    limits = _rest_limits(settings, _raise_open_files())
     try:
         service = Service(settings)
     except verification_modes.ModeUnavailable as e:
@@ -346,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
     log.info("gRPC on %s; REST on http://%s:%s (catalog %s, blobs %s, auth %s)", service.grpc_target,
              settings.host, settings.port, catalog, settings.resolved_blob_url(),
              "required" if settings.auth_required else "off (loopback only)")
-    app = BodyLimit(service.app(), settings.max_request_bytes)
+    app = Nosniff(BodyLimit(service.app(), settings.max_request_bytes))
     pygc.freeze_startup(settings)  # start-up is done: its objects are never walked by Python's GC again
     # uvicorn shuts HTTP down gracefully on SIGINT or SIGTERM, then raises the signal again
     # into the handler it found: SIGINT's raises KeyboardInterrupt, and SIGTERM's must not be
@@ -354,7 +384,9 @@ def main(argv: list[str] | None = None) -> None:
     # the calls in flight, the catalog closed)
     try:
         signal.signal(signal.SIGTERM, _terminated)
-        _Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning")).run()
+        _Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+                               http=LimitedHttp.protocol(limits), timeout_keep_alive=settings.rest_keep_alive_timeout,
+                               backlog=min(2048, limits.max_connections))).run()
     except (KeyboardInterrupt, _Terminated):  # a clean exit, as uvicorn.run's
         pass
     finally:

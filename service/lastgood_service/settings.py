@@ -113,6 +113,18 @@ class Settings(BaseSettings):
     direct_fs: bool = Field(True, description="trainers that mount a local store's directory may write their files "
                             "in place (<blob root>/direct) and hand over only the name, from any host")
     max_request_bytes: int = Field(1024 * 1024, gt=0, description="largest REST request body")
+    # REST connection limits (api/connections.py, docs/security.md "Connection limits")
+    rest_max_connections: int = Field(0, ge=0, description="REST connections held at once; 0: from the open-file "
+                                      "limit (half of what is left after 256, at least 64, at most 16,384). A "
+                                      "connection over it closes the oldest one waiting for a request, or is refused")
+    rest_max_connections_per_client: int = Field(0, ge=0, description="REST connections one client address may "
+                                                 "hold; 0: half of rest_max_connections (behind a proxy every "
+                                                 "client has its address: set it to rest_max_connections)")
+    rest_read_timeout: float = Field(10.0, ge=0, description="seconds a REST request's headers and body may take "
+                                     "to arrive, from the connection's start or the request's first byte; the "
+                                     "connection is closed after it (408); 0: no bound (a proxy in front bounds it)")
+    rest_keep_alive_timeout: float = Field(5.0, gt=0, description="an idle REST keep-alive connection is closed "
+                                           "after this many seconds")
     max_streams_per_client: int = Field(16, gt=0, description="concurrent PutShard/GetShard streams per caller: per "
                                         "token, or per connection when tokens are off")
     grpc_max_streams: int = Field(0, ge=0, description="concurrent PutShard/GetShard streams in the whole service; "

@@ -8,7 +8,7 @@ import pytest
 
 from lastgood.wire import names
 
-from .helpers import Client, events, http, json_error
+from .helpers import Client, events, http, json_error, shard_name
 
 HUGE = [10**20, 2**63, names.MAX_ID + 1, -(10**20)]
 
@@ -48,6 +48,27 @@ def test_405_keeps_its_allow_header(svc):
         assert allow <= {m.strip() for m in r.headers["allow"].split(",")}, (method, path, r.headers)
 
 
+def test_a_405_allows_every_method_of_its_path(svc):
+    """Allow lists each method the path has, from the OpenAPI document, whichever route of
+    the path the router tried first (issue 36, finding 12: it named one of two)."""
+    h = http(svc)
+    doc = h.get("/openapi.json").json()
+    checked = 0
+    for path, ops in doc["paths"].items():
+        declared = {m.upper() for m in ops}
+        if len(declared) < 2:
+            continue
+        concrete = path.replace("{run}", "allow-run").replace("{name}", "t")
+        for param in ("checkpoint_id", "rank", "token_id", "lease_id"):
+            concrete = concrete.replace("{" + param + "}", "1")
+        r = h.request("PATCH", concrete)
+        assert r.status_code == 405, (path, r.status_code)
+        allow = {m.strip() for m in r.headers["allow"].split(",")}
+        assert declared <= allow, (path, sorted(declared), r.headers["allow"])
+        checked += 1
+    assert checked >= 4  # /tokens, .../retention, .../peer-check, .../pin at least
+
+
 def test_the_openapi_document_declares_each_routes_errors(svc):
     doc = http(svc).get("/openapi.json").json()
     assert doc["components"]["schemas"]["ErrorBody"]["properties"]["error"]
@@ -69,3 +90,31 @@ def test_the_openapi_document_declares_each_routes_errors(svc):
     assert not undeclared, "\n".join(undeclared)
     download = doc["paths"]["/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/files/{file_name}"]["get"]
     assert "416" in download["responses"]
+
+
+def test_every_answer_says_nosniff(svc, saved):
+    """API answers, errors (the body limit's 413 included), downloads, the page and its
+    files: each says X-Content-Type-Options: nosniff (api/contract.Nosniff, its one place)."""
+    run, cid = saved
+    h = http(svc)
+    name = shard_name(0)
+    answers = {
+        "json": h.get(f"/api/v1/runs/{run}/checkpoints"),
+        "healthz": h.get("/healthz"),
+        "metrics": h.get("/metrics"),
+        "openapi": h.get("/openapi.json"),
+        "404": h.get("/api/v1/checkpoints/999999"),
+        "405": h.request("PATCH", "/api/v1/runs"),
+        "413": h.post(f"/api/v1/runs/{run}/events", content=b"x" * (2 * 1024 * 1024),
+                      headers={"content-type": "application/json"}),
+        "422": h.get("/api/v1/checkpoints/x"),
+        "download": h.get(f"/api/v1/checkpoints/{cid}/ranks/0/files/{name}"),
+        "range": h.get(f"/api/v1/checkpoints/{cid}/ranks/0/files/{name}", headers={"Range": "bytes=0-3"}),
+        "page": h.get("/"),
+        "static": h.get("/static/app.js"),
+    }
+    statuses = {k: r.status_code for k, r in answers.items()}
+    assert statuses["download"] == 200 and statuses["range"] == 206 and statuses["413"] == 413, statuses
+    missing = {k: r.status_code for k, r in answers.items() if r.headers.get("x-content-type-options") != "nosniff"}
+    assert not missing, missing
+    assert all(len(r.headers.get_list("x-content-type-options")) == 1 for r in answers.values())

@@ -40,6 +40,29 @@ _MEANING = {
 }
 
 
+NOSNIFF = (b"x-content-type-options", b"nosniff")
+
+
+class Nosniff:
+    """ASGI middleware, outermost: every HTTP answer (API, errors, downloads, the page) says
+    `X-Content-Type-Options: nosniff`, so a browser never reads a download or a JSON answer
+    as another type (a page, a script) than the one it is sent as. The one place it is set."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def nosniff(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), NOSNIFF]}
+            await send(message)
+
+        return await self.app(scope, receive, nosniff)
+
+
 def error_response(status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
     """The one error body, with its message bounded (api/errors.py)."""
     return JSONResponse({"error": {"code": code, "message": bounded(message)}}, status_code=status,

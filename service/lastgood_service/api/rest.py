@@ -11,6 +11,7 @@ import logging
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from lastgood.wire import codes as c
 
@@ -35,6 +36,16 @@ __all__ = ["AppContext", "create_app"]
 # (docs/control-plane.md). Their paths overlap no other router's, so the order changes nothing else.
 ROUTERS = (outcomes, health, ops, runs, tokens, lineage, tags, launches, leases, gc, retention, checkpoints, page,
            grants, peer_checks)
+
+
+def allowed_methods(routes, scope, allow: str = "") -> str:
+    """A 405's Allow: every method of every route whose path matches the request's, with
+    the methods Starlette named (those of the first such route only)."""
+    methods = {m.strip() for m in allow.split(",") if m.strip()}
+    for route in routes:
+        if route.matches(scope)[0] != Match.NONE:
+            methods |= route.methods
+    return ", ".join(sorted(methods))
 
 
 def create_app(ctx: AppContext) -> FastAPI:
@@ -68,11 +79,16 @@ def create_app(ctx: AppContext) -> FastAPI:
         return error_response(status, name, "the request failed inside the service; see its log")
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_req: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, c.HTTP_ERROR, str(exc.detail), exc.headers)  # 405 keeps its Allow
+    async def _http(req: Request, exc: StarletteHTTPException):
+        headers = exc.headers
+        if exc.status_code == 405:  # Starlette's Allow names the first route of the path only
+            allow = allowed_methods(routes, req.scope, (headers or {}).get("Allow", ""))
+            headers = {**(headers or {}), "Allow": allow}
+        return error_response(exc.status_code, c.HTTP_ERROR, str(exc.detail), headers)
 
     for module in ROUTERS:
         app.include_router(module.router)
+    routes = [r for module in ROUTERS for r in module.router.routes if getattr(r, "methods", None)]
     page.mount_static(app)
     document(app)  # each route's success answer in /openapi.json (api/answers.py)
     return app

@@ -12,10 +12,10 @@ from fastapi.staticfiles import StaticFiles
 from ..contract import StrictJSONRoute
 
 STATIC_DIR = pathlib.Path(__file__).resolve().parents[2] / "static"
+# nosniff too, on every answer: api/contract.Nosniff
 UI_HEADERS = {
     "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
                                "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'",
-    "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-cache",
 }
