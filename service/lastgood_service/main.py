@@ -34,6 +34,7 @@ from .domain.gc import GarbageCollector
 from .domain.dataplane.grants import DirectUploads
 from .domain.health.heartbeats import Health
 from .domain.repair import Repair
+from .domain.sealing import ManifestKeyError, ManifestKeys
 from .domain.errors import DomainError
 from .domain.runs.retention import Retention
 from .domain.dataplane.directfs import DirectFS
@@ -77,10 +78,12 @@ class Service:
 
             blobs = WriteEIO(blobs)
         self.gate = CatalogGate()  # closed at start while the catalog is behind the store
-        self.repair = Repair(sessions, blobs)
+        self.manifest_keys = ManifestKeys.from_settings(settings)  # seal every manifest (domain/sealing.py)
+        self.repair = Repair(sessions, blobs, self.manifest_keys)
         self.queries = Queries(read_sessionmaker(self.engine), self.gate)
         self.metrics = Metrics(pending=self.queries.pending_count)
-        self.commits = CommitService(settings, sessions, blobs, metrics=self.metrics, gate=self.gate)
+        self.commits = CommitService(settings, sessions, blobs, metrics=self.metrics, gate=self.gate,
+                                     manifest_keys=self.manifest_keys)
         self.outcomes = OutcomeNotifier(sessions, settings.outcome_poll_interval)  # one per process
         self.commits.listeners.append(self.outcomes.poke)
         if settings.direct_s3:  # an abort or a lease expiry aborts the direct uploads it left open
@@ -125,9 +128,8 @@ class Service:
         rolled = self.commits.recover()
         if rolled:
             log.warning("rolled forward at start-up: %s", rolled)
-        if self.settings.startup_store_check and (lost := self.repair.lost_manifests()):
-            self.gate.close([p.checkpoint_id for p in lost])
-            log.error("%s", self.gate.reason)
+        if self.settings.startup_store_check:
+            self._check_store()
         s = self.settings
         self.grpc_server, self.grpc_port = start_grpc_server(
             Servicer(self.commits, self.queries, self.tokens, self.spool, self.direct_fs), s.grpc_host, s.grpc_port, s.grpc_workers,
@@ -137,6 +139,18 @@ class Service:
             threading.Thread(target=self._gc_loop, name="gc", daemon=True).start()
         if s.health_interval > 0:
             threading.Thread(target=self._health_loop, name="health", daemon=True).start()
+
+    def _check_store(self) -> None:
+        """Close the gate while the store holds sealed manifests the catalog lacks; a
+        manifest that is not sealed by the service's keys is logged, never obeyed: a file
+        planted in the store alone does not stop writes (domain/repair.py)."""
+        examined = self.repair.examine_lost()
+        if lost := [e.parsed.checkpoint_id for e in examined if e.manifest is not None]:
+            self.gate.close(lost)
+            log.error("%s", self.gate.reason)
+        for e in (e for e in examined if e.manifest is None):
+            log.warning("ignored a manifest in the store the catalog lacks, %s: %s (`lastgood-service fsck` lists "
+                        "them, `lastgood-service rebuild` quarantines forged ones)", e.key, e.why)
 
     @property
     def grpc_target(self) -> str:
@@ -220,12 +234,18 @@ def _token_command(args, settings: Settings) -> int:
 
 def _repair_command(args, settings: Settings) -> int:
     """`lastgood-service fsck|rebuild`: the catalog against the blob store (domain/repair.py).
-    Exit 0: consistent (fsck) or rebuilt; 1: fsck found disagreements; 4: rebuild left conflicts."""
+    Exit 0: consistent (fsck) or rebuilt; 1: fsck found disagreements; 4: rebuild skipped a
+    manifest (a conflict, a forgery it quarantined, an unsealed one it left in place)."""
     url = settings.resolved_catalog_url()
     if settings.auto_migrate:
         upgrade_head(url, settings.migrations_dir)
+    try:
+        manifest_keys = ManifestKeys.from_settings(settings)
+    except ManifestKeyError as e:
+        print(f"lastgood-service: {e}", file=sys.stderr)
+        return 2
     engine = make_engine(url)
-    repair = Repair(make_sessionmaker(engine), open_blobstore(settings.resolved_blob_url(), settings))
+    repair = Repair(make_sessionmaker(engine), open_blobstore(settings.resolved_blob_url(), settings), manifest_keys)
     try:
         if args.command == "fsck":
             report = repair.fsck(rehash=args.rehash)
@@ -240,9 +260,9 @@ def _repair_command(args, settings: Settings) -> int:
             else:
                 print(json.dumps(out, indent=2))
             return 0 if report.ok else 1
-        result = repair.rebuild()
+        result = repair.rebuild(trust_unsealed=args.trust_unsealed)
         print(json.dumps(result, indent=2))
-        return 4 if result["conflicts"] else 0
+        return 4 if result["conflicts"] or result["quarantined"] or result["unsealed"] else 0
     finally:
         engine.dispose()
 
@@ -342,7 +362,11 @@ def main(argv: list[str] | None = None) -> None:
     fsck = sub.add_parser("fsck", help="check the catalog against the blob store (exit 1 on disagreements)")
     fsck.add_argument("--rehash", action="store_true", help="also re-hash every committed shard (reads every byte)")
     fsck.add_argument("--json", action="store_true")
-    sub.add_parser("rebuild", help="restore the catalog's lost commits from the manifests in the blob store")
+    rebuild = sub.add_parser("rebuild", help="restore the catalog's lost commits from the sealed manifests in "
+                             "the blob store (forged ones are quarantined; exit 4 when any was skipped)")
+    rebuild.add_argument("--trust-unsealed", action="store_true",
+                         help="also restore manifests that carry no seal (written by a service older than seals); "
+                              "only for a store nobody else could write to")
     sub.add_parser("migrate", help="bring the catalog's schema to this version's head (Alembic) and exit")
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in {"host": args.host, "port": args.port, "grpc_port": args.grpc_port,
@@ -367,7 +391,7 @@ def main(argv: list[str] | None = None) -> None:
     limits = _rest_limits(settings, _raise_open_files())
     try:
         service = Service(settings)
-    except verification_modes.ModeUnavailable as e:
+    except (verification_modes.ModeUnavailable, ManifestKeyError) as e:
         sys.exit(f"lastgood-service: {e}")
     service.start()
     from sqlalchemy.engine import make_url

@@ -77,6 +77,13 @@ class Settings(BaseSettings):
                                "up when the disk is full, so that GC can record its deletions; 0: none")
     startup_store_check: bool = Field(True, description="at start, list the store's manifests and refuse writes "
                                       "while the catalog lacks any (lost commits: run `lastgood-service rebuild`)")
+    manifest_keys: SecretStr | None = Field(None, description="the keys that seal every manifest the service "
+                                            "writes (domain/sealing.py, docs/security.md): comma-separated "
+                                            "<id>:<hex> entries, at least 32 bytes each; the first seals, every "
+                                            "listed one verifies (rotation). Unset: the key file")
+    manifest_key_file: Path | None = Field(None, description="where the keys are kept when LASTGOOD_MANIFEST_KEYS "
+                                           "is unset, one <id>:<hex> a line; generated on first start; default "
+                                           "<data_dir>/manifest.keys")
     log_level: str = "INFO"
     auth_required: bool = Field(False, description="every API call needs a bearer token (required off loopback)")
     admin_token: SecretStr | None = Field(None, description="a bootstrap admin token (create real ones with it)")
@@ -232,6 +239,9 @@ class Settings(BaseSettings):
 
     def resolved_spool_dir(self) -> Path | None:
         return (self.spool_dir or self.data_dir / "spool").resolve() if self.spool else None
+
+    def resolved_manifest_key_file(self) -> Path:
+        return (self.manifest_key_file or self.data_dir / "manifest.keys").resolve()
 
     def resolved_blob_url(self) -> str:
         return self.blob_url or f"file://{(self.data_dir / 'blobs').resolve()}"

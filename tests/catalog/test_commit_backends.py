@@ -289,14 +289,15 @@ def test_rebuild_restores_lost_commits_on_each_backend(commits, sessions, blobs)
         s.flush()
         if s.bind.dialect.name == "postgresql":
             s.execute(text("SELECT setval(pg_get_serial_sequence('checkpoints', 'id'), :v)"), {"v": kept})
-    repair = Repair(sessions, blobs)
+    repair = Repair(sessions, blobs, commits.manifest_keys)
     assert sorted(p.checkpoint_id for p in repair.lost_manifests()) == lost
-    assert repair.rebuild() == {"restored": lost, "corrupt": [], "conflicts": []}
+    assert repair.rebuild() == {"restored": lost, "corrupt": [], "conflicts": [], "quarantined": [], "unsealed": []}
     assert repair.lost_manifests() == [] and repair.fsck().ok
     assert [status(sessions, cid) for cid in lost] == ["COMMITTED", "COMMITTED"]
     assert last_good(sessions, "run-rb") == lost[1]
     assert save(commits, "run-rb", 4, parent=lost[1]) > lost[1]
-    assert repair.rebuild() == {"restored": [], "corrupt": [], "conflicts": []}  # idempotent
+    assert repair.rebuild() == {"restored": [], "corrupt": [], "conflicts": [], "quarantined": [],
+                                "unsealed": []}  # idempotent
 
 
 def test_a_manifest_whose_commit_lost_the_race_is_not_a_lost_commit(commits, sessions, blobs):
@@ -312,7 +313,7 @@ def test_a_manifest_whose_commit_lost_the_race_is_not_a_lost_commit(commits, ses
         ck.status, ck.committed_at = "ABANDONED", None
         s.get(Run, ck.run_id).last_good_id = None
     assert blobs.stat(manifest_key(sessions, cid)) is not None
-    repair = Repair(sessions, blobs)
+    repair = Repair(sessions, blobs, commits.manifest_keys)
     assert repair.lost_manifests() == []
-    assert repair.rebuild() == {"restored": [], "corrupt": [], "conflicts": []}
+    assert repair.rebuild() == {"restored": [], "corrupt": [], "conflicts": [], "quarantined": [], "unsealed": []}
     assert status(sessions, cid) == "ABANDONED" and last_good(sessions, "run-race") is None

@@ -27,7 +27,8 @@ from tests.conftest import ROOT
 COMPOSE = ROOT / "docker-compose.yml"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
-REQUIRED = {"LASTGOOD_ADMIN_TOKEN": "compose-test-token"}  # the variables compose demands (${X:?...})
+REQUIRED = {"LASTGOOD_ADMIN_TOKEN": "compose-test-token",  # the variables compose demands (${X:?...})
+            "LASTGOOD_MANIFEST_KEYS": "k1:" + "ab" * 32}
 
 
 def compose_binary() -> str:
@@ -306,10 +307,12 @@ def test_service_package_ships_its_static_files():
     assert any(p.startswith("static/") for p in patterns)
 
 
-def test_compose_refuses_to_start_without_the_admin_token():
-    res = compose_config(COMPOSE, {})
+@pytest.mark.parametrize("missing, says", [("LASTGOOD_ADMIN_TOKEN", "long random string"),
+                                           ("LASTGOOD_MANIFEST_KEYS", "64 hex digits")])
+def test_compose_refuses_to_start_without_the_admin_token_or_the_manifest_keys(missing, says):
+    res = compose_config(COMPOSE, {k: v for k, v in REQUIRED.items() if k != missing})
     assert res.returncode != 0
-    assert "LASTGOOD_ADMIN_TOKEN" in res.stderr and "long random string" in res.stderr
+    assert missing in res.stderr and says in res.stderr
 
 
 def test_control_the_specification_is_enforced(tmp_path):

@@ -22,7 +22,8 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
-from lastgood.wire.hashing import hash_bytes
+from lastgood.wire import names
+from lastgood.wire.hashing import HEX_LEN, hash_bytes, is_valid_hex
 
 FORMAT = "lastgood.manifest/1"       # monolithic
 FORMAT_ROOT = "lastgood.manifest/2"  # root + per-file index objects
@@ -44,6 +45,50 @@ class IndexMismatch(ValueError):
 
 def _canonical(d: dict) -> bytes:
     return json.dumps(d, sort_keys=True, separators=(",", ":")).encode()
+
+
+class ManifestError(ValueError):
+    """A manifest that does not parse, or holds a value outside the wire's bounds."""
+
+
+def _bounded(d: dict, key: str, lo: int, hi: int, default: int | None = None) -> int:
+    value = d[key] if default is None else (d.get(key) or default)
+    if type(value) is not int or not lo <= value <= hi:  # bool is not an int here, nor is 1.0
+        raise ManifestError(f"manifest member {key!r} is {repr(value)[:40]}, not an integer in {lo}..{hi}")
+    return value
+
+
+def _list(d: dict, key: str) -> list:
+    value = d[key]
+    if not isinstance(value, list):
+        raise ManifestError(f"manifest member {key!r} is not a list")
+    return value
+
+
+def _hex(d: dict, key: str) -> str:
+    value = d[key]
+    if not is_valid_hex(value):
+        raise ManifestError(f"manifest member {key!r} is {str(value)[:40]!r}, not {HEX_LEN} lowercase hex digits")
+    return value
+
+
+def _file_entry(f: dict, version: int) -> FileEntry:
+    if not isinstance(f, dict):
+        raise ManifestError("a file entry is a JSON object")
+    index = f.get("index") if version == 2 else None
+    if index is not None:
+        if not isinstance(index, dict):
+            raise ManifestError("a file's index reference is a JSON object")
+        _hex(index, "xxh3_128")
+        _bounded(index, "size", 0, names.MAX_ID)
+        _bounded(index, "tensors", 0, names.MAX_ID)
+    data_start, tensors = f.get("data_start"), f.get("tensors")
+    if data_start is not None:
+        _bounded(f, "data_start", 0, names.MAX_ID)
+    if tensors is not None and not isinstance(tensors, dict):
+        raise ManifestError("a file's tensors are a JSON object")
+    return FileEntry(names.check_file_name(f["name"]), _bounded(f, "size", 0, names.MAX_ID), _hex(f, "xxh3_128"),
+                     data_start, tensors, index)
 
 
 def index_bytes(rank: int, file_name: str, data_start: int, tensors: dict, digests: dict | None = None) -> bytes:
@@ -169,19 +214,39 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Manifest":
+        """The manifest `d` describes; ManifestError (a ValueError) unless every member is of
+        its type and within the wire's bounds (names.py): ids, steps, sizes and generations
+        in 0..MAX_ID, ranks below the world size, names by their rules, hashes as hex. A
+        manifest read from the store is untrusted input to `rebuild` (docs/format.md §6)."""
+        try:
+            return cls._from_dict(d)
+        except ManifestError:
+            raise
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise ManifestError(f"not a valid manifest: {type(e).__name__}: {str(e)[:200]}") from None
+
+    @classmethod
+    def _from_dict(cls, d: dict) -> "Manifest":
+        if not isinstance(d, dict):
+            raise ManifestError("a manifest is a JSON object")
         version = _VERSIONS.get(d.get("format"))
         if version is None:
-            raise ValueError(f"unknown manifest format {d.get('format')!r}")
-        ranks = {
-            int(r["rank"]): [
-                FileEntry(f["name"], int(f["size"]), f["xxh3_128"], f.get("data_start"), f.get("tensors"),
-                          f.get("index") if version == 2 else None)
-                for f in r["files"]
-            ]
-            for r in d["ranks"]
-        }
-        return cls(int(d["checkpoint_id"]), d["run"], int(d["step"]), d["attempt"],
-                   int(d["world_size"]), d.get("parent_id"), ranks, int(d.get("generation") or 0), version)
+            raise ManifestError(f"unknown manifest format {str(d.get('format'))[:40]!r}")
+        world_size = _bounded(d, "world_size", 1, names.MAX_RANK)
+        ranks: dict[int, list[FileEntry]] = {}
+        for r in _list(d, "ranks"):
+            rank = _bounded(r, "rank", 0, world_size - 1)
+            if rank in ranks:
+                raise ManifestError(f"rank {rank} is listed twice")
+            files = [_file_entry(f, version) for f in _list(r, "files")]
+            if len({f.name for f in files}) != len(files):
+                raise ManifestError(f"rank {rank} lists a file twice")
+            ranks[rank] = files
+        parent = d.get("parent_id")
+        return cls(_bounded(d, "checkpoint_id", 1, names.MAX_ID), names.check_run_name(d["run"]),
+                   _bounded(d, "step", 0, names.MAX_ID), names.check_attempt(d["attempt"]), world_size,
+                   None if parent is None else _bounded(d, "parent_id", 1, names.MAX_ID), ranks,
+                   _bounded(d, "generation", 0, names.MAX_ID, default=0), version)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Manifest":

@@ -3,6 +3,9 @@
     ckpt/<id>-<nonce>/r<rank>/<xxh3-128>     a shard file (named by its content hash)
     ckpt/<id>-<nonce>/manifest.json          the manifest that makes the checkpoint complete
     ckpt/<id>-<nonce>/r<rank>/<xxh3>.index   a safetensors file's tensor index, named in the manifest
+    quarantine/ckpt/<id>-<nonce>/manifest.json   a manifest `rebuild` refused (unsealed by the
+                                             service's keys, out of bounds, not matching its key), moved
+                                             out of ckpt/ so nothing reads it as a checkpoint's again
 
 Why a nonce next to the id: a catalog that loses its newest rows (a destroyed SQLite WAL, a
 restored database backup) hands the same ids out again. Keyed by the id alone, a new
@@ -26,6 +29,7 @@ import xxhash
 ROOT = "ckpt/"
 MANIFEST = "manifest.json"
 INDEX_SUFFIX = ".index"
+QUARANTINE = "quarantine/"
 _KEY = re.compile(r"^ckpt/(\d+)(?:-([0-9a-f]{16}))?/(.+)$")
 
 
@@ -49,6 +53,10 @@ def index_key(ckpt_prefix: str, rank: int, index_xxh3: str) -> str:
 
 def manifest_key(ckpt_prefix: str) -> str:
     return ckpt_prefix + MANIFEST
+
+
+def quarantine_key(key: str) -> str:
+    return QUARANTINE + key
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,12 @@ there. The service detects that at start-up and refuses writes and last-good loo
 (UNAVAILABLE, naming the command to run) until `rebuild` has put the lost commits back:
 serving on would silently hand trainers an older step and reissue the lost ids.
 
+The store alone is not trusted to say what committed: a manifest counts only if it is sealed
+by one of the service's manifest keys (domain/sealing.py), which live outside the store, and
+is within the wire's bounds (Manifest.from_dict). The start-up check ignores every other one
+(it logs them), so a file planted in the store never stops writes; `rebuild` moves a forged
+one to quarantine/ and reports it, and re-hashes every file of what it restores.
+
 What a rebuild cannot bring back, because no manifest holds it: tags, aliases, pins,
 suspect marks, events, read leases, and the lost checkpoints' times (they get the time of
 the rebuild, in id order, so the commit rule makes the newest rebuilt commit last-good).
@@ -25,7 +31,8 @@ from dataclasses import asdict, dataclass, field
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from lastgood.wire.hashing import hash_bytes
+from lastgood.wire import sealing
+from lastgood.wire.hashing import StreamHasher, hash_bytes
 from lastgood.wire.manifest import Manifest
 
 from ..blobstore import BlobStore
@@ -36,13 +43,15 @@ from .runs import branches, last_good
 from .commit import indexes
 from .runs.fencing import GENERATION_GAP
 from .events import add_event
+from .sealing import ManifestKeys
 
 log = logging.getLogger("lastgood.repair")
 
 
 @dataclass
 class Finding:
-    kind: str  # lost_commit, missing_manifest, manifest_mismatch, missing_blob, orphan, unknown, id_conflict
+    kind: str  # lost_commit, missing_manifest, manifest_mismatch, missing_blob, orphan, unknown, id_conflict,
+               # unsealed_manifest, forged_manifest
                # (docs/storage.md says what each means and what to do)
     detail: str
     checkpoint_id: int | None = None
@@ -73,11 +82,26 @@ class Report:
                 "findings": [asdict(f) for f in self.findings]}
 
 
+@dataclass
+class Examined:
+    """A lost manifest as read from the store: its checkpoint (`manifest`) or why not (`why`)."""
+    parsed: keys.ParsedKey
+    key: str
+    body: bytes | None = None         # the stored bytes (None: too large to read)
+    manifest: Manifest | None = None  # None: refused
+    why: str | None = None
+    unsealed: bool = False            # refused only for carrying no seal (an older store's, or planted)
+
+    def refusal(self) -> dict:
+        return {"checkpoint_id": self.parsed.checkpoint_id, "key": self.key, "why": self.why}
+
+
 class Repair:
-    def __init__(self, sessions: sessionmaker[Session], blobs: BlobStore,
+    def __init__(self, sessions: sessionmaker[Session], blobs: BlobStore, manifest_keys: ManifestKeys,
                  clock: Callable[[], dt.datetime] = utcnow) -> None:
         self.sessions = sessions
         self.blobs = blobs
+        self.manifest_keys = manifest_keys  # what a manifest must be sealed by to count (domain/sealing.py)
         self.clock = clock
 
     # ---------------------------------------------------------------- looking
@@ -86,13 +110,51 @@ class Repair:
             select(Checkpoint, Run.name).join(Run, Run.id == Checkpoint.run_id))}
 
     def lost_manifests(self) -> list[keys.ParsedKey]:
-        """Manifests in the store of checkpoints the catalog does not hold as committed (or
-        as corrupt or deleted since): rows it lost, or whose commit it lost. Start-up runs
-        this after recovery, which rolls forward what it can by itself."""
-        found = [p for info in self.blobs.list(keys.ROOT) if (p := keys.parse(info.key)) and p.is_manifest]
+        """Sealed manifests in the store of checkpoints the catalog does not hold as
+        committed (or as corrupt or deleted since): rows it lost, or whose commit it lost."""
+        return [e.parsed for e in self.examine_lost() if e.manifest is not None]
+
+    def examine_lost(self, trust_unsealed: bool = False) -> list[Examined]:
+        """Every manifest in the store the catalog does not account for, read and checked
+        (seal, bounds, key), in id order. Start-up runs this after recovery, which rolls
+        forward what it can by itself: the sealed ones close the gate, the rest are logged."""
+        found = [(p, info.size) for info in self.blobs.list(keys.ROOT)
+                 if (p := keys.parse(info.key)) and p.is_manifest]
         with self.sessions() as s, s.begin():
             rows = self._rows(s)
-            return [p for p in found if not self._known(p, rows)]
+            lost = [(p, size) for p, size in found if not self._known(p, rows)]
+        return [self._examine(p, size, trust_unsealed) for p, size in sorted(lost, key=lambda x: x[0].checkpoint_id)]
+
+    def _examine(self, p: keys.ParsedKey, size: int, trust_unsealed: bool) -> Examined:
+        key = keys.manifest_key(p.prefix)
+        ex = Examined(p, key)
+        if size > sealing.MAX_MANIFEST_BYTES:
+            ex.why = f"{size} bytes, over the {sealing.MAX_MANIFEST_BYTES}-byte limit of a manifest: not read"
+            return ex
+        try:
+            ex.body = self.blobs.read_all(key)
+            unsealed, _key_id = self.manifest_keys.unseal(ex.body)
+        except FileNotFoundError:
+            ex.why = "deleted while being read"
+            return ex
+        except sealing.Unsealed as e:
+            if not trust_unsealed:
+                ex.why, ex.unsealed = f"{e}: written by a service older than seals, or planted", True
+                return ex
+            unsealed = ex.body  # the operator vouches for it (rebuild --trust-unsealed)
+        except sealing.Unauthenticated as e:
+            ex.why = str(e)
+            return ex
+        try:
+            m = Manifest.from_bytes(unsealed)
+        except ValueError as e:  # ManifestError: a sealed manifest out of bounds is a bug or a leaked key
+            ex.why = f"sealed, but not a valid manifest: {e}"
+            return ex
+        if m.checkpoint_id != p.checkpoint_id or not keys.belongs_to(p, m.checkpoint_id, m.run, m.step, m.attempt):
+            ex.why = f"{key} does not match its key"
+            return ex
+        ex.manifest = m
+        return ex
 
     def _known(self, p: keys.ParsedKey, rows) -> bool:
         """Known: the catalog decided this checkpoint's fate. A PENDING row with a live lease
@@ -152,15 +214,20 @@ class Repair:
                 if (key := index_keys.get((sh.rank, sh.file_name))) and stored.get(key) != indexes.ref_of(sh)["size"]:
                     report.add("missing_blob", f"checkpoint {cid} rank {sh.rank} {sh.file_name}: its tensor index "
                                f"is missing or truncated", cid, key)
-        for p in self.lost_manifests():
-            manifest_key = keys.manifest_key(p.prefix)
+        for ex in self.examine_lost():
+            p = ex.parsed
+            accounted.update(k for k in stored if k.startswith(p.prefix))
+            if ex.manifest is None:
+                report.add("unsealed_manifest" if ex.unsealed else "forged_manifest",
+                           f"checkpoint {p.checkpoint_id}: a manifest in the store the catalog lacks, not "
+                           f"restorable: {ex.why}", p.checkpoint_id, ex.key)
+                continue
             row = rows.get(p.checkpoint_id)
             mine = row is not None and keys.belongs_to(p, row[0].id, row[1], row[0].step, row[0].attempt)
             kind = "id_conflict" if row is not None and not mine else "lost_commit"
             report.add(kind, f"checkpoint {p.checkpoint_id}: manifest in the store, not in the catalog"
                        + (" (its id now names another checkpoint)" if kind == "id_conflict" else ""),
-                       p.checkpoint_id, manifest_key)
-            accounted.update(k for k in stored if k.startswith(p.prefix))
+                       p.checkpoint_id, ex.key)
         for key in sorted(set(stored) - accounted):
             p = keys.parse(key)
             row = rows.get(p.checkpoint_id) if p else None
@@ -175,89 +242,140 @@ class Repair:
         return report
 
     # ---------------------------------------------------------------- rebuilding
-    def rebuild(self) -> dict:
-        """Put every lost commit back into the catalog, from its manifest; idempotent."""
-        restored, conflicts, corrupt = [], [], []
-        lost = sorted(self.lost_manifests(), key=lambda p: p.checkpoint_id)  # parents before children
+    def rebuild(self, trust_unsealed: bool = False) -> dict:
+        """Put every lost commit back into the catalog, from its sealed manifest; idempotent.
+        Never ends half-done: a manifest that cannot be restored is skipped and reported (a
+        forged one moved to quarantine/, an unsealed one left in place unless
+        `trust_unsealed`), and every run that a restored or refused sealed manifest names
+        has its generation advanced, whatever else failed."""
+        restored, conflicts, corrupt, quarantined, unsealed = [], [], [], [], []
         stored = {info.key: info.size for info in self.blobs.list(keys.ROOT)}
         base = self.clock()
-        fenced_from: dict[int, int] = {}  # run id -> the newest generation its restored manifests name
-        for i, p in enumerate(lost):
-            key = keys.manifest_key(p.prefix)
-            body = self.blobs.read_all(key)
-            try:
-                m = Manifest.from_bytes(body)
-            except (ValueError, KeyError, TypeError) as e:
-                conflicts.append({"checkpoint_id": p.checkpoint_id, "why": f"unreadable manifest: {e}"})
-                continue
-            if m.checkpoint_id != p.checkpoint_id or not keys.belongs_to(p, m.checkpoint_id, m.run, m.step,
-                                                                         m.attempt):
-                conflicts.append({"checkpoint_id": p.checkpoint_id, "why": f"{key} does not match its key"})
-                continue
-            now = base + dt.timedelta(microseconds=i)
-            with self.sessions() as s, s.begin():
-                ck = s.get(Checkpoint, m.checkpoint_id)
-                if ck is not None and not keys.belongs_to(p, ck.id, s.get(Run, ck.run_id).name, ck.step, ck.attempt):
-                    conflicts.append({"checkpoint_id": m.checkpoint_id,
-                                      "why": "the catalog gave this id to another checkpoint"})
+        fenced_from: dict[str, int] = {}  # run name -> the newest generation its sealed manifests name
+        try:
+            for i, ex in enumerate(self.examine_lost(trust_unsealed)):  # in id order: parents before children
+                if ex.manifest is None:
+                    if ex.unsealed:
+                        unsealed.append(ex.refusal())
+                    else:
+                        quarantined.append(self._quarantine(ex))
                     continue
-                run = s.scalar(select(Run).where(Run.name == m.run))
-                if run is None:
-                    run = Run(name=m.run, created_at=now)
-                    s.add(run)
-                    s.flush()
-                parent = s.get(Checkpoint, m.parent_id) if m.parent_id else None
-                complete = all(stored.get(keys.shard_key(p.prefix, r, f.xxh3_128)) == f.size
-                               and (f.index is None or stored.get(keys.index_key(p.prefix, r, f.index["xxh3_128"]))
-                                    == f.index["size"])
-                               for r, files in m.ranks.items() for f in files)
-                if ck is None:
-                    ck = Checkpoint(id=m.checkpoint_id, run_id=run.id, step=m.step, attempt=m.attempt,
-                                    created_at=now)
-                    s.add(ck)
-                else:  # its begin survived, its commit did not: the manifest says what the votes were
-                    for table in (Shard, Vote):
-                        for row in s.scalars(select(table).where(table.checkpoint_id == ck.id)):
-                            s.delete(row)
-                    s.flush()
-                ck.world_size, ck.parent_id = m.world_size, parent.id if parent else None
-                ck.generation = m.generation
-                fenced_from[run.id] = max(fenced_from.get(run.id, 0), m.generation)
-                ck.status, ck.bytes = (COMMITTED if complete else CORRUPT), m.total_bytes()
-                ck.lease_expires_at, ck.committed_at = now, now
-                ck.manifest_key, ck.manifest_hash = key, hash_bytes(body)
-                s.flush()
-                branches.settle(s, run.id, ck.id)  # rebuilt as committed: stored branches from it on
-                for r, files in m.ranks.items():
-                    for f in files:
-                        # /2: the reference to its index object; /1: the index itself (indexes.py reads both)
-                        index = f.index or ({"data_start": f.data_start, "tensors": f.tensors}
-                                            if f.tensors is not None else None)
-                        s.add(Shard(checkpoint_id=ck.id, rank=r, file_name=f.name, size=f.size,
-                                    xxh3_128=f.xxh3_128, blob_key=keys.shard_key(p.prefix, r, f.xxh3_128),
-                                    status=VERIFIED, index_json=json.dumps(index) if index else None,
-                                    created_at=now))
-                    s.add(Vote(checkpoint_id=ck.id, rank=r, files_json=json.dumps(sorted(f.name for f in files)),
-                               created_at=now))
-                moved = complete and last_good.advance(s, ck)
-                add_event(s, "rebuilt", run.id, ck.id, step=ck.step, status=ck.status, last_good=moved,
-                          parent_missing=bool(m.parent_id) and parent is None)
-            (restored if complete else corrupt).append(m.checkpoint_id)
-        self._advance_id_sequence()
-        self._advance_generations(fenced_from)
-        log.warning("rebuild: %d commits restored, %d incomplete (CORRUPT), %d conflicts",
-                    len(restored), len(corrupt), len(conflicts))
-        return {"restored": restored, "corrupt": corrupt, "conflicts": conflicts}
+                m = ex.manifest
+                fenced_from[m.run] = max(fenced_from.get(m.run, 0), m.generation)
+                try:
+                    outcome = self._restore(ex, base + dt.timedelta(microseconds=i), stored)
+                except Exception as e:  # the catalog refused this one: the others still come back
+                    log.exception("rebuild: checkpoint %s not restored", m.checkpoint_id)
+                    outcome = f"not restored: {type(e).__name__}: {str(e)[:300]}"
+                if outcome == COMMITTED:
+                    restored.append(m.checkpoint_id)
+                elif outcome == CORRUPT:
+                    corrupt.append(m.checkpoint_id)
+                else:
+                    conflicts.append({"checkpoint_id": m.checkpoint_id, "why": outcome})
+            self._advance_id_sequence()
+        finally:
+            self._advance_generations(fenced_from)
+        log.warning("rebuild: %d commits restored, %d incomplete or damaged (CORRUPT), %d conflicts, "
+                    "%d forged manifests quarantined, %d unsealed manifests left in place",
+                    len(restored), len(corrupt), len(conflicts), len(quarantined), len(unsealed))
+        for q in quarantined:
+            log.error("rebuild: quarantined the manifest of checkpoint %s: %s", q["checkpoint_id"], q["why"])
+        return {"restored": restored, "corrupt": corrupt, "conflicts": conflicts, "quarantined": quarantined,
+                "unsealed": unsealed}
 
-    def _advance_generations(self, newest: dict[int, int]) -> None:
-        """A lost catalog may have registered launches after its newest commit, and their
-        zombies may still run. Each run whose commits came back from the store continues
-        GENERATION_GAP generations past the newest one its manifests name, so a relaunch
-        never draws a generation an older launch holds, and every older launch is fenced."""
+    def _quarantine(self, ex: Examined) -> dict:
+        """Move a refused manifest out of ckpt/ (kept for inspection; moving it back and
+        running rebuild again restores it if its key is listed again)."""
+        out = {**ex.refusal(), "moved_to": None}
+        if ex.body is not None:
+            dest = keys.quarantine_key(ex.key)
+            self.blobs.put_bytes(dest, ex.body)
+            self.blobs.delete(ex.key)
+            out["moved_to"] = dest
+        return out
+
+    def _damage(self, pfx: str, m: Manifest, stored: dict[str, int]) -> str | None:
+        """Why the checkpoint is not whole in the store, or None: every file and index
+        object present at its size and re-hashed to the manifest's xxh3-128 (a sealed
+        manifest vouches for the hashes, not for the bytes under them)."""
+        for r, files in m.ranks.items():
+            for f in files:
+                blobs = [(keys.shard_key(pfx, r, f.xxh3_128), f.size, f.xxh3_128, f.name)]
+                if f.index is not None:
+                    blobs.append((keys.index_key(pfx, r, f.index["xxh3_128"]), f.index["size"],
+                                  f.index["xxh3_128"], f"{f.name} (tensor index)"))
+                for key, size, want, what in blobs:
+                    if stored.get(key) != size:
+                        return f"rank {r} {what}: missing or not {size} bytes"
+                    h = StreamHasher()
+                    try:
+                        for chunk in self.blobs.get(key):
+                            h.update(chunk)
+                    except FileNotFoundError:
+                        return f"rank {r} {what}: missing"
+                    if h.size != size or h.hexdigest() != want:
+                        return f"rank {r} {what}: the bytes hash to {h.hexdigest()}, not {want}"
+        return None
+
+    def _restore(self, ex: Examined, now: dt.datetime, stored: dict[str, int]) -> str:
+        """One lost commit back into the catalog, in one transaction: COMMITTED, CORRUPT
+        (incomplete or damaged) or why it conflicts."""
+        p, m, key, body = ex.parsed, ex.manifest, ex.key, ex.body
+        damage = self._damage(p.prefix, m, stored)
         with self.sessions() as s, s.begin():
-            for run_id, gen in newest.items():
-                run = s.get(Run, run_id)
-                run.generation = max(run.generation or 0, gen + GENERATION_GAP)
+            ck = s.get(Checkpoint, m.checkpoint_id)
+            if ck is not None and not keys.belongs_to(p, ck.id, s.get(Run, ck.run_id).name, ck.step, ck.attempt):
+                return "the catalog gave this id to another checkpoint"
+            run = s.scalar(select(Run).where(Run.name == m.run))
+            if run is None:
+                run = Run(name=m.run, created_at=now)
+                s.add(run)
+                s.flush()
+            parent = s.get(Checkpoint, m.parent_id) if m.parent_id else None
+            if ck is None:
+                ck = Checkpoint(id=m.checkpoint_id, run_id=run.id, step=m.step, attempt=m.attempt, created_at=now)
+                s.add(ck)
+            else:  # its begin survived, its commit did not: the manifest says what the votes were
+                for table in (Shard, Vote):
+                    for row in s.scalars(select(table).where(table.checkpoint_id == ck.id)):
+                        s.delete(row)
+                s.flush()
+            ck.world_size, ck.parent_id = m.world_size, parent.id if parent else None
+            ck.generation = m.generation
+            ck.status, ck.bytes = (COMMITTED if damage is None else CORRUPT), m.total_bytes()
+            ck.lease_expires_at, ck.committed_at = now, now
+            ck.manifest_key, ck.manifest_hash = key, hash_bytes(body)
+            s.flush()
+            branches.settle(s, run.id, ck.id)  # rebuilt as committed: stored branches from it on
+            for r, files in m.ranks.items():
+                for f in files:
+                    # /2: the reference to its index object; /1: the index itself (indexes.py reads both)
+                    index = f.index or ({"data_start": f.data_start, "tensors": f.tensors}
+                                        if f.tensors is not None else None)
+                    s.add(Shard(checkpoint_id=ck.id, rank=r, file_name=f.name, size=f.size,
+                                xxh3_128=f.xxh3_128, blob_key=keys.shard_key(p.prefix, r, f.xxh3_128),
+                                status=VERIFIED, index_json=json.dumps(index) if index else None,
+                                created_at=now))
+                s.add(Vote(checkpoint_id=ck.id, rank=r, files_json=json.dumps(sorted(f.name for f in files)),
+                           created_at=now))
+            moved = damage is None and last_good.advance(s, ck)
+            add_event(s, "rebuilt", run.id, ck.id, step=ck.step, status=ck.status, last_good=moved,
+                      parent_missing=bool(m.parent_id) and parent is None,
+                      **({"damage": damage} if damage else {}))
+            return ck.status
+
+    def _advance_generations(self, newest: dict[str, int]) -> None:
+        """A lost catalog may have registered launches after its newest commit, and their
+        zombies may still run. Each run that a sealed manifest names continues GENERATION_GAP
+        generations past the newest one they name, so a relaunch never draws a generation an
+        older launch holds, and every older launch is fenced. Generations are bounded by the
+        wire (names.MAX_ID), so the sum fits the catalog's 64-bit integers."""
+        with self.sessions() as s, s.begin():
+            for name, gen in newest.items():
+                run = s.scalar(select(Run).where(Run.name == name))
+                if run is not None:  # None: its one checkpoint's restore failed before the run was made
+                    run.generation = max(run.generation or 0, gen + GENERATION_GAP)
 
     def _advance_id_sequence(self) -> None:
         """PostgreSQL hands ids out from a sequence that rows inserted with explicit ids do

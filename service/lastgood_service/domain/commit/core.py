@@ -20,6 +20,7 @@ from .. import keys
 from ..runs import fencing
 from ..errors import FailedPrecondition, InvalidArgument, NotFound, StoreFull
 from ..gate import CatalogGate
+from ..sealing import ManifestKeys
 from .votebatch import VoteBatcher
 
 
@@ -33,8 +34,11 @@ class CommitCore:
 
     def __init__(self, settings: Settings, sessions: sessionmaker[Session], blobs: BlobStore,
                  clock: Callable[[], dt.datetime] = utcnow, metrics: Metrics | None = None,
-                 gate: CatalogGate | None = None) -> None:
+                 gate: CatalogGate | None = None, manifest_keys: ManifestKeys | None = None) -> None:
         self.settings = settings
+        # what seals every manifest written (domain/sealing.py): main.py passes the settings'
+        # keys; without them, a key of this object's own (in-process tests and tools)
+        self.manifest_keys = manifest_keys or ManifestKeys.generate()
         self.gate = gate or CatalogGate()
         self.sessions = sessions
         self.clock = clock
