@@ -23,8 +23,11 @@ registered, restores it -- or the registration lands first, and then the checkpo
 already ABANDONED and the commit's UPDATE matches no row. Never both, never a commit of
 an older generation after a newer one registered.
 
-Generation 0 is a client that never registered: it is never fenced, and registration
-does not abandon its checkpoints.
+Generation 0 is a client that never registered. It writes checkpoints only into a run that
+no launch has registered for: once one has, a begin, upload or vote of generation 0 is
+refused as fenced (a zombie that drops its generation is not let back in), and registration
+abandons pending generation-0 checkpoints like those of older generations. Callers that curate (tag, pin, rollback) without a generation
+are operators, never fenced.
 """
 
 from __future__ import annotations
@@ -66,10 +69,21 @@ def check_names(run_name: str, attempt: str) -> None:
 GENERATION_GAP = 1_000_000
 
 
-def check(s: Session, run_id: int, generation: int | None, what: str) -> None:
+def check(s: Session, run_id: int, generation: int | None, what: str, writes_checkpoints: bool = False) -> None:
     """Refuse `what` when `generation` (the caller's launch) is older than the run's newest.
-    None or 0: a caller that did not register, never fenced."""
+    None or 0: a caller that did not register; never fenced when it curates, fenced when it
+    `writes_checkpoints` (begin, upload, vote) into a run that a launch has registered for.
+    (A pending generation-0 checkpoint never commits past a registration either: the
+    registration abandons it, under the run's row lock that the commit takes too.)"""
     if not generation:
+        # a launch row, not the run's counter: a rebuilt catalog advances the counter of runs
+        # whose clients never registered (repair.py), and they write on until one does
+        newest = s.scalar(select(Launch).where(Launch.run_id == run_id).order_by(Launch.generation.desc()).limit(1)) \
+            if writes_checkpoints else None
+        if newest is not None:
+            raise Fenced(f"{what} refused: run {s.get(Run, run_id).name!r} takes checkpoints only from registered "
+                         f"launches and this caller sent no generation (0); launch {newest.attempt!r} registered "
+                         f"at {newest.registered_at.isoformat()} is generation {newest.generation}")
         return
     run = s.get(Run, run_id)
     if generation > run.generation:
@@ -129,8 +143,7 @@ class Launches:
             s.add(launch)
             s.flush()  # the unique (run, attempt) key: a concurrent rank of this launch fails here
             abandoned = sorted(s.scalars(select(Checkpoint.id).where(
-                Checkpoint.run_id == run.id, Checkpoint.status == PENDING,
-                Checkpoint.generation > 0, Checkpoint.generation < generation)))
+                Checkpoint.run_id == run.id, Checkpoint.status == PENDING, Checkpoint.generation < generation)))
             if abandoned:
                 s.execute(update(Checkpoint).where(Checkpoint.id.in_(abandoned), Checkpoint.status == PENDING)
                           .values(status=ABANDONED, lease_expires_at=now))
