@@ -24,7 +24,7 @@ from .api.deps import AppContext
 from .api.rest import create_app
 from .blobstore import capabilities, open_blobstore
 from .catalog import txtimer
-from .catalog.db import make_engine, make_sessionmaker, read_sessionmaker, upgrade_head
+from .catalog.db import inject_eio, make_engine, make_sessionmaker, read_sessionmaker, upgrade_head
 from .domain.commit import CommitService
 from .domain.commit.outcomes import OutcomeNotifier
 from .domain.runs.curation import Curator
@@ -68,6 +68,8 @@ class Service:
         if settings.auto_migrate:
             upgrade_head(url, settings.migrations_dir)
         self.engine = make_engine(url)
+        if settings.failpoint == Failpoint.CATALOG_EIO:  # testing only: a catalog file that answers EIO
+            inject_eio(self.engine, settings.data_dir / f"{Failpoint.CATALOG_EIO}.on")
         sessions = make_sessionmaker(self.engine)
         blobs = open_blobstore(settings.resolved_blob_url(), settings)
         if settings.failpoint == Failpoint.BLOB_EIO:  # testing only: a device that fails every write
