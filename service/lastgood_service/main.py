@@ -85,7 +85,7 @@ class Service:
         self.commits.listeners.append(self.outcomes.poke)
         if settings.direct_s3:  # an abort or a lease expiry aborts the direct uploads it left open
             self.commits.end_listeners.append(DirectUploads(self.commits).end)
-        self.curator = Curator(sessions, gate=self.gate)
+        self.curator = Curator(sessions, gate=self.gate, max_tags=settings.max_tags_per_checkpoint)
         # heartbeats commit without an fsync each (catalog/db.py): their own small pool
         self.health_engine = make_engine(url, durable=False)
         self.health = Health.from_settings(make_sessionmaker(self.health_engine), settings, metrics=self.metrics,

@@ -43,7 +43,7 @@ from lastgood.wire import names
 
 from ...catalog.models import ABANDONED, PENDING, Checkpoint, Launch, Run, utcnow
 from ...metrics import Metrics
-from ..errors import Conflict, Fenced, InvalidArgument, NotFound
+from ..errors import Conflict, Fenced, InvalidArgument, NotFound, RateLimited
 from ..events import add_event
 from ..gate import CatalogGate
 
@@ -99,8 +99,12 @@ def check(s: Session, run_id: int, generation: int | None, what: str, writes_che
 class Launches:
     def __init__(self, sessions: sessionmaker[Session], clock: Callable[[], dt.datetime] = utcnow,
                  notify: Callable[[], None] | None = None, metrics: Metrics | None = None,
-                 gate: CatalogGate | None = None) -> None:
+                 gate: CatalogGate | None = None, max_world_size: int = names.MAX_RANK,
+                 rate: tuple[int, float] | None = None) -> None:
         self.sessions = sessions
+        self.max_world_size = max_world_size
+        # (n, seconds): at most n new launches of one run within any `seconds` (settings.launch_rate_*)
+        self.rate = rate
         self.gate = gate or CatalogGate()  # closed: a registration would hand out a lost generation again
         self.clock = clock
         self.notify = notify  # wakes votes waiting in this process: their checkpoint may be abandoned
@@ -111,8 +115,8 @@ class Launches:
         same one after that. Creates the run if it has none yet."""
         self.gate.check()
         check_names(run_name, attempt)
-        if not 1 <= world_size <= names.MAX_RANK:
-            raise InvalidArgument(f"world size must be positive, got {world_size}")
+        if not 1 <= world_size <= self.max_world_size:
+            raise InvalidArgument(f"world size must be 1..{self.max_world_size}, got {world_size}")
         for _ in range(5):
             try:
                 view, abandoned = self._register_once(run_name, attempt, world_size)
@@ -136,8 +140,9 @@ class Launches:
             if old is not None:
                 return launch_view(old, run, s.scalar(select(Run.generation).where(Run.id == run.id))), []
             s.execute(update(Run).where(Run.id == run.id).values(generation=Run.generation + 1))
-            generation = s.scalar(select(Run.generation).where(Run.id == run.id))
             now = self.clock()
+            self._within_rate(s, run, now)  # under the run's row lock: replicas count alike
+            generation = s.scalar(select(Run.generation).where(Run.id == run.id))
             launch = Launch(run_id=run.id, attempt=attempt, generation=generation, world_size=world_size,
                             registered_at=now)
             s.add(launch)
@@ -157,6 +162,21 @@ class Launches:
                           attempt=prev.attempt if prev else None, by_generation=generation, by_attempt=attempt,
                           abandoned=abandoned, last_good_id=lg.id if lg else None, last_good_step=lg.step if lg else None)
             return launch_view(launch, run, generation), abandoned
+
+    def _within_rate(self, s: Session, run: Run, now: dt.datetime) -> None:
+        """Refuse a new launch when the run registered `n` within the last `seconds`: each
+        one fences the job and abandons its pending saves, so one writer token must not be
+        able to do that hundreds of times a minute. A job's own relaunches (torchrun restarts,
+        elastic rounds, `lastgood supervise`) each take seconds at least."""
+        if not self.rate:
+            return
+        n, seconds = self.rate
+        nth = s.scalar(select(Launch.registered_at).where(Launch.run_id == run.id)
+                       .order_by(Launch.generation.desc()).offset(n - 1).limit(1))
+        if nth is not None and (wait := (nth - now).total_seconds() + seconds) > 0:
+            raise RateLimited(f"run {run.name!r} registered {n} launches in the last {seconds:g} s, the most it "
+                              f"may (LASTGOOD_LAUNCH_RATE_MAX per LASTGOOD_LAUNCH_RATE_WINDOW); the next one may "
+                              f"register in {wait:.1f} s")
 
     def current(self, run_name: str) -> dict:
         """The run's newest launch."""
