@@ -93,6 +93,26 @@ class PostgresServer:
         with self.connect() as c:
             c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
+    def stop(self, mode: str = "immediate") -> None:
+        """Stop the server: `immediate` is a crash stop (no shutdown checkpoint; connections
+        are cut), `fast` a clean one."""
+        r = _as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(self.data_dir), "-m", mode, "-w", "-t", "60", "stop")
+        if r.returncode != 0:
+            raise RuntimeError(f"pg_ctl stop failed:\n{r.stdout}\n{r.stderr}")
+
+    def start(self) -> None:
+        """Start the stopped server again on the same port (its clients' URL stays valid)."""
+        r = _as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(self.data_dir), "-l", str(self.log),
+                         "-o", _options(self.port, self.root), "-w", "-t", "60", "start")
+        if r.returncode != 0:
+            raise RuntimeError(f"pg_ctl start failed:\n{r.stdout}\n{r.stderr}")
+
+
+def _options(port: int, root: Path) -> str:
+    return (f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c max_connections=300 "
+            # test databases: durability of the test server itself is not what is tested
+            f"-c fsync=off -c synchronous_commit=off -c full_page_writes=off")
+
 
 def _start(root: Path, initdb: bool = True) -> PostgresServer:
     """`initdb=False`: start on the data directory already in root (bench/catalog.py's kept copy)."""
@@ -104,19 +124,16 @@ def _start(root: Path, initdb: bool = True) -> PostgresServer:
     last = ""
     for _ in range(5):  # a free port can be taken by someone else before postgres binds it
         port = _free_port()
-        opts = (f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c max_connections=300 "
-                # test databases: durability of the test server itself is not what is tested
-                f"-c fsync=off -c synchronous_commit=off -c full_page_writes=off")
         r = _as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(data), "-l", str(root / "postgres.log"),
-                         "-o", opts, "-w", "-t", "60", "start")
+                         "-o", _options(port, root), "-w", "-t", "60", "start")
         if r.returncode == 0:
             return PostgresServer(root, port)
         last = f"{r.stdout}\n{r.stderr}\n{(root / 'postgres.log').read_text(errors='replace')[-3000:]}"
     raise RuntimeError(f"pg_ctl start failed:\n{last}")
 
 
-@pytest.fixture(scope="session")
-def pg_server():
+def _own_server():
+    """A server of its own in a fresh temporary directory; yields it, then stops and removes it."""
     if not (PG_BIN / "postgres").exists():
         _missing(f"{PG_BIN / 'postgres'} does not exist")
     try:
@@ -141,6 +158,17 @@ def pg_server():
     finally:
         _as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(server.data_dir), "-m", "fast", "-w", "stop")
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def pg_server():
+    yield from _own_server()
+
+
+@pytest.fixture
+def own_pg_server():
+    """A server for one test alone, which it may stop and start (the session's server stays up)."""
+    yield from _own_server()
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ an older or newer service) is classified by its HTTP status or gRPC code instead
     ├── Unavailable              retried: the same request may succeed later
     │   ├── ServiceUnreachable   no answer at all (refused, reset, timed out)
     │   ├── Busy                 too many streams open; nothing was read
+    │   ├── RateLimited          too many of these requests lately (a run's launches); later ones pass
     │   └── Internal             the request failed inside the service (HTTP 500)
     ├── Refused                  the service said no; sending it again will not help
     │   ├── NotFound ── NoCheckpoint
@@ -95,6 +96,13 @@ class ServiceUnreachable(Unavailable):
 class Busy(Unavailable):
     """The service refused a stream because too many are open; it read nothing."""
     reason = c.STREAMS_BUSY
+
+
+class RateLimited(Unavailable):
+    """The service takes only so many of these requests per time (registrations of a run's
+    launches: docs/security.md); the message says the bound. Retried: once the window has
+    moved on, the same request passes, so a job that relaunches in a tight loop waits."""
+    reason = c.RATE_LIMITED
 
 
 class Internal(Unavailable):
@@ -224,7 +232,7 @@ TABLE: dict[str, type[ServiceError]] = {
     c.UNAUTHENTICATED: Unauthenticated, c.PERMISSION_DENIED: PermissionDenied,
     c.FAILED_PRECONDITION: FailedPrecondition, c.FENCED: Fenced, c.NO_USABLE_CHECKPOINT: NoUsableCheckpoint,
     c.SPOOL_REFUSED: SpoolRefused, c.SPOOL_NOT_SHARED: SpoolNotShared, c.SPOOL_FOLLOW_REFUSED: FollowRefused,
-    c.DIRECT_OFF: DirectOff, c.HASH_MISMATCH: DataLoss, c.UNAVAILABLE: Unavailable, c.STREAMS_BUSY: Busy,
+    c.DIRECT_OFF: DirectOff, c.HASH_MISMATCH: DataLoss, c.UNAVAILABLE: Unavailable, c.STREAMS_BUSY: Busy, c.RATE_LIMITED: RateLimited,
     c.INTERNAL: Internal, c.CATALOG_BEHIND: CatalogBehind, c.STORE_FULL: StoreFull,
 }
 

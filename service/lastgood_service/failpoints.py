@@ -47,6 +47,11 @@ class Failpoint(str, enum.Enum):
     # the blob store (main.py)
     BLOB_EIO = "blob_eio"
     """Every blob write fails with EIO (blobstore/faulty.py)."""
+    # the catalog (main.py, catalog/db.py)
+    CATALOG_EIO = "catalog_eio"
+    """While <data_dir>/catalog_eio.on exists, every catalog statement fails as SQLite's does on
+    an EIO from its file (sqlite3.OperationalError "disk I/O error", SQLITE_IOERR), raised at
+    the DB-API level through SQLAlchemy's before_cursor_execute hook (catalog/db.inject_eio)."""
 
     def __str__(self) -> str:
         return self.value

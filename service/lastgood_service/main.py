@@ -24,7 +24,7 @@ from .api.deps import AppContext
 from .api.rest import create_app
 from .blobstore import capabilities, open_blobstore
 from .catalog import txtimer
-from .catalog.db import make_engine, make_sessionmaker, read_sessionmaker, upgrade_head
+from .catalog.db import inject_eio, make_engine, make_sessionmaker, read_sessionmaker, upgrade_head
 from .domain.commit import CommitService
 from .domain.commit.outcomes import OutcomeNotifier
 from .domain.runs.curation import Curator
@@ -71,6 +71,8 @@ class Service:
         if settings.auto_migrate:
             upgrade_head(url, settings.migrations_dir)
         self.engine = make_engine(url)
+        if settings.failpoint == Failpoint.CATALOG_EIO:  # testing only: a catalog file that answers EIO
+            inject_eio(self.engine, settings.data_dir / f"{Failpoint.CATALOG_EIO}.on")
         sessions = make_sessionmaker(self.engine)
         blobs = open_blobstore(settings.resolved_blob_url(), settings)
         if settings.failpoint == Failpoint.BLOB_EIO:  # testing only: a device that fails every write
@@ -88,7 +90,7 @@ class Service:
         self.commits.listeners.append(self.outcomes.poke)
         if settings.direct_s3:  # an abort or a lease expiry aborts the direct uploads it left open
             self.commits.end_listeners.append(DirectUploads(self.commits).end)
-        self.curator = Curator(sessions, gate=self.gate)
+        self.curator = Curator(sessions, gate=self.gate, max_tags=settings.max_tags_per_checkpoint)
         # heartbeats commit without an fsync each (catalog/db.py): their own small pool
         self.health_engine = make_engine(url, durable=False)
         self.health = Health.from_settings(make_sessionmaker(self.health_engine), settings, metrics=self.metrics,

@@ -61,7 +61,14 @@ class Settings(BaseSettings):
 
     max_shard_bytes: int = Field(256 * 1024**3, gt=0, description="largest shard file accepted")
     max_chunk_bytes: int = Field(DEFAULT_CHUNK_BYTES, gt=0, description="largest chunk in one PutShard message")
-    max_world_size: int = Field(65536, gt=0)
+    max_world_size: int = Field(65536, gt=0, le=2**31 - 1, description="largest world size a begin or a launch's "
+                                "registration names; a heartbeat's rank is bounded by its launch's world size")
+    max_tags_per_checkpoint: int = Field(64, ge=1, le=100_000, description="tags and aliases one checkpoint may "
+                                         "carry (system tags apart); one more is refused (409)")
+    launch_rate_max: int = Field(30, ge=1, description="new launches one run may register within "
+                                 "launch_rate_window seconds; one more is refused (429 rate_limited, which the "
+                                 "client retries until the window has moved on)")
+    launch_rate_window: float = Field(60.0, gt=0, le=86400, description="the window of launch_rate_max")
     range_block_bytes: int = Field(1 * MiB, ge=0, le=64 * MiB, description="tensors are cut into blocks of at "
                                    "most this many bytes (each tensor's ~1/32 of it, at least 16 KiB), each hashed on upload, so a reader can verify a byte range "
                                    "without reading the whole file (lastgood/wire/ranges.py, docs/resharding.md); "

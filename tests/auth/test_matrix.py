@@ -208,23 +208,34 @@ def _grpc_calls(world, principal):
     data = make_shard(0)
     from lastgood.wire.hashing import hash_bytes
 
+    def generation() -> int:
+        # the REST matrix registers launches of RUN: a begin without the newest generation is fenced
+        r = world["http"].get(f"/api/v1/runs/{RUN}/launches/current", headers=world["boot"])
+        return r.json()["generation"] if r.status_code == 200 else 0
+
     def fresh_pending():
         md = (("authorization", f"Bearer {world['tokens']['writer']}"),)
         return stub.BeginCheckpoint(pb.BeginCheckpointRequest(run=RUN, step=next(_counter), world_size=1,
-                                                              attempt="m"), metadata=md).checkpoint_id
+                                                              attempt="m", generation=generation()),
+                                    metadata=md).checkpoint_id
 
-    def put(md):
-        target = fresh_pending()
+    def put(md, target=None):
+        target = target or fresh_pending()
         return stub.PutShard(iter([pb.PutShardRequest(header=pb.ShardHeader(
             checkpoint_id=target, rank=0, file_name=shard_name(0), size=len(data), xxh3_128=hash_bytes(data))),
             pb.PutShardRequest(chunk=data)]), metadata=md)
 
+    def vote(md):
+        target = fresh_pending()
+        put((("authorization", f"Bearer {world['tokens']['writer']}"),), target)
+        return stub.CommitRank(pb.CommitRankRequest(checkpoint_id=target, rank=0, files=[shard_name(0)]),
+                               metadata=md)
+
     return {
         "BeginCheckpoint": ("writer", lambda md: stub.BeginCheckpoint(pb.BeginCheckpointRequest(
-            run=RUN, step=next(_counter), world_size=1, attempt="m"), metadata=md)),
+            run=RUN, step=next(_counter), world_size=1, attempt="m", generation=generation()), metadata=md)),
         "PutShard": ("writer", put),
-        "CommitRank": ("writer", lambda md: stub.CommitRank(pb.CommitRankRequest(
-            checkpoint_id=cid, rank=0, files=[shard_name(0)]), metadata=md)),
+        "CommitRank": ("writer", vote),
         "AbortCheckpoint": ("writer", lambda md: stub.AbortCheckpoint(pb.AbortCheckpointRequest(
             checkpoint_id=fresh_pending()), metadata=md)),
         "GetManifest": ("reader", lambda md: stub.GetManifest(pb.GetManifestRequest(checkpoint_id=cid), metadata=md)),

@@ -84,12 +84,19 @@ def test_older_generation_is_refused_and_its_pending_abandoned(commits, sessions
         commits.begin("run-f", 9, 1, None, "forged", generation=new + 5)
 
 
-def test_unregistered_clients_are_never_fenced(commits, sessions):
-    legacy = commits.begin("run-u", 1, 1, None, "legacy").id
-    commits.launches.register("run-u", "registered", 1)
-    assert status(sessions, legacy) == "PENDING"
+def test_unregistered_clients_write_only_until_a_launch_registers(commits, sessions):
+    """Generation 0 (a client that never registered) saves into a run no launch registered
+    for; once one has, its begins and votes are fenced and its pending checkpoint is
+    abandoned (#36: a zombie that drops its generation is not let back in)."""
+    assert save(commits, "run-u", 1, attempt="legacy") == last_good(sessions, "run-u")  # control
+    legacy = commits.begin("run-u", 2, 1, None, "legacy").id
     put(commits, legacy, 0, make_shard(0, seed=1))
-    assert commits.vote(legacy, 0, [shard_name(0)]).status == "COMMITTED"
+    commits.launches.register("run-u", "registered", 1)
+    assert status(sessions, legacy) == "ABANDONED"
+    with pytest.raises(Fenced):
+        commits.vote(legacy, 0, [shard_name(0)])
+    with pytest.raises(Fenced):
+        commits.begin("run-u", 3, 1, None, "zombie")
 
 
 class Relaunching(MemoryBlobStore):

@@ -89,3 +89,29 @@ def test_a_fenced_launch_gets_no_peer_check_assignment(service, client: Client, 
               service.post(f"/api/v1/checkpoints/{pending}/ranks/0/peer-check", json={"peer_rank": 0, "files": []})):
         assert r.status_code == 409 and r.json()["error"]["code"] == FENCED, r.text
         assert "relaunch" in r.json()["error"]["message"]
+
+
+def test_generation_0_is_refused_once_a_launch_registered(service, client: Client, run_name):
+    """A zombie that drops its generation (sends 0, as a client that never registered does)
+    is fenced like one that sends its old one; a pending generation-0 checkpoint begun
+    before the first registration is abandoned by it and never commits."""
+    other = f"{run_name}-unregistered"
+    early = client.begin(run_name, 1, attempt="early").checkpoint_id  # generation 0, before any launch
+    client.put(early, 0, shard_name(0), make_shard(0, seed=1))
+    # control: a run no launch registered for takes generation 0 all the way to last-good
+    cid = client.begin(other, 1, attempt="plain").checkpoint_id
+    client.put(cid, 0, shard_name(0), make_shard(0, seed=1))
+    assert client.vote(cid, 0, [shard_name(0)], wait=2).status == "COMMITTED"
+
+    assert register(service, run_name, "first") == 1
+    assert register(service, run_name, "relaunch") == 2
+    assert service.get(f"/api/v1/checkpoints/{early}").json()["status"] == "ABANDONED"
+    e = refused_as_fenced(lambda: client.begin(run_name, 2, attempt="zombie", generation=0))
+    assert "no generation (0)" in e.details()
+    refused_as_fenced(lambda: client.vote(early, 0, [shard_name(0)]))
+    # nothing of the refused begin was recorded; the registered launch still writes
+    assert service.get(f"/api/v1/runs/{run_name}/checkpoints").json()["items"][0]["id"] == early
+    cid = client.begin(run_name, 2, attempt="relaunch", generation=2).checkpoint_id
+    client.put(cid, 0, shard_name(0), make_shard(0, seed=2))
+    assert client.vote(cid, 0, [shard_name(0)], wait=2).status == "COMMITTED"
+    assert service.get(f"/api/v1/runs/{run_name}/last-good").json()["id"] == cid

@@ -41,6 +41,7 @@ DIRECT_OFF = "direct_off"
 HASH_MISMATCH = "hash_mismatch"
 UNAVAILABLE = "unavailable"
 STREAMS_BUSY = "streams_busy"
+RATE_LIMITED = "rate_limited"
 INTERNAL = "internal"
 CATALOG_BEHIND = "catalog_behind"
 STORE_FULL = "store_full"
@@ -75,6 +76,7 @@ CODES: dict[str, Code] = {
     HASH_MISMATCH: Code(422, "DATA_LOSS"),
     UNAVAILABLE: Code(503, "UNAVAILABLE"),
     STREAMS_BUSY: Code(429, "RESOURCE_EXHAUSTED"),
+    RATE_LIMITED: Code(429, "RESOURCE_EXHAUSTED"),
     INTERNAL: Code(500, "INTERNAL"),
     CATALOG_BEHIND: Code(503, "UNAVAILABLE"),
     STORE_FULL: Code(507, "RESOURCE_EXHAUSTED"),

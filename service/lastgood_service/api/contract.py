@@ -34,8 +34,9 @@ _MEANING = {
     413: "request body over the service's limit",
     416: "the Range is outside the file",
     422: "the request does not validate (types, bounds, strict JSON), or a stored hash does not match",
-    503: "the service cannot do this now: an I/O error on its storage, or a catalog behind the blob store "
-         "(run `lastgood-service rebuild`; docs/storage.md)",
+    429: "too many of these requests lately (a run's launch registrations; docs/security.md): retry later",
+    503: "the service cannot do this now: an I/O error on its storage, its catalog database unavailable, or a "
+         "catalog behind the blob store (run `lastgood-service rebuild`; docs/storage.md)",
     507: "the store is full (the message says how much room is left)",
 }
 

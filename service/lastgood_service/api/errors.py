@@ -26,6 +26,7 @@ CODE_OF: dict[type[e.DomainError], str] = {
     e.OutOfRange: c.OUT_OF_RANGE,
     e.TooLarge: c.TOO_LARGE,
     e.StreamsBusy: c.STREAMS_BUSY,
+    e.RateLimited: c.RATE_LIMITED,
     e.Unauthenticated: c.UNAUTHENTICATED,
     e.PermissionDenied: c.PERMISSION_DENIED,
     e.CatalogBehind: c.CATALOG_BEHIND,

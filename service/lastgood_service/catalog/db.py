@@ -80,6 +80,20 @@ def _sqlite_pragmas(engine: Engine, synchronous: str = "FULL") -> None:
         conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get(READ_ONLY) else "BEGIN IMMEDIATE")
 
 
+def inject_eio(engine: Engine, switch: Path) -> None:
+    """Testing only (failpoint catalog_eio): while the file `switch` exists, every statement
+    fails as SQLite's does when a read or write of its file gets EIO. Raised where the
+    DB-API would raise it, so SQLAlchemy wraps it as it wraps the real one."""
+    import sqlite3
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def _eio(*_args):
+        if switch.exists():
+            err = sqlite3.OperationalError("disk I/O error")
+            err.sqlite_errorcode, err.sqlite_errorname = 10, "SQLITE_IOERR"
+            raise err
+
+
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
 

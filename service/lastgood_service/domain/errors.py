@@ -80,6 +80,10 @@ class StreamsBusy(DomainError):
     """Too many streams are open (api/streams.py); nothing was read: the client retries."""
 
 
+class RateLimited(DomainError):
+    """Too many of these requests lately (a run's launch registrations); later ones pass."""
+
+
 class Unauthenticated(DomainError):
     """No credentials, or credentials that are malformed, unknown or revoked."""
 

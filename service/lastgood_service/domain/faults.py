@@ -1,9 +1,10 @@
 """Storage faults as the caller should hear them, and the room GC needs on a full disk.
 
-A full disk or a failing device is not a bug in the service: the trainer should read
-"store full: N bytes free" (RESOURCE_EXHAUSTED / 507) or "I/O error on ..." (UNAVAILABLE /
-503), never "failed inside the service". `as_domain_error` is the one place that maps
-them; both transports call it before falling back to INTERNAL.
+A full disk, a failing device or a catalog database that is away is not a bug in the
+service: the trainer should read "store full: N bytes free" (RESOURCE_EXHAUSTED / 507),
+"I/O error on ..." or "the catalog is unavailable (...)" (UNAVAILABLE / 503, which the
+client retries), never "failed inside the service". `as_domain_error` is the one place that
+maps them; both transports call it before falling back to INTERNAL.
 
 GC must be able to free a full disk, yet it records each deletion in the catalog before it
 deletes the blobs (a crash must leave orphans, never holes), and SQLite cannot write a byte
@@ -65,6 +66,44 @@ def as_domain_error(exc: BaseException) -> DomainError | None:
     for e in _chain(exc):
         if isinstance(e, OSError) and e.errno in _IO:
             return Unavailable(f"I/O error on {e.filename or 'the store'}: {os.strerror(e.errno)}")
+    fault = catalog_fault(exc)
+    if fault is not None:
+        return Unavailable(f"the catalog is unavailable ({fault}); the request did not complete: retry")
+    return None
+
+
+# SQLite primary result codes (an sqlite3 error's sqlite_errorcode & 0xFF) of a catalog file
+# that cannot be read or written now: busy or locked past the busy timeout, an I/O error
+# (EIO on the file), the file unopenable, the WAL's lock protocol failing
+_SQLITE_TRANSIENT = {5: "SQLITE_BUSY", 6: "SQLITE_LOCKED", 10: "SQLITE_IOERR", 14: "SQLITE_CANTOPEN",
+                     15: "SQLITE_PROTOCOL"}
+# PostgreSQL SQLSTATEs of a server that is away, restarting, overloaded or that ended a
+# transaction which may succeed when sent again; class 08 is every connection exception
+_PG_TRANSIENT = {"57P01": "admin shutdown", "57P02": "crash shutdown", "57P03": "cannot connect now",
+                 "53300": "too many connections", "40001": "serialization failure", "40P01": "deadlock",
+                 "55P03": "lock not available", "57014": "statement cancelled"}
+
+
+def catalog_fault(exc: BaseException) -> str | None:
+    """What makes this a transient fault of the catalog database -- a lost or refused
+    connection, a server restarting, an I/O error on an SQLite file, a full connection pool
+    -- in a few words; None for anything else (a bug stays INTERNAL). The words name the
+    fault, never the database's address or message."""
+    from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+    for e in _chain(exc):
+        if getattr(e, "connection_invalidated", False):  # SQLAlchemy saw a disconnect
+            return "connection lost"
+        if isinstance(e, PoolTimeout):
+            return "no free catalog connection"
+        code = getattr(e, "sqlite_errorcode", None)
+        if isinstance(code, int) and code & 0xFF in _SQLITE_TRANSIENT:
+            return _SQLITE_TRANSIENT[code & 0xFF]
+        state = getattr(e, "sqlstate", None)
+        if isinstance(state, str) and (state in _PG_TRANSIENT or state.startswith("08")):
+            return f"PostgreSQL {state}: {_PG_TRANSIENT.get(state, 'connection exception')}"
+        if state is None and type(e).__module__.startswith("psycopg") and type(e).__name__ == "OperationalError":
+            return "PostgreSQL unreachable"  # refused, reset or closed before the server sent a code
     return None
 
 

@@ -18,7 +18,7 @@ class LaunchBody(BaseModel):
     world_size: int = Field(1, ge=1, le=names.MAX_RANK)
 
 
-@router.post("/api/v1/runs/{run}/launches", responses=answers(400, 404, 409, 413))
+@router.post("/api/v1/runs/{run}/launches", responses=answers(400, 404, 409, 413, 429))
 def register_launch(run: str, body: LaunchBody, commits: CommitsDep):
     """Register a launch of the job; its generation fences every older launch's writes
     and abandons their pending checkpoints (docs/fencing.md). Idempotent on (run, attempt)."""

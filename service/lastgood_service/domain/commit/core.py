@@ -57,7 +57,9 @@ class CommitCore:
         # votes that arrive together are written in one transaction (votebatch.py)
         self.vote_batches = VoteBatcher(self, settings.vote_batch_window, settings.failpoint)
         self._fail_commit_once = settings.failpoint == Failpoint.COMMIT_FAILS_ONCE  # testing only (protocol.try_commit)
-        self.launches = fencing.Launches(sessions, clock, notify=self._notify, metrics=self.metrics, gate=self.gate)
+        self.launches = fencing.Launches(sessions, clock, notify=self._notify, metrics=self.metrics, gate=self.gate,
+                                         max_world_size=settings.max_world_size,
+                                         rate=(settings.launch_rate_max, settings.launch_rate_window))
 
     # ------------------------------------------------------------ shared by the parts and
     # by the commit's neighbours (the data paths, peer verification): public, so that no

@@ -92,7 +92,7 @@ class CommitProtocol(CommitPut):
                 run = Run(name=run_name, created_at=self.clock(), generation=0)
                 s.add(run)
                 s.flush()
-            fencing.check(s, run.id, generation, f"begin of step {step}")
+            fencing.check(s, run.id, generation, f"begin of step {step}", writes_checkpoints=True)
             ck = s.scalar(select(Checkpoint).where(
                 Checkpoint.run_id == run.id, Checkpoint.step == step, Checkpoint.attempt == attempt))
             if ck is not None:
@@ -152,7 +152,8 @@ class CommitProtocol(CommitPut):
                 if result.status in (ABANDONED, CORRUPT):
                     with self.sessions() as s, s.begin():  # abandoned because a newer launch registered?
                         ck = self.get_checkpoint(s, checkpoint_id)
-                        fencing.check(s, ck.run_id, ck.generation, f"vote on checkpoint {checkpoint_id}")
+                        fencing.check(s, ck.run_id, ck.generation, f"vote on checkpoint {checkpoint_id}",
+                                      writes_checkpoints=True)
                     raise FailedPrecondition(f"checkpoint {checkpoint_id} is {result.status}")
                 return result
             with self._changed:

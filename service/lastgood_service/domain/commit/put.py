@@ -246,7 +246,7 @@ class CommitPut(CommitCore):
             try:
                 with s.begin():
                     ck = self.get_checkpoint(s, header.checkpoint_id, lock=True)  # serialises with votes
-                    fencing.check(s, ck.run_id, ck.generation, f"upload to checkpoint {ck.id}")
+                    fencing.check(s, ck.run_id, ck.generation, f"upload to checkpoint {ck.id}", writes_checkpoints=True)
                     self.require_pending(ck, "record the shard")
                     self._require_not_voted(s, header)
                     s.add(Shard(checkpoint_id=ck.id, rank=header.rank, file_name=header.file_name,
@@ -273,7 +273,7 @@ class CommitPut(CommitCore):
         with votes). `what` names the operation in the errors."""
         ck = self.get_checkpoint(s, h.checkpoint_id, lock=lock)
         self.check_rank(ck, h.rank)
-        fencing.check(s, ck.run_id, ck.generation, f"{what} to checkpoint {ck.id}")
+        fencing.check(s, ck.run_id, ck.generation, f"{what} to checkpoint {ck.id}", writes_checkpoints=True)
         existing = self._find_shard(s, h)
         if existing is not None:
             return ck, self._same_or_conflict(existing, h)

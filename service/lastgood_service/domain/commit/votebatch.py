@@ -196,7 +196,7 @@ class VoteBatcher:
         core = self.core
         try:
             ck = core.get_checkpoint(s, cid, lock=True)  # serialises with shard records and other batches
-            fencing.check(s, ck.run_id, ck.generation, f"vote on checkpoint {ck.id}")
+            fencing.check(s, ck.run_id, ck.generation, f"vote on checkpoint {ck.id}", writes_checkpoints=True)
         except DomainError as e:
             for a in asks:
                 a.error = e

@@ -38,7 +38,7 @@ from lastgood.common import interval as math_
 from lastgood.wire import names
 from lastgood.wire.vocab import Phase
 
-from ...catalog.models import Event, Heartbeat, Launch, Run, utcnow
+from ...catalog.models import Checkpoint, Event, Heartbeat, Launch, Run, utcnow
 from ..errors import InvalidArgument, NotFound
 from ..events import add_event
 from ..gate import CatalogGate
@@ -109,6 +109,7 @@ class Health:
             if run is None:
                 raise NotFound(f"run {run_name!r} does not exist (register a launch or save first)")
             fencing.check(s, run.id, gen, "heartbeat")
+            _within_world(s, run, gen, b)
             row = s.get(Heartbeat, (run.id, b["rank"]), with_for_update=True)
             if row is not None and gen < row.generation:
                 return  # an unregistered straggler of an older launch: the newer row stays
@@ -292,6 +293,22 @@ def _rank(r: SimpleNamespace, now: dt.datetime, up_since: dt.datetime) -> verdic
     return verdicts.Rank(rank=r.rank, phase=r.phase, step_seconds=r.step_seconds, typical_step_s=r.typical_step_s,
                          slowest_step_s=r.slowest_step_s, period_s=r.period_s, beat_age=_age(now, heard(r.beat_at)),
                          progress_age=_age(now, heard(r.progress_at)), outlier_age=_age(now, r.outlier_since))
+
+
+def _within_world(s: Session, run: Run, gen: int, b: dict) -> None:
+    """A beat's rank lies in [0, world) of its launch (its generation's; for generation 0 the
+    run's newest launch, else its newest checkpoint) and names that launch's world size:
+    invented ranks would each add a row to the run and a line to its health page."""
+    own = s.scalar(select(Launch.world_size).where(Launch.run_id == run.id, Launch.generation == gen)) if gen else None
+    world = own or s.scalar(select(Launch.world_size).where(Launch.run_id == run.id)
+                            .order_by(Launch.generation.desc()).limit(1)) \
+        or s.scalar(select(Checkpoint.world_size).where(Checkpoint.run_id == run.id)
+                    .order_by(Checkpoint.id.desc()).limit(1))
+    if world is None:
+        return
+    if b["rank"] >= world or (b["world_size"] != world if own else b["world_size"] > world):
+        raise InvalidArgument(f"heartbeat of rank {b['rank']} (world size {b['world_size']}) refused: "
+                              f"{'its launch' if own else 'the run'} has world size {world}")
 
 
 def _check(run_name: str, b: dict) -> None:

@@ -7,7 +7,7 @@ import datetime as dt
 import unicodedata
 from collections.abc import Callable
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from ...catalog.models import (ALIAS, COMMITTED, CORRUPT, LAST_GOOD, PIN, PINNED, ROLLBACK_TARGET, SUSPECT, SYSTEM,
@@ -36,8 +36,9 @@ def check_tag_name(name: object) -> str:
 
 class Curator:
     def __init__(self, sessions: sessionmaker[Session], clock: Callable[[], dt.datetime] = utcnow,
-                 gate: CatalogGate | None = None) -> None:
+                 gate: CatalogGate | None = None, max_tags: int = 64) -> None:
         self.sessions = sessions
+        self.max_tags = max_tags  # tags and aliases per checkpoint (settings.max_tags_per_checkpoint)
         self.clock = clock
         self.gate = gate or CatalogGate()  # closed: tags, pins, rollbacks and events wait for `rebuild`
 
@@ -73,6 +74,11 @@ class Curator:
                     return {"checkpoint_id": ck.id, "name": name, "kind": kind, "moved_from": None}
             elif s.scalar(select(Tag).where(Tag.checkpoint_id == ck.id, Tag.name == name, Tag.kind == TAG)):
                 return {"checkpoint_id": ck.id, "name": name, "kind": kind, "moved_from": None}
+            held = s.scalar(select(func.count()).select_from(Tag).where(Tag.checkpoint_id == ck.id,
+                                                                        Tag.kind.in_((TAG, ALIAS))))
+            if held >= self.max_tags:
+                raise FailedPrecondition(f"checkpoint {ck.id} carries {held} tags and aliases, the most one may "
+                                         f"(LASTGOOD_MAX_TAGS_PER_CHECKPOINT); remove one first")
             s.add(Tag(run_id=ck.run_id, checkpoint_id=ck.id, name=name, kind=kind, created_at=self.clock()))
             add_event(s, "tag", ck.run_id, ck.id, name=name, kind=kind, moved_from=moved_from)
             return {"checkpoint_id": ck.id, "name": name, "kind": kind, "moved_from": moved_from}

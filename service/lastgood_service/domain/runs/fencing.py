@@ -23,8 +23,11 @@ registered, restores it -- or the registration lands first, and then the checkpo
 already ABANDONED and the commit's UPDATE matches no row. Never both, never a commit of
 an older generation after a newer one registered.
 
-Generation 0 is a client that never registered: it is never fenced, and registration
-does not abandon its checkpoints.
+Generation 0 is a client that never registered. It writes checkpoints only into a run that
+no launch has registered for: once one has, a begin, upload or vote of generation 0 is
+refused as fenced (a zombie that drops its generation is not let back in), and registration
+abandons pending generation-0 checkpoints like those of older generations. Callers that curate (tag, pin, rollback) without a generation
+are operators, never fenced.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from lastgood.wire import names
 
 from ...catalog.models import ABANDONED, PENDING, Checkpoint, Launch, Run, utcnow
 from ...metrics import Metrics
-from ..errors import Conflict, Fenced, InvalidArgument, NotFound
+from ..errors import Conflict, Fenced, InvalidArgument, NotFound, RateLimited
 from ..events import add_event
 from ..gate import CatalogGate
 
@@ -66,10 +69,21 @@ def check_names(run_name: str, attempt: str) -> None:
 GENERATION_GAP = 1_000_000
 
 
-def check(s: Session, run_id: int, generation: int | None, what: str) -> None:
+def check(s: Session, run_id: int, generation: int | None, what: str, writes_checkpoints: bool = False) -> None:
     """Refuse `what` when `generation` (the caller's launch) is older than the run's newest.
-    None or 0: a caller that did not register, never fenced."""
+    None or 0: a caller that did not register; never fenced when it curates, fenced when it
+    `writes_checkpoints` (begin, upload, vote) into a run that a launch has registered for.
+    (A pending generation-0 checkpoint never commits past a registration either: the
+    registration abandons it, under the run's row lock that the commit takes too.)"""
     if not generation:
+        # a launch row, not the run's counter: a rebuilt catalog advances the counter of runs
+        # whose clients never registered (repair.py), and they write on until one does
+        newest = s.scalar(select(Launch).where(Launch.run_id == run_id).order_by(Launch.generation.desc()).limit(1)) \
+            if writes_checkpoints else None
+        if newest is not None:
+            raise Fenced(f"{what} refused: run {s.get(Run, run_id).name!r} takes checkpoints only from registered "
+                         f"launches and this caller sent no generation (0); launch {newest.attempt!r} registered "
+                         f"at {newest.registered_at.isoformat()} is generation {newest.generation}")
         return
     run = s.get(Run, run_id)
     if generation > run.generation:
@@ -85,8 +99,12 @@ def check(s: Session, run_id: int, generation: int | None, what: str) -> None:
 class Launches:
     def __init__(self, sessions: sessionmaker[Session], clock: Callable[[], dt.datetime] = utcnow,
                  notify: Callable[[], None] | None = None, metrics: Metrics | None = None,
-                 gate: CatalogGate | None = None) -> None:
+                 gate: CatalogGate | None = None, max_world_size: int = names.MAX_RANK,
+                 rate: tuple[int, float] | None = None) -> None:
         self.sessions = sessions
+        self.max_world_size = max_world_size
+        # (n, seconds): at most n new launches of one run within any `seconds` (settings.launch_rate_*)
+        self.rate = rate
         self.gate = gate or CatalogGate()  # closed: a registration would hand out a lost generation again
         self.clock = clock
         self.notify = notify  # wakes votes waiting in this process: their checkpoint may be abandoned
@@ -97,8 +115,8 @@ class Launches:
         same one after that. Creates the run if it has none yet."""
         self.gate.check()
         check_names(run_name, attempt)
-        if not 1 <= world_size <= names.MAX_RANK:
-            raise InvalidArgument(f"world size must be positive, got {world_size}")
+        if not 1 <= world_size <= self.max_world_size:
+            raise InvalidArgument(f"world size must be 1..{self.max_world_size}, got {world_size}")
         for _ in range(5):
             try:
                 view, abandoned = self._register_once(run_name, attempt, world_size)
@@ -122,15 +140,15 @@ class Launches:
             if old is not None:
                 return launch_view(old, run, s.scalar(select(Run.generation).where(Run.id == run.id))), []
             s.execute(update(Run).where(Run.id == run.id).values(generation=Run.generation + 1))
-            generation = s.scalar(select(Run.generation).where(Run.id == run.id))
             now = self.clock()
+            self._within_rate(s, run, now)  # under the run's row lock: replicas count alike
+            generation = s.scalar(select(Run.generation).where(Run.id == run.id))
             launch = Launch(run_id=run.id, attempt=attempt, generation=generation, world_size=world_size,
                             registered_at=now)
             s.add(launch)
             s.flush()  # the unique (run, attempt) key: a concurrent rank of this launch fails here
             abandoned = sorted(s.scalars(select(Checkpoint.id).where(
-                Checkpoint.run_id == run.id, Checkpoint.status == PENDING,
-                Checkpoint.generation > 0, Checkpoint.generation < generation)))
+                Checkpoint.run_id == run.id, Checkpoint.status == PENDING, Checkpoint.generation < generation)))
             if abandoned:
                 s.execute(update(Checkpoint).where(Checkpoint.id.in_(abandoned), Checkpoint.status == PENDING)
                           .values(status=ABANDONED, lease_expires_at=now))
@@ -144,6 +162,21 @@ class Launches:
                           attempt=prev.attempt if prev else None, by_generation=generation, by_attempt=attempt,
                           abandoned=abandoned, last_good_id=lg.id if lg else None, last_good_step=lg.step if lg else None)
             return launch_view(launch, run, generation), abandoned
+
+    def _within_rate(self, s: Session, run: Run, now: dt.datetime) -> None:
+        """Refuse a new launch when the run registered `n` within the last `seconds`: each
+        one fences the job and abandons its pending saves, so one writer token must not be
+        able to do that hundreds of times a minute. A job's own relaunches (torchrun restarts,
+        elastic rounds, `lastgood supervise`) each take seconds at least."""
+        if not self.rate:
+            return
+        n, seconds = self.rate
+        nth = s.scalar(select(Launch.registered_at).where(Launch.run_id == run.id)
+                       .order_by(Launch.generation.desc()).offset(n - 1).limit(1))
+        if nth is not None and (wait := (nth - now).total_seconds() + seconds) > 0:
+            raise RateLimited(f"run {run.name!r} registered {n} launches in the last {seconds:g} s, the most it "
+                              f"may (LASTGOOD_LAUNCH_RATE_MAX per LASTGOOD_LAUNCH_RATE_WINDOW); the next one may "
+                              f"register in {wait:.1f} s")
 
     def current(self, run_name: str) -> dict:
         """The run's newest launch."""
