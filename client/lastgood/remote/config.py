@@ -12,6 +12,8 @@ fields down (the transport, the retry policy, the run and attempt). torch-free.
     LASTGOOD_USE_SPOOL        0: never hand shards over through the service's spool; stream
                               (LASTGOOD_SPOOL, the service's own switch, is read too, with a warning)
     LASTGOOD_DEDUP            0: every rank writes its replicated (DDP) state too (replicas.py)
+    LASTGOOD_DDP_BUCKETS      0: neither save DDP's gradient-bucket layout nor resume in it
+                              (state/ddp_buckets.py)
     LASTGOOD_DIRECT_FS_MOUNT  where this host mounts the service's local store directory (direct-FS)
     LASTGOOD_RETRY_DEADLINE   seconds one call keeps retrying (default 120; 0 = no retries)
     LASTGOOD_RETRY_INITIAL    first backoff in seconds (default 0.1)
@@ -45,6 +47,7 @@ ENV_NEW_RUN = "LASTGOOD_NEW_RUN"
 ENV_SPOOL = "LASTGOOD_USE_SPOOL"
 ENV_SPOOL_DEPRECATED = "LASTGOOD_SPOOL"  # the service's switch (offer a spool), once read here too
 ENV_DEDUP = "LASTGOOD_DEDUP"
+ENV_DDP_BUCKETS = "LASTGOOD_DDP_BUCKETS"
 ENV_DIRECT_FS_MOUNT = "LASTGOOD_DIRECT_FS_MOUNT"
 ENV_RETRY_DEADLINE = "LASTGOOD_RETRY_DEADLINE"
 ENV_RETRY_INITIAL = "LASTGOOD_RETRY_INITIAL"
@@ -71,6 +74,7 @@ class ClientConfig:
     new_run: bool = False
     spool: bool = True
     dedup: bool = True              # replicated (DDP) state written once per checkpoint (replicas.py)
+    ddp_buckets: bool = True        # DDP resumes in its saved gradient-bucket layout (ddp_buckets.py)
     direct_fs_mount: str | None = None  # None: no direct-FS writes (directfs.py)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     heartbeat_seconds: float = DEFAULT_HEARTBEAT
@@ -92,6 +96,7 @@ class ClientConfig:
                    new_run=_flag(env, ENV_NEW_RUN, False) if new_run is None else new_run,
                    spool=_spool_flag(env) if spool is None else spool,
                    dedup=_flag(env, ENV_DEDUP, True) if dedup is None else dedup,
+                   ddp_buckets=_flag(env, ENV_DDP_BUCKETS, True),
                    direct_fs_mount=direct_fs_mount or env.get(ENV_DIRECT_FS_MOUNT) or None,
                    retry=retry or retry_policy(env),
                    heartbeat_seconds=heartbeat_period(env) if heartbeat_seconds is None else heartbeat_seconds,

@@ -37,10 +37,13 @@ class Restorer:
 
     OK, UNUSABLE, FAILED = 0, 1, 2
 
-    def __init__(self, transport, run: str, rank: int, world_size: int, pool: Callable[[], StagingPool]) -> None:
+    def __init__(self, transport, run: str, rank: int, world_size: int, pool: Callable[[], StagingPool],
+                 ddp_buckets: bool = True) -> None:
         """`pool`: the staging pool of the writer this restore shares buffers with, asked
-        for at each restore (the Checkpointer's, which a caller may share among several)."""
+        for at each restore (the Checkpointer's, which a caller may share among several).
+        `ddp_buckets`: DDP resumes in its saved gradient-bucket layout (state/ddp_buckets.py)."""
         self.transport, self.run, self.rank, self.world_size, self._pool_of = transport, run, rank, world_size, pool
+        self.ddp_buckets = ddp_buckets
         self.reads: dict | None = None  # what the last restore by ranges read (readplan.py)
 
     @property
@@ -221,7 +224,7 @@ class Restorer:
         state.apply(src.state, tensor, src.array,
                     shards=ShardIndex(files),
                     reseed=None if self.rank < manifest.world_size else _derived_seed(manifest.checkpoint_id, self.rank),
-                    world_changed=changed)
+                    world_changed=changed, ddp_buckets=self.ddp_buckets)
 
 
 def _held(held: list, buf):

@@ -14,6 +14,8 @@ import torch
 from torch import nn
 
 from lastgood.state import loaders, rng
+from lastgood.state.ddp_buckets import establish as establish_ddp_buckets
+from lastgood.state.ddp_buckets import layout as ddp_buckets_layout
 from lastgood.state.codec import Encoder, decode
 from lastgood.state.dtypes import ST_TO_TORCH
 from lastgood.errors import LastgoodError
@@ -112,7 +114,9 @@ class TrainState:
         return sorted(self.components, key=lambda n: self._kind(n) in ("loader", "generator"))
 
     # ------------------------------------------------------------------ capture
-    def capture(self, step: int, rank: int, world_size: int) -> Captured:
+    def capture(self, step: int, rank: int, world_size: int, ddp_buckets: bool = True) -> Captured:
+        """`ddp_buckets`: record each DDP module's gradient-bucket layout, for apply() to
+        resume in (ddp_buckets.py)."""
         enc = Encoder()
         pnames = self._param_names()
         comps, param_index = {}, {}
@@ -136,6 +140,8 @@ class TrainState:
                 if kind == "optimizer":
                     rename, param_index[name] = self._optimizer_renamer(obj, name, pnames)
             comps[name] = {"kind": kind, "state": enc.encode(sd, [name], rename)}
+            if kind == "module" and ddp_buckets and isinstance(obj, nn.parallel.DistributedDataParallel):
+                comps[name]["ddp_buckets"] = ddp_buckets_layout(obj)  # a due rebuild is done here, on every rank
         extra = enc.encode(self.extra, ["extra"])
         rng_state = enc.encode(rng.capture(), ["rng"])  # last: see the module docstring
         return Captured({"version": STATE_VERSION, "step": step, "rank": rank, "world_size": world_size,
@@ -219,13 +225,14 @@ class TrainState:
                     yield from (_local(v) for v in per_param.values() if isinstance(v, torch.Tensor))
 
     def apply(self, json_state: dict, tensor, array, shards=None, reseed: int | None = None,
-              world_changed: bool = False) -> None:
+              world_changed: bool = False, ddp_buckets: bool = True) -> None:
         """Load captured state in place; `tensor(name, device)` / `array(name)` resolve refs.
 
         `shards` (a sharding.ShardIndex) holds every stored DTensor shard needed to fill this
         rank's current shards. `reseed`: this rank did not exist when the checkpoint was
         saved; its RNGs are seeded from it instead of restored (see docs/training.md). With
-        `world_changed`, loaders restore their global data position."""
+        `world_changed`, loaders restore their global data position. `ddp_buckets`: a DDP
+        module's Reducer is built anew in the gradient-bucket layout saved with it."""
         if json_state.get("version") not in (STATE_VERSION, STATE_VERSION_REPLICAS):
             raise LastgoodError(f"unsupported state version {json_state.get('version')!r}")
         saved = json_state["components"]
@@ -257,6 +264,8 @@ class TrainState:
                     obj.manual_seed(reseed)
             elif kind == "module":
                 _unwrap(obj).load_state_dict(sd, strict=True)
+                if ddp_buckets and isinstance(obj, nn.parallel.DistributedDataParallel):
+                    establish_ddp_buckets(obj, saved[name].get("ddp_buckets"))
             elif kind == "sharded_module":
                 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 

@@ -92,7 +92,8 @@ class Checkpointer:
         self._session = SaveSession(self.transport, self.run, self.rank, commit_timeout=commit_timeout)
         self.last_saved: SaveResult | None = None
         self._pool = StagingPool(slots=staging_buffers)
-        self._restorer = Restorer(self.transport, self.run, self.rank, self.world_size, lambda: self._pool)
+        self._restorer = Restorer(self.transport, self.run, self.rank, self.world_size, lambda: self._pool,
+                                  ddp_buckets=cfg.ddp_buckets)
         self._jobs = UploadQueue()
         self._record = SaveRecord()
         self._gave_up_since_commit = False  # then the ranks converge on a step before each begin (converge)
@@ -222,7 +223,7 @@ class Checkpointer:
                 self._decider.saved()
 
     def _snapshot(self, step: int, state: TrainState) -> None:
-        cap = state.capture(step, self.rank, self.world_size)
+        cap = state.capture(step, self.rank, self.world_size, ddp_buckets=self.config.ddp_buckets)
         if self.config.dedup:  # replicated state: only this rank's share of it (collective; replicas.py)
             try:  # a fenced rank enters the collective too: every rank raises Fenced at this save
                 cap = replicas.split(cap, state, self.rank, self.world_size, fenced=self._fenced is not None)
