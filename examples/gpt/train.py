@@ -24,6 +24,8 @@ can line its events up with the job's steps.
 LASTGOOD_EXAMPLE_HANG="RANK:STEP:PATH" makes RANK stop making progress inside STEP (after
 the forward, before the backward's all-reduce, so the other ranks block in it) if the file
 PATH exists; the rank deletes PATH first, so only one launch hangs (the supervisor's test).
+LASTGOOD_EXAMPLE_SAVE_ONLY=1 leaves out `ckpt.step()`: a script that only saves, timed by its
+saves alone (the supervisor's test of hang detection from save() alone).
 """
 
 from __future__ import annotations
@@ -187,6 +189,7 @@ def main(argv=None) -> None:
     print(f"[rank {rank}] starting at step {step} (restored: {start})", flush=True)
 
     losses = open(out / f"losses-rank{rank}.jsonl", "a")
+    save_only = os.environ.get("LASTGOOD_EXAMPLE_SAVE_ONLY") == "1"
     while step < args.steps:
         sampler.set_epoch(progress["epoch"])
         for ids, x, y in loader:
@@ -206,7 +209,8 @@ def main(argv=None) -> None:
             losses.write(json.dumps({"step": step, "loss": loss.item().hex(), "ids": ids.tolist(),
                                      "epoch": progress["epoch"]}) + "\n")
             losses.flush()
-            ckpt.step(step)  # progress for the heartbeats: a rank stuck in a step is seen hung (docs/health.md)
+            if not save_only:
+                ckpt.step(step)  # progress for the heartbeats: a rank stuck in a step is seen hung (docs/health.md)
             if (step + 1) % args.every == 0:
                 if fault_at(rank, step, "after_save"):
                     ckpt.wait()  # earlier saves committed; only this one will be in flight

@@ -40,3 +40,42 @@ def test_show_run_without_beats_and_unknown_runs(service, run_name):
     assert "no heartbeats yet" in out and "not measured yet" in out
     res = lastgood("show", f"{run_name}-nope", url=service.url, code=3)
     assert "does not exist" in res.err
+
+
+def test_a_finished_run_is_not_live_and_the_cli_counts_the_failures_the_page_does(service, run_name):
+    """Every rank's last beat says idle (closed its Checkpointer): `/health` says finished,
+    with no hang timeout and an exposure (so an MTBF) that no longer grows; `lastgood show`
+    says so too, and counts the run's failures as the runs overview (the page's badge) does.
+    Control: the same run while a rank still trains is live, with a timeout."""
+    import time
+
+    u = service.url
+    gen = httpx.post(f"{u}/api/v1/runs/{run_name}/launches", json={"attempt": "a", "world_size": 2}).json()["generation"]
+
+    def beat(rank, phase):
+        r = httpx.post(f"{u}/api/v1/runs/{run_name}/heartbeats", json={
+            "rank": rank, "world_size": 2, "step": 40, "step_seconds": 0.5, "phase": phase, "attempt": "a",
+            "generation": gen})
+        assert r.status_code == 204, r.text
+
+    r = httpx.post(f"{u}/api/v1/runs/{run_name}/events",
+                   json={"kind": "save_given_up", "data": {"rank": 1, "count": 2, "steps": [5, 6], "reason": "x"}})
+    assert r.status_code == 200, r.text
+    beat(0, "idle")
+    beat(1, "train")
+    live = httpx.get(f"{u}/api/v1/runs/{run_name}/health").json()
+    assert live["finished"] is False and live["timeout_s"] is not None  # the control: rank 1 still trains
+    beat(1, "idle")
+    first = httpx.get(f"{u}/api/v1/runs/{run_name}/health").json()
+    time.sleep(1.1)
+    h = httpx.get(f"{u}/api/v1/runs/{run_name}/health").json()
+    assert h["finished"] is True and h["finished_at"] and h["timeout_s"] is None
+    assert all(x["timeout_s"] is None and x["state"] == "ok" for x in h["ranks"])
+    assert h["interval"]["exposure_s"] == first["interval"]["exposure_s"]  # the MTBF does not drift
+    assert h["failures"]["count"] == 1 and h["failures"]["kinds"] == {"save_given_up": 1}
+    over = httpx.get(f"{u}/api/v1/overview", params={"limit": 1000}).json()["items"]
+    assert [x["recent_failures"] for x in over if x["name"] == run_name] == [1]  # the page's badge: the same
+
+    out = lastgood("show", run_name, url=u).out
+    assert "finished" in out and "hang timeout" not in out and "every rank ok" not in out
+    assert "1 in 24 h" in out and "save_given_up 1" in out

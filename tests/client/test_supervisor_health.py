@@ -42,7 +42,7 @@ def test_a_hang_of_this_launch_ends_it_and_older_beats_do_not(service, run_name)
     ending = supervisor(u, run_name, 1.0, said)._health(launch(started_ago=60))
     assert ending is not None and ending.reason == "hung", said
     assert ending.ranks == []  # both stuck alike: blamed on no one
-    assert "rank 0 hung at step 2" in ending.detail and "timeout 1.0s" in ending.detail
+    assert "rank 0 hung after step 2" in ending.detail and "timeout 1.0s" in ending.detail
     # the same beats, sent before this launch started: the previous launch's, not this one's
     time.sleep(1.0)
     assert supervisor(u, run_name, 1.0, said)._health(launch(started_ago=0.5)) is None

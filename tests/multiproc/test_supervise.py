@@ -4,6 +4,7 @@ with its data position kept; exit codes; no process of a killed launch survives.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import signal
@@ -107,6 +108,38 @@ def test_a_hung_rank_is_found_and_the_relaunched_job_ends_bit_identical_to_one_t
         proctree.terminate(("SUPERVISE_TEST", mark), grace=1, root=None)  # the control, by its marker
         control.finish(timeout=30)
     assert marked(mark) == []
+
+
+def test_a_script_that_only_saves_is_timed_by_its_saves_and_its_hang_found_with_default_settings(
+        service, run_name, tmp_path):
+    """The script never calls ckpt.step(): its saves alone show its pace (docs/health.md), so a
+    hang inside step 10 is judged by the steady timeout (the 60 s floor), not the 600 s
+    first-step allowance that a rank without a step time gets -- the control: the verdict's
+    timeout. Default settings everywhere (beats every 10 s, supervisor's poll 5 s); found and
+    relaunched within 2 minutes, and the job ends bit-identical to one that never hung."""
+    steps, hang_step = ("--steps", "12", "--every", "3"), 10
+    only = {"LASTGOOD_EXAMPLE_SAVE_ONLY": "1"}
+    ref = Background(service.url, f"{run_name}-ref", tmp_path / "reference", *steps, env=only)
+    trigger, out, log = tmp_path / "hang", tmp_path / "supervised", tmp_path / "supervise.log"
+    trigger.touch()
+    began = time.monotonic()
+    sup = supervise(service.url, run_name, [], TRAIN, _train_args(service.url, None, out, steps), 2, log=log,
+                    env={**only, "LASTGOOD_EXAMPLE_HANG": f"1:{hang_step}:{trigger}"})
+    res = finish(sup, log)
+    assert res.returncode == 0, why(res)
+    restarts = events(service, run_name)
+    assert [e["kind"] for e in restarts] == ["supervisor_restart"], restarts
+    found = dt.datetime.fromisoformat(restarts[0]["at"]) - dt.datetime.fromisoformat(
+        events(service, run_name, "launch")[0]["at"])
+    assert found.total_seconds() < 120 and time.monotonic() - began < 240, (found, res.stdout[-2000:])
+    detail = restarts[0]["data"]["detail"]
+    # each rank's own timeout: the steady one, not the 600 s first-step allowance; and the
+    # step each rank last saved, where the verdict says it was
+    assert restarts[0]["data"]["reason"] == "hung" and "timeout 600" not in detail, detail
+    assert "after step 8 (no progress for" in detail and "timeout 60.0s" in detail, detail
+    assert ref.finish().returncode == 0
+    diffs = compare(tmp_path / "reference", out, world=2)
+    assert diffs == [], "\n".join(diffs[:20])
 
 
 # ---------------------------------------------------------------- drain

@@ -24,7 +24,7 @@ def test_overview_counts_bytes_activity_pending_and_failures(ui_service, world):
     assert alpha["total_checkpoints"] == lineage["total"] == 10
     assert alpha["checkpoints"] == {"PENDING": 1, "COMMITTED": 7, "ABANDONED": 1, "CORRUPT": 1, "DELETED": 0}
     assert alpha["pending"] == 1
-    assert alpha["recent_failures"] == 2  # the abort and the corruption
+    assert alpha["recent_failures"] == 3  # the abort, the corruption and the restart (events.FAILURE_EVENTS)
     assert alpha["last_good"] == {"id": world.ids["c7"], "step": 500}
     assert alpha["bytes_stored"] == sum(n["bytes"] for n in lineage["nodes"])
     events = get(ui_service, f"/api/v1/runs/{world.alpha}/events", limit=1000).json()["items"]

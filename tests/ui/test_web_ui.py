@@ -87,9 +87,9 @@ def test_runs_list_shows_last_good_counts_bytes_and_health(open_page, ui_service
         assert cells[2] == f"{want['total_checkpoints']:,}"
         assert cells[3].endswith("B")
     alpha = page.locator(f'tr[data-run="{world.alpha}"] td.health').inner_text()
-    assert "2 failures" in alpha and "1 saving" in alpha  # the abort and the corruption; c10 is pending
+    assert "3 failures" in alpha and "1 saving" in alpha  # the abort, the corruption, the restart; c10 is pending
     assert page.locator(f'tr[data-run="{world.beta}"] td.health').inner_text() == "ok"
-    assert overview[world.alpha]["recent_failures"] == 2 and overview[world.alpha]["pending"] == 1
+    assert overview[world.alpha]["recent_failures"] == 3 and overview[world.alpha]["pending"] == 1
     assert page.locator("#auth").is_hidden()  # no auth configured: no prompt
 
     page.locator(f'tr[data-run="{world.beta}"] button.run-link').click()

@@ -187,6 +187,16 @@ def interval_lines(iv: dict) -> list[tuple[str, Text]]:
     return rows
 
 
+def failures_text(f: dict) -> Text:
+    """The run's recent failure events, as the page's badge counts them: "2 in 24 h (save_given_up 2)"."""
+    window = fmt_seconds(f["window_s"])
+    if not f["count"]:
+        return Text(f"none in {window}", style="green")
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(f["kinds"].items()))
+    return Text.assemble(Text(f"{f['count']} in {window}", style="bold red"),
+                         Text(f"  ({kinds}; last {fmt_time(f['last_at'])})", style="dim"))
+
+
 def run(console: Console, r: dict, h: dict) -> None:
     lg = r.get("last_good")
     head = Text.assemble("run ", Text(r["name"], style="bold"))
@@ -204,10 +214,15 @@ def run(console: Console, r: dict, h: dict) -> None:
                            style=STATE_STYLE.get(k.rstrip("s"), "yellow"))
     if not h["ranks"]:
         verdict = Text("no heartbeats yet", style="dim")
+    elif h.get("finished"):
+        verdict = Text(f"finished {fmt_time(h['finished_at'])} (every rank closed its Checkpointer)", style="bold")
     elif not verdict:
         verdict = Text("every rank ok", style="green")
-    rows = [("health", verdict), ("world size", Text(str(h["world_size"] or "-"))),
-            ("hang timeout", Text(fmt_seconds(h["timeout_s"])))]
+    rows = [("health", verdict), ("world size", Text(str(h["world_size"] or "-")))]
+    if not h.get("finished"):
+        rows.append(("hang timeout", Text(fmt_seconds(h["timeout_s"]))))
+    if "failures" in h:
+        rows.append(("failures", failures_text(h["failures"])))
     for k, v in rows + interval_lines(h["interval"]):
         grid.add_row(k, v)
     console.print(grid)

@@ -1,7 +1,11 @@
 """Heartbeats: each rank tells the service it is alive and how far it has got. torch-free.
 
 The training thread only records: `step(n)` stores the step and a timestamp, `phase()`
-says the rank is saving or restoring. A daemon thread of the Checkpointer sends the
+says the rank is saving or restoring, and `reached(n)` (called by save() and restore())
+stores a step the Checkpointer saw: a script that never calls `step()` is timed by its
+saves -- the steps between two saves over the time between them -- so it is judged on
+its real pace, not the first-step allowance; its longest "step" is the time between two
+saves, as its progress is seen only then. A daemon thread of the Checkpointer sends the
 latest of it every period (`LASTGOOD_HEARTBEAT_SECONDS`, default 10 s; 0 turns beats off)
 and at once when the phase changes, as
 
@@ -56,6 +60,8 @@ class Heartbeat:
         self._max_gap = 0.0                  # longest gap between two step() calls since the last beat
         self._phase = TRAIN
         self._stall: float | None = None     # the training thread's stall in the last save
+        self._reached: tuple[int, float] | None = None  # (step, time) of the last save or restore
+        self._pace: float | None = None      # time per step between the last two saves (no step() calls)
         # the beating thread's own
         self._sent: tuple[int, float] | None = None  # (step, time) of the previous beat
         self._step_seconds: float | None = None
@@ -71,6 +77,24 @@ class Heartbeat:
             if gap > self._max_gap:
                 self._max_gap = gap
         self._step, self._t = step, now
+
+    def reached(self, step: int, restored: bool = False) -> None:
+        """A step the Checkpointer saw (a save, or the step a restore returned). When `step()`
+        is not ahead of it, it is the rank's progress, and the pace since the previous save
+        is a step time; a restore starts the count afresh (the time it took is no step's)."""
+        now = time.monotonic()
+        last, self._reached = self._reached, (step, now)
+        if restored:
+            self._step, self._t = step, None
+            return
+        if self._step is not None and step <= self._step:
+            return  # step() is called: it times the steps
+        if last is not None and step > last[0]:
+            # the pace is per step; the longest gap is the whole time between the saves:
+            # progress is seen only at saves, so the timeout must cover that time
+            self._pace = (now - last[1]) / (step - last[0])
+            self._max_gap = max(self._max_gap, now - last[1])
+        self._step = step
 
     def phase(self, phase: str) -> None:
         """Enter a phase; the thread beats at once so the service sees saves and restores."""
@@ -113,15 +137,19 @@ class Heartbeat:
 
     def body(self) -> dict:
         step, t = self._step, self._t
+        timed = False
         if step is not None and t is not None:
             if self._sent is not None and step > self._sent[0] and t > self._sent[1]:
                 self._step_seconds = (t - self._sent[1]) / (step - self._sent[0])
+                timed = True
             if self._sent is None or step != self._sent[0]:
                 self._sent = (step, t)
         elif step is None:
             self._sent = None
         gap, self._max_gap = self._max_gap, 0.0
-        if self._step_seconds is None and gap:
+        if gap and self._t is None and not timed and self._pace is not None:
+            self._step_seconds = self._pace  # timed by its saves alone (no step() since the last save)
+        elif self._step_seconds is None and gap:
             # steps faster than the beats (or each beat landing on a save) give no estimate
             # from beat to beat; the training thread's own step-to-step gap is one, so a rank
             # that hangs early is judged by the steady timeout, not the first-step allowance

@@ -57,6 +57,14 @@ class UsageError(ValueError):
 
 
 # ---------------------------------------------------------------- the torchrun command line
+def _where(r: dict) -> str:
+    """Where a rank was: the last step it reported (`ckpt.step`, or its last save or restore)
+    is the last it finished, so a rank stuck in a step is stuck after that one."""
+    step, phase = r.get("step"), r.get("phase")
+    where = "before its first step" if step is None else f"after step {step}"
+    return where if phase in (None, "train") else f"{where}, {phase}"
+
+
 def option(cmd: list[str], spellings: tuple[str, ...]) -> tuple[int, str, bool] | None:
     """The first `--opt=value` or `--opt value` among cmd: (index, value, inline)."""
     for i, arg in enumerate(cmd):
@@ -220,9 +228,9 @@ class Supervisor:
         bad = [r for r in ours if r.get("state") in ACT_ON]
         if not bad:
             return None
-        detail = "; ".join(f"rank {r['rank']} {r['state']} at step {r.get('step')} (no progress for "
-                           f"{r.get('progress_age_s', 0):.1f}s, last beat {r.get('age_s', 0):.1f}s ago)"
-                           for r in bad) + f"; timeout {doc.get('timeout_s')}s"
+        detail = "; ".join(f"rank {r['rank']} {r['state']} {_where(r)} (no progress for "
+                           f"{r.get('progress_age_s', 0):.1f}s, timeout {r.get('timeout_s')}s, "
+                           f"last beat {r.get('age_s', 0):.1f}s ago)" for r in bad)
         # A hang is blamed on no rank: the rank stuck in its step and the ranks waiting for it
         # in a collective look alike (none makes progress; which is flagged first depends on
         # each rank's allowance). A rank that stopped beating while the others beat is one

@@ -213,6 +213,7 @@ class Checkpointer:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         began = time.monotonic()
+        self.heartbeat.reached(step)  # progress and pace, also for a script that never calls step()
         self.heartbeat.phase(_health.SAVING)
         try:
             self._snapshot(step, state)
@@ -401,6 +402,7 @@ class Checkpointer:
             if restored is None:
                 return None
             step, cid = restored
+            self.heartbeat.reached(step, restored=True)
             self.parent_id = cid
             self._unsure.clear()  # the restored checkpoint is the parent now, on every rank
             self._restores += 1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import re
 from collections.abc import Callable
@@ -13,7 +12,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from lastgood.wire import jsonvalues, names
 
 from ..catalog.models import STATUSES, Checkpoint, Event, ReadLease, Run, RunStats
-from ..catalog.models import CORRUPT, PENDING, Shard, Vote, utcnow
+from ..catalog.models import CORRUPT, PENDING, Shard, Vote
+from .events import FAILURE_WINDOW_S, recent_failures
 from .runs import last_good, lineage
 from .gate import CatalogGate
 from .errors import Damaged, FailedPrecondition, InvalidArgument, NoCheckpoint, NotFound, NoUsableCheckpoint
@@ -26,8 +26,6 @@ MAX_LINEAGE = 10000
 # page and the CLI page through longer runs); the whole 10,000 would make every poll of a
 # long run a multi-MB peak that the service's RSS keeps
 LINEAGE_PAGE = 1000
-# events that mean a save or a checkpoint went wrong: the runs overview counts the recent ones
-FAILURE_EVENTS = ("abort", "expired", "corrupt", "hash_mismatch")
 _EVENT_KIND = re.compile(r"[a-z_]{1,32}")
 
 
@@ -245,14 +243,14 @@ class Queries:
 
     # ---------------------------------------------------------------- the web page's views
     def overview(self, limit: int = 100, offset: int = 0, prefix: str | None = None,
-                 failure_window_seconds: float = 24 * 3600) -> dict:
+                 failure_window_seconds: float = FAILURE_WINDOW_S) -> dict:
         """Runs with what the runs list shows: last-good, checkpoints by status, bytes still
         stored (everything not DELETED), last activity (the newest event), pending saves and
-        the failures (aborts, expiries, corruptions, hash mismatches) within the window, and
+        the failures within the window (events.FAILURE_EVENTS: aborts, given-up saves, expiries,
+        corruptions, hash mismatches, hangs, lost ranks, relaunches), and
         how many loss spikes and rollbacks the run has had (ever: a rollback is history).
         `last_event_id` changes whenever anything happens to the run: the page polls it."""
         _page(limit, offset)
-        since = utcnow() - dt.timedelta(seconds=failure_window_seconds)
         with self.sessions() as s, s.begin():
             total, runs = self._runs_page(s, prefix, limit, offset)
             ids = [r.id for r in runs]
@@ -263,10 +261,7 @@ class Queries:
             newest_ids = [e for e in s.scalars(select(newest).where(Run.id.in_(ids))) if e is not None]
             last = {r: (eid, at) for eid, r, at in s.execute(
                 select(Event.id, Event.run_id, Event.at).where(Event.id.in_(newest_ids)))}
-            fails = {r: (n, at) for r, n, at in s.execute(
-                select(Event.run_id, func.count(), func.max(Event.at))
-                .where(Event.run_id.in_(ids), Event.kind.in_(FAILURE_EVENTS), Event.at >= since)
-                .group_by(Event.run_id))}
+            fails = {r: (f["count"], f["last_at"]) for r, f in recent_failures(s, ids, failure_window_seconds).items()}
             spikes = {(r, k): n for r, k, n in s.execute(
                 select(Event.run_id, Event.kind, func.count())
                 .where(Event.run_id.in_(ids), Event.kind.in_(("spike", "rollback")))

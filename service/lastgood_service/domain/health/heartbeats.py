@@ -20,6 +20,14 @@ first. Failures are relaunches (each launch after the first), torchrun restarts,
 lost ranks and the relaunches `lastgood supervise` records (`supervisor_restart`); signals closer
 together than `failure_merge_seconds` are one failure (a hang, the supervisor's kill and
 its relaunch are one incident).
+
+Finished: when every rank of the newest launch has closed its Checkpointer (its last beat
+says `idle`), the run is finished: no rank is judged, there is no hang timeout, and the
+interval's exposure ends at the last beat, so its MTBF stays what it was. A relaunch beats
+`train` again and the run is live once more.
+
+`failures` in the answer are the run's recent failure events (events.recent_failures), the
+same count as the runs overview's, so the page's badge and `lastgood show` agree.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from lastgood.wire.vocab import Phase
 
 from ...catalog.models import Checkpoint, Event, Heartbeat, Launch, Run, utcnow
 from ..errors import InvalidArgument, NotFound
-from ..events import add_event
+from ..events import FAILURE_WINDOW_S, add_event, recent_failures
 from ..gate import CatalogGate
 from ..runs import fencing
 from . import verdicts
@@ -147,7 +155,9 @@ class Health:
             if run is None:
                 raise NotFound(f"run {run_name!r} does not exist")
             rows = _current(_rows(s, run.id))
-            iv = self._interval(s, run, rows, now)
+            ended = finished_at(rows)
+            iv = self._interval(s, run, rows, ended or now)
+            fails = recent_failures(s, [run.id]).get(run.id, {"count": 0, "last_at": None, "kinds": {}})
         ranks = [_rank(r, now, self.up_since) for r in rows]
         steady, states = verdicts.judge(ranks, limits)
         world = max(rows, key=lambda r: r.beat_at).world_size if rows else None
@@ -157,9 +167,13 @@ class Health:
             items.append({"rank": r.rank, "step": r.step, "phase": r.phase, "age_s": round(v.beat_age, 3),
                           "progress_age_s": round(v.progress_age, 3), "step_seconds": r.step_seconds,
                           "typical_step_s": r.typical_step_s, "save_stall_s": r.save_stall_s,
-                          "timeout_s": verdicts.rank_timeout(v, steady, limits), "state": states[r.rank]})
+                          "timeout_s": None if ended else verdicts.rank_timeout(v, steady, limits),
+                          "state": states[r.rank]})
         return {"run": run.name, "world_size": world, "generation": rows[0].generation if rows else None,
-                "timeout_s": steady if rows else None, "ranks": items,
+                "finished": ended is not None, "finished_at": ended.isoformat() if ended else None,
+                "timeout_s": steady if rows and not ended else None, "ranks": items,
+                "failures": {"window_s": FAILURE_WINDOW_S, "count": fails["count"], "kinds": fails["kinds"],
+                             "last_at": fails["last_at"].isoformat() if fails["last_at"] else None},
                 "hung": sorted(k for k, st in states.items() if st == verdicts.HUNG),
                 "stragglers": sorted(k for k, st in states.items() if st == verdicts.STRAGGLER),
                 "lost": sorted(k for k, st in states.items() if st == verdicts.LOST),
@@ -188,6 +202,8 @@ class Health:
     def _sweep_run(self, run_id: int, now: dt.datetime) -> dict[int, str]:
         with self.sessions() as s, s.begin():
             rows = _current(_rows(s, run_id))
+            if finished_at(rows) is not None:
+                return {r.rank: verdicts.OK for r in rows}  # finished: nothing to judge
             slow = verdicts.outliers([_rank(r, now, self.up_since) for r in rows], self.limits)
             for r in rows:  # when each outlier became one; cleared when it is not
                 since = (r.outlier_since or now) if r.rank in slow else None
@@ -253,6 +269,15 @@ class Health:
                 n += 1
             last = at
         return n
+
+
+def finished_at(rows: list[SimpleNamespace]) -> dt.datetime | None:
+    """When the newest launch finished: every one of its ranks beat `idle` (closed its
+    Checkpointer); the last of those beats. None while any rank is missing or not idle."""
+    if not rows or len(rows) < max(rows, key=lambda r: r.beat_at).world_size \
+            or any(r.phase != verdicts.IDLE for r in rows):
+        return None
+    return max(r.beat_at for r in rows)
 
 
 def _with_override(limits: verdicts.Limits, seconds: float) -> verdicts.Limits:
