@@ -63,7 +63,8 @@ class Checkpointer:
                  token: str | None = None, staging_buffers: int = 2, commit_timeout: float | None = None,
                  retry: RetryPolicy | None = None, require_final: bool = True, new_run: bool | None = None,
                  interval: Interval | str | None = None, heartbeat_seconds: float | None = None,
-                 retention: str | None = None, dedup: bool | None = None, solo: bool = False) -> None:
+                 retention: str | None = None, dedup: bool | None = None, solo: bool = False,
+                 read_only: bool = False) -> None:
         """`retry`: how transient failures are retried (default: the LASTGOOD_RETRY_* settings);
         it also bounds how long a service that is starting is waited for, here and in
         restore(). `require_final`: wait()/close() raise SaveFailed when the newest save did
@@ -78,7 +79,8 @@ class Checkpointer:
         it off; docs/replicated.md). `solo`: this process saves and restores alone, as a world
         of one, with no collective call, for state every rank holds alike (DDP) when one rank
         saves it (Lightning saves on global rank 0 only): only global rank 0 registers the
-        launch and may save; every rank may restore. Otherwise every rank creates the
+        launch and may save; every rank may restore. `read_only`: restore only, never
+        register a launch (so a job that trains is not fenced by a reader). Otherwise every rank creates the
         Checkpointer, within LASTGOOD_JOIN_SECONDS of each other (default 30; else a
         LastgoodError on the ranks that did). What is not passed comes from the
         environment, resolved once (config.ClientConfig, kept as `self.config`)."""
@@ -89,7 +91,7 @@ class Checkpointer:
         self.run = names.check_run_name(distributed.run_name(cfg.run, cfg.new_run))
         self.solo = solo
         # solo: a world of one; only the group's rank 0 writes (the others restore)
-        self.writer = not solo or distributed.rank_world()[0] == 0
+        self.writer = not read_only and (not solo or distributed.rank_world()[0] == 0)
         self._closed = True  # until constructed: close() has nothing to do
         if self.writer:
             _launch.claim(cfg.url, self.run, bool(cfg.attempt), self)
@@ -241,7 +243,8 @@ class Checkpointer:
         if self._closed:
             raise LastgoodError("Checkpointer is closed")
         if not self.writer:
-            raise LastgoodError(f"a solo Checkpointer saves on global rank 0 only (this is rank "
+            raise LastgoodError("a read-only Checkpointer does not save" if not self.solo else
+                                f"a solo Checkpointer saves on global rank 0 only (this is rank "
                                 f"{distributed.rank_world()[0]}): the state is the same on every rank")
         if self._fenced is not None and not self.config.dedup:  # with dedup: raised in the collective (_snapshot)
             raise self._fenced
