@@ -19,6 +19,8 @@ fields down (the transport, the retry policy, the run and attempt). torch-free.
     LASTGOOD_RETRY_INITIAL    first backoff in seconds (default 0.1)
     LASTGOOD_RETRY_MAX_DELAY  longest backoff in seconds (default 2.0)
     LASTGOOD_HEARTBEAT_SECONDS  seconds between a rank's heartbeats (default 10; 0: none)
+    LASTGOOD_JOIN_SECONDS     how long a rank that created a Checkpointer waits for every other
+                              rank to create theirs before it raises (default 30; distributed.arrive)
     LASTGOOD_DEBUG            1: the command line prints a traceback on an unexpected error
     LASTGOOD_FILE_BYTES       a rank's state of at least twice this size is split into files of
                               this size or more on average (at most 4), written and read in parallel
@@ -56,6 +58,8 @@ ENV_DEBUG = "LASTGOOD_DEBUG"
 ENV_HEARTBEAT = "LASTGOOD_HEARTBEAT_SECONDS"
 ENV_SUPERVISOR_LAUNCH = "LASTGOOD_SUPERVISOR_LAUNCH"  # `lastgood supervise` marks each launch's processes
 DEFAULT_HEARTBEAT = 10.0
+ENV_JOIN = "LASTGOOD_JOIN_SECONDS"
+DEFAULT_JOIN = 30.0
 ENV_FILE_BYTES = "LASTGOOD_FILE_BYTES"
 # a state of 512 MiB or more is written as 2-4 files at once: one writer thread cannot fill
 # the page cache as fast as several (docs/performance.md, "Parallel files per rank")
@@ -80,6 +84,7 @@ class ClientConfig:
     heartbeat_seconds: float = DEFAULT_HEARTBEAT
     file_bytes: int = DEFAULT_FILE_BYTES  # 0: one file per rank (state/split.py)
     files_by_cores: bool = True     # file_bytes is the default: at most a file per core (split.files_per_rank)
+    join_seconds: float = DEFAULT_JOIN  # every rank creates its Checkpointer within this (distributed.arrive)
 
     @classmethod
     def resolve(cls, *, url: str | None = None, token: str | None = None, run: str | None = None,
@@ -101,7 +106,8 @@ class ClientConfig:
                    retry=retry or retry_policy(env),
                    heartbeat_seconds=heartbeat_period(env) if heartbeat_seconds is None else heartbeat_seconds,
                    file_bytes=byte_count(env, ENV_FILE_BYTES, DEFAULT_FILE_BYTES) if file_bytes is None else file_bytes,
-                   files_by_cores=file_bytes is None and not env.get(ENV_FILE_BYTES, "").strip())
+                   files_by_cores=file_bytes is None and not env.get(ENV_FILE_BYTES, "").strip(),
+                   join_seconds=_seconds(env, ENV_JOIN, DEFAULT_JOIN))
 
 
 def retry_policy(env: Mapping[str, str] | None = None, **overrides) -> RetryPolicy:

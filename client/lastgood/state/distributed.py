@@ -9,6 +9,9 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import threading
+import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -17,8 +20,66 @@ from lastgood.remote.config import ENV_ATTEMPT, ENV_NEW_RUN, ENV_RUN
 from lastgood.errors import LastgoodError
 
 
+_alone = threading.local()
+
+
 def initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
+    """Is there a process group that lastgood's collectives use? Not inside `alone()`."""
+    return dist.is_available() and dist.is_initialized() and not getattr(_alone, "depth", 0)
+
+
+@contextmanager
+def alone():
+    """This thread's lastgood calls make no collective call, as if there were no process
+    group: a solo Checkpointer (one process saving state every rank holds alike) runs its
+    calls inside it. The trainer's own collectives are untouched."""
+    _alone.depth = getattr(_alone, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _alone.depth -= 1
+
+
+_arrivals = 0  # how many collective Checkpointers this process has created: the Nth meets the Nth
+
+
+def arrive(what: str, timeout: float, poll: float = 0.05) -> None:
+    """Before the first collective call of `what`: wait until every rank of the group got
+    here, else raise LastgoodError within `timeout` seconds, on every rank that did, instead
+    of hanging in a collective the missing ranks never enter. Through the group's store
+    (the rendezvous's key-value store), not a collective. Rank 0 decides "go" once all have
+    arrived; a rank that waited in vain decides "fail" first; whichever decision is stored
+    first (compare_set) holds for every rank, so a late rank fails too instead of entering
+    a collective the others left."""
+    global _arrivals
+    if not initialized() or dist.get_world_size() <= 1:
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - a group without a store: nothing to check with
+        return
+    _arrivals += 1
+    key = f"lastgood/arrive/{_arrivals}"
+    world, rank = dist.get_world_size(), dist.get_rank()
+    store.add(f"{key}/count", 1)
+    deadline = time.monotonic() + timeout
+    verdict = b""
+    while True:
+        if rank == 0 and store.add(f"{key}/count", 0) >= world:
+            verdict = store.compare_set(f"{key}/verdict", "", "go")
+        elif store.check([f"{key}/verdict"]):
+            verdict = store.get(f"{key}/verdict")
+        if not verdict and time.monotonic() >= deadline:
+            verdict = store.compare_set(f"{key}/verdict", "", "fail")
+        if verdict:
+            break
+        time.sleep(poll)
+    if verdict != b"go":
+        arrived = store.add(f"{key}/count", 0)
+        raise LastgoodError(
+            f"{what}: not every rank created it within {timeout:g} s ({arrived} of {world} so far; this is rank {rank}). "
+            "It is collective: every rank creates it, at the same point of the program. For state that every "
+            "rank holds alike (DDP) and that one rank saves, pass solo=True")
 
 
 def rank_world() -> tuple[int, int]:

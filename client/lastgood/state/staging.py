@@ -30,6 +30,8 @@ class Snapshot:
     buffer: torch.Tensor  # uint8: every file's bytes, file i at starts[i]
     layouts: list[Layout]  # one per file (state/split.py): the first holds the state
     starts: list[int]
+    attempt: str | None = None  # the attempt it is saved under (the Checkpointer's, trainer/launch.py)
+    seq: int = 0  # its save's number, in save() order
 
     @property
     def layout(self) -> Layout:

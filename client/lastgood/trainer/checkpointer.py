@@ -17,6 +17,10 @@ committed, its next save first asks the service (retrying), so every rank contin
 the same parent. docs/availability.md tells the whole story.
 Each launch registers with the service for a generation; once a newer launch of the run
 has registered, this one is fenced and save(), wait() and close() raise Fenced.
+A Checkpointer is collective: every rank creates it, and a rank that waits in vain for the
+others raises within seconds (distributed.arrive). `solo=True` is the exception, for state
+every rank holds alike: global rank 0 saves it alone, any rank restores it, and no call
+is collective (docs/replicated.md). One open Checkpointer per run and process (launch.py).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import logging
 import os
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from lastgood.commit.session import SaveSession
@@ -40,6 +45,7 @@ from lastgood.restore.restorer import Restorer
 from lastgood.state import distributed, split
 from lastgood.state.staging import Snapshot, StagingPool, snapshot
 from lastgood.state.trainstate import TrainState
+from lastgood.trainer import launch as _launch
 from lastgood.trainer.uploads import SaveRecord, UploadQueue
 from lastgood.wire import names
 from lastgood.wire.format import file_names, shard_file_name
@@ -57,7 +63,8 @@ class Checkpointer:
                  token: str | None = None, staging_buffers: int = 2, commit_timeout: float | None = None,
                  retry: RetryPolicy | None = None, require_final: bool = True, new_run: bool | None = None,
                  interval: Interval | str | None = None, heartbeat_seconds: float | None = None,
-                 retention: str | None = None, dedup: bool | None = None) -> None:
+                 retention: str | None = None, dedup: bool | None = None, solo: bool = False,
+                 read_only: bool = False) -> None:
         """`retry`: how transient failures are retried (default: the LASTGOOD_RETRY_* settings);
         it also bounds how long a service that is starting is waited for, here and in
         restore(). `require_final`: wait()/close() raise SaveFailed when the newest save did
@@ -69,22 +76,49 @@ class Checkpointer:
         "latest:5,every:1000,tagged,last-good,branch-heads" (docs/training.md), sent once by
         rank 0; None leaves the run's policy as it is. `dedup`: write replicated (DDP)
         state once per checkpoint, spread over the ranks (default on; LASTGOOD_DEDUP=0 turns
-        it off; docs/replicated.md). What is not passed comes from the
+        it off; docs/replicated.md). `solo`: this process saves and restores alone, as a world
+        of one, with no collective call, for state every rank holds alike (DDP) when one rank
+        saves it (Lightning saves on global rank 0 only): only global rank 0 registers the
+        launch and may save; every rank may restore. `read_only`: restore only, never
+        register a launch (so a job that trains is not fenced by a reader). Otherwise every rank creates the
+        Checkpointer, within LASTGOOD_JOIN_SECONDS of each other (default 30; else a
+        LastgoodError on the ranks that did). What is not passed comes from the
         environment, resolved once (config.ClientConfig, kept as `self.config`)."""
         self.config = cfg = ClientConfig.resolve(url=url, token=token, run=run, attempt=attempt, new_run=new_run,
                                                  retry=retry, dedup=dedup)
         if not cfg.url:
             raise LastgoodError(f"no service URL: pass Checkpointer(url, run=...) or set {config.ENV_URL}")
         self.run = names.check_run_name(distributed.run_name(cfg.run, cfg.new_run))
-        self.rank, self.world_size = distributed.rank_world()
+        self.solo = solo
+        # solo: a world of one; only the group's rank 0 writes (the others restore)
+        self.writer = not read_only and (not solo or distributed.rank_world()[0] == 0)
+        self._closed = True  # until constructed: close() has nothing to do
+        if self.writer:
+            _launch.claim(cfg.url, self.run, bool(cfg.attempt), self)
+        try:
+            with self._collectives():
+                self._construct(cfg, commit_timeout, require_final, retention, interval, heartbeat_seconds,
+                                staging_buffers)
+        except BaseException:
+            _launch.release(cfg.url, self.run, self)
+            raise
+
+    def _collectives(self):
+        """Where this Checkpointer's calls run: without collectives when solo."""
+        return distributed.alone() if self.solo else nullcontext()
+
+    def _construct(self, cfg, commit_timeout, require_final, retention, interval, heartbeat_seconds,
+                   staging_buffers) -> None:
+        self.rank, self.world_size = (0, 1) if self.solo else distributed.rank_world()
+        distributed.arrive("lastgood.Checkpointer()", cfg.join_seconds)  # before the first collective
         self.retry = cfg.retry
         self.require_final = require_final
         self.transport = Transport(cfg.url, token=cfg.token, config=cfg)
         self._record_restart()
         commit_timeout = commit_timeout or self.transport.info.commit_timeout
         self.launch = names.check_attempt(distributed.launch_attempt(self.world_size, cfg.attempt))[:56]
-        self._restores = 0  # every rank restores the same number of times, so they agree on the attempt
-        self.generation = self._register(retention)  # a bad retention raises here on every rank
+        self._attempts = _launch.Attempts(self.launch)
+        self.generation = self._register(retention) if self.writer else None  # a bad retention raises on every rank
         self._fenced: Fenced | None = None
         self.file_name = shard_file_name(self.rank)
         # the commit protocol's client side, shared with DCP's writer: it keeps the parent
@@ -101,7 +135,7 @@ class Checkpointer:
         self._closed = False
         self._worker = threading.Thread(target=self._run, name="lastgood-upload", daemon=True)
         self._worker.start()
-        self._start_health(interval, heartbeat_seconds)
+        self._start_health(interval, heartbeat_seconds if self.writer else 0)
 
     # ------------------------------------------------------------------ health (docs/health.md)
     def _start_health(self, interval, period: float | None) -> None:
@@ -132,12 +166,13 @@ class Checkpointer:
             raise LastgoodError("due() needs Checkpointer(..., interval=...): e.g. Interval(every_steps=500), "
                                 "'30m' or 'auto'")
         self.heartbeat.step(step)
-        return self._decider.due(step, epoch_end)
+        with self._collectives():
+            return self._decider.due(step, epoch_end)
 
     def _record_restart(self) -> None:
         """Under torchrun's elastic agent, every restart of the group is an event of the run."""
         restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        if restarts <= 0 or self.rank != 0:
+        if restarts <= 0 or self.rank != 0 or not self.writer:
             return
         try:
             self.transport.record_event(self.run, "restart", {
@@ -178,7 +213,7 @@ class Checkpointer:
     def attempt(self) -> str:
         """(run, step, attempt) names a checkpoint. After a restore the job may save steps it
         saved before (on another branch), so every restore starts a new attempt."""
-        return self.launch if self._restores == 0 else f"{self.launch}.{self._restores}"
+        return self._attempts.current
 
     @property
     def commit_timeout(self) -> float:
@@ -208,6 +243,10 @@ class Checkpointer:
         """Snapshot `state` into CPU memory and return; the upload continues in the background."""
         if self._closed:
             raise LastgoodError("Checkpointer is closed")
+        if not self.writer:
+            raise LastgoodError("a read-only Checkpointer does not save" if not self.solo else
+                                f"a solo Checkpointer saves on global rank 0 only (this is rank "
+                                f"{distributed.rank_world()[0]}): the state is the same on every rank")
         if self._fenced is not None and not self.config.dedup:  # with dedup: raised in the collective (_snapshot)
             raise self._fenced
         if not isinstance(step, int) or step < 0:
@@ -216,7 +255,8 @@ class Checkpointer:
         self.heartbeat.reached(step)  # progress and pace, also for a script that never calls step()
         self.heartbeat.phase(_health.SAVING)
         try:
-            self._snapshot(step, state)
+            with self._collectives():
+                self._snapshot(step, state)
         finally:  # the stall the trainer paid: C of the auto interval
             self.heartbeat.saved(time.monotonic() - began)
             self.heartbeat.phase(_health.TRAIN)
@@ -247,7 +287,8 @@ class Checkpointer:
             snap = snapshot(step, cap.json_state, cap.tensors, self._pool, self.config.file_bytes, most)
         finally:
             self._jobs.wanted = False
-        self._record.requested = step
+        snap.attempt = self._attempts.for_save(step)  # a step saved again: a newer checkpoint (launch.py)
+        snap.seq = self._record.request(step)
         self._jobs.put(snap)
 
     @property
@@ -272,7 +313,7 @@ class Checkpointer:
                         self._upload(snap)
                         committed = True
                         self._gave_up_since_commit = False
-                        self._record.commit(snap.step)
+                        self._record.commit(snap.step, snap.seq)
                         self._report_given_up()
             except BaseException as e:  # noqa: BLE001 - every failure is reported by wait()
                 fenced = self._as_fenced(e)
@@ -308,14 +349,14 @@ class Checkpointer:
         # while saves are given up or failing (an outage), the ranks converge on a step
         converging = lambda: self._jobs.troubled or self._gave_up_since_commit  # noqa: E731
         if converging():
-            self._session.converge(snap.step, self.attempt)
+            self._session.converge(snap.step, snap.attempt)
         up = self._session.checkpoint(snap.step)
         # on the service's host the shard is handed over as a file, hashed as it is written;
         # written before begin, so that a long write never runs into the checkpoint's lease
         # a large state as several files, written, hashed and handed over concurrently (state/split.py)
         views = snap.views()
         up.add_all(list(zip(file_names(self.file_name, len(views)), views)))
-        up.begin(self.world_size, self.attempt)
+        up.begin(self.world_size, snap.attempt)
         up.commit(converging=converging)
         self.last_saved = SaveResult(snap.step, up.checkpoint_id)
 
@@ -355,7 +396,7 @@ class Checkpointer:
                 log.warning("lastgood: run %s: the newest save committed; %s", self.run, self._record.summary())
             return
         msg = f"run {self.run} rank {self.rank}: the newest state was NOT committed. {self._record.summary()}"
-        self._record.requested = None  # said once: close() after a failed wait() does not say it again
+        self._record.request(None)  # said once: close() after a failed wait() does not say it again
         if self.require_final:
             raise SaveFailed(msg) from self._last_error
         log.error("lastgood: %s", msg)
@@ -367,6 +408,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._closed = True
+            _launch.release(self.config.url, self.run, self)
             self.heartbeat.stop(_health.IDLE)  # done: idle, never hung
             self._jobs.put(None)
             self._worker.join(timeout=10)
@@ -398,14 +440,15 @@ class Checkpointer:
         self.heartbeat.phase(_health.RESTORING)
         try:
             self._jobs.join()  # in-flight saves finish first; their failures stay for wait()
-            restored = self._restorer.restore(state, checkpoint_id)
+            with self._collectives():
+                restored = self._restorer.restore(state, checkpoint_id)
             if restored is None:
                 return None
             step, cid = restored
             self.heartbeat.reached(step, restored=True)
             self.parent_id = cid
             self._unsure.clear()  # the restored checkpoint is the parent now, on every rank
-            self._restores += 1
+            self._attempts.restored()
             return step
         finally:
             self.heartbeat.phase(_health.TRAIN)

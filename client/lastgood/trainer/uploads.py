@@ -67,8 +67,13 @@ class UploadQueue:
 
 @dataclass
 class SaveRecord:
-    """What this rank's saves came to, for wait()'s verdict and the operator."""
+    """What this rank's saves came to, for wait()'s verdict and the operator. Saves are
+    numbered in the order save() was called: the verdict asks whether the newest save
+    committed, not whether its step did (a step may be saved twice, launch.py)."""
     requested: int | None = None          # step of the newest save() call
+    requested_seq: int | None = None      # its number; None: nothing to report
+    committed_seq: int | None = None      # number of the newest save that committed
+    saves: int = 0
     committed: list[int] = field(default_factory=list)   # newest KEEP steps
     given_up: list[tuple[int, str]] = field(default_factory=list)  # newest KEEP (step, why)
     unreported: list[tuple[int, str]] = field(default_factory=list)  # not yet posted as an event
@@ -76,10 +81,21 @@ class SaveRecord:
     counts: dict = field(default_factory=lambda: {"saves_committed": 0, "saves_given_up": 0})
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def commit(self, step: int) -> None:
+    def request(self, step: int | None) -> int:
+        """A save() of `step` (None: the verdict is given; nothing to report): its number."""
+        with self.lock:
+            self.saves += 1
+            self.requested = step
+            self.requested_seq = None if step is None else self.saves
+            return self.saves
+
+    def commit(self, step: int, seq: int | None = None) -> None:
+        """Save number `seq` (None: an older one whose outcome was missed) committed."""
         with self.lock:
             self.counts["saves_committed"] += 1
             self.committed = (self.committed + [step])[-KEEP:]
+            if seq is not None:
+                self.committed_seq = max(seq, self.committed_seq or 0)
 
     def give_up(self, step: int, why: str) -> None:
         with self.lock:
@@ -89,7 +105,7 @@ class SaveRecord:
 
     def final_committed(self) -> bool:
         with self.lock:
-            return self.requested is None or (bool(self.committed) and self.committed[-1] == self.requested)
+            return self.requested_seq is None or self.committed_seq == self.requested_seq
 
     def summary(self) -> str:
         with self.lock:
