@@ -43,23 +43,21 @@ from torch.futures import Future
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, StorageMeta, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from lastgood.wire import names
-from lastgood.state.codec import Encoder, UnsupportedValue, decode
+from lastgood.state.codec import Encoder, UnsupportedValue
 from lastgood.remote.config import ENV_URL, ClientConfig
 from lastgood.errors import CorruptCheckpoint, FormatError, LastgoodError
 from lastgood.wire.format import META_STATE, header_length, parse_header, shard_file_name
 from lastgood.state.staging import StagingPool, snapshot
 from lastgood.state.buffers import tensor_from_buffer
+from lastgood.state.dcp_metadata import (MAGIC, METADATA_FILE, metadata_from_json, metadata_to_json,
+                                        value_from_json)
 
 log = logging.getLogger("lastgood")
-MAGIC = b"lastgood-json:1\n"
-METADATA_FILE = "dcp.metadata.json"
 
 
 # ---------------------------------------------------------------------- planners
@@ -74,7 +72,7 @@ def _json_bytes(obj, fqn: str) -> io.BytesIO:
 def _from_json_bytes(raw: bytes, fqn: str):
     if not raw.startswith(MAGIC):
         raise FormatError(f"{fqn}: not lastgood JSON; refusing to unpickle it")
-    return decode(json.loads(raw[len(MAGIC):]), lambda *_: None, lambda *_: None)
+    return value_from_json(raw[len(MAGIC):].decode())
 
 
 class SavePlanner(DefaultSavePlanner):
@@ -95,60 +93,6 @@ class LoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
-
-
-# ---------------------------------------------------------------------- metadata as JSON
-def _index_key(index: MetadataIndex) -> list:
-    return [index.fqn, list(index.offset) if index.offset is not None else None]
-
-
-def metadata_to_json(md: Metadata) -> bytes:
-    sdm = {}
-    for fqn, m in md.state_dict_metadata.items():
-        if isinstance(m, BytesStorageMetadata):
-            sdm[fqn] = {"type": "bytes"}
-        else:
-            sdm[fqn] = {"type": "tensor", "dtype": str(m.properties.dtype).removeprefix("torch."),
-                        "requires_grad": bool(m.properties.requires_grad), "size": list(m.size),
-                        "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in m.chunks]}
-    enc = Encoder()
-    planner_data = enc.encode(md.planner_data, ["planner_data"])
-    if enc.tensors:
-        raise UnsupportedValue("DCP planner data holds tensors")
-    sm = md.storage_meta
-    doc = {
-        "format": "lastgood.dcp/1", "version": md.version, "state_dict_metadata": sdm, "planner_data": planner_data,
-        "storage_data": [[*_index_key(k), v] for k, v in (md.storage_data or {}).items()],
-        "storage_meta": None if sm is None else {"checkpoint_id": str(sm.checkpoint_id) if sm.checkpoint_id else None,
-                                                 "save_id": sm.save_id, "load_id": sm.load_id,
-                                                 "modules": list(sm.modules)},
-    }
-    return json.dumps(doc, sort_keys=True, allow_nan=False).encode()
-
-
-def metadata_from_json(raw: bytes) -> Metadata:
-    doc = json.loads(raw)
-    if doc.get("format") != "lastgood.dcp/1":
-        raise FormatError(f"unknown DCP metadata format {doc.get('format')!r}")
-    sdm = {}
-    for fqn, m in doc["state_dict_metadata"].items():
-        if m["type"] == "bytes":
-            sdm[fqn] = BytesStorageMetadata()
-        else:
-            dtype = getattr(torch, m["dtype"], None)
-            if not isinstance(dtype, torch.dtype):
-                raise FormatError(f"{fqn}: unknown dtype {m['dtype']!r}")
-            sdm[fqn] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=dtype, requires_grad=m["requires_grad"]),
-                size=torch.Size(m["size"]),
-                chunks=[ChunkStorageMetadata(offsets=torch.Size(c["offsets"]), sizes=torch.Size(c["sizes"]))
-                        for c in m["chunks"]])
-    storage = {MetadataIndex(fqn, offset): where for fqn, offset, where in doc["storage_data"]}
-    sm = doc["storage_meta"]
-    return Metadata(state_dict_metadata=sdm, planner_data=decode(doc["planner_data"], lambda *_: None,
-                                                                 lambda *_: None),
-                    storage_data=storage, version=doc["version"],
-                    storage_meta=None if sm is None else StorageMeta(**sm))
 
 
 # ---------------------------------------------------------------------- writer
