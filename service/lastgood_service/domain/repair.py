@@ -207,7 +207,11 @@ class Repair:
                     s.add(run)
                     s.flush()
                 parent = s.get(Checkpoint, m.parent_id) if m.parent_id else None
-                complete = all(stored.get(keys.shard_key(p.prefix, r, f.xxh3_128)) == f.size
+                # a shard under its name, or under an older store's (keys.shard_keys)
+                key_of = {(r, f.name): next((k for k in keys.shard_keys(p.prefix, r, f.xxh3_128) if k in stored),
+                                            keys.shard_key(p.prefix, r, f.xxh3_128))
+                          for r, files in m.ranks.items() for f in files}
+                complete = all(stored.get(key_of[r, f.name]) == f.size
                                and (f.index is None or stored.get(keys.index_key(p.prefix, r, f.index["xxh3_128"]))
                                     == f.index["size"])
                                for r, files in m.ranks.items() for f in files)
@@ -234,7 +238,7 @@ class Repair:
                         index = f.index or ({"data_start": f.data_start, "tensors": f.tensors}
                                             if f.tensors is not None else None)
                         s.add(Shard(checkpoint_id=ck.id, rank=r, file_name=f.name, size=f.size,
-                                    xxh3_128=f.xxh3_128, blob_key=keys.shard_key(p.prefix, r, f.xxh3_128),
+                                    xxh3_128=f.xxh3_128, blob_key=key_of[r, f.name],
                                     status=VERIFIED, index_json=json.dumps(index) if index else None,
                                     created_at=now))
                     s.add(Vote(checkpoint_id=ck.id, rank=r, files_json=json.dumps(sorted(f.name for f in files)),
