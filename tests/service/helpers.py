@@ -230,7 +230,7 @@ def ckpt_dir(svc, checkpoint_id: int) -> Path:
 
 
 def shard_blob(svc, checkpoint_id: int, rank: int) -> Path:
-    """The one blob file holding rank's shard of the checkpoint (keys end in r<rank>/<xxh3>;
+    """The one blob file holding rank's shard of the checkpoint (keys end in r<rank>/<name>;
     its tensor index beside it ends in .index, see index_blob)."""
     files = [p for p in (ckpt_dir(svc, checkpoint_id) / f"r{rank}").iterdir()
              if p.is_file() and not p.name.endswith(INDEX_SUFFIX)]

@@ -1,6 +1,6 @@
 """Blob keys of checkpoints: the one place that spells them and reads them back.
 
-    ckpt/<id>-<nonce>/r<rank>/<xxh3-128>     a shard file (named by its content hash)
+    ckpt/<id>-<nonce>/r<rank>/<name>         a shard file (named by a one-way hash of its content hash)
     ckpt/<id>-<nonce>/manifest.json          the manifest that makes the checkpoint complete
     ckpt/<id>-<nonce>/r<rank>/<xxh3>.index   a safetensors file's tensor index, named in the manifest
     quarantine/ckpt/<id>-<nonce>/manifest.json   a manifest `rebuild` refused (unsealed by the
@@ -15,12 +15,22 @@ launch attempt - so it needs no column, is the same on every replica, and a chec
 another catalog history with the same id gets another folder. It is derived from the
 manifest's own fields too, so `rebuild` can check a manifest against its key.
 
-Checkpoints written before the nonce (`ckpt/<id>/...`) keep their keys: the catalog stores
-every key it wrote (shards.blob_key, checkpoints.manifest_key) and reads use those.
+Why a shard's name is not its xxh3-128: in `peer` verification another rank reads the file
+back and reports the digest it got (domain/peer/verification_modes.py); a checker that could
+read the declared digest off the key (a direct-FS path, a presigned GET's URL) could report it
+without reading a byte. The name is the BLAKE2b-128 of the digest (`shard_name`): the same
+content still gets the same key (a replicated file is stored once), and the digest cannot be
+recovered from it.
+
+Keys of older stores keep working: the catalog stores every key it wrote (shards.blob_key,
+checkpoints.manifest_key) and reads use those; checkpoints written before the nonce
+(`ckpt/<id>/...`) or with shards named by the digest itself (`legacy_shard_key`) are found by
+`rebuild` under either name (`shard_keys`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
@@ -41,8 +51,23 @@ def prefix(checkpoint_id: int, run: str, step: int, attempt: str) -> str:
     return f"{ROOT}{checkpoint_id}-{nonce(run, step, attempt)}/"
 
 
+def shard_name(xxh3: str) -> str:
+    """A shard's object name: a one-way hash of its declared xxh3-128 (why: the module's doc)."""
+    return hashlib.blake2b(bytes.fromhex(xxh3), digest_size=16, person=b"lastgood-shard").hexdigest()
+
+
 def shard_key(ckpt_prefix: str, rank: int, xxh3: str) -> str:
+    return f"{ckpt_prefix}r{rank}/{shard_name(xxh3)}"
+
+
+def legacy_shard_key(ckpt_prefix: str, rank: int, xxh3: str) -> str:
+    """Where stores written before `shard_name` keep a shard: named by its digest itself."""
     return f"{ckpt_prefix}r{rank}/{xxh3}"
+
+
+def shard_keys(ckpt_prefix: str, rank: int, xxh3: str) -> tuple[str, str]:
+    """Every key a shard of this digest may have in a store (rebuild looks for each)."""
+    return shard_key(ckpt_prefix, rank, xxh3), legacy_shard_key(ckpt_prefix, rank, xxh3)
 
 
 def index_key(ckpt_prefix: str, rank: int, index_xxh3: str) -> str:

@@ -295,13 +295,19 @@ class Repair:
             out["moved_to"] = dest
         return out
 
+    @staticmethod
+    def _shard_key(pfx: str, rank: int, digest: str, stored: dict[str, int]) -> str:
+        """A shard under its name, or under an older store's (keys.shard_keys)."""
+        return next((k for k in keys.shard_keys(pfx, rank, digest) if k in stored),
+                    keys.shard_key(pfx, rank, digest))
+
     def _damage(self, pfx: str, m: Manifest, stored: dict[str, int]) -> str | None:
         """Why the checkpoint is not whole in the store, or None: every file and index
         object present at its size and re-hashed to the manifest's xxh3-128 (a sealed
         manifest vouches for the hashes, not for the bytes under them)."""
         for r, files in m.ranks.items():
             for f in files:
-                blobs = [(keys.shard_key(pfx, r, f.xxh3_128), f.size, f.xxh3_128, f.name)]
+                blobs = [(self._shard_key(pfx, r, f.xxh3_128, stored), f.size, f.xxh3_128, f.name)]
                 if f.index is not None:
                     blobs.append((keys.index_key(pfx, r, f.index["xxh3_128"]), f.index["size"],
                                   f.index["xxh3_128"], f"{f.name} (tensor index)"))
@@ -354,7 +360,7 @@ class Repair:
                     index = f.index or ({"data_start": f.data_start, "tensors": f.tensors}
                                         if f.tensors is not None else None)
                     s.add(Shard(checkpoint_id=ck.id, rank=r, file_name=f.name, size=f.size,
-                                xxh3_128=f.xxh3_128, blob_key=keys.shard_key(p.prefix, r, f.xxh3_128),
+                                xxh3_128=f.xxh3_128, blob_key=self._shard_key(p.prefix, r, f.xxh3_128, stored),
                                 status=VERIFIED, index_json=json.dumps(index) if index else None,
                                 created_at=now))
                 s.add(Vote(checkpoint_id=ck.id, rank=r, files_json=json.dumps(sorted(f.name for f in files)),
