@@ -71,7 +71,9 @@ def test_malformed_state_falls_back_to_the_parent(service, run_name, case):
     shard = service.get(f"/api/v1/checkpoints/{good}/ranks/0/files/{shard_name(0)}").content
 
     with Client(service.grpc_target) as client:  # step 2: the rewritten shard, committed as it is
-        cid = client.begin(run_name, step=2, parent_id=good).checkpoint_id
+        # as the launch that saved step 1: a run with registered launches fences generation 0
+        gen = service.get(f"/api/v1/runs/{run_name}/launches/current").json()["generation"]
+        cid = client.begin(run_name, step=2, parent_id=good, generation=gen).checkpoint_id
         client.put(cid, 0, shard_name(0), _rewrite(shard, CASES[case]), chunk=1 << 20)
         assert client.vote(cid, 0, [shard_name(0)], wait=5).status == "COMMITTED"
     assert service.get(f"/api/v1/runs/{run_name}/last-good").json()["id"] == cid
