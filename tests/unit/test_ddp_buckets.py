@@ -15,7 +15,7 @@ from torch import nn
 
 from lastgood.remote.config import ClientConfig
 from lastgood.state import ddp_buckets
-from lastgood.state.ddp_buckets import DDPInternalsChanged
+from lastgood.errors import DDPInternalsChanged
 from tests.conftest import free_port
 
 # the initial layout: every gradient in one bucket, in parameter order; the rebuilt one

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lastgood.errors import LastgoodError
+from lastgood.errors import DDPInternalsChanged
 
 log = logging.getLogger("lastgood")
 
@@ -52,10 +52,6 @@ _ASSIGN = "_compute_bucket_assignment_by_size"
 # a Reducer's layout once it no longer changes (after its rebuild, or one that never
 # rebuilds): read once, since reading allocates a copy of every gradient bucket
 _final: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-class DDPInternalsChanged(LastgoodError):
-    """This torch's DDP lacks what ddp_buckets.py relies on, or builds its Reducer otherwise."""
 
 
 def _require(ddp: _DDP) -> None:
