@@ -59,8 +59,13 @@ def test_a_save_records_the_layout_of_the_next_step_and_a_fresh_ddp_is_built_in_
     saved = ddp_buckets.layout(trained)  # the rebuild is done here
     assert saved == _as_saved(REBUILT) and _layout(trained) == REBUILT
 
+    reducer = trained.reducer
+    ddp_buckets.establish(trained, saved)  # a rollback in the same process: already in that layout
+    assert trained.reducer is reducer
+
     fresh = _ddp()
     ddp_buckets.establish(fresh, saved)
+    assert fresh.reducer is not reducer
     assert _layout(fresh) == REBUILT
     _step(fresh), _step(fresh)  # it still reduces (and rebuilds once more, into the same layout)
     assert _layout(fresh) == REBUILT and all(p.grad is not None for p in fresh.parameters())

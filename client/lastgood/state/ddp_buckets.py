@@ -87,8 +87,10 @@ def _read(ddp: _DDP) -> list[list[str]]:
     return [[names[id(p)] for p in bucket.parameters()] for bucket in ddp.reducer._get_zeros_like_grad_buckets()]
 
 
-def _never_rebuilds(ddp: _DDP) -> bool:
-    return bool(ddp.find_unused_parameters) and not ddp.static_graph
+def _is_final(ddp: _DDP) -> bool:
+    """Will the layout of the Reducer of `ddp` stay as it is? After its rebuild (until
+    `_update_process_group` resets it), and for one that never rebuilds."""
+    return getattr(ddp, "_has_rebuilt_buckets", False) or (bool(ddp.find_unused_parameters) and not ddp.static_graph)
 
 
 def layout(ddp: _DDP) -> list[list[str]] | None:
@@ -102,13 +104,13 @@ def layout(ddp: _DDP) -> list[list[str]] | None:
     if reducer._rebuild_buckets():  # what the next forward would do first; a broadcast
         ddp._has_rebuilt_buckets = True
         _final.pop(reducer, None)
-    known = _final.get(reducer)
-    if known is not None:
-        return known
-    buckets = _read(ddp)
-    if getattr(ddp, "_has_rebuilt_buckets", False) or _never_rebuilds(ddp):
-        _final[reducer] = buckets
-    return buckets
+    final = _is_final(ddp)
+    known = _final.get(reducer) if final else None
+    if known is None:
+        known = _read(ddp)
+        if final:
+            _final[reducer] = known
+    return known
 
 
 def establish(ddp: _DDP, saved: list[list[str]] | None) -> None:
@@ -121,7 +123,7 @@ def establish(ddp: _DDP, saved: list[list[str]] | None) -> None:
         log.warning("lastgood: DDP with %s: resuming in DDP's initial gradient-bucket layout; on three or more "
                     "ranks the run may differ in the last bits from one that was not interrupted", why)
         return
-    if _final.get(ddp.reducer) == saved:
+    if _is_final(ddp) and _final.get(ddp.reducer) == saved:
         return  # a restore in the same process (a rollback): the layout is already the saved one
     parameters, expect_sparse = ddp._build_params_for_reducer()
     wanted = _indices(ddp, parameters, saved)
