@@ -20,7 +20,9 @@ and reads the layout back. What it touches of torch:
   `_ddp_init_helper()` (which constructs the Reducer; `__setstate__` calls it too),
   `_get_ddp_logging_data()`, `_comm_hooks`, `_has_rebuilt_buckets`, `static_graph`;
 - `torch.distributed._compute_bucket_assignment_by_size`, which `_ddp_init_helper` calls
-  once for the initial layout: for that call it returns the saved layout.
+  once for the initial layout: for that call it returns the saved layout; and
+  `torch.distributed._register_comm_hook`, which puts the Python hooks of `_comm_hooks` on the
+  new Reducer.
 
 A missing one raises DDPInternalsChanged naming it, as does a Reducer whose layout read back
 is not the saved one: never a resume in another layout without a word. LASTGOOD_DDP_BUCKETS=0
@@ -57,8 +59,7 @@ _final: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _require(ddp: _DDP) -> None:
     missing = [f"DistributedDataParallel.{a}" for a in _DDP_ATTRS if not callable(getattr(ddp, a, None))]
     missing += [f"Reducer.{a}" for a in _REDUCER_ATTRS if not callable(getattr(ddp.reducer, a, None))]
-    if not callable(getattr(dist, _ASSIGN, None)):
-        missing.append(f"torch.distributed.{_ASSIGN}")
+    missing += [f"torch.distributed.{a}" for a in (_ASSIGN, "_register_comm_hook") if not callable(getattr(dist, a, None))]
     if missing:
         raise DDPInternalsChanged(_changed(f"lacks {', '.join(missing)}"))
 
