@@ -59,7 +59,8 @@ _final: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _require(ddp: _DDP) -> None:
     missing = [f"DistributedDataParallel.{a}" for a in _DDP_ATTRS if not callable(getattr(ddp, a, None))]
     missing += [f"Reducer.{a}" for a in _REDUCER_ATTRS if not callable(getattr(ddp.reducer, a, None))]
-    missing += [f"torch.distributed.{a}" for a in (_ASSIGN, "_register_comm_hook") if not callable(getattr(dist, a, None))]
+    missing += [f"torch.distributed.{a}" for a in (_ASSIGN, "_register_comm_hook")
+                if not callable(getattr(dist, a, None))]
     if missing:
         raise DDPInternalsChanged(_changed(f"lacks {', '.join(missing)}"))
 
