@@ -19,8 +19,8 @@ import importlib
 
 __version__ = "0.1.0"
 
-_ERRORS = ("LastgoodError", "SaveFailed", "CorruptCheckpoint", "NoUsableCheckpoint", "ServiceError", "Fenced",
-           "Unavailable", "ServiceUnreachable", "Refused", "NotFound", "InvalidArgument", "Conflict",
+_ERRORS = ("LastgoodError", "SaveFailed", "CorruptCheckpoint", "DDPInternalsChanged", "NoUsableCheckpoint",
+           "ServiceError", "Fenced", "Unavailable", "ServiceUnreachable", "Refused", "NotFound", "InvalidArgument", "Conflict",
            "FailedPrecondition", "PermissionDenied", "Unauthenticated", "DataLoss", "CatalogBehind", "StoreFull")
 _LAZY = {
     "Checkpointer": "lastgood.trainer.checkpointer",

@@ -43,6 +43,11 @@ class CorruptCheckpoint(LastgoodError):
     """Bytes read back do not match the hash recorded at commit."""
 
 
+class DDPInternalsChanged(LastgoodError):
+    """This torch's DistributedDataParallel lacks an internal that keeping its gradient-bucket
+    layout across a resume relies on, or builds its Reducer otherwise (state/ddp_buckets.py)."""
+
+
 class ServiceError(LastgoodError):
     """The service refused or failed a request, or did not answer.
 

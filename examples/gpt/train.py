@@ -66,9 +66,6 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--loader", choices=["stateful", "plain"], default="stateful")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ddp-fixed-buckets", action="store_true",
-                   help="keep DDP's gradient-bucket layout fixed (find_unused_parameters=True): with more "
-                        "than two ranks a resumed run is then bit-identical (see docs/training.md)")
     p.add_argument("--spike-guard", action="store_true", help="roll back automatically on a loss spike")
     p.add_argument("--spike-margin", type=int, default=0, help="trust only checkpoints this many steps before a spike")
     p.add_argument("--poison", default=None, metavar="EPOCH:ID",
@@ -159,7 +156,7 @@ def main(argv=None) -> None:
     random.seed(args.seed)
     np.random.seed(args.seed)
     cfg = GPTConfig()
-    model = DDP(GPT(cfg), find_unused_parameters=args.ddp_fixed_buckets)
+    model = DDP(GPT(cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     warmup = 4
 

@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from lastgood.remote.config import ClientConfig
 from lastgood.state import ddp_buckets
-from lastgood.state.ddp_buckets import DDPInternalsChanged
+from lastgood.errors import DDPInternalsChanged
 from tests.conftest import free_port
 
 # the initial layout: every gradient in one bucket, in parameter order; the rebuilt one
@@ -59,11 +60,33 @@ def test_a_save_records_the_layout_of_the_next_step_and_a_fresh_ddp_is_built_in_
     saved = ddp_buckets.layout(trained)  # the rebuild is done here
     assert saved == _as_saved(REBUILT) and _layout(trained) == REBUILT
 
+    reducer = trained.reducer
+    ddp_buckets.establish(trained, saved)  # a rollback in the same process: already in that layout
+    assert trained.reducer is reducer
+
     fresh = _ddp()
     ddp_buckets.establish(fresh, saved)
+    assert fresh.reducer is not reducer
     assert _layout(fresh) == REBUILT
     _step(fresh), _step(fresh)  # it still reduces (and rebuilds once more, into the same layout)
     assert _layout(fresh) == REBUILT and all(p.grad is not None for p in fresh.parameters())
+
+
+def test_a_python_communication_hook_is_kept_on_the_new_reducer():
+    calls = []
+
+    def counted(state, bucket):  # no annotations: torch compares them with its classes, not strings
+        calls.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    trained = _ddp()
+    _step(trained)
+    saved = ddp_buckets.layout(trained)
+    fresh = _ddp()
+    fresh.register_comm_hook(None, counted)
+    ddp_buckets.establish(fresh, saved)
+    _step(fresh)
+    assert calls == [0]  # one bucket, reduced through the hook
 
 
 def test_a_ddp_that_never_rebuilds_keeps_its_layout():

@@ -20,7 +20,9 @@ and reads the layout back. What it touches of torch:
   `_ddp_init_helper()` (which constructs the Reducer; `__setstate__` calls it too),
   `_get_ddp_logging_data()`, `_comm_hooks`, `_has_rebuilt_buckets`, `static_graph`;
 - `torch.distributed._compute_bucket_assignment_by_size`, which `_ddp_init_helper` calls
-  once for the initial layout: for that call it returns the saved layout.
+  once for the initial layout: for that call it returns the saved layout; and
+  `torch.distributed._register_comm_hook`, which puts the Python hooks of `_comm_hooks` on the
+  new Reducer.
 
 A missing one raises DDPInternalsChanged naming it, as does a Reducer whose layout read back
 is not the saved one: never a resume in another layout without a word. LASTGOOD_DDP_BUCKETS=0
@@ -39,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lastgood.errors import LastgoodError
+from lastgood.errors import DDPInternalsChanged
 
 log = logging.getLogger("lastgood")
 
@@ -54,15 +56,11 @@ _ASSIGN = "_compute_bucket_assignment_by_size"
 _final: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-class DDPInternalsChanged(LastgoodError):
-    """This torch's DDP lacks what ddp_buckets.py relies on, or builds its Reducer otherwise."""
-
-
 def _require(ddp: _DDP) -> None:
     missing = [f"DistributedDataParallel.{a}" for a in _DDP_ATTRS if not callable(getattr(ddp, a, None))]
     missing += [f"Reducer.{a}" for a in _REDUCER_ATTRS if not callable(getattr(ddp.reducer, a, None))]
-    if not callable(getattr(dist, _ASSIGN, None)):
-        missing.append(f"torch.distributed.{_ASSIGN}")
+    missing += [f"torch.distributed.{a}" for a in (_ASSIGN, "_register_comm_hook")
+                if not callable(getattr(dist, a, None))]
     if missing:
         raise DDPInternalsChanged(_changed(f"lacks {', '.join(missing)}"))
 
@@ -91,8 +89,10 @@ def _read(ddp: _DDP) -> list[list[str]]:
     return [[names[id(p)] for p in bucket.parameters()] for bucket in ddp.reducer._get_zeros_like_grad_buckets()]
 
 
-def _never_rebuilds(ddp: _DDP) -> bool:
-    return bool(ddp.find_unused_parameters) and not ddp.static_graph
+def _is_final(ddp: _DDP) -> bool:
+    """Will the layout of the Reducer of `ddp` stay as it is? After its rebuild (until
+    `_update_process_group` resets it), and for one that never rebuilds."""
+    return getattr(ddp, "_has_rebuilt_buckets", False) or (bool(ddp.find_unused_parameters) and not ddp.static_graph)
 
 
 def layout(ddp: _DDP) -> list[list[str]] | None:
@@ -106,13 +106,13 @@ def layout(ddp: _DDP) -> list[list[str]] | None:
     if reducer._rebuild_buckets():  # what the next forward would do first; a broadcast
         ddp._has_rebuilt_buckets = True
         _final.pop(reducer, None)
-    known = _final.get(reducer)
-    if known is not None:
-        return known
-    buckets = _read(ddp)
-    if getattr(ddp, "_has_rebuilt_buckets", False) or _never_rebuilds(ddp):
-        _final[reducer] = buckets
-    return buckets
+    final = _is_final(ddp)
+    known = _final.get(reducer) if final else None
+    if known is None:
+        known = _read(ddp)
+        if final:
+            _final[reducer] = known
+    return known
 
 
 def establish(ddp: _DDP, saved: list[list[str]] | None) -> None:
@@ -125,7 +125,7 @@ def establish(ddp: _DDP, saved: list[list[str]] | None) -> None:
         log.warning("lastgood: DDP with %s: resuming in DDP's initial gradient-bucket layout; on three or more "
                     "ranks the run may differ in the last bits from one that was not interrupted", why)
         return
-    if _final.get(ddp.reducer) == saved:
+    if _is_final(ddp) and _final.get(ddp.reducer) == saved:
         return  # a restore in the same process (a rollback): the layout is already the saved one
     parameters, expect_sparse = ddp._build_params_for_reducer()
     wanted = _indices(ddp, parameters, saved)

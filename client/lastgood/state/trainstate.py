@@ -141,7 +141,9 @@ class TrainState:
                     rename, param_index[name] = self._optimizer_renamer(obj, name, pnames)
             comps[name] = {"kind": kind, "state": enc.encode(sd, [name], rename)}
             if kind == "module" and ddp_buckets and isinstance(obj, nn.parallel.DistributedDataParallel):
-                comps[name]["ddp_buckets"] = ddp_buckets_layout(obj)  # a due rebuild is done here, on every rank
+                buckets = ddp_buckets_layout(obj)  # a due rebuild is done here, on every rank
+                if buckets is not None:
+                    comps[name]["ddp_buckets"] = buckets
         extra = enc.encode(self.extra, ["extra"])
         rng_state = enc.encode(rng.capture(), ["rng"])  # last: see the module docstring
         return Captured({"version": STATE_VERSION, "step": step, "rank": rank, "world_size": world_size,
