@@ -137,7 +137,12 @@ def test_a_script_that_only_saves_is_timed_by_its_saves_and_its_hang_found_with_
     # step each rank last saved, where the verdict says it was
     assert restarts[0]["data"]["reason"] == "hung" and "timeout 600" not in detail, detail
     assert "after step 8 (no progress for" in detail and "timeout 60.0s" in detail, detail
+    # logs at scale: the job's incident (no checkpoint yet, a new run) is one line, rank 0's,
+    # with the job's rank count; the other rank's is at debug level (common/joblog.py)
+    assert res.stdout.count("has no checkpoint at") == 1, res.stdout[-3000:]
+    assert "starting from the beginning [rank 0 of 2 ranks; the others log theirs at debug level]" in res.stdout
     assert ref.finish().returncode == 0
+    assert ref.output().count("has no checkpoint at") == 1
     diffs = compare(tmp_path / "reference", out, world=2)
     assert diffs == [], "\n".join(diffs[:20])
 

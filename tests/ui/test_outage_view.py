@@ -11,6 +11,7 @@ import re
 import time
 from urllib.parse import urlencode
 
+import pytest
 import torch
 from torch import nn
 
@@ -47,6 +48,7 @@ def outage_run(svc, run: str) -> None:
     ckpt.close()
 
 
+@pytest.mark.slow  # a real outage: the service killed and restarted (~28 s on two busy cores)
 def test_the_outage_run_shows_its_given_up_saves(open_page, make_service, run_name):
     svc = make_service(LASTGOOD_LEASE_SECONDS="30")
     outage_run(svc, run_name)
