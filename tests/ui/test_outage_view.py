@@ -56,6 +56,10 @@ def test_the_outage_run_shows_its_given_up_saves(open_page, make_service, run_na
     assert len(events) == 1, events  # the control: the client did give saves up, and said so once back
     lost = sorted(events[0]["data"]["steps"])
     assert lost and all(3 <= s <= 7 for s in lost), lost
+    # a second rank of the same job gave up the same saves: one entry on the page, two ranks
+    r = svc.post(f"/api/v1/runs/{run_name}/events", json={"kind": "save_given_up", "data": {
+        **events[0]["data"], "rank": 1}})
+    assert r.status_code == 200, r.text
     committed = sorted(c["step"] for c in svc.get(f"/api/v1/runs/{run_name}/checkpoints").json()["items"]
                        if c["status"] == "COMMITTED")
 
@@ -64,7 +68,8 @@ def test_the_outage_run_shows_its_given_up_saves(open_page, make_service, run_na
     wait_text(page, "#events", "gave up")
     text = page.locator("#events li.ev-save_given_up .event-data").inner_text()
     steps = f"step {lost[0]}" if len(lost) == 1 else f"{lost[-1]}"
-    assert text.startswith("rank 0 gave up the saves of") and steps in text, text
+    assert page.locator("#events li.ev-save_given_up").count() == 1
+    assert text.startswith("2 ranks (0, 1) gave up the saves of") and steps in text, text
     assert "{" not in text, text  # a sentence, not the event's JSON
     assert page.locator("#events li.ev-save_given_up .badge").inner_text() == "saves given up"
 
@@ -78,11 +83,11 @@ def test_the_outage_run_shows_its_given_up_saves(open_page, make_service, run_na
 
     # counted as a failure on the runs list and in the health panel, alike; the run finished
     row = page.locator(f'tr[data-run="{run_name}"] td.health')
-    wait_text(page, f'tr[data-run="{run_name}"] td.health', "1 failure (24 h)")
-    assert "1 failure (24 h)" in row.inner_text()
+    wait_text(page, f'tr[data-run="{run_name}"] td.health', "2 failures (24 h)")  # one event per rank
+    assert "2 failures (24 h)" in row.inner_text()
     wait_text(page, "#run-health", "finished")
     health = page.locator("#run-health .health-line").inner_text()
-    assert "1 failure (24 h): save given up 1" in health and "hang timeout" not in health, health
+    assert "2 failures (24 h): save given up 2" in health and "hang timeout" not in health, health
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "lineage-outage.png"))
 
