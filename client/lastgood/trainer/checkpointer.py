@@ -375,6 +375,7 @@ class Checkpointer:
             self._worker.join(timeout=10)
             self.transport.close()
             self._pool.clear()  # free the (possibly pinned) staging buffers
+            joblog.set_job(0, 1)  # no job's rank any more: the process logs as one
 
     def __enter__(self) -> "Checkpointer":
         return self
