@@ -76,6 +76,11 @@ def test_an_outage_mid_run_costs_the_job_nothing(make_service, run_name, tmp_pat
     events = svc.get(f"/api/v1/runs/{run_name}/events", params={"limit": 1000}).json()["items"]
     given_up = [e for e in events if e["kind"] == "save_given_up"]
     assert {e["data"]["rank"] for e in given_up} == {0, 1}
+    # logs at scale: each given-up save is one line for the job (rank 0's, with the rank
+    # count), not one per rank; rank 1's are at debug level (common/joblog.py)
+    lines = [line for line in res.stdout.splitlines() if "given up, training goes on" in line]
+    rank0 = next(json.loads(x.split("saves: ", 1)[1]) for x in res.stdout.splitlines() if "[rank 0] saves: " in x)
+    assert len(lines) == rank0["saves_given_up"] and all("[rank 0 of 2 ranks;" in x for x in lines), lines
 
     # a relaunch resumes from the final checkpoint bit for bit
     again = tmp_path / "again"

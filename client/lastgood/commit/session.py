@@ -33,6 +33,7 @@ from lastgood.datapath import peer
 from lastgood.errors import GaveUp, SaveFailed, ServiceError
 from lastgood.wire.hashing import hash_bytes
 from lastgood.common import parallel
+from lastgood.common.joblog import incident
 from lastgood.datapath.choose import default_path
 from lastgood.datapath.paths import DataPath, Prepared, StreamPath
 
@@ -111,7 +112,8 @@ class SaveSession:
                 if self.committed_with(u.checkpoint_id, u.files, u.rank):
                     if on_committed is not None:
                         on_committed(u.step, u.checkpoint_id)
-                    log.warning("lastgood: step %s (checkpoint %s) did commit after all", u.step, u.checkpoint_id)
+                    incident(log, logging.WARNING, "lastgood: step %s (checkpoint %s) did commit after all", u.step,
+                             u.checkpoint_id)
             self.unsure.pop(0)
 
     def converge(self, step: int, attempt: str, cid: int | None = None) -> None:

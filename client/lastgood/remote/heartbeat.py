@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 
+from lastgood.common.joblog import incident
 from lastgood.remote import config
 from lastgood.wire.vocab import Phase
 
@@ -166,11 +167,11 @@ class Heartbeat:
         except Exception as e:  # noqa: BLE001 - a beat never raises into training
             self.failures += 1
             if self.failures == 1:
-                log.warning("lastgood: heartbeat of run %s rank %s failed (will keep trying, logged once): %s",
-                            self.run, self.rank, e)
+                incident(log, logging.WARNING, "lastgood: heartbeat of run %s failed (will keep trying, logged once): %s",
+                         self.run, e)
             return False
         if self.failures:
-            log.info("lastgood: heartbeats of run %s rank %s arrive again after %s failures", self.run, self.rank,
+            incident(log, logging.INFO, "lastgood: heartbeats of run %s arrive again after %s failures", self.run,
                      self.failures)
         self.failures = 0
         self.beats += 1

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
+from lastgood.common.joblog import incident
 from lastgood.errors import GaveUp, ServiceError
 
 log = logging.getLogger("lastgood")
@@ -83,7 +84,7 @@ class RetryPolicy:
                 if stop is not None and stop():
                     raise GaveUp(f"{what}: stopped retrying ({e})", e) from e
                 if tries == 1:
-                    log.warning("lastgood: %s failed (%s); retrying for up to %.0fs", what, e, left)
+                    incident(log, logging.WARNING, "lastgood: %s failed (%s); retrying for up to %.0fs", what, e, left)
                 pause = min(next(delays), left)
                 # sleep in short slices so that a newer save need not wait out a long backoff
                 wake = time.monotonic() + pause
@@ -93,7 +94,7 @@ class RetryPolicy:
                     time.sleep(min(0.05, wake - now))
                 continue
             if tries:
-                log.warning("lastgood: %s succeeded after %d failed tries", what, tries)
+                incident(log, logging.WARNING, "lastgood: %s succeeded after %d failed tries", what, tries)
             return result
 
 

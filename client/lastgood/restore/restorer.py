@@ -13,6 +13,7 @@ import hashlib
 import logging
 from collections.abc import Callable
 
+from lastgood.common.joblog import incident
 from lastgood.errors import (Conflict, CorruptCheckpoint, DataLoss, FailedPrecondition, FormatError, LastgoodError,
                              NotFound, NoUsableCheckpoint, ServiceError)
 from lastgood.remote.reading import RESTORE_LEASE_SECONDS, ReadLease
@@ -67,10 +68,11 @@ class Restorer:
                 finally:
                     self._give_back(state, held)
                 if tried:
-                    log.warning("lastgood: restored %s step %s (checkpoint %s), the newest good ancestor of damaged "
-                                "checkpoint(s) %s", self.run, manifest.step, cid, tried)
+                    incident(log, logging.WARNING, "lastgood: restored %s step %s (checkpoint %s), the newest good "
+                             "ancestor of damaged checkpoint(s) %s", self.run, manifest.step, cid, tried)
                 else:
-                    log.info("lastgood: restored %s step %s (checkpoint %s)", self.run, manifest.step, cid)
+                    incident(log, logging.INFO, "lastgood: restored %s step %s (checkpoint %s)", self.run,
+                             manifest.step, cid)
                 return manifest.step, cid
             if agreed == self.FAILED:
                 raise err or LastgoodError(f"restoring checkpoint {cid} failed on another rank; see its log")
@@ -85,8 +87,8 @@ class Restorer:
         if tried:
             raise NoUsableCheckpoint(f"run {self.run!r} has no usable checkpoint: {tried} and every ancestor of "
                                      f"theirs are damaged (CORRUPT); restore a checkpoint by id or start a new run")
-        log.warning("lastgood: run %r has no checkpoint at %s: starting from the beginning", self.run,
-                    self.transport.base_url)
+        incident(log, logging.WARNING, "lastgood: run %r has no checkpoint at %s: starting from the beginning",
+                 self.run, self.transport.base_url)
         return None
 
     def _agree(self, pick) -> int:
@@ -206,8 +208,8 @@ class Restorer:
         src = next(f for f in files if f.rank == source)
         changed = manifest.world_size != self.world_size
         if changed:
-            log.warning("lastgood: checkpoint %s was saved by %s ranks; restoring on %s", manifest.checkpoint_id,
-                        manifest.world_size, self.world_size)
+            incident(log, logging.WARNING, "lastgood: checkpoint %s was saved by %s ranks; restoring on %s",
+                     manifest.checkpoint_id, manifest.world_size, self.world_size)
 
         # the optimizers' current moments: restored in place, instead of into new tensors;
         # module parameters and buffers: copied in by load_state_dict

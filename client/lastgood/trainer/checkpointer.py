@@ -33,6 +33,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 from lastgood.commit.session import SaveSession
+from lastgood.common import joblog
 from lastgood.common.interval import Decider, Interval
 from lastgood.datapath.transport import Transport
 from lastgood.errors import Fenced, LastgoodError, PermissionDenied, SaveFailed, ServiceError
@@ -111,6 +112,7 @@ class Checkpointer:
                    staging_buffers) -> None:
         self.rank, self.world_size = (0, 1) if self.solo else distributed.rank_world()
         distributed.arrive("lastgood.Checkpointer()", cfg.join_seconds)  # before the first collective
+        joblog.set_job(self.rank, self.world_size)  # incidents: one line for the job (common/joblog.py)
         self.retry = cfg.retry
         self.require_final = require_final
         self.transport = Transport(cfg.url, token=cfg.token, config=cfg)
@@ -297,7 +299,8 @@ class Checkpointer:
         return dict(self._record.counts)
 
     def _given_up(self, step: int, why: str) -> None:
-        log.warning("lastgood: run %s: save of step %s given up, training goes on: %s", self.run, step, why)
+        joblog.incident(log, logging.WARNING, "lastgood: run %s: save of step %s given up, training goes on: %s",
+                        self.run, step, why)
         self._gave_up_since_commit = True
         self._record.give_up(step, why)
 
@@ -337,7 +340,7 @@ class Checkpointer:
             self.transport.record_event(self.run, "save_given_up", {
                 "rank": self.rank, "count": len(items), "steps": [s for s, _ in items], "reason": items[-1][1]})
         except ServiceError as e:
-            log.warning("lastgood: could not record the given-up saves: %s", e)
+            joblog.incident(log, logging.WARNING, "lastgood: could not record the given-up saves: %s", e)
             self._record.put_back(items)
 
     def _upload(self, snap: Snapshot) -> None:
@@ -393,7 +396,8 @@ class Checkpointer:
         if self._record.final_committed():
             if self._record.counts["saves_given_up"] > self._record.told:
                 self._record.told = self._record.counts["saves_given_up"]
-                log.warning("lastgood: run %s: the newest save committed; %s", self.run, self._record.summary())
+                joblog.incident(log, logging.WARNING, "lastgood: run %s: the newest save committed; %s", self.run,
+                                self._record.summary())
             return
         msg = f"run {self.run} rank {self.rank}: the newest state was NOT committed. {self._record.summary()}"
         self._record.request(None)  # said once: close() after a failed wait() does not say it again
@@ -414,6 +418,7 @@ class Checkpointer:
             self._worker.join(timeout=10)
             self.transport.close()
             self._pool.clear()  # free the (possibly pinned) staging buffers
+            joblog.set_job(0, 1)  # no job's rank any more: the process logs as one
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -34,6 +34,7 @@ import math
 import statistics
 from collections import deque
 
+from lastgood.common.joblog import incident
 from lastgood.wire.vocab import Status
 from lastgood.state import distributed
 from lastgood.wire import jsonvalues
@@ -145,8 +146,8 @@ class SpikeGuard:
         self.batches.clear()
         self.rollbacks += 1
         self.next_step = target["step"] + 1
-        log.warning("lastgood: spike at step %s (%s); rolled back to step %s (checkpoint %s), lr x%s",
-                    step, found.get("reason"), target["step"], target_id, self.lr_factor)
+        incident(log, logging.WARNING, "lastgood: spike at step %s (%s); rolled back to step %s (checkpoint %s), lr x%s",
+                 step, found.get("reason"), target["step"], target_id, self.lr_factor)
 
     def _exclude(self, ids: list[int]) -> None:
         for adapter in self.state._adapters.values():

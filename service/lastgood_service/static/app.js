@@ -4,12 +4,14 @@
 
 import { api, ApiError, AuthRequired, get, seg, setToken, token } from './api.js';
 import { clip, fill, formatAgo, formatBytes, formatNumber, formatSeconds, h, show } from './dom.js';
+import { eventText, mergeGivenUp } from './events.js';
 import { buildModel, LineageGraph } from './graph.js';
 import { healthPanel } from './health.js';
 
 const POLL_MS = 2000;
 const EVENT_KINDS = 'spike,rollback,restart,corrupt,abort,expired,hash_mismatch,note,fenced,fenced_write,hung,straggler,lost,'
-  + 'supervisor_restart,supervisor_gave_up,supervisor_stopped';
+  + 'save_given_up,supervisor_restart,supervisor_gave_up,supervisor_stopped';
+const EVENT_NAMES = { save_given_up: 'saves given up' }; // an event kind's badge, where its name reads badly
 const MAX_EVENTS_SHOWN = 200;
 const LINEAGE_DRAWN = 10000; // the most checkpoints of a run the graph draws (the oldest)
 const MAX_CURL_FILES = 8;
@@ -257,91 +259,23 @@ function onTapGroup(key) {
 }
 
 // ---------------------------------------------------------------- events list
-/** A number as people read it: at most five significant digits, thousands separated. */
-function num(x) {
-  return typeof x === 'number' && Number.isFinite(x) ? x.toLocaleString('en-US', { maximumSignificantDigits: 5 }) : String(x);
+/** The step of a checkpoint the page has loaded, else null. */
+function stepOf(id) {
+  const n = id != null && state.model ? state.model.nodes.get(id) : null;
+  return n ? n.step : null;
 }
 
-const SUMMARISED = {
-  spike: ['step', 'metric', 'value', 'loss', 'median', 'mad', 'z', 'threshold', 'reason', 'rank', 'grad_norm',
-    'lr_factor', 'rollback'],
-  rollback: ['target_step', 'spike_step', 'lr_factor', 'skipped', 'suspect', 'last_good_before', 'last_good'],
-  fenced: ['generation', 'attempt', 'by_generation', 'by_attempt', 'abandoned', 'last_good_id', 'last_good_step'],
-  fenced_write: ['what', 'generation', 'step', 'rank'],
-  verdict: ['rank', 'step', 'phase', 'age_s', 'progress_age_s', 'timeout_s', 'typical_step_s', 'generation'],
-};
-
-/** Whatever the sentence leaves out, as short JSON (a client may add its own fields). */
-function remainder(kind, d) {
-  const rest = Object.fromEntries(Object.entries(d).filter(([k]) => !SUMMARISED[kind].includes(k)));
-  return Object.keys(rest).length ? [clip(JSON.stringify(rest), 200)] : [];
-}
-
-/** Spike, rollback and fencing events as a sentence; the full data is in the title (hover). */
-function eventText(e) {
-  const d = e.data || {};
-  const parts = [];
-  if (e.kind === 'spike') {
-    parts.push(`at step ${d.step}`);
-    if (d.metric !== undefined) parts.push(`${d.metric} ${num(d.value)}`);
-    else if (d.loss !== undefined) parts.push(`loss ${num(d.loss)}`);
-    if (d.median !== undefined) parts.push(`median ${num(d.median)}`);
-    if (d.z !== undefined) parts.push(`z ${num(d.z)}${d.threshold !== undefined ? ` > ${num(d.threshold)}` : ''}`);
-    else if (d.reason) parts.push(String(d.reason));
-    if (d.rank !== undefined) parts.push(`rank ${d.rank}`);
-    return [...parts, ...remainder('spike', d)].join(' · ');
-  }
-  if (e.kind === 'rollback') {
-    parts.push(`to step ${d.target_step}`, `spike at step ${d.spike_step}`);
-    if (d.lr_factor != null) parts.push(`lr × ${num(d.lr_factor)}`);
-    const sk = d.skipped || {};
-    if (Array.isArray(sk.steps) && sk.steps.length === 2) parts.push(`steps ${sk.steps[0]}–${sk.steps[1]} skipped`);
-    if (Array.isArray(sk.samples)) parts.push(`${formatNumber(sk.samples.length)} sample${sk.samples.length === 1 ? '' : 's'} excluded`);
-    if (Array.isArray(d.suspect)) parts.push(`${formatNumber(d.suspect.length)} checkpoint${d.suspect.length === 1 ? '' : 's'} suspect`);
-    return [...parts, ...remainder('rollback', d)].join(' · ');
-  }
-  if (e.kind === 'fenced') {
-    parts.push(`generation ${d.generation} (launch ${d.attempt}) fenced by generation ${d.by_generation} (launch ${d.by_attempt})`);
-    if (Array.isArray(d.abandoned) && d.abandoned.length) parts.push(`${formatNumber(d.abandoned.length)} pending save${d.abandoned.length === 1 ? '' : 's'} abandoned`);
-    if (d.last_good_step != null) parts.push(`resumes from step ${d.last_good_step}`);
-    return [...parts, ...remainder('fenced', d)].join(' · ');
-  }
-  if (e.kind === 'fenced_write') {
-    parts.push(`refused a ${d.what} of generation ${d.generation} (a zombie of an earlier launch)`);
-    if (d.step !== undefined) parts.push(`step ${d.step}`);
-    if (d.rank !== undefined) parts.push(`rank ${d.rank}`);
-    return [...parts, ...remainder('fenced_write', d)].join(' · ');
-  }
-  if (['hung', 'straggler', 'lost'].includes(e.kind)) {
-    parts.push(`rank ${d.rank}`);
-    if (d.step != null) parts.push(`at step ${d.step}`);
-    if (e.kind === 'straggler' && d.typical_step_s != null) parts.push(`${num(d.typical_step_s)} s a step`);
-    if (e.kind === 'hung') parts.push(`no progress for ${num(d.progress_age_s)} s (timeout ${num(d.timeout_s)} s)`);
-    if (e.kind === 'lost') parts.push(`silent for ${num(d.age_s)} s`);
-    return [...parts, ...remainder('verdict', d)].join(' · ');
-  }
-  if (e.kind.startsWith('supervisor_')) {  // lastgood supervise (docs/supervise.md)
-    parts.push(`launch ${d.launch} ${d.reason}`);
-    if (Array.isArray(d.ranks) && d.ranks.length) parts.push(`local rank ${d.ranks.join(', ')} to blame`);
-    if (d.next_world_size != null && d.next_world_size !== d.world_size) {
-      parts.push(`relaunched on ${d.next_world_size} ranks (drained ${(d.drained || []).join(', ')})`);
-    }
-    if (d.restart != null) parts.push(`restart ${d.restart} of ${d.max_restarts}`);
-    if (d.why) parts.push(String(d.why));
-    if (d.detail) parts.push(clip(String(d.detail), 200));
-    return parts.join(' · ');
-  }
-  const json = JSON.stringify(d);
-  return json && json !== '{}' ? clip(json, 300) : '';
-}
-
+/** Newest first; an event's checkpoint by its step (the graph's axis), a link to its detail. */
 function renderEvents() {
-  const items = state.events.slice(-MAX_EVENTS_SHOWN).reverse().map((e) => h('li', { class: `event ev-${e.kind}` },
-    h('span', { class: 'when', title: e.at }, formatAgo(e.at)),
-    h('span', { class: `badge kind ev-${e.kind}` }, e.kind),
-    e.checkpoint_id ? h('button', { type: 'button', class: 'link', onclick: () => openCheckpoint(e.checkpoint_id) },
-      `checkpoint ${e.checkpoint_id}`) : null,
-    h('span', { class: 'event-data', title: clip(JSON.stringify(e.data || {}), 2000) }, eventText(e))));
+  const items = mergeGivenUp(state.events).slice(-MAX_EVENTS_SHOWN).reverse().map((e) => {
+    const step = stepOf(e.checkpoint_id);
+    return h('li', { class: `event ev-${e.kind}` },
+      h('span', { class: 'when', title: e.at }, formatAgo(e.at)),
+      h('span', { class: `badge kind ev-${e.kind}` }, EVENT_NAMES[e.kind] || e.kind),
+      e.checkpoint_id ? h('button', { type: 'button', class: 'link', title: `checkpoint ${e.checkpoint_id}`,
+        onclick: () => openCheckpoint(e.checkpoint_id) }, step === null ? `checkpoint ${e.checkpoint_id}` : `step ${formatNumber(step)}`) : null,
+      h('span', { class: 'event-data', title: clip(JSON.stringify(e.data || {}), 2000) }, eventText(e, stepOf)));
+  });
   fill($('events'), items.length ? items : h('li', { class: 'muted' }, 'No spikes, rollbacks, restarts, fencing or failures.'));
 }
 

@@ -15,7 +15,17 @@ export const COLLAPSIBLE = new Set(['committed', 'deleted', 'suspect']);
 /** Shortest chain worth folding. */
 export const MIN_FOLD = 3;
 /** Event kinds marked on the timeline above the graph. */
-export const MARKER_KINDS = new Set(['spike', 'rollback', 'restart', 'corrupt', 'fenced']);
+export const MARKER_KINDS = new Set(['spike', 'rollback', 'restart', 'corrupt', 'fenced', 'save_given_up']);
+
+/** Steps whose saves were given up (save_given_up events, any rank), sorted. */
+export function givenUpSteps(events) {
+  const steps = new Set();
+  for (const e of events) {
+    if (e.kind !== 'save_given_up') continue;
+    for (const s of (e.data || {}).steps || []) if (Number.isFinite(s)) steps.add(s);
+  }
+  return [...steps].sort((a, b) => a - b);
+}
 
 export function displayStatus(node) {
   const status = String(node.status).toLowerCase();
@@ -70,8 +80,22 @@ export function buildModel(lineage, events, { collapse = true, expanded = new Se
     if (p && launchOf(p.attempt) !== launchOf(n.attempt)) restarted.add(n.id);
     if (p && p.branch !== n.branch) branchStart.add(n.id);
   }
+  // a gap: saves given up between a checkpoint and its child (an outage); both stay
+  // unfolded and the edge between them says how many steps' saves are missing
+  const lost = givenUpSteps(events);
+  const gapInto = new Map(); // child id -> the given-up steps between its parent and it
+  const gapFrom = new Set();
+  for (const n of nodes.values()) {
+    const p = nodes.get(n.parent_id);
+    if (!p) continue;
+    const between = lost.filter((st) => st > p.step && st < n.step);
+    if (between.length) {
+      gapInto.set(n.id, between);
+      gapFrom.add(p.id);
+    }
+  }
   const kids = (id) => children.get(id) || [];
-  const remarkable = (n) => !collapse || kids(n.id).length !== 1 || !nodes.has(n.parent_id)
+  const remarkable = (n) => !collapse || gapInto.has(n.id) || gapFrom.has(n.id) || kids(n.id).length !== 1 || !nodes.has(n.parent_id)
     || !COLLAPSIBLE.has(n.display) || n.last_good || expanded.has(n.id) || anchored.has(n.id)
     || restarted.has(n.id) || branchStart.has(n.id)
     || n.tags.some((t) => !(t.kind === 'system' && t.name === 'suspect'));
@@ -113,7 +137,7 @@ export function buildModel(lineage, events, { collapse = true, expanded = new Se
     const to = keyOf(n.id);
     if (from === to || seen.has(`${from}>${to}`)) continue;
     seen.add(`${from}>${to}`);
-    edges.push({ from, to, faint: n.display === 'abandoned' || n.display === 'pending' });
+    edges.push({ from, to, faint: n.display === 'abandoned' || n.display === 'pending', gap: gapInto.get(n.id) || null });
   }
 
   // columns: the rank of each shown element's step
@@ -137,6 +161,15 @@ export function buildModel(lineage, events, { collapse = true, expanded = new Se
     } else if (e.kind === 'rollback') {
       step = Number.isFinite(d.spike_step) ? d.spike_step : stepOfCheckpoint(e.checkpoint_id);
       label = `rollback → ${Number.isFinite(d.target_step) ? formatNumber(d.target_step) : '?'}`;
+    } else if (e.kind === 'save_given_up') {
+      const given = (d.steps || []).filter(Number.isFinite);
+      if (!given.length) continue;
+      step = Math.min(...given);
+      const key = `${step}-${given.length}`; // every rank gives up the same saves: one marker for them
+      if (markers.some((m) => m.kind === 'save_given_up' && m.dedup === key)) continue;
+      label = `${given.length} save${given.length === 1 ? '' : 's'} given up`;
+      markers.push({ key: `e${e.id}`, kind: e.kind, step, label, target: null, checkpointId: null, dedup: key });
+      continue;
     } else if (e.kind === 'fenced') {
       // a relaunch fenced the launch before it; it resumes from the last-good it found
       step = Number.isFinite(d.last_good_step) ? d.last_good_step : null;
@@ -185,9 +218,11 @@ export function buildModel(lineage, events, { collapse = true, expanded = new Se
     }
   }
   for (const e of edges) {
-    const span = Math.max(1, column.get(stepOf.get(e.to)) - column.get(stepOf.get(e.from)));
-    elements.push({ group: 'edges', data: { id: `${e.from}-${e.to}`, source: e.from, target: e.to, minLen: span },
-      classes: e.faint ? 'lineage faint' : 'lineage' });
+    // a gap is drawn one column longer: the missing saves take room on the axis
+    const span = Math.max(1, column.get(stepOf.get(e.to)) - column.get(stepOf.get(e.from))) + (e.gap ? 1 : 0);
+    const data = { id: `${e.from}-${e.to}`, source: e.from, target: e.to, minLen: span };
+    if (e.gap) data.label = `${e.gap.length} given up`;
+    elements.push({ group: 'edges', data, classes: `lineage${e.faint ? ' faint' : ''}${e.gap ? ' gap' : ''}` });
   }
   for (const s of shown) {
     if (hasParent.has(s.key)) continue;
@@ -208,7 +243,7 @@ export function buildModel(lineage, events, { collapse = true, expanded = new Se
         tags: s.node.tags.map((t) => t.name), label: labels.get(s.key) }
       : { key: s.key, kind: 'group', status: s.group.display, count: s.group.members.length,
         firstStep: s.group.firstStep, lastStep: s.group.lastStep, members: s.group.members })),
-    edges: edges.map((e) => ({ from: e.from, to: e.to })),
+    edges: edges.map((e) => (e.gap ? { from: e.from, to: e.to, gap: e.gap } : { from: e.from, to: e.to })),
     markers: markers.map((m) => ({ kind: m.kind, step: m.step, label: m.label, target: m.target })),
   };
   return { nodes, groups, groupOf, shown, edges, markers, elements, snapshot, keyOf };
@@ -244,6 +279,11 @@ const STYLE = [
     'target-arrow-shape': 'triangle', 'target-arrow-color': '#9aa0a6', 'arrow-scale': 0.8,
   } },
   { selector: 'edge.faint', style: { 'line-style': 'dashed' } },
+  { selector: 'edge.gap', style: {
+    'line-color': '#d93025', 'target-arrow-color': '#d93025', 'line-style': 'dashed', 'line-dash-pattern': [3, 3], width: 2,
+    label: 'data(label)', 'font-size': 9, color: '#a50e0e', 'text-background-color': '#ffffff', 'text-background-opacity': 0.9,
+    'text-margin-y': -10, 'text-margin-x': -6,
+  } },
   { selector: 'edge.vroot', style: { visibility: 'hidden' } },
   { selector: 'node.marker', style: {
     shape: 'diamond', width: 14, height: 14, 'border-width': 1, 'font-size': 9, 'text-valign': 'center',
@@ -254,6 +294,7 @@ const STYLE = [
   { selector: 'node.m-restart', style: { 'background-color': '#1a73e8', 'border-color': '#0b4a9e', shape: 'round-triangle' } },
   { selector: 'node.m-fenced', style: { 'background-color': '#e37400', 'border-color': '#9a4f00', shape: 'round-rectangle' } },
   { selector: 'node.m-corrupt', style: { 'background-color': '#8c1d18', 'border-color': '#5a0f0b', shape: 'octagon' } },
+  { selector: 'node.m-save_given_up', style: { 'background-color': '#f28b82', 'border-color': '#a50e0e', shape: 'vee' } },
   { selector: 'edge.marker-link', style: {
     width: 1, 'line-style': 'dotted', 'line-color': '#bdc1c6', 'target-arrow-shape': 'none', 'curve-style': 'straight',
   } },

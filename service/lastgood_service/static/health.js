@@ -15,8 +15,22 @@ export function duration(s) {
   return `${(s / 86400).toFixed(1)} d`;
 }
 
+/** The run's recent failures, the same count as the runs list's badge (docs/health.md). */
+function failures(doc) {
+  const f = doc.failures;
+  if (!f || !f.count) return [];
+  const kinds = Object.entries(f.kinds).sort().map(([k, n]) => `${k.replace(/_/g, ' ')} ${n}`).join(', ');
+  return [h('span', { class: 'badge bad', dataset: { failures: String(f.count) }, title: f.last_at ? `last ${f.last_at}` : null },
+    `${formatNumber(f.count)} failure${f.count === 1 ? '' : 's'} (${duration(f.window_s)}): ${kinds}`)];
+}
+
 function verdicts(doc) {
-  if (!doc.ranks.length) return [h('span', { class: 'badge' }, 'no heartbeats yet')];
+  if (!doc.ranks.length) return [h('span', { class: 'badge' }, 'no heartbeats yet'), ...failures(doc)];
+  if (doc.finished) {
+    return [h('span', { class: 'badge done', dataset: { verdict: 'finished' }, title: doc.finished_at },
+      `finished: ${doc.ranks.length === 1 ? 'its rank closed its Checkpointer'
+        : `${formatNumber(doc.ranks.length)} ranks closed their Checkpointers`}`), ...failures(doc)];
+  }
   const out = [];
   const list = (ranks) => ranks.slice(0, 12).join(', ') + (ranks.length > 12 ? ', …' : '');
   if (doc.hung.length) out.push(h('span', { class: 'badge bad', dataset: { verdict: 'hung' } }, `hung: rank ${list(doc.hung)}`));
@@ -25,6 +39,7 @@ function verdicts(doc) {
     out.push(h('span', { class: 'badge warn', dataset: { verdict: 'straggler' } }, `straggler: rank ${list(doc.stragglers)}`));
   }
   if (!out.length) out.push(h('span', { class: 'badge ok', dataset: { verdict: 'ok' } }, `${formatNumber(doc.ranks.length)} ranks ok`));
+  out.push(...failures(doc));
   out.push(h('span', { class: 'muted' }, ` hang timeout ${duration(doc.timeout_s)}`));
   return out;
 }
