@@ -179,7 +179,7 @@ def gc(st: State, dry_run: bool, run: str | None) -> None:
     if run is not None and not dry_run:
         raise click.UsageError("--run filters the plan of --dry-run; GC itself runs for every run")
     if dry_run:
-        plan = st.rest.gc_plan()
+        plan = st.rest.gc_plan(full=True)  # what `lastgood gc` would do: every run, the store's orphans
         doc = {"plan": plan if run is None else render.plan_of_run(plan, run), "dry_run": True}
         if run is not None:
             doc["run"] = run
