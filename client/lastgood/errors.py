@@ -237,7 +237,8 @@ TABLE: dict[str, type[ServiceError]] = {
     c.UNAUTHENTICATED: Unauthenticated, c.PERMISSION_DENIED: PermissionDenied,
     c.FAILED_PRECONDITION: FailedPrecondition, c.FENCED: Fenced, c.NO_USABLE_CHECKPOINT: NoUsableCheckpoint,
     c.SPOOL_REFUSED: SpoolRefused, c.SPOOL_NOT_SHARED: SpoolNotShared, c.SPOOL_FOLLOW_REFUSED: FollowRefused,
-    c.DIRECT_OFF: DirectOff, c.HASH_MISMATCH: DataLoss, c.UNAVAILABLE: Unavailable, c.STREAMS_BUSY: Busy, c.RATE_LIMITED: RateLimited,
+    c.DIRECT_OFF: DirectOff, c.HASH_MISMATCH: DataLoss, c.UNAVAILABLE: Unavailable, c.STREAMS_BUSY: Busy,
+    c.RATE_LIMITED: RateLimited,
     c.INTERNAL: Internal, c.CATALOG_BEHIND: CatalogBehind, c.STORE_FULL: StoreFull,
 }
 

@@ -19,7 +19,7 @@ MiB = 1024 * 1024
 
 
 def plan(svc) -> dict:
-    r = httpx.get(svc.url + "/api/v1/gc/plan", timeout=30)
+    r = httpx.get(svc.url + "/api/v1/gc/plan", params={"full": "true"}, timeout=30)  # as `gc --dry-run` asks
     assert r.status_code == 200, r.text
     return r.json()
 

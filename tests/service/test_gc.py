@@ -68,8 +68,10 @@ def test_plan_is_a_dry_run_and_execute_deletes_exactly_it(make_service, run_name
     h.put(f"/api/v1/checkpoints/{ids[2]}/pin")
     blobs_before = blob_files(svc)[0]
 
-    plan = h.get("/api/v1/gc/plan").json()
+    plan = h.get("/api/v1/gc/plan", params={"full": "true"}).json()  # the blobs as listed: bytes as execute frees them
     planned = {d["checkpoint_id"]: d for d in plan["checkpoints"]}
+    quick = h.get("/api/v1/gc/plan").json()  # the changed runs only, their bytes from the catalog's shards
+    assert not quick["full"] and {d["checkpoint_id"] for d in quick["checkpoints"]} == set(planned)
     assert set(planned) == {ids[0], ids[3], dead}  # 50: latest, last-good, head; 20 tagged; 30 pinned
     assert planned[dead]["reason"].startswith("abandoned")
     assert plan["bytes_freed"] == sum(d["bytes"] for d in plan["checkpoints"]) > 0

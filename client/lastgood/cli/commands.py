@@ -185,7 +185,7 @@ def gc(st: State, dry_run: bool, run: str | None, yes: bool) -> None:
     if not dry_run and not yes:
         _confirm_gc(st.rest.gc_plan())
     if dry_run:
-        plan = st.rest.gc_plan()
+        plan = st.rest.gc_plan(full=True)  # what `lastgood gc` would do: every run, the store's orphans
         doc = {"plan": plan if run is None else render.plan_of_run(plan, run), "dry_run": True}
         if run is not None:
             doc["run"] = run

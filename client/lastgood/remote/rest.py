@@ -296,8 +296,10 @@ class RestClient:
                          headers=headers)
 
     # ------------------------------------------------------------------ GC
-    def gc_plan(self) -> dict:
-        return self.get_json("/api/v1/gc/plan")
+    def gc_plan(self, full: bool = False) -> dict:
+        """What GC would delete now: the runs changed since its last pass; `full`: every run
+        and the store's orphans (unscoped tokens only)."""
+        return self.get_json("/api/v1/gc/plan", query={"full": "true"} if full else None)
 
     def gc(self) -> dict:
         """Run GC now, for every run; its plan and result."""

@@ -65,7 +65,7 @@ POLICY: dict[tuple[str, str], str | tuple[str, str]] = {
     ("POST", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/direct-files"): (WRITER, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/read-grants/{file_name}"): (READER, "checkpoint"),
     ("GET", "/api/v1/gc/policy"): (READER, "global"),
-    ("GET", "/api/v1/gc/plan"): (READER, "global"),
+    ("GET", "/api/v1/gc/plan"): (READER, "list"),      # the runs of the token's scope (full=true: unscoped)
     ("POST", "/api/v1/gc"): (ADMIN, "global"),
     ("GET", "/api/v1/tokens"): (ADMIN, "global"),
     ("POST", "/api/v1/tokens"): (ADMIN, "global"),

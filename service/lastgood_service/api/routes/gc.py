@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
+from ...domain.errors import PermissionDenied
 from ...domain.queries import gc_policy_view
 from ..contract import StrictJSONRoute, answers
-from ..deps import GCDep, SettingsDep
+from ..deps import GCDep, SettingsDep, run_prefix
 
 router = APIRouter(route_class=StrictJSONRoute, tags=["gc"])
 
 
-@router.get("/api/v1/gc/plan", responses=answers(params=False))
-def gc_plan(gc: GCDep):
-    """A dry run: what GC would delete now, and the bytes it would free."""
-    return gc.plan().to_dict()
+@router.get("/api/v1/gc/plan", responses=answers())
+def gc_plan(gc: GCDep, request: Request, full: bool = False):
+    """A dry run: what GC would delete now, and the bytes it would free. It plans the runs
+    where something changed since the last GC pass (the others have nothing to delete), and
+    of those only the runs a scoped token may read. `full=true`: every run, and the blob
+    store listed for orphans and unknown blobs (unscoped tokens only; seconds at thousands
+    of runs)."""
+    prefix = run_prefix(request)
+    if full and prefix is not None:
+        raise PermissionDenied(f"a full GC plan lists the whole store; this token is limited to runs starting "
+                               f"with {prefix!r}: ask without full=true")
+    return gc.plan(full=full, run_prefix=prefix).to_dict()
 
 
 @router.post("/api/v1/gc", responses=answers())

@@ -65,9 +65,14 @@ class Plan:
 
 
 class GCPlanning(GCBase):
-    def plan(self, full: bool = True) -> Plan:
+    def plan(self, full: bool = True, run_prefix: str | None = None) -> Plan:
         """What GC would delete now. `full`: every run and the whole blob store (orphans,
-        unknown blobs); else only runs where something changed since the last executed pass."""
+        unknown blobs); else only runs where something changed since the last executed pass
+        (O(changed runs): the others have nothing to delete). `run_prefix`: only runs whose
+        names start with it (a scoped token's plan; never with `full`, whose store listing
+        spans every run)."""
+        if full and run_prefix is not None:
+            raise ValueError("a full plan lists the whole store: it spans every run")
         self.gate.check()
         now = self.clock()
         plan = Plan(self.retention.describe(), full=full)
@@ -76,8 +81,10 @@ class GCPlanning(GCBase):
             listed, status = self._listed(plan)
         with self._tx(read=True) as s:
             newest = select(func.max(Event.id)).where(Event.run_id == Run.id).scalar_subquery()
-            runs = list(s.execute(select(Run.id, Run.name, Run.retention, Run.gc_event_id, Run.gc_policy,
-                                         Run.gc_due_at, newest).order_by(Run.name)))
+            which = select(Run.id, Run.name, Run.retention, Run.gc_event_id, Run.gc_policy, Run.gc_due_at, newest)
+            if run_prefix is not None:
+                which = which.where(Run.name.startswith(run_prefix, autoescape=True))
+            runs = list(s.execute(which.order_by(Run.name)))
         for run_id, name, spec, seen, seen_policy, due_at, newest_id in runs:
             policy = self.policy_of(spec)
             if not full and (newest_id or 0) <= seen and seen_policy == policy.describe() and (
