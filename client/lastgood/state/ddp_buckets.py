@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lastgood.errors import DDPInternalsChanged
+from lastgood.remote.config import ENV_DDP_BUCKETS
 
 log = logging.getLogger("lastgood")
 
@@ -67,7 +68,7 @@ def _require(ddp: _DDP) -> None:
 
 def _changed(what: str) -> str:
     return (f"torch {torch.__version__}: DistributedDataParallel {what}, which lastgood needs to resume "
-            f"in DDP's gradient-bucket layout (lastgood/state/ddp_buckets.py). Set LASTGOOD_DDP_BUCKETS=0 to "
+            f"in DDP's gradient-bucket layout (lastgood/state/ddp_buckets.py). Set {ENV_DDP_BUCKETS}=0 to "
             f"save and restore without it: a resume on three or more ranks then differs in the last bits")
 
 
