@@ -106,3 +106,7 @@ def test_rebuild_restores_the_sealed_commits_and_quarantines_forgeries(commits, 
     again = repair.rebuild()  # idempotent: nothing left but the unsealed one, still reported
     assert (again["restored"], again["quarantined"], [u["checkpoint_id"] for u in again["unsealed"]]) == (
         [], [], [5002])
+    # an operator who knows the store was written only by a service older than seals vouches for it
+    trusted = repair.rebuild(trust_unsealed=True)
+    assert (trusted["restored"], trusted["unsealed"], trusted["quarantined"]) == ([5002], [], [])
+    assert status(sessions, 5002) == "COMMITTED"  # re-hashed like the sealed ones

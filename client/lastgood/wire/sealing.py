@@ -64,6 +64,19 @@ def seal(unsealed: bytes, key_id: str, key: bytes) -> bytes:
     return _canonical(d)
 
 
+def content(body: bytes) -> bytes | None:
+    """What `body` says without its seal, checked by nothing (None if it is no JSON object):
+    for a writer comparing what it finds with what it would write, never for trust."""
+    try:
+        d = jsonvalues.loads(body) if len(body) <= MAX_MANIFEST_BYTES else None
+    except jsonvalues.InvalidJSON:
+        return None
+    if not isinstance(d, dict):
+        return None
+    d.pop(AUTH, None)
+    return _canonical(d)
+
+
 def unseal(body: bytes, keys: Mapping[str, bytes]) -> tuple[bytes, str]:
     """(the unsealed bytes, the key id) of a manifest sealed by one of `keys` (id -> key);
     Unsealed if it carries no seal, Unauthenticated for any other failure. Bounded: a body

@@ -102,6 +102,10 @@ class ManifestKeys:
             return cls.from_text(settings.manifest_keys.get_secret_value(), "LASTGOOD_MANIFEST_KEYS")
         path = settings.resolved_manifest_key_file()
         _outside_store(path, settings.resolved_blob_url())
+        if not settings.resolved_catalog_url().startswith("sqlite"):
+            log.warning("manifest keys from the key file %s with a shared catalog: every replica and every "
+                        "`lastgood-service rebuild` needs the same keys; set LASTGOOD_MANIFEST_KEYS from a secret "
+                        "(docs/security.md)", path)
         if not path.exists():
             _create(path)
         return cls.from_text(path.read_text(), str(path))

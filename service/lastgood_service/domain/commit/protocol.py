@@ -26,6 +26,7 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from lastgood.wire import sealing
 from lastgood.wire.hashing import hash_bytes
 from lastgood.wire.manifest import FileEntry, Manifest
 
@@ -223,8 +224,14 @@ class CommitProtocol(CommitPut):
         body = self.manifest_keys.seal(unsealed)  # the store's copy proves itself (domain/sealing.py)
         self._failpoint(Failpoint.CRASH_BEFORE_MANIFEST)
         stored = self.blobs.read_all(key) if self.blobs.stat(key) is not None else None
-        if stored is not None and stored != body and self._seals(stored, unsealed):
-            body = stored  # this manifest, sealed by a key since rotated out of first place: kept
+        if stored is not None and stored != body:
+            if self._seals(stored, unsealed):
+                body = stored  # this manifest, sealed by a key since rotated out of first place: kept
+            elif recovering and sealing.content(stored) == unsealed:
+                # written by a process with other keys (a replica, a start with lost keys): the
+                # catalog's rows say the same, so it is resealed with this one's and committed
+                self.blobs.put_bytes(key, body)
+                stored = body
         if stored != body:
             if recovering:
                 return False

@@ -4,8 +4,11 @@ tensor index object, checked against the hash its manifest names (indexes.py).""
 
 from __future__ import annotations
 
+import json
+
 from sqlalchemy import select
 
+from lastgood.wire import sealing
 from lastgood.wire.hashing import hash_bytes
 from lastgood.wire.manifest import IndexMismatch, Manifest
 
@@ -100,9 +103,13 @@ class CommitReads(CommitVerification):
         """The whole manifest with every file's tensors, for tools (the page, `lastgood show`):
         built on demand from the root and every index object, O(total tensors). Never on the
         restore path, which reads the root alone."""
-        m = Manifest.from_bytes(self.manifest_bytes(checkpoint_id))
+        body = self.manifest_bytes(checkpoint_id)
+        m = Manifest.from_bytes(body)
         try:
-            return m.with_indexes(lambda r, f: self.index_bytes(checkpoint_id, r, f.name)).to_dict()
+            view = m.with_indexes(lambda r, f: self.index_bytes(checkpoint_id, r, f.name)).to_dict()
+            if (seal := json.loads(body).get(sealing.AUTH)) is not None:
+                view[sealing.AUTH] = seal  # the stored root, seal included, plus every file's tensors
+            return view
         except IndexMismatch as e:  # hash checked above: the content names another file
             self.mark_corrupt(checkpoint_id, [{"file": "tensor index", "expected": "this file's", "found": str(e)}])
             raise DamagedMismatch(f"checkpoint {checkpoint_id}: {e}; the checkpoint is now CORRUPT") from None
