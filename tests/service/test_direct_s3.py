@@ -67,8 +67,8 @@ def shard(size: int, seed: int = 0) -> bytearray:
                      .numpy().tobytes())
 
 
-def begin(t: Transport, run: str, step: int = 1) -> int:
-    return t.begin(run, step, 1, None, "a1", 0).checkpoint_id
+def begin(t: Transport, run: str, step: int = 1, world: int = 1) -> int:
+    return t.begin(run, step, world, None, "a1", 0).checkpoint_id
 
 
 def test_direct_save_and_restore_round_trip_bitwise(make_service, tmp_path, localstack, ls_bucket, run_name):
@@ -101,10 +101,10 @@ def test_a_dcp_save_goes_direct_too(make_service, tmp_path, localstack, ls_bucke
     assert metric(svc, "lastgood_bytes_ingested_total") == metric(svc, "lastgood_bytes_served_total") == 0
 
 
-def upload_corrupted(svc, run: str, corrupt: bool):
+def upload_corrupted(svc, run: str, corrupt: bool, world: int = 1):
     """Begin, checksum the file, then (if `corrupt`) change a byte of part 2 before uploading."""
     t = Transport(svc.url)
-    cid = begin(t, run)
+    cid = begin(t, run, world=world)
     data = shard(12 * MiB)
     prepared = directs3.prepare(data, 5 * MiB)
     if corrupt:
