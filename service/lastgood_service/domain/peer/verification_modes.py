@@ -11,12 +11,17 @@ xxh3-128 their writer declared, before the checkpoint may commit:
            header (the tensor index). The rule, one place: rank r checks the
            files of rank (r + 1) mod world. Why a ring: every file gets exactly one checker,
            the read load is one file per rank whatever the world size, and a rank never
-           checks its own bytes - unless it is alone (world 1), when reading its own file
-           back from the store still checks the stored bytes against the declared digest.
-  store    the store checked the declared checksums as it took the bytes (direct S3
-           uploads, whose parts carry a CRC32 the store verifies: domain/dataplane/grants.py). A
-           deployment that cannot (a file system never does; direct uploads off) is refused
-           at start (`check_available`).
+           checks its own bytes. A job of one rank has no other rank: the service hashes
+           its files (`_alone`). Only the assigned rank may ask for or report a check: it
+           holds the secret whose commitment its vote carried (`_require_checker`,
+           lastgood/wire/peerkey.py), and the assignment never names the declared digest
+           (nor do the keys: domain/keys.py).
+  store    the store checked each part's CRC32 as it took the bytes (direct S3 uploads:
+           domain/dataplane/grants.py), and the service confirms the declared xxh3-128 by
+           reading the object back from the store, in the background from the hand-over on
+           (no S3 store computes xxh3, and the CRC32s tie the bytes to what the rank
+           uploaded, not to the digest it declared). A deployment that cannot (a file
+           system never does; direct uploads off) is refused at start (`check_available`).
 
 The mode governs the hand-overs by name: direct-FS (domain/dataplane/directfs.py) and direct S3
 uploads (domain/dataplane/grants.py; `service` is refused there: the service would have to read
@@ -79,8 +84,8 @@ def check_available(mode: str, store, direct_s3: bool) -> None:
         # would undo what the path is for: the store, or the ranks, verify them
         raise ModeUnavailable(
             f"LASTGOOD_DIRECT_S3=true needs LASTGOOD_VERIFICATION=store or peer, not {mode!r}: the ranks' bytes "
-            f"go straight to the store and the service reads none of them back; `store`: the store verifies "
-            f"each part's CRC32 as it takes it; `peer`: each rank reads another rank's object back")
+            f"go straight to the store; `store`: the store verifies each part's CRC32 as it takes it and the "
+            f"service reads each object back for its xxh3-128; `peer`: each rank reads another rank's object back")
     if mode == STORE and not (direct_s3 and isinstance(store, capabilities.GrantsDirectAccess)):
         why = ("direct uploads are off (LASTGOOD_DIRECT_S3)" if isinstance(store, capabilities.GrantsDirectAccess)
                else f"the blob store ({type(store).__name__}) does not verify the checksums writers declare (a file "
@@ -100,8 +105,9 @@ def service_hashes(mode: str) -> bool:
 
 
 def store_verifies(mode: str) -> bool:
-    """Is a direct S3 upload verified by the store's part checksums (VERIFIED at the
-    hand-over), or left DECLARED for a peer to read back (`peer`)?"""
+    """Do the store's part checksums stand for a direct S3 upload (`store`: every part's CRC32
+    must be reported and equal, and the service confirms the declared xxh3-128 by reading the
+    object back), or a peer's read-back (`peer`)?"""
     return mode == STORE
 
 
