@@ -119,3 +119,19 @@ def test_a_one_rank_job_does_not_check_itself_the_service_hashes_its_file(peer_s
         t.close()
     assert "hash_mismatch" in [e["kind"] for e in events(peer_svc, run_name)]
     assert last_good_id(peer_svc, run_name) is None
+
+
+def test_a_malformed_peer_key_is_refused_and_records_no_vote(peer_svc, run_name, tmp_path):
+    t, _direct, _handle, _digest = written(peer_svc, tmp_path, make_shard(0, seed=25))
+    cid = t.begin(run_name, 1, 2, None, "a1", 0).checkpoint_id
+    try:
+        for bad in ("x" * 64, "AB" * 32, "ab" * 31, "ab" * 33):
+            with pytest.raises(grpc.RpcError) as refused:
+                t._stub.CommitRank(pb.CommitRankRequest(checkpoint_id=cid, rank=1, files=[], peer_key=bad), timeout=30)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+        assert t.get_json(f"/api/v1/checkpoints/{cid}/shards")["ranks"] == []  # no vote recorded
+        r = peer_svc.get(f"/api/v1/checkpoints/{cid}/ranks/1/peer-check", headers={peerkey.HEADER: "ab" * 40})
+        assert r.status_code == 422, r.text  # a header longer than a secret: refused before any lookup
+        assert t.commit_rank(cid, 1, [], wait=0).status == "PENDING"  # control: the client's own key
+    finally:
+        t.close()
