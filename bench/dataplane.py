@@ -69,17 +69,24 @@ def save_one(url: str, run: str, step: int, data: bytes, path: str, *, mount: st
             spooled = t.spool_write(data, hasher)
         digest = hasher.hexdigest() if (handle or spooled) else hash_bytes(data)
         phases["written"] = time.time()
-        cid = t.begin(run, step, world, None, attempt, rank).checkpoint_id
+        # `peer` mode alone: a job of one rank does not check itself (the service would hash
+        # it), so the save is a checkpoint of two ranks whose second writes nothing and checks
+        # the first, as in any larger job; its read is the peer's cost, not the service's
+        checker = t.info.verification == "peer" and world == 1
+        cid = t.begin(run, step, 2 if checker else world, None, attempt, rank).checkpoint_id
         if direct is not None:
             direct.hand_over(cid, rank, FILE, data, digest, handle)
             assert direct.usable, "the service declined the direct-FS hand-over"
         else:
             t.put_shard(cid, rank, FILE, memoryview(data), digest, spooled=spooled)
         status = t.commit_rank(cid, rank, [FILE], wait=0).status
+        if checker:
+            status = t.commit_rank(cid, 1, [], wait=0).status
         phases["voted"] = time.time()
         if t.info.verification == "peer" and status == "PENDING":
             # as the client does (commit/session.py): a COMMITTED heard in the check needs no outcome call
-            status = "COMMITTED" if peer.check(t, direct, cid, rank, time.monotonic() + 600) == "COMMITTED" else status
+            by = 1 if checker else rank
+            status = "COMMITTED" if peer.check(t, direct, cid, by, time.monotonic() + 600) == "COMMITTED" else status
         phases["checked"] = time.time()
         deadline = time.monotonic() + 600
         while status == "PENDING" and time.monotonic() < deadline:

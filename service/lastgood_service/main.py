@@ -114,6 +114,7 @@ class Service:
         self.direct_fs = DirectFS.open(blobs, settings.direct_fs)
         # peer verification: one fallback hash per process, the reaper's sweep and the requests' checks share it
         self.peer_fallback = PeerFallback(self.commits)
+        self.commits.confirm = self.peer_fallback.start  # `store` mode: each direct upload's xxh3-128 (grants.py)
         self.peer_checks = PeerChecks(self.commits, self.peer_fallback, self.direct_fs)
         self.spool = None
         if spool_dir := settings.resolved_spool_dir():

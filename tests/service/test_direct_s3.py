@@ -5,6 +5,7 @@ real service and LocalStack's S3, which verifies part checksums and presigned UR
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import subprocess
 import sys
@@ -67,8 +68,8 @@ def shard(size: int, seed: int = 0) -> bytearray:
                      .numpy().tobytes())
 
 
-def begin(t: Transport, run: str, step: int = 1) -> int:
-    return t.begin(run, step, 1, None, "a1", 0).checkpoint_id
+def begin(t: Transport, run: str, step: int = 1, world: int = 1) -> int:
+    return t.begin(run, step, world, None, "a1", 0).checkpoint_id
 
 
 def test_direct_save_and_restore_round_trip_bitwise(make_service, tmp_path, localstack, ls_bucket, run_name):
@@ -101,10 +102,10 @@ def test_a_dcp_save_goes_direct_too(make_service, tmp_path, localstack, ls_bucke
     assert metric(svc, "lastgood_bytes_ingested_total") == metric(svc, "lastgood_bytes_served_total") == 0
 
 
-def upload_corrupted(svc, run: str, corrupt: bool):
+def upload_corrupted(svc, run: str, corrupt: bool, world: int = 1):
     """Begin, checksum the file, then (if `corrupt`) change a byte of part 2 before uploading."""
     t = Transport(svc.url)
-    cid = begin(t, run)
+    cid = begin(t, run, world=world)
     data = shard(12 * MiB)
     prepared = directs3.prepare(data, 5 * MiB)
     if corrupt:
@@ -205,7 +206,9 @@ def test_an_expired_grant_and_a_grant_used_for_another_key_are_refused_by_the_st
     def put(u, header=crc):
         return directs3._put_part(t, u, g["checksum_header"], header, piece, 1)
 
-    other = url.replace(f"/r0/{prepared.xxh3_128}", f"/r0/{'0' * 32}")  # another key of the same checkpoint
+    name = keys.shard_name(prepared.xxh3_128)
+    assert f"/r0/{name}" in url and prepared.xxh3_128 not in url  # the key names no digest (domain/keys.py)
+    other = url.replace(f"/r0/{name}", f"/r0/{'0' * 32}")  # another key of the same checkpoint
     with pytest.raises(directs3.StoreRefused) as e:
         put(other)
     assert e.value.status == 403, e.value
@@ -416,3 +419,37 @@ def test_gc_aborts_an_upload_whose_checkpoint_row_is_gone(make_service, tmp_path
     time.sleep(2.5)  # older than the grant lifetime
     assert svc.post("/api/v1/gc").status_code == 200
     assert localstack.uploads(ls_bucket) == []
+
+
+@pytest.mark.parametrize("lie", [True, False], ids=["xxh3-of-other-bytes", "control"])
+def test_store_mode_confirms_the_declared_xxh3_against_the_stored_object(make_service, tmp_path, localstack,
+                                                                          ls_bucket, run_name, lie):
+    """The store checks the parts' CRC32s, which a rank computes from the bytes it uploads; the
+    xxh3-128 it declares beside them the store never sees. A rank that sends correct CRC32s
+    with the xxh3-128 of other bytes (a client that hashed another buffer than it uploaded):
+    the store takes every part, the hand-over answers, and the service's read of the object
+    finds the digest wrong - the checkpoint is abandoned, last-good does not move (before,
+    it committed and only a later `verify` marked it CORRUPT). Control: the true digest commits."""
+    svc = direct_service(make_service, tmp_path, localstack, ls_bucket)
+    t = Transport(svc.url)
+    try:
+        cid = begin(t, run_name)
+        data = shard(11 * MiB, seed=5)
+        prepared = directs3.prepare(data, 5 * MiB)
+        if lie:
+            other = bytearray(data)
+            other[3 * MiB] ^= 0xFF
+            prepared = dataclasses.replace(prepared, xxh3_128=directs3.prepare(other, 5 * MiB).xxh3_128)
+        handle = directs3.upload(t, cid, 0, "rank00000.bin", data, prepared)  # the store takes every part
+        directs3.hand_over(t, cid, 0, "rank00000.bin", handle)
+        if lie:
+            with pytest.raises(FailedPrecondition, match="ABANDONED"):
+                t.commit_rank(cid, 0, ["rank00000.bin"], wait=10)
+        else:
+            assert t.commit_rank(cid, 0, ["rank00000.bin"], wait=10).status == "COMMITTED"
+    finally:
+        t.close()
+    kinds = [e["kind"] for e in svc.get(f"/api/v1/runs/{run_name}/events").json()["items"]]
+    assert ("hash_mismatch" in kinds) == lie and ("commit" in kinds) != lie
+    lg = svc.get(f"/api/v1/runs/{run_name}/last-good")
+    assert (lg.status_code == 404) == lie, lg.text

@@ -17,6 +17,7 @@ from lastgood.datapath import directfs, peer
 from lastgood.errors import SaveFailed
 from lastgood.commit.session import SaveSession
 from lastgood.datapath.transport import Transport
+from lastgood.wire import peerkey
 
 from .helpers import checkpoint, events, make_shard, shard_name, wait_status
 from .test_directfs import handed_over, mount_of
@@ -33,6 +34,7 @@ def voted_unchecked(svc, tmp_path, run: str, seed: int) -> int:
     try:
         direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
         assert t.commit_rank(cid, 0, [shard_name(0)], wait=0).status == "PENDING"  # voted; never checked
+        t.commit_rank(cid, 1, [], wait=0)  # rank 1: no files, rank 0's checker
     finally:
         t.close()
     return cid
@@ -79,12 +81,14 @@ def test_the_retried_commit_does_not_commit_a_file_lost_since_it_was_verified(ma
     try:
         direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
         assert t.commit_rank(cid, 0, [shard_name(0)], wait=0).status == "PENDING"  # voted
-        a = t.peer_assignment(cid, 0)
+        t.commit_rank(cid, 1, [], wait=0)  # rank 1: no files, rank 0's checker
+        a = t.peer_assignment(cid, 1)
         assert [f["name"] for f in a["files"]] == [shard_name(0)]
         # the report verifies the file; its commit attempt fails (the failpoint). Sent once,
         # not through the transport, whose retry would commit at once
-        svc.post(f"/api/v1/checkpoints/{cid}/ranks/0/peer-check", json={"peer_rank": a["peer_rank"],
-                                           "files": [peer.report_entry(shard_name(0), digest)]})
+        svc.post(f"/api/v1/checkpoints/{cid}/ranks/1/peer-check", json={"peer_rank": a["peer_rank"],
+                                           "files": [peer.report_entry(shard_name(0), digest)]},
+                 headers={peerkey.HEADER: peerkey.rank_secret(cid, 1)})
     finally:
         t.close()
     assert "failpoint commit_fails_once" in svc.log.read_text()
@@ -149,6 +153,7 @@ def test_the_services_own_hash_refuses_a_changed_file_nobody_checked(peer_svc, r
     try:
         direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
         t.commit_rank(cid, 0, [shard_name(0)], wait=0)
+        t.commit_rank(cid, 1, [], wait=0)  # rank 1: no files, rank 0's checker
     finally:
         t.close()
     wait_status(peer_svc, cid, "ABANDONED", timeout=60)
@@ -200,9 +205,10 @@ def test_an_error_part_way_through_the_read_back_is_reported_unread(peer_svc, ru
     try:
         direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
         t.commit_rank(cid, 0, [shard_name(0)], wait=0)
+        t.commit_rank(cid, 1, [], wait=0)  # rank 1: no files, rank 0's checker
         monkeypatch.setattr(peer.os, "readv", failing)
         try:
-            peer.check(t, direct, cid, 0, deadline=float("inf"))
+            peer.check(t, direct, cid, 1, deadline=float("inf"))
         except OSError as e:  # before the fix
             raise AssertionError(f"the read error escaped the peer check: {e!r}") from e
         except SaveFailed:
@@ -224,8 +230,10 @@ def test_a_file_reported_unread_is_hashed_after_the_report_not_inside_it(peer_sv
     try:
         direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
         t.commit_rank(cid, 0, [shard_name(0)], wait=0)
-        r = peer_svc.post(f"/api/v1/checkpoints/{cid}/ranks/0/peer-check",
-                        json={"peer_rank": 0, "files": [{"name": shard_name(0), "xxh3_128": None}]})
+        t.commit_rank(cid, 1, [], wait=0)  # rank 1: no files, rank 0's checker
+        r = peer_svc.post(f"/api/v1/checkpoints/{cid}/ranks/1/peer-check",
+                        json={"peer_rank": 0, "files": [{"name": shard_name(0), "xxh3_128": None}]},
+                        headers={peerkey.HEADER: peerkey.rank_secret(cid, 1)})
         assert r.status_code == 200, r.text
         assert r.json()["verified"] == [], r.json()  # before the fix: hashed in the request, and listed
     finally:
@@ -247,7 +255,8 @@ def test_the_checker_drops_the_files_cached_pages_before_reading_it(peer_svc, ru
     try:
         direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
         t.commit_rank(cid, 0, [shard_name(0)], wait=0)
-        assert peer.check(t, direct, cid, 0, deadline=float("inf")) in ("PENDING", "COMMITTED")
+        t.commit_rank(cid, 1, [], wait=0)  # rank 1: no files, rank 0's checker
+        assert peer.check(t, direct, cid, 1, deadline=float("inf")) in ("PENDING", "COMMITTED")
     finally:
         monkeypatch.undo()
         t.close()

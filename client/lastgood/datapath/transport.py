@@ -28,7 +28,7 @@ import grpc  # noqa: E402
 from lastgood import errors
 from lastgood.common import durable
 from lastgood.datapath import choose, handover
-from lastgood.wire import framing, names
+from lastgood.wire import framing, names, peerkey
 from lastgood.errors import (CorruptCheckpoint, FollowRefused, GaveUp, ServiceError, SpoolNotShared,
                      SpoolRefused)
 from lastgood.wire.info import DEFAULT_CHUNK_BYTES
@@ -292,8 +292,12 @@ class Transport(RestClient):
                            None, timeout=max(self.timeout, 3600.0))
 
     def commit_rank(self, checkpoint_id: int, rank: int, files: list[str], wait: float) -> pb.CommitRankResponse:
+        # the commitment of this process's secret for the rank: only this rank can then ask for and
+        # report its peer checks (lastgood/wire/peerkey.py); sent whatever the mode, it costs nothing
+        key = peerkey.commitment(peerkey.rank_secret(checkpoint_id, rank))
         return self._unary("CommitRank", self._stub.CommitRank, pb.CommitRankRequest(
-            checkpoint_id=checkpoint_id, rank=rank, files=files, wait_seconds=wait), timeout=wait + self.timeout)
+            checkpoint_id=checkpoint_id, rank=rank, files=files, wait_seconds=wait, peer_key=key),
+            timeout=wait + self.timeout)
 
     def abort(self, checkpoint_id: int, reason: str, rank: int) -> None:
         self._unary("AbortCheckpoint", self._stub.AbortCheckpoint,

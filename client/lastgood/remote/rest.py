@@ -21,6 +21,7 @@ import urllib.request
 from lastgood.wire.vocab import Status
 from lastgood import errors
 from lastgood.errors import NotFound, ServiceUnreachable
+from lastgood.wire import peerkey
 from lastgood.wire.codes import GENERATION_HEADER
 from lastgood.wire.info import Info
 from lastgood.wire.manifest import IndexMismatch, Manifest
@@ -101,9 +102,10 @@ class RestClient:
     def _retrying(self, fn, what: str):
         return self.retry.call(fn, what, stop=getattr(self._local, "stop", None))
 
-    def _request(self, method: str, path: str, query: dict | None = None, body: dict | None = None) -> bytes:
+    def _request(self, method: str, path: str, query: dict | None = None, body: dict | None = None,
+                 headers: dict | None = None) -> bytes:
         def once() -> bytes:
-            resp = self.open(method, path, query, body)
+            resp = self.open(method, path, query, body, headers)
             try:
                 with resp:
                     return resp.read()
@@ -112,11 +114,11 @@ class RestClient:
         return self._retrying(once, f"{method} {path}")
 
     # the generic calls, for a route that has no method below yet
-    def get_json(self, path: str, query: dict | None = None):
-        return json.loads(self._request("GET", path, query))
+    def get_json(self, path: str, query: dict | None = None, headers: dict | None = None):
+        return json.loads(self._request("GET", path, query, headers=headers))
 
-    def post_json(self, path: str, body: dict | None = None, query: dict | None = None):
-        return json.loads(self._request("POST", path, query, body))
+    def post_json(self, path: str, body: dict | None = None, query: dict | None = None, headers: dict | None = None):
+        return json.loads(self._request("POST", path, query, body, headers))
 
     def call(self, method: str, path: str, body: dict | None = None):
         return json.loads(self._request(method, path, None, body))
@@ -258,12 +260,15 @@ class RestClient:
         return self.get_json(self._rank_path(checkpoint_id, rank, f"read-grants/{q(file_name)}"))
 
     def peer_assignment(self, checkpoint_id: int, rank: int) -> dict:
-        """What this rank is to check of its peer's files (LASTGOOD_VERIFICATION=peer)."""
-        return self.get_json(self._rank_path(checkpoint_id, rank, "peer-check"))
+        """What this rank is to check of its peer's files (LASTGOOD_VERIFICATION=peer), asked
+        with this process's secret for the rank, whose commitment its vote carried (peerkey)."""
+        return self.get_json(self._rank_path(checkpoint_id, rank, "peer-check"),
+                             headers={peerkey.HEADER: peerkey.rank_secret(checkpoint_id, rank)})
 
     def peer_report(self, checkpoint_id: int, rank: int, body: dict) -> dict:
-        """The digests this rank read back from its peer's files."""
-        return self.post_json(self._rank_path(checkpoint_id, rank, "peer-check"), body)
+        """The digests this rank read back from its peer's files (with its secret, as above)."""
+        return self.post_json(self._rank_path(checkpoint_id, rank, "peer-check"), body,
+                              headers={peerkey.HEADER: peerkey.rank_secret(checkpoint_id, rank)})
 
     def manifest_bytes(self, checkpoint_id: int) -> bytes:
         """The exact manifest bytes the service committed (canonical JSON): a root of

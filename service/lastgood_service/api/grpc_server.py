@@ -261,7 +261,8 @@ class Servicer(pb_grpc.CheckpointsServicer):
         waiting = math.isfinite(wait) and wait > 0 and self._waiters.acquire(blocking=False)
         try:
             res = self.commits.vote(request.checkpoint_id, request.rank, list(request.files),
-                                    wait if waiting or not math.isfinite(wait) else 0.0)  # NaN: refused there
+                                    wait if waiting or not math.isfinite(wait) else 0.0,  # NaN: refused there
+                                    request.peer_key)
         finally:
             if waiting:
                 self._waiters.release()

@@ -165,6 +165,8 @@ class Vote(Base):
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
     files_json: Mapped[str] = mapped_column(Text)
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+    # the commitment of the rank's peer-check secret (lastgood/wire/peerkey.py); None: none sent
+    peer_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class Tag(Base):

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from lastgood.wire import jsonvalues, names
 
 from ..catalog.models import STATUSES, Checkpoint, Event, ReadLease, Run, RunStats
-from ..catalog.models import CORRUPT, PENDING, Shard, Vote
+from ..catalog.models import CORRUPT, DECLARED, PENDING, Shard, Vote
 from .events import FAILURE_WINDOW_S, recent_failures
 from .runs import last_good, lineage
 from .gate import CatalogGate
@@ -285,7 +285,8 @@ class Queries:
 
     def shards(self, checkpoint_id: int) -> dict:
         """A checkpoint's files as the catalog has them, whatever its status (a manifest
-        exists only once it committed): per rank, each file's size, xxh3-128 and state."""
+        exists only once it committed): per rank, each file's size, xxh3-128 (null while
+        DECLARED) and state."""
         with self.sessions() as s, s.begin():
             ck, run = self._checkpoint(s, checkpoint_id)
             rows = list(s.scalars(select(Shard).where(Shard.checkpoint_id == ck.id)
@@ -293,8 +294,11 @@ class Queries:
             voted = set(s.scalars(select(Vote.rank).where(Vote.checkpoint_id == ck.id)))
             ranks: dict[int, list[dict]] = {r: [] for r in sorted(voted)}
             for sh in rows:
+                # a DECLARED file's digest is its writer's claim, not yet checked: a peer checker
+                # must not learn it (domain/peer/verification_modes.py), so it is shown once verified
                 ranks.setdefault(sh.rank, []).append(
-                    {"name": sh.file_name, "size": sh.size, "xxh3_128": sh.xxh3_128, "status": sh.status})
+                    {"name": sh.file_name, "size": sh.size,
+                     "xxh3_128": None if sh.status == DECLARED else sh.xxh3_128, "status": sh.status})
             return {"checkpoint_id": ck.id, "run": run.name, "status": ck.status, "world_size": ck.world_size,
                     "ranks": [{"rank": r, "voted": r in voted, "files": ranks[r]} for r in sorted(ranks)]}
 

@@ -87,16 +87,18 @@ class PutShardResponse(_message.Message):
     def __init__(self, already_present: _Optional[bool] = ..., size: _Optional[int] = ..., xxh3_128: _Optional[str] = ...) -> None: ...
 
 class CommitRankRequest(_message.Message):
-    __slots__ = ("checkpoint_id", "rank", "files", "wait_seconds")
+    __slots__ = ("checkpoint_id", "rank", "files", "wait_seconds", "peer_key")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PEER_KEY_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: int
     rank: int
     files: _containers.RepeatedScalarFieldContainer[str]
     wait_seconds: float
-    def __init__(self, checkpoint_id: _Optional[int] = ..., rank: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+    peer_key: str
+    def __init__(self, checkpoint_id: _Optional[int] = ..., rank: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., wait_seconds: _Optional[float] = ..., peer_key: _Optional[str] = ...) -> None: ...
 
 class CommitRankResponse(_message.Message):
     __slots__ = ("checkpoint_id", "status", "missing_ranks")

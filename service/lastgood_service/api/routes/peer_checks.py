@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Header, Path
 from pydantic import BaseModel, Field
 
-from lastgood.wire import names
+from lastgood.wire import names, peerkey
 
 from ...domain.errors import Unavailable
 from ...domain.peer.verification_modes import MAX_REPORT_FILES, PeerChecks
@@ -19,6 +19,10 @@ from ..deps import CkptId, Ctx
 router = APIRouter(route_class=StrictJSONRoute, tags=["checkpoints"])
 
 Rank = Annotated[int, Path(ge=0, le=names.MAX_RANK)]
+# the checker's secret (lastgood/wire/peerkey.py): only the rank whose vote carried its commitment has it
+PeerKey = Annotated[str | None, Header(alias=peerkey.HEADER, max_length=64,
+                                       description="the rank's peer-check secret (64 hex digits); the SHA-256 of "
+                                                   "it is the peer_key its vote carried")]
 
 
 class ReadFile(BaseModel):
@@ -42,13 +46,16 @@ def _checks(ctx) -> PeerChecks:
 
 
 @router.get("/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/peer-check", responses=answers(400, 404, 409))
-def peer_assignment(checkpoint_id: CkptId, rank: Rank, ctx: Ctx):
+def peer_assignment(checkpoint_id: CkptId, rank: Rank, ctx: Ctx, key: PeerKey = None):
     """The files this rank is to read back and check: its peer's (rank + 1 mod world) files
-    not yet checked, with their size and where to read each (the declared digest stays here)."""
-    return _checks(ctx).assignment(checkpoint_id, rank)
+    not yet checked, with their size and where to read each (the declared digest stays here).
+    Only for the rank itself, after its vote: the peer key header opens its vote's commitment."""
+    return _checks(ctx).assignment(checkpoint_id, rank, key)
 
 
 @router.post("/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/peer-check", responses=answers(400, 404, 409, 413))
-def peer_report(checkpoint_id: CkptId, rank: Rank, body: PeerReport, ctx: Ctx):
-    """What this rank read: a match verifies the file; a mismatch aborts the checkpoint."""
-    return _checks(ctx).report(checkpoint_id, rank, body.peer_rank, [f.model_dump() for f in body.files])
+def peer_report(checkpoint_id: CkptId, rank: Rank, body: PeerReport, ctx: Ctx, key: PeerKey = None):
+    """What this rank read: a match verifies the file; a mismatch aborts the checkpoint. Only
+    from the rank itself (the peer key header, as for the assignment); a refused report is
+    recorded (peer_report_refused)."""
+    return _checks(ctx).report(checkpoint_id, rank, body.peer_rank, [f.model_dump() for f in body.files], key)

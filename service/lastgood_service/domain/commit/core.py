@@ -54,6 +54,10 @@ class CommitCore:
         # the transaction: the composition root (main.py) has the direct S3 uploads they left
         # open aborted (domain/dataplane/grants.py, DirectUploads.end)
         self.end_listeners: list[Callable[[list[int]], None]] = []
+        # hashes recorded DECLARED files of a checkpoint now, in the background: (checkpoint, [(rank,
+        # file)], why). The composition root sets the process's one peer fallback's `start`
+        # (domain/peer/peer_fallback.py); unset, the fallback's sweep hashes them after the grace
+        self.confirm: Callable[[int, list[tuple[int, str]], str], object] | None = None
         # votes that arrive together are written in one transaction (votebatch.py)
         self.vote_batches = VoteBatcher(self, settings.vote_batch_window, settings.failpoint)
         self._fail_commit_once = settings.failpoint == Failpoint.COMMIT_FAILS_ONCE  # testing only (protocol.try_commit)

@@ -74,6 +74,13 @@ class CommitLifecycle(CommitProtocol):
             self._ended(expired)
         return expired
 
+    def ended_by_contest(self, checkpoint_id: int) -> None:
+        """A vote batch abandoned the checkpoint: a rank's vote was claimed with two peer keys
+        (votebatch.py, _contest). What abort does after its transaction."""
+        self.metrics.abandoned.labels("abort").inc()
+        self._notify()
+        self._ended([checkpoint_id])
+
     def _ended(self, checkpoint_ids: list[int]) -> None:
         """Tell the end listeners of checkpoints that ended without a commit (core.py)."""
         for listener in self.end_listeners:

@@ -26,7 +26,7 @@ from sqlalchemy import or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from lastgood.wire import sealing
+from lastgood.wire import peerkey, sealing
 from lastgood.wire.hashing import hash_bytes
 from lastgood.wire.manifest import FileEntry, Manifest
 
@@ -129,15 +129,19 @@ class CommitProtocol(CommitPut):
 
     # ---------------------------------------------------------------- vote and commit
     @txtimer.label("vote")
-    def vote(self, checkpoint_id: int, rank: int, files: list[str], wait_seconds: float = 0.0) -> VoteResult:
+    def vote(self, checkpoint_id: int, rank: int, files: list[str], wait_seconds: float = 0.0,
+             peer_key: str = "") -> VoteResult:
+        """`peer_key`: the commitment of the rank's peer-check secret (lastgood/wire/peerkey.py), or ""."""
         self.gate.check()
         if len(set(files)) != len(files):
             raise InvalidArgument("the vote lists a file twice")
+        if peer_key and not peerkey.is_commitment(peer_key):
+            raise InvalidArgument("peer_key must be 64 lowercase hex digits (a SHA-256) or empty")
         if not math.isfinite(wait_seconds):
             raise InvalidArgument(f"wait_seconds must be a finite number, got {wait_seconds}")
         # recorded in one transaction with the votes arriving together (votebatch.py), and
         # committed by one of them when they complete the checkpoint
-        result = self.vote_batches.vote(checkpoint_id, rank, files)
+        result = self.vote_batches.vote(checkpoint_id, rank, files, peer_key)
         if result.status == PENDING and wait_seconds > 0:
             result = self.wait_for(checkpoint_id, min(wait_seconds, self.settings.commit_wait_max))
         if result.status == COMMITTED and self.settings.failpoint == Failpoint.LOSE_COMMIT_REPLY:

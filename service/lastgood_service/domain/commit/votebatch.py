@@ -48,6 +48,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from ...catalog.models import ABANDONED, COMMITTED, CORRUPT, DECLARED, PENDING, Shard, Vote
 from ...failpoints import Failpoint
+from ..events import add_event
 from ..runs import fencing
 from ..errors import Conflict, DomainError, FailedPrecondition, Unavailable
 from ..faults import as_domain_error
@@ -63,11 +64,13 @@ class _Ask:
     checkpoint_id: int
     rank: int
     files: list[str]
+    peer_key: str | None = None  # the commitment of the rank's peer-check secret (lastgood/wire/peerkey.py)
     done: bool = False
     error: BaseException | None = None
     status: str = PENDING
     missing: list[int] = field(default_factory=list)
     completes: bool = False  # its batch completed the checkpoint: someone must commit it
+    contested: bool = False  # its peer key was not the one the rank voted with: the checkpoint is abandoned
 
 
 class VoteBatcher:
@@ -92,11 +95,13 @@ class VoteBatcher:
         with self._cv:
             return checkpoint_id in self._committing
 
-    def vote(self, checkpoint_id: int, rank: int, files: list[str]):
+    def vote(self, checkpoint_id: int, rank: int, files: list[str], peer_key: str | None = None):
         """Record the vote (durably, in some batch's transaction), commit if its batch
         completed the checkpoint; the VoteResult as of then. Raises the vote's own refusal."""
-        ask = _Ask(checkpoint_id, rank, list(files))
+        ask = _Ask(checkpoint_id, rank, list(files), peer_key or None)
         self._submit(ask)
+        if ask.contested:  # the checkpoint was abandoned in the batch's transaction: say so, once written
+            self.core.ended_by_contest(checkpoint_id)
         if ask.error is not None:
             # the error object may be shared by the whole batch: each voter raises its own
             # copy (one exception raised in many threads would share one traceback)
@@ -165,13 +170,29 @@ class VoteBatcher:
         err = known if known is not None and not isinstance(known, FailedPrecondition) else Unavailable(
             f"vote not recorded: {what} ({type(e).__name__}); nothing of it was written: vote again")
         for a in asks:
-            a.error, a.completes = err, False
+            a.error, a.completes, a.contested = err, False, False
+
+    def _contest(self, s, ck, a: _Ask) -> Conflict:
+        """A vote again for a rank that voted with another peer key (lastgood/wire/peerkey.py):
+        two processes claim the rank - a rank of the job voting in another's name, or a
+        client bug. Either may have filed the rank's peer checks, so no check of its files
+        can be trusted: the checkpoint is abandoned here, under its row lock, with a
+        peer_key_contested event, and this vote is refused."""
+        reason = (f"rank {a.rank}'s vote on checkpoint {ck.id} was claimed twice with different peer keys; "
+                  f"the checkpoint is not committed")
+        if ck.status == PENDING:
+            ck.status, ck.lease_expires_at = ABANDONED, self.core.clock()
+            add_event(s, "peer_key_contested", ck.run_id, ck.id, rank=a.rank)
+            add_event(s, "abort", ck.run_id, ck.id, reason=reason, rank=a.rank)
+            a.contested = True
+        log.warning("checkpoint %s: %s", ck.id, reason, extra={"checkpoint_id": ck.id, "rank": a.rank})
+        return Conflict(reason)
 
     # ------------------------------------------------------------------ the transaction
     def _record(self, batch: list[_Ask]) -> None:
         by_checkpoint: dict[int, list[_Ask]] = defaultdict(list)
         for a in batch:
-            a.error, a.completes = None, False
+            a.error, a.completes, a.contested = None, False, False
             by_checkpoint[a.checkpoint_id].append(a)
         with self.core.sessions() as s, s.begin():
             for cid in sorted(by_checkpoint):  # row locks in id order: batches of two replicas cannot deadlock
@@ -209,8 +230,10 @@ class VoteBatcher:
             except DomainError as e:
                 a.error = e
         ranks = sorted({a.rank for a in ok})
-        voted_files = {v.rank: json.loads(v.files_json) for v in s.scalars(
+        prior_votes = {v.rank: v for v in s.scalars(
             select(Vote).where(Vote.checkpoint_id == cid, Vote.rank.in_(ranks)))} if ranks else {}
+        voted_files = {r: json.loads(v.files_json) for r, v in prior_votes.items()}
+        voted_keys = {r: v.peer_key for r, v in prior_votes.items()}
         have: dict[int, set[str]] = defaultdict(set)
         if unvoted := [r for r in ranks if r not in voted_files]:
             for rank, name in s.execute(select(Shard.rank, Shard.file_name).where(
@@ -221,6 +244,8 @@ class VoteBatcher:
             try:
                 prior = voted_files.get(a.rank)
                 if prior is not None:
+                    if voted_keys.get(a.rank) != a.peer_key:
+                        raise self._contest(s, ck, a)
                     if sorted(prior) != sorted(a.files):
                         raise Conflict(f"rank {a.rank} already voted on checkpoint {cid} with other files")
                     continue
@@ -232,8 +257,9 @@ class VoteBatcher:
                 if extra:
                     raise FailedPrecondition(f"rank {a.rank} uploaded files its vote leaves out: {extra}")
                 s.add(Vote(checkpoint_id=cid, rank=a.rank, files_json=json.dumps(sorted(a.files)),
-                           created_at=core.clock()))
+                           created_at=core.clock(), peer_key=a.peer_key))
                 voted_files[a.rank] = sorted(a.files)  # the same rank twice in one batch: one vote
+                voted_keys[a.rank] = a.peer_key
                 added += 1
             except DomainError as e:
                 a.error = e

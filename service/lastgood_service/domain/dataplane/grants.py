@@ -9,13 +9,12 @@ parts in parallel straight to the store, which refuses a part whose bytes do not
 CRC32 (BadDigest). At the *hand-over* the rank names what it uploaded (upload id, part
 numbers, ETags, CRC32s); the service confirms every part from the store's own listing
 (ListParts: sizes, ETags and the CRC32 the store computed), completes the upload, checks
-the object's size (HEAD), and records the file as put_shard would (VERIFIED; DECLARED in
-`peer` mode, below). No byte of the
+the object's size (HEAD), and records the file DECLARED (below). No byte of the
 file passes through the service, but the safetensors header (a ranged GET of the first
 bytes), which its tensor index object needs. A mismatch refuses the hand-over: the rank
 cannot vote with that file, and the checkpoint never commits.
 
-What a grant can touch: one key, `ckpt/<id>-<nonce>/r<rank>/<xxh3>`, of a checkpoint the
+What a grant can touch: one key, `ckpt/<id>-<nonce>/r<rank>/<name>` (domain/keys.py), of a checkpoint the
 caller's token may write (api/auth.py checks the route's checkpoint), for one upload, for
 `direct_s3_grant_seconds`. The signature covers key, upload id, part number and CRC32:
 another key, another upload or a late request is refused by the store.
@@ -25,11 +24,14 @@ Nothing is orphaned: an abort or a lease expiry aborts the checkpoint's open upl
 sweeps the open uploads of checkpoints that are no longer PENDING (domain/gc/ calls `sweep`),
 the backstop for a service that died between.
 
-Verification (domain/peer/verification_modes.py): in `store` mode a directly uploaded file is
-verified by the *store* (per-part CRC32) and recorded VERIFIED at the hand-over; in `peer`
-mode it is recorded DECLARED and another rank reads the object back through a presigned GET
-and checks its xxh3-128 before the checkpoint may commit (or the service does, after the
-grace: domain/peer/peer_fallback.py). Then a CRC32 the store does not report (moto keeps none)
+Verification (domain/peer/verification_modes.py): the store verifies each part's CRC32 as it
+takes it, which ties the stored bytes to the CRC32s the rank computed, not to the xxh3-128 it
+declared beside them (no S3 store computes xxh3; a rank that hashed other bytes than it
+uploaded would otherwise commit them). So the file is recorded DECLARED in both modes, and
+its xxh3-128 is checked against the stored object before the checkpoint may commit: in
+`store` mode by the service, which reads the object back on a thread of its own from the
+hand-over on (`commits.confirm`: domain/peer/peer_fallback.py); in `peer` mode by another
+rank through a presigned GET (or the service, after the grace). Then a CRC32 the store does not report (moto keeps none)
 refuses nothing: the read-back checks the bytes; one it reports that disagrees still does.
 The restoring client checks the xxh3-128 end to end in either mode.
 """
@@ -53,7 +55,7 @@ from lastgood.wire.format import header_length
 
 from ...blobstore import capabilities
 from ...blobstore.s3direct import StoredPart, composite
-from ...catalog.models import DECLARED, PENDING, VERIFIED, Checkpoint, Run, Shard
+from ...catalog.models import DECLARED, PENDING, Checkpoint, Run, Shard
 from ...failpoints import Failpoint, reach
 from .. import keys
 from ..commit import declared_ranges, indexes
@@ -167,8 +169,8 @@ class DirectUploads:
     # ------------------------------------------------------------ hand-over
     def hand_over(self, h: ShardHeader, upload_id: str, uploaded: list[UploadedPart],
                   part_size: int | None = None, digests: dict | None = None) -> PutResult:
-        """Confirm the upload from the store's metadata, complete it, record the file (VERIFIED,
-        or DECLARED for a peer to read back). `digests`: the range digests its writer declared
+        """Confirm the upload from the store's metadata, complete it, record the file (DECLARED:
+        the service, or a peer, reads it back). `digests`: the range digests its writer declared
         (domain/commit/declared_ranges.py)."""
         d = self._direct()
         if not upload_id or len(upload_id) > 1024:
@@ -342,14 +344,24 @@ class DirectUploads:
                     ck, present = c.admit_file(s, h, "record the shard", lock=True)  # serialises with votes
                     if present is not None:
                         return present
+                    # DECLARED in both modes: the store verified the parts' CRC32s, which say nothing
+                    # of the xxh3-128 the rank declared beside them (the store computes no xxh3);
+                    # `peer`: a rank reads it back; `store`: the service does, now (below)
                     s.add(Shard(checkpoint_id=ck.id, rank=h.rank, file_name=h.file_name, size=h.size,
                                 xxh3_128=h.xxh3_128, blob_key=key, index_json=index_json, created_at=c.clock(),
-                                status=VERIFIED if self.store_verifies else DECLARED))  # DECLARED: a peer reads it
+                                status=DECLARED))
                     ck.lease_expires_at = c.lease_from_now()
                     add_event(s, "direct_upload", ck.run_id, ck.id, rank=h.rank, file=h.file_name, bytes=h.size)
             except IntegrityError:  # two hand-overs of the same file at once, as put_shard
                 with s.begin():
                     return c.answer_recorded(s, h)
+        if self.store_verifies and c.confirm is not None:
+            # the declared xxh3-128 confirmed against the stored object before the checkpoint may
+            # commit: read from the store on a thread of the service's, while the other ranks
+            # upload and vote (peer_fallback: a match verifies it and commits once all voted;
+            # a mismatch aborts the checkpoint). Unset (no fallback), the sweep does it after the grace
+            c.confirm(h.checkpoint_id, [(h.rank, h.file_name)], "store mode: the store checked the parts' CRC32s, "
+                                                                "the service checks the declared xxh3-128")
         return PutResult(False, h.size, h.xxh3_128)
 
     # ------------------------------------------------------------ reads

@@ -13,8 +13,19 @@ same inode. Every byte published was hashed from the descriptor by the service.
 
 Trust: the directory is the service user's (mode 0700, checked at start), so only that
 user's processes (and root) can put files there; a file owned by anyone else is declined.
-Such writers are trusted not to modify a file after they handed it over; a later change
-would still be caught by the hash on every restore and verify.
+
+A file handed over is immutable from then on: the service takes it only when no process
+holds it open for writing (`Taken.require_no_writer`, a read lease the kernel grants only
+then: a descriptor or a shared writable mapping its writer kept is refused, SpoolRefused,
+and the client streams the bytes instead), it was renamed where its writer's path no longer
+names it, and it is published read-only (0444): a writer with no descriptor left can
+change it only by finding it in the store and chmod-ing it. Why a lease and not a re-check
+at the vote (size, mtime, ctime): a change through a kept descriptor is then refused before
+the service reads a byte, with no window between a check and the commit, and with no state
+to keep until the vote. A file system that grants no leases (NFS: EINVAL) cannot tell the
+service about a writer, least of all one on another host; there the hash (service mode)
+or the peer's read-back (peer mode), both after the take, is what checks the bytes, and a
+change after those is caught by every restore's and verify's hash.
 
 A client that cannot read the id file in the directory - another user, another container,
 another host behind the same load balancer - streams. The id, random per spool directory,
@@ -26,6 +37,8 @@ SpoolRefused for a file that is not there or is someone else's (it streams that 
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import secrets
 import shutil
@@ -65,6 +78,23 @@ class Taken:
 
     def size_now(self) -> int:
         return os.fstat(self.fd).st_size
+
+    def require_no_writer(self, name: str) -> bool:
+        """Refuse the file (SpoolRefused) while any process on this host holds it open for
+        writing: the kernel grants a read lease only when none does (fcntl(2), F_SETLEASE),
+        a descriptor or a shared writable mapping kept by its writer included. The lease is
+        released at once: it is a probe, not a hold (a held one would signal this process
+        when the file is opened for writing). False when the file system grants no leases
+        (NFS, some FUSE: it cannot tell)."""
+        try:
+            fcntl.fcntl(self.fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+        except OSError as e:
+            if e.errno in (errno.EAGAIN, errno.EBUSY):
+                raise SpoolRefused(f"spool: {name} is still open for writing (a descriptor or a writable mapping "
+                                   f"of it is kept); close it before handing it over, or stream the shard") from None
+            return False  # EINVAL, ENOLCK, EACCES: no leases here
+        fcntl.fcntl(self.fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return True
 
     def close(self) -> None:
         """Close the descriptor and remove the file unless it was published (renamed away)."""
@@ -128,6 +158,7 @@ class Followed:
                 if self.taken.size_now() != size:
                     raise InvalidArgument(f"followed hand-over of {self.name}: the file holds "
                                           f"{self.taken.size_now()} bytes, the header declares {size}")
+                self.taken.require_no_writer(self.name)  # its writer closed it before the last message
                 self.digest = digest
                 return
         raise InvalidArgument(f"followed hand-over of {self.name} ended after {pos} of {size} bytes, "
@@ -200,7 +231,14 @@ class Spool:
         if st2.st_size > size or (st2.st_size != size and not growing):
             Taken(taken, fd, st2.st_size).close()
             raise InvalidArgument(f"spool_file {name} holds {st2.st_size} bytes, the header declares {size}")
-        return Taken(taken, fd, size)
+        t = Taken(taken, fd, size)
+        if not growing:  # a followed file's writer writes on: checked after its last message (Followed)
+            try:
+                t.require_no_writer(name)
+            except BaseException:
+                t.close()
+                raise
+        return t
 
     def lend(self, blob: Path) -> str | None:
         """A read-only hard link to a blob for a reader on this host (the read direction of

@@ -11,12 +11,17 @@ xxh3-128 their writer declared, before the checkpoint may commit:
            header (the tensor index). The rule, one place: rank r checks the
            files of rank (r + 1) mod world. Why a ring: every file gets exactly one checker,
            the read load is one file per rank whatever the world size, and a rank never
-           checks its own bytes - unless it is alone (world 1), when reading its own file
-           back from the store still checks the stored bytes against the declared digest.
-  store    the store checked the declared checksums as it took the bytes (direct S3
-           uploads, whose parts carry a CRC32 the store verifies: domain/dataplane/grants.py). A
-           deployment that cannot (a file system never does; direct uploads off) is refused
-           at start (`check_available`).
+           checks its own bytes. A job of one rank has no other rank: the service hashes
+           its files (`_alone`). Only the assigned rank may ask for or report a check: it
+           holds the secret whose commitment its vote carried (`_require_checker`,
+           lastgood/wire/peerkey.py), and the assignment never names the declared digest
+           (nor do the keys: domain/keys.py).
+  store    the store checked each part's CRC32 as it took the bytes (direct S3 uploads:
+           domain/dataplane/grants.py), and the service confirms the declared xxh3-128 by
+           reading the object back from the store, in the background from the hand-over on
+           (no S3 store computes xxh3, and the CRC32s tie the bytes to what the rank
+           uploaded, not to the digest it declared). A deployment that cannot (a file
+           system never does; direct uploads off) is refused at start (`check_available`).
 
 The mode governs the hand-overs by name: direct-FS (domain/dataplane/directfs.py) and direct S3
 uploads (domain/dataplane/grants.py; `service` is refused there: the service would have to read
@@ -36,8 +41,11 @@ checker's trouble costs CPU, never the commit's correctness or its liveness.
 
 from __future__ import annotations
 
+import logging
+
 from sqlalchemy import select
 
+from lastgood.wire import peerkey
 from lastgood.wire.vocab import Verification
 
 from ...blobstore import capabilities
@@ -45,7 +53,7 @@ from ...catalog.models import COMMITTED, DECLARED, PENDING, VERIFIED, Shard, Vot
 from ..commit import declared_ranges
 from ..commit.core import key_prefix
 from ..commit.declared_ranges import fingerprint_of
-from ..errors import FailedPrecondition, InvalidArgument
+from ..errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from ..events import add_event
 from ..runs import fencing
 from . import peer_fallback
@@ -54,6 +62,7 @@ from . import peer_fallback
 SERVICE, PEER, STORE = (Verification[n].value for n in ("SERVICE", "PEER", "STORE"))
 MODES = tuple(m.value for m in Verification)
 MAX_REPORT_FILES = 1000
+log = logging.getLogger("lastgood")
 
 
 class ModeUnavailable(ValueError):
@@ -75,8 +84,8 @@ def check_available(mode: str, store, direct_s3: bool) -> None:
         # would undo what the path is for: the store, or the ranks, verify them
         raise ModeUnavailable(
             f"LASTGOOD_DIRECT_S3=true needs LASTGOOD_VERIFICATION=store or peer, not {mode!r}: the ranks' bytes "
-            f"go straight to the store and the service reads none of them back; `store`: the store verifies "
-            f"each part's CRC32 as it takes it; `peer`: each rank reads another rank's object back")
+            f"go straight to the store; `store`: the store verifies each part's CRC32 as it takes it and the "
+            f"service reads each object back for its xxh3-128; `peer`: each rank reads another rank's object back")
     if mode == STORE and not (direct_s3 and isinstance(store, capabilities.GrantsDirectAccess)):
         why = ("direct uploads are off (LASTGOOD_DIRECT_S3)" if isinstance(store, capabilities.GrantsDirectAccess)
                else f"the blob store ({type(store).__name__}) does not verify the checksums writers declare (a file "
@@ -96,8 +105,9 @@ def service_hashes(mode: str) -> bool:
 
 
 def store_verifies(mode: str) -> bool:
-    """Is a direct S3 upload verified by the store's part checksums (VERIFIED at the
-    hand-over), or left DECLARED for a peer to read back (`peer`)?"""
+    """Do the store's part checksums stand for a direct S3 upload (`store`: every part's CRC32
+    must be reported and equal, and the service confirms the declared xxh3-128 by reading the
+    object back), or a peer's read-back (`peer`)?"""
     return mode == STORE
 
 
@@ -127,20 +137,32 @@ class PeerChecks:
     def mode(self) -> str:
         return self.commits.settings.verification
 
-    def assignment(self, checkpoint_id: int, rank: int) -> dict:
-        """What `rank` checks now: its peer's DECLARED files, with size and where to read each (`_where`: a path under the store's root, or a presigned GET)."""
+    def assignment(self, checkpoint_id: int, rank: int, secret: str | None = None) -> dict:
+        """What `rank` checks now: its peer's DECLARED files, with size and where to read each
+        (`_where`: a path under the store's root, or a presigned GET). `secret`: the rank's
+        peer-check secret, whose commitment its vote carried (`_require_checker`). A job of one
+        rank checks nothing: the service hashes its files (`_alone`)."""
         c = self.commits
         with c.sessions() as s, s.begin():
             ck = c.get_checkpoint(s, checkpoint_id)
             c.check_rank(ck, rank)
             # a zombie of a fenced launch gets no presigned GET of the store's objects
             fencing.check(s, ck.run_id, ck.generation, f"peer check on checkpoint {ck.id}")
+            if ck.world_size == 1:
+                alone = [(0, n) for n in s.scalars(select(Shard.file_name).where(
+                    Shard.checkpoint_id == checkpoint_id, Shard.status == DECLARED))] if ck.status == PENDING else []
+                status = ck.status
+            else:
+                alone = None
+                self._require_checker(s, ck, rank, secret)
             peer = peer_of(rank, ck.world_size)
             voted = s.get(Vote, (checkpoint_id, peer)) is not None
             shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == checkpoint_id, Shard.rank == peer,
                                                         Shard.status == DECLARED).order_by(Shard.file_name)))
             status = ck.status
             pfx = key_prefix(s, ck)
+        if alone is not None:
+            return self._alone(checkpoint_id, alone, status, voted)
         where = self._where() if shards and status == PENDING else None
         # no declared digest: the checker reports what it read, the service compares (report);
         # each file's writer's range digests, if any, by their rule: recomputed by the checker
@@ -152,9 +174,48 @@ class PeerChecks:
         return {"verification": self.mode, "status": status, "peer_rank": peer, "peer_voted": voted,
                 "files": files if status == PENDING else []}
 
-    def report(self, checkpoint_id: int, rank: int, peer_rank: int, files: list[dict]) -> dict:
+    def _require_checker(self, s, ck, rank: int, secret: str | None) -> None:
+        """Only the rank assigned to check may ask for or report its assignment: the caller
+        must hold the secret whose commitment `rank`'s vote carried (lastgood/wire/peerkey.py).
+        Every rank of a job holds the same token, so without this any of them - the writer of
+        the files included - could file the checker's report. A rank checks after its vote."""
+        vote = s.get(Vote, (ck.id, rank))
+        if vote is None:
+            raise FailedPrecondition(f"rank {rank} has not voted on checkpoint {ck.id}: a rank checks its peer's "
+                                     f"files after its own vote")
+        if vote.peer_key is None:
+            raise PermissionDenied(f"rank {rank} voted on checkpoint {ck.id} without a peer key, so no check of its "
+                                   f"assignment is accepted: the service hashes those files itself")
+        if not peerkey.matches(secret, vote.peer_key):
+            raise PermissionDenied(f"peer check of rank {rank}'s assignment on checkpoint {ck.id}: the "
+                                   f"{peerkey.HEADER} is not the secret rank {rank} voted with; only that rank "
+                                   f"may check its peer's files")
+
+    def _alone(self, checkpoint_id: int, files: list, status: str, voted: bool) -> dict:
+        """A job of one rank: no other rank can check its files, and a rank reading back its
+        own file could report the digest it declared without reading it. The service hashes
+        them itself, now (peer_fallback), and commits if the rank has voted."""
+        left = [f for f in files if not self.fallback.hashing(checkpoint_id, *f)]
+        if left:
+            self.fallback.start(checkpoint_id, left, "a job of one rank does not check its own files")
+        return {"verification": self.mode, "status": status, "peer_rank": 0, "peer_voted": voted, "files": []}
+
+    def report(self, checkpoint_id: int, rank: int, peer_rank: int, files: list[dict],
+               secret: str | None = None) -> dict:
         """What `rank` read of its peer's files: {"name", "xxh3_128"} each, xxh3_128 None when
-        it could not read the file. Idempotent: files already checked are passed over."""
+        it could not read the file. Idempotent: files already checked are passed over.
+        `secret`: as for `assignment`; a report without the right one is refused and recorded
+        (peer_report_refused)."""
+        try:
+            return self._report(checkpoint_id, rank, peer_rank, files, secret)
+        except PermissionDenied as denied:  # recorded in a transaction of its own: nothing else changed
+            with self.commits.sessions() as s, s.begin():
+                ck = self.commits.get_checkpoint(s, checkpoint_id)
+                add_event(s, "peer_report_refused", ck.run_id, ck.id, rank=rank, reason=str(denied)[:300])
+            log.warning("checkpoint %s: %s", checkpoint_id, denied)
+            raise
+
+    def _report(self, checkpoint_id: int, rank: int, peer_rank: int, files: list[dict], secret: str | None) -> dict:
         c = self.commits
         c.gate.check()
         if len(files) > MAX_REPORT_FILES:
@@ -163,9 +224,13 @@ class PeerChecks:
             ck = c.get_checkpoint(s, checkpoint_id, lock=True)  # serialises with votes and commits
             c.check_rank(ck, rank)
             fencing.check(s, ck.run_id, ck.generation, f"peer check on checkpoint {ck.id}")
+            if ck.world_size == 1:
+                raise InvalidArgument(f"checkpoint {ck.id} has one rank, which does not check its own files: "
+                                      f"the service hashes them")
             if peer_rank != peer_of(rank, ck.world_size):
                 raise InvalidArgument(f"rank {rank} checks the files of rank {peer_of(rank, ck.world_size)}, "
                                       f"not of rank {peer_rank}")
+            self._require_checker(s, ck, rank, secret)
             if ck.status != PENDING:
                 return {"status": ck.status, "verified": [], "mismatched": []}
             ck.lease_expires_at = c.lease_from_now()  # a check is progressing: the checkpoint is alive
