@@ -13,6 +13,7 @@ import lastgood
 from lastgood.common import parallel
 from lastgood.state import split
 from tests.service.helpers import ckpt_dir
+from lastgood_service.domain import keys
 
 FILE_BYTES = "16K"  # a ~100 KiB state: several files
 
@@ -39,7 +40,7 @@ def _files(service, cid: int) -> dict[str, dict]:
 
 
 def _blob(service, cid: int, entry: dict):
-    return next(p for p in (ckpt_dir(service, cid) / "r0").iterdir() if p.name == entry["xxh3_128"])
+    return ckpt_dir(service, cid) / "r0" / keys.shard_name(entry["xxh3_128"])  # the service's key rule
 
 
 def test_split_state_restores_bitwise(service, run_name, monkeypatch):

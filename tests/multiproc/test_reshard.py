@@ -19,6 +19,7 @@ from lastgood.wire.ranges import MIN_BLOCK
 
 from tests.multiproc.launch import torchrun, why
 from tests.service.helpers import ckpt_dir, shard_blob, wait_status
+from lastgood_service.domain import keys
 
 SCRIPT = Path(__file__).with_name("fsdp_reshard.py")
 BLOCK = MIN_BLOCK  # the smallest the service accepts: ranges cut through the stored shards of layer 0
@@ -246,7 +247,7 @@ def test_a_damaged_range_in_a_further_file_falls_back_on_every_rank(make_service
     shards = stored(svc, ckpt, 3)[1]
     f, name = next((f, n) for f in ckpt["manifest"]["ranks"][3]["files"] if f["name"] != "rank00003.safetensors"
                    for n in f["tensors"] if n in shards)
-    blob = ckpt_dir(svc, ckpt["id"]) / "r3" / f["xxh3_128"]
+    blob = ckpt_dir(svc, ckpt["id"]) / "r3" / keys.shard_name(f["xxh3_128"])  # the service's key rule
     data = bytearray(blob.read_bytes())
     data[f["data_start"] + f["tensors"][name]["offsets"][1] - 1] ^= 0x01
     blob.write_bytes(bytes(data))

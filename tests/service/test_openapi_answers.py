@@ -57,8 +57,9 @@ def test_real_answers_hold_to_the_declared_schemas(svc, doc, run_name):
             ck.wait()
     finally:
         ck.close()
+    gen = h.get(f"/api/v1/runs/{run}/launches/current").json()["generation"]
     with Client(svc.grpc_target) as c:
-        c.begin(run, step=3)
+        c.begin(run, step=3, generation=gen)  # a PENDING checkpoint in the listings
     cid = h.get(f"/api/v1/runs/{run}/last-good").json()["id"]
     file_name = h.get(f"/api/v1/checkpoints/{cid}/manifest").json()["ranks"][0]["files"][0]["name"]
     r, k = f"/api/v1/runs/{run}", f"/api/v1/checkpoints/{cid}"
