@@ -16,17 +16,19 @@ from lastgood.cli.app import CKPT, CkptRef, CliError, Exit, State, cli, json_opt
 @cli.command("export")
 @click.argument("ckpt", type=CKPT)
 @click.argument("dest", metavar="DIR", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--format", "fmt", type=click.Choice(["hf"]), default="hf", show_default=True,
+@click.option("--format", "fmt", type=click.Choice(["hf", "dcp"]), default="hf", show_default=True,
               help="hf: model.safetensors (or model-0000k-of-0000N.safetensors) + model.safetensors.index.json "
-                   "+ config.json.")
+                   "+ config.json. dcp: a torch.distributed.checkpoint directory (.metadata, __0_0.distcp) that "
+                   "stock FileSystemReader and dcp_to_torch_save read; needs torch.")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="Convert the float tensors to this dtype. Default: as stored.")
 @click.option("--max-shard-size", default="5GB", show_default=True, metavar="SIZE",
               help="Largest output file: 5GB (10^9 bytes), 500MiB (2^20), or bytes. A larger tensor gets "
                    "a file of its own.")
-@click.option("--prefix", default="model.", show_default=True,
+@click.option("--prefix", default=None,
               help="Export the module tensors whose state name starts with this, without it "
-                   "(TrainState(model=...) names them model.<state_dict key>).")
+                   "(TrainState(model=...) names them model.<state_dict key>). Default: model. for hf; "
+                   "nothing for dcp (names kept whole).")
 @click.option("--map", "name_map", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
               help="JSON object renaming tensors: {\"name after the prefix\": \"name in the export\"}; "
                    "null drops a tensor.")
@@ -39,7 +41,9 @@ from lastgood.cli.app import CKPT, CkptRef, CliError, Exit, State, cli, json_opt
 @pass_state
 def export(st: State, ckpt: CkptRef, dest: Path, fmt: str, dtype: str | None, max_shard_size: str, prefix: str,
            name_map: Path | None, config: Path | None, progress: bool | None) -> None:
-    """Write a checkpoint's model weights as a Hugging Face model directory DIR.
+    """Write a checkpoint's model weights as a Hugging Face model directory DIR, or as a
+    stock DCP directory (--format dcp: a lastgood.dcp save whole, a Checkpointer save's
+    module tensors).
 
     Reads, from the store, the rank files that hold model tensors (each streamed once and
     verified against the manifest's xxh3-128), assembles every tensor from its shards
@@ -53,7 +57,7 @@ def export(st: State, ckpt: CkptRef, dest: Path, fmt: str, dtype: str | None, ma
     from lastgood.export import ExportError, Options, run_export
 
     try:
-        opts = Options(dtype, max_shard_size, prefix, name_map, config)
+        opts = Options(dtype, max_shard_size, prefix, name_map, config, fmt)
     except ExportError as e:
         raise click.UsageError(str(e)) from None
     show = progress if progress is not None else (st.err.is_terminal and not st.json)
@@ -83,14 +87,16 @@ def export(st: State, ckpt: CkptRef, dest: Path, fmt: str, dtype: str | None, ma
         table = render.make_table("FILE", "SIZE", "TENSORS")
         table.columns[1].justify = table.columns[2].justify = "right"
         for f in doc["files"]:
-            table.add_row(Text(str(dest / f["name"])), Text(render.fmt_bytes(f["size"])), Text(str(f["tensors"])))
+            table.add_row(Text(str(dest / f["name"])), Text(render.fmt_bytes(f["size"])),
+                          Text(str(f.get("tensors", ""))))
         out.print(table)
         render.line(out, Text("exported ", style="bold"), render.ckpt_id(doc["checkpoint_id"]), " (run ",
                     Text(doc["run"]), f", step {doc['step']}, world size {doc['world_size']}): {doc['tensors']} "
                     f"tensors, {render.fmt_bytes(doc['total_size'])}"
                     f"{' as ' + doc['dtype'] if doc['dtype'] else ''}; read {len(doc['read'])} rank file(s), "
-                    f"{render.fmt_bytes(doc['bytes_read'])}, every xxh3-128 verified; config.json: "
-                    f"{doc['config'] or 'none'}")
+                    f"{render.fmt_bytes(doc['bytes_read'])}, every xxh3-128 verified; " +
+                    (f"config.json: {doc['config'] or 'none'}" if doc["format"] == "hf" else
+                     f"stock DCP: {doc['chunks']} chunk(s), {doc['values']} non-tensor value(s)"))
     st.emit(doc, human)
 
 
