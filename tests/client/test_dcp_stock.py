@@ -98,3 +98,93 @@ def test_bad_dcp_export_options_are_refused_before_anything_is_read(service, tmp
     res = lastgood_cli("export", "1", str(tmp_path / "o"), "--format", "dcp", "--dtype", "bf16", url=service.url,
                        code=2)
     assert "apply to --format hf" in res.err and not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------------- import
+def stock_save(d) -> dict:
+    """A stock DCP save (FileSystemWriter, DCP's default planner: values pickled)."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    state = {"model": model.state_dict(), "step": torch.tensor(7), "h": torch.randn(5).bfloat16(),
+             "meta": {"epoch": 2, "lrs": [0.1, 0.01], "name": "stock"}}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(d)), no_dist=True)
+    return state
+
+
+def test_a_stock_dcp_directory_imports_and_restores_through_lastgood_bitwise(service, run_name, tmp_path):
+    from lastgood.dcp.stock import import_dcp
+
+    want = stock_save(tmp_path / "stock")
+    doc = import_dcp(tmp_path / "stock", url=service.url, run=run_name, step=7)
+    assert doc["run"] == run_name and doc["step"] == 7 and doc["tensors"] == 6 and doc["values"] == 3
+    lg = service.get(f"/api/v1/runs/{run_name}/last-good").json()
+    assert lg["id"] == doc["checkpoint_id"] and lg["step"] == 7 and lg["status"] == "COMMITTED"
+    got = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()}, "step": torch.tensor(0),
+           "h": torch.zeros(5, dtype=torch.bfloat16), "meta": {"epoch": 0, "lrs": [0.0, 0.0], "name": ""}}
+    dcp.load(got, storage_reader=lgdcp.StorageReader(service.url, run=run_name), planner=lgdcp.LoadPlanner())
+    assert all(torch.equal(got["model"][k], v) for k, v in want["model"].items())
+    assert torch.equal(got["step"], want["step"]) and torch.equal(got["h"], want["h"]) and got["meta"] == want["meta"]
+
+
+class _Evil:
+    def __init__(self, how: str, marker) -> None:
+        self.how, self.marker = how, str(marker)
+
+    def __reduce__(self):
+        import builtins
+        import os
+        if self.how == "eval":
+            return builtins.eval, (f"open({self.marker!r}, 'w').close()",)
+        if self.how == "import":
+            return __import__, ("lastgood_evil_module",)
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("how", ["system", "system-protocol2", "eval", "import", "value"])
+def test_a_hostile_stock_dcp_directory_is_refused_and_nothing_of_it_runs(service, run_name, tmp_path, how,
+                                                                         monkeypatch):
+    import pickle
+    import sys
+
+    from lastgood.dcp.stock import import_dcp
+
+    d, marker = tmp_path / "stock", tmp_path / "PWNED"
+    (tmp_path / "lastgood_evil_module.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # importable, were anything to import it
+    if how == "value":  # a non-tensor value DCP's default planner torch.save'd: the pickle is in __0_0.distcp
+        dcp.save({"w": torch.ones(2), "x": _Evil("system", marker)}, storage_writer=dcp.FileSystemWriter(str(d)),
+                 no_dist=True)
+    else:
+        stock_save(d)
+        (d / ".metadata").write_bytes(pickle.dumps(_Evil(how.split("-")[0], marker),
+                                                   protocol=2 if how.endswith("protocol2") else 4))
+    with pytest.raises(lastgood.errors.FormatError, match="refused") as e:
+        import_dcp(d, url=service.url, run=run_name, step=1)
+    assert not marker.exists() and "lastgood_evil_module" not in sys.modules, e.value
+    assert service.get(f"/api/v1/runs/{run_name}/checkpoints").status_code == 404  # nothing made, not even the run
+    # the control: stock DCP runs the same file
+    try:
+        if how == "value":
+            dcp.load({"w": torch.zeros(2), "x": None}, storage_reader=dcp.FileSystemReader(str(d)), no_dist=True)
+        else:
+            dcp.FileSystemReader(str(d)).read_metadata()
+    except BaseException:  # noqa: BLE001 - what it returns is not Metadata; what it ran is the point
+        pass
+    assert marker.exists()
+    sys.modules.pop("lastgood_evil_module", None)
+
+
+def test_import_dcp_bad_input_is_refused_before_anything_is_read(service, run_name, tmp_path):
+    """The command line's own checks (torch is not even imported for them)."""
+    from lastgood.dcp.stock import import_dcp
+
+    (tmp_path / "empty").mkdir()
+    calls = [(["import-dcp", str(tmp_path / "nope"), "--run", run_name, "--step", "1"], "does not exist"),
+             (["import-dcp", str(tmp_path / "empty"), "--run", run_name, "--step", "-1"], "--step"),
+             (["import-dcp", str(tmp_path / "empty"), "--run", "bad name!", "--step", "1"], "run")]
+    for argv, says in calls:
+        res = lastgood_cli(*argv, url=service.url, code=2)
+        assert says in res.err, res.err
+    with pytest.raises(lastgood.errors.LastgoodError, match="cannot read .*empty/.metadata"):
+        import_dcp(tmp_path / "empty", url=service.url, run=run_name, step=1)
+    assert service.get(f"/api/v1/runs/{run_name}/checkpoints").status_code == 404

@@ -1,4 +1,6 @@
-"""`lastgood export CKPT DIR`: a checkpoint as a Hugging Face model directory (lastgood.export)."""
+"""`lastgood export CKPT DIR`: a checkpoint as a Hugging Face model directory or a stock DCP
+directory (lastgood.export); `lastgood import-dcp DIR`: a stock DCP directory into a run
+(lastgood.dcp.stock)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from rich.text import Text
 
 from lastgood.errors import FormatError
 from lastgood.cli import render
-from lastgood.cli.app import CKPT, CkptRef, CliError, Exit, State, cli, json_option, pass_state
+from lastgood.cli.app import CKPT, RUN, CkptRef, CliError, Exit, State, cli, json_option, pass_state
 
 
 @cli.command("export")
@@ -97,6 +99,35 @@ def export(st: State, ckpt: CkptRef, dest: Path, fmt: str, dtype: str | None, ma
                     f"{render.fmt_bytes(doc['bytes_read'])}, every xxh3-128 verified; " +
                     (f"config.json: {doc['config'] or 'none'}" if doc["format"] == "hf" else
                      f"stock DCP: {doc['chunks']} chunk(s), {doc['values']} non-tensor value(s)"))
+    st.emit(doc, human)
+
+
+@cli.command("import-dcp")
+@click.argument("src", metavar="DIR", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--run", "run", type=RUN, required=True, help="The run to import into (made if it has no checkpoint).")
+@click.option("--step", type=click.IntRange(min=0), required=True, help="The step the checkpoint is saved as.")
+@click.option("--parent", "parent", type=click.IntRange(min=1), default=None,
+              help="The checkpoint id of its parent in the lineage. Default: the run's last-good.")
+@json_option
+@pass_state
+def import_dcp(st: State, src: Path, run: str, step: int, parent: int | None) -> None:
+    """Import a stock DCP directory DIR (dcp.save with FileSystemWriter) into RUN as a
+    committed checkpoint of STEP, which lastgood.dcp.StorageReader restores.
+
+    DCP's .metadata is a pickle: it is read only through torch's weights-only unpickler
+    with DCP's metadata classes allowed (a file that names anything else is refused, and
+    nothing of it runs); tensors and values load weights-only too. The whole state is
+    held in memory once. Needs torch.
+    """
+    from lastgood.dcp.stock import import_dcp as run_import
+
+    doc = run_import(src, step=step, url=st.url, run=run, token=st.token, parent_id=parent)
+
+    def human(out):
+        render.line(out, Text("imported ", style="bold"), Text(str(src)), " as ",
+                    render.ckpt_id(doc["checkpoint_id"]), " (run ", Text(doc["run"]),
+                    f", step {doc['step']}): {doc['tensors']} tensors, {render.fmt_bytes(doc['bytes'])}, "
+                    f"{doc['values']} non-tensor value(s); committed")
     st.emit(doc, human)
 
 
