@@ -188,3 +188,50 @@ def test_import_dcp_bad_input_is_refused_before_anything_is_read(service, run_na
     with pytest.raises(lastgood.errors.LastgoodError, match="cannot read .*empty/.metadata"):
         import_dcp(tmp_path / "empty", url=service.url, run=run_name, step=1)
     assert service.get(f"/api/v1/runs/{run_name}/checkpoints").status_code == 404
+
+
+# ---------------------------------------------------------------------- planners torch's helpers build
+def test_torch_helpers_that_build_their_own_planner_load_a_lastgood_dcp_save(service, run_name, tmp_path):
+    """DCP's default planner, `_EmptyStateDictLoadPlanner` (what dcp_to_torch_save loads
+    with) and `load_sharded_optimizer_state_dict`'s `_ReaderWithOffset` read values through
+    lastgood.dcp.StorageReader without lastgood's LoadPlanner mixed in (they were refused:
+    "load with planner=lastgood.dcp.LoadPlanner()"); a planner whose own load_bytes wants a
+    pickle is refused with what to do."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    torch.manual_seed(2)
+    w, exp_avg = torch.randn(4, 3), torch.randn(4, 3)
+    saved = {"model": {"0.weight": w}, "meta": {"epoch": 3, "name": "x"},
+             "optim": {"state": {"0.weight": {"exp_avg": exp_avg, "step": 3.0}},
+                       "param_groups": [{"lr": 0.1, "params": ["0.weight"]}]}}
+    dcp.save(saved, storage_writer=lgdcp.StorageWriter(service.url, run=run_name), checkpoint_id="1",
+             planner=lgdcp.SavePlanner())
+    reader = lambda: lgdcp.StorageReader(service.url, run=run_name)  # noqa: E731
+
+    got = {"model": {"0.weight": torch.zeros(4, 3)}, "meta": {"epoch": 0, "name": ""}}
+    dcp.load(got, storage_reader=reader())  # DCP's default planner
+    assert torch.equal(got["model"]["0.weight"], w) and got["meta"] == saved["meta"]
+
+    whole: dict = {}  # as dcp_to_torch_save loads: the state rebuilt from the metadata alone
+    _load_state_dict(whole, storage_reader=reader(), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    assert torch.equal(whole["optim"]["state"]["0.weight"]["exp_avg"], exp_avg) and whole["meta"] == saved["meta"]
+    assert whole["optim"]["param_groups"] == saved["optim"]["param_groups"]
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        osd = load_sharded_optimizer_state_dict({"0.weight": torch.zeros(4, 3)}, "optim", reader())
+    finally:
+        dist.destroy_process_group()
+    st = osd["optim"]["state"]["0.weight"]
+    assert torch.equal(st["exp_avg"].local_shards()[0].tensor, exp_avg) and st["step"] == 3.0
+    assert osd["optim"]["param_groups"] == saved["optim"]["param_groups"]
+
+    class Pickling(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            raise AssertionError("handed bytes")
+
+    with pytest.raises(BaseException, match="Pickling.load_bytes expects a pickle; load with DCP's default"):
+        dcp.load({"meta": {"epoch": 0, "name": ""}}, storage_reader=reader(), planner=Pickling())
