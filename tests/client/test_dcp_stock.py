@@ -235,3 +235,46 @@ def test_torch_helpers_that_build_their_own_planner_load_a_lastgood_dcp_save(ser
 
     with pytest.raises(BaseException, match="Pickling.load_bytes expects a pickle; load with DCP's default"):
         dcp.load({"meta": {"epoch": 0, "name": ""}}, storage_reader=reader(), planner=Pickling())
+
+
+def test_a_stock_dcp_metadata_pointing_outside_its_directory_is_refused(service, run_name, tmp_path):
+    """An entry stored in '../x' would make the reader open a file outside DIR (stock
+    FileSystemReader does: the control)."""
+    import pickle
+    import shutil
+
+    from lastgood.dcp.stock import import_dcp
+
+    d = tmp_path / "stock"
+    want = stock_save(d)
+    shutil.copy(d / "__0_0.distcp", tmp_path / "outside.distcp")
+    md = dcp.FileSystemReader(str(d)).read_metadata()  # our own file: unpickling it is what stock DCP does
+    for where in md.storage_data.values():
+        where.relative_path = "../outside.distcp"
+    (d / "__0_0.distcp").unlink()
+    (d / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(lastgood.errors.FormatError, match="stored in '../outside.distcp', which is not a file of"):
+        import_dcp(d, url=service.url, run=run_name, step=1)
+    assert service.get(f"/api/v1/runs/{run_name}/checkpoints").status_code == 404
+    got = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()}}
+    dcp.load(got, storage_reader=dcp.FileSystemReader(str(d)), no_dist=True)  # the control: stock reads outside
+    assert all(torch.equal(got["model"][k], v) for k, v in want["model"].items())
+
+
+@pytest.mark.slow  # two command-line processes that import torch
+def test_stock_dcp_through_lastgood_and_back_on_the_command_line(service, run_name, tmp_path):
+    """import-dcp, then export --format dcp of what it committed: stock DCP reads the same
+    bits; the human output of both commands."""
+    want = stock_save(tmp_path / "stock")
+    res = lastgood_cli("import-dcp", str(tmp_path / "stock"), "--run", run_name, "--step", "3", url=service.url,
+                       timeout=120)
+    assert f"imported {tmp_path / 'stock'} as #" in res.out and "6 tensors" in res.out and "committed" in res.out
+    res = lastgood_cli("export", f"{run_name}@last-good", str(tmp_path / "back"), "--format", "dcp",
+                       url=service.url, timeout=120)
+    assert "every xxh3-128 verified; stock DCP: 6 chunk(s), 3 non-tensor value(s)" in " ".join(res.out.split())
+    got = stock_load(tmp_path / "back", {"step": want["step"], "h": want["h"], "meta": {"epoch": 0, "lrs": [],
+                                                                                         "name": ""}})
+    assert torch.equal(got["step"], want["step"]) and torch.equal(got["h"], want["h"]) and got["meta"] == want["meta"]
+    model = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()}}
+    dcp.load(model, storage_reader=dcp.FileSystemReader(str(tmp_path / "back")), no_dist=True)
+    assert all(torch.equal(model["model"][k], v) for k, v in want["model"].items())

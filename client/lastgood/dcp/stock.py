@@ -120,11 +120,27 @@ def read_metadata(path) -> Metadata:
             md = Unpickler(io.BytesIO(_protocol2(raw)), encoding="utf-8").load()
     except FormatError as e:
         raise FormatError(f"{path}: refused, {e}") from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as e:
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+            RuntimeError) as e:
         raise FormatError(f"{path}: refused, it is not DCP metadata this reader accepts: {str(e)[:300]}") from None
-    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict) or \
+            not isinstance(md.storage_data, dict):
         raise FormatError(f"{path}: refused, it holds a {type(md).__name__}, not DCP's Metadata")
+    for where in md.storage_data.values():
+        _check_where(path, where)
     return md
+
+
+def _check_where(path: Path, where) -> None:
+    """An entry's file is one of the directory's own (`__0_0.distcp`), never `../x` or `/x`."""
+    if not isinstance(where, filesystem._StorageInfo):
+        raise FormatError(f"{path}: refused, an entry is stored at a {type(where).__name__}, not a file range")
+    name = where.relative_path
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith("."):
+        raise FormatError(f"{path}: refused, an entry is stored in {str(name)[:200]!r}, which is not a file of "
+                          f"the directory")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (where.offset, where.length)):
+        raise FormatError(f"{path}: refused, an entry's byte range in {name} is not two whole numbers >= 0")
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
