@@ -278,3 +278,35 @@ def test_stock_dcp_through_lastgood_and_back_on_the_command_line(service, run_na
     model = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()}}
     dcp.load(model, storage_reader=dcp.FileSystemReader(str(tmp_path / "back")), no_dist=True)
     assert all(torch.equal(model["model"][k], v) for k, v in want["model"].items())
+
+
+@pytest.mark.parametrize("writer", ["bounded", "stock"])
+def test_the_dcp_export_writes_each_chunk_before_it_reads_the_next(service, run_name, tmp_path, monkeypatch, writer):
+    """Eight 512 KiB tensors: while the export writes, Python holds one of them (twice: as
+    read, and the copy the tensor views; tracemalloc's peak over the write). The control, torch's own FileSystemWriter.write_data
+    (it keeps every tensor of a file referenced until the file is written), holds them all."""
+    import tracemalloc
+
+    import lastgood.export.dcp as export_dcp_module
+
+    sd = {f"t{i}": torch.full((128, 1024), float(i)) for i in range(8)}
+    dcp.save(sd, storage_writer=lgdcp.StorageWriter(service.url, run=run_name), checkpoint_id="1",
+             planner=lgdcp.SavePlanner())
+    if writer == "stock":
+        monkeypatch.setattr(export_dcp_module, "WRITER", dcp.FileSystemWriter)
+    peaks, write = [], export_dcp_module.write_dcp
+
+    def measured(*args):
+        tracemalloc.start()
+        try:
+            return write(*args)
+        finally:
+            peaks.append(tracemalloc.get_traced_memory()[1])
+            tracemalloc.stop()
+
+    monkeypatch.setattr(export_dcp_module, "write_dcp", measured)
+    export_dcp(f"{run_name}@last-good", tmp_path / "out", url=service.url)
+    got = stock_load(tmp_path / "out", sd)
+    assert all(torch.equal(got[k], v) for k, v in sd.items())
+    total = 8 * 512 * 1024
+    assert (peaks[0] < total / 2) if writer == "bounded" else (peaks[0] > total), peaks

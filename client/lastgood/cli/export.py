@@ -104,7 +104,7 @@ def export(st: State, ckpt: CkptRef, dest: Path, fmt: str, dtype: str | None, ma
 
 @cli.command("import-dcp")
 @click.argument("src", metavar="DIR", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--run", "run", type=RUN, required=True, help="The run to import into (made if it has no checkpoint).")
+@click.option("--run", "run", type=RUN, required=True, help="The run to import into (created if it does not exist).")
 @click.option("--step", type=click.IntRange(min=0), required=True, help="The step the checkpoint is saved as.")
 @click.option("--parent", "parent", type=click.IntRange(min=1), default=None,
               help="The checkpoint id of its parent in the lineage. Default: the run's last-good.")

@@ -7,10 +7,11 @@ xxh3-128, into the scratch file (source.py), exactly as the Hugging Face export 
 Then a single-process `dcp.save` runs with `FileSystemWriter` over a planner of our own
 (`_Planner`) whose plan is the checkpoint's chunks - each stored block of a tensor keeps
 its place in the global tensor (an FSDP2 shard stays a chunk, a replicated tensor is
-one) - and whose `resolve_data` reads one chunk at a time from the scratch file: memory
-holds one chunk, not the checkpoint. `.metadata` and `__0_0.distcp` are therefore
-torch's own bytes, in the layout of the torch that runs the export, and stock
-`FileSystemReader` / `dcp.load` / `dcp_to_torch_save` read them.
+one) - and whose `resolve_data` reads one chunk at a time from the scratch file; the
+writer (`_BoundedWriter`) writes each before the next is read, so memory holds one chunk,
+not the checkpoint. `.metadata` and `__0_0.distcp` are written by torch's own code
+(`_write_item`, `FileSystemWriter.finish`), in the layout of the torch that runs the
+export, and stock `FileSystemReader` / `dcp.load` / `dcp_to_torch_save` read them.
 
 What is exported:
 - a checkpoint `lastgood.Checkpointer` saved: the module tensors (Collector's choice, under
@@ -26,14 +27,17 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 from math import prod
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import filesystem
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                    MetadataIndex, TensorProperties)
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.futures import Future
 
 from lastgood.errors import FormatError
 from lastgood.export.source import Collector, Tensor
@@ -160,6 +164,34 @@ class _Planner(DefaultSavePlanner):
         return torch.frombuffer(raw, dtype=torch.uint8).view(c.dtype).reshape(c.sizes)
 
 
+class _BoundedWriter(dcp.FileSystemWriter):
+    """Stock `FileSystemWriter` whose `write_data` writes each item as soon as it is
+    resolved, with torch's own `_write_item` (the same bytes and `_StorageInfo`): torch's
+    keeps every tensor of a file referenced until the file is written, which would hold the
+    whole export in memory. `.metadata` is written by the stock `finish`."""
+
+    def write_data(self, plan: SavePlan, planner) -> Future:
+        name = f"{plan.storage_data.prefix}0{filesystem.DEFAULT_SUFFIX}"
+        results = []
+        with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as stream:
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                if item.type != WriteItemType.BYTE_IO:
+                    data = data.detach().contiguous()
+                results.append(filesystem._write_item(self.transforms, stream, data, item, name,
+                                                      self.serialization_format))
+                del data  # the next chunk is read only after this one has been written
+            if self.sync_files:
+                stream.flush()
+                os.fsync(stream.fileno())
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+
+WRITER = _BoundedWriter
+
+
 def nesting(names: list[str]) -> dict[str, tuple[str, ...]]:
     """A Checkpointer's tensor names kept whole (`model.0.weight`) as DCP's flattening of
     {"model": model.state_dict()} maps them: (component, state-dict key)."""
@@ -171,7 +203,7 @@ def write_dcp(tmp, chunks: list[Chunk], src: Collector, planner_data: dict) -> d
     sync_files). `planner_data`: the flat names' paths in the nested state dict."""
     if not chunks:
         raise FormatError("nothing to export")
-    writer = dcp.FileSystemWriter(str(tmp), single_file_per_rank=True, sync_files=True, thread_count=1)
+    writer = WRITER(str(tmp), single_file_per_rank=True, sync_files=True, thread_count=1)
     dcp.save({}, storage_writer=writer, planner=_Planner(chunks, src, planner_data), no_dist=True)
     names = sorted(p.name for p in tmp.iterdir() if not p.name.startswith(".scratch"))
     tensors = {c.fqn for c in chunks if not c.is_value}
