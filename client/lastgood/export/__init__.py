@@ -1,4 +1,5 @@
-"""Export a committed checkpoint as a Hugging Face model directory, verified, in bounded memory.
+"""Export a committed checkpoint as a Hugging Face model directory, verified, in bounded memory
+(or, `export_dcp` / `--format dcp`, as a stock DCP directory: export/dcp.py, with torch).
 
     from lastgood.export import export_hf
     export_hf("gpt-small@last-good", "out/gpt-small", url="http://127.0.0.1:8000", dtype="bf16")
