@@ -310,3 +310,26 @@ def test_the_dcp_export_writes_each_chunk_before_it_reads_the_next(service, run_
     assert all(torch.equal(got[k], v) for k, v in sd.items())
     total = 8 * 512 * 1024
     assert (peaks[0] < total / 2) if writer == "bounded" else (peaks[0] > total), peaks
+
+
+def test_a_stock_dcp_metadata_that_claims_more_than_its_files_hold_is_refused_before_allocating(
+        service, run_name, tmp_path):
+    """A tensor declared 8 TB large (its chunk too) in a directory of a few KiB: refused
+    before any memory is taken (control: the intact directory imports)."""
+    import pickle
+
+    from lastgood.dcp.stock import import_dcp
+
+    d = tmp_path / "stock"
+    stock_save(d)
+    good = (d / ".metadata").read_bytes()
+    md = dcp.FileSystemReader(str(d)).read_metadata()  # our own file
+    m = md.state_dict_metadata["model.0.weight"]
+    m.size = torch.Size([10**12, 2])
+    m.chunks[0].sizes = torch.Size([10**12, 2])
+    (d / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(lastgood.errors.FormatError, match="refused, a chunk of model.0.weight .* does not fit"):
+        import_dcp(d, url=service.url, run=run_name, step=1)
+    assert service.get(f"/api/v1/runs/{run_name}/checkpoints").status_code == 404
+    (d / ".metadata").write_bytes(good)
+    assert import_dcp(d, url=service.url, run=run_name, step=1)["tensors"] == 6

@@ -33,6 +33,7 @@ import pathlib
 import pickle
 import pickletools
 import struct
+from math import prod
 from pathlib import Path
 
 import torch
@@ -183,10 +184,42 @@ def _first_failure(e: CheckpointException) -> BaseException:
     return LastgoodError(str(e))
 
 
+def _check_sizes(src: Path, md: Metadata) -> None:
+    """Before anything is allocated: every tensor is covered by its chunks, each chunk lies
+    inside it, and each chunk's bytes fit in its stored range, which lies inside its file;
+    so what the import allocates is bounded by the directory's own size."""
+    sizes: dict[str, int] = {}
+    for fqn, m in md.state_dict_metadata.items():
+        if not isinstance(m, TensorStorageMetadata):
+            continue
+        dtype = getattr(m.properties, "dtype", None)
+        if not isinstance(dtype, torch.dtype) or not all(isinstance(d, int) and d >= 0 for d in m.size):
+            raise FormatError(f"{src}: refused, {fqn} has no dtype or shape")
+        covered = 0
+        for c in m.chunks:
+            where = md.storage_data.get(md_classes.MetadataIndex(fqn, c.offsets))
+            if where is None or len(c.offsets) != len(m.size) or len(c.sizes) != len(m.size) or \
+                    any(o < 0 or n < 0 or o + n > d for o, n, d in zip(c.offsets, c.sizes, m.size)):
+                raise FormatError(f"{src}: refused, a chunk of {fqn} lies outside it or is stored nowhere")
+            if where.relative_path not in sizes:
+                try:
+                    sizes[where.relative_path] = (src / where.relative_path).stat().st_size
+                except OSError as e:
+                    raise FormatError(f"{src}: {where.relative_path}: {e.strerror or e}") from None
+            nbytes = prod(c.sizes) * dtype.itemsize
+            if nbytes > where.length or where.offset + where.length > sizes[where.relative_path]:
+                raise FormatError(f"{src}: refused, a chunk of {fqn} ({nbytes} bytes) does not fit where it is "
+                                  f"stored ({where.relative_path}, {where.length} bytes at {where.offset})")
+            covered += prod(c.sizes)
+        if covered < prod(m.size):
+            raise FormatError(f"{src}: refused, the chunks of {fqn} cover {covered} of its {prod(m.size)} elements")
+
+
 def load_stock(src) -> tuple[dict, Metadata]:
     """Everything in stock DCP directory `src`, as DCP nested it (its planner data), on the CPU."""
     src = Path(src)
     md = read_metadata(src)
+    _check_sizes(src, md)
     flat = {}
     for fqn, m in md.state_dict_metadata.items():
         if isinstance(m, TensorStorageMetadata):
