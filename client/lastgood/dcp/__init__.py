@@ -31,6 +31,10 @@ default, and the ones torch's helpers build (`dcp_to_torch_save`'s, `load_sharde
 
 The writer is picklable and opens its connection lazily (DCP's process-based async mode
 pickles it).
+
+`lastgood.dcp.stock` reads a stock DCP directory without running its pickled `.metadata`
+and imports it into a run (`lastgood import-dcp`); `lastgood export --format dcp` writes
+one from any checkpoint (lastgood.export). docs/dcp.md has both.
 """
 
 from __future__ import annotations
