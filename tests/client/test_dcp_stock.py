@@ -98,6 +98,19 @@ def test_bad_dcp_export_options_are_refused_before_anything_is_read(service, tmp
     res = lastgood_cli("export", "1", str(tmp_path / "o"), "--format", "dcp", "--dtype", "bf16", url=service.url,
                        code=2)
     assert "apply to --format hf" in res.err and not (tmp_path / "o").exists()
+    # without torch: both commands that need it say so (exit 1), nothing is written
+    import subprocess
+    import sys
+
+    from tests.cli.conftest import ENV
+    from tests.cli.test_download import BLOCK_TORCH
+    (tmp_path / "stock").mkdir()
+    for argv, what in ((["export", "1", str(tmp_path / "o"), "--format", "dcp"], "export --format dcp"),
+                       (["import-dcp", str(tmp_path / "stock"), "--run", "r", "--step", "1"], "import-dcp")):
+        proc = subprocess.run([sys.executable, "-c", BLOCK_TORCH, "--url", service.url, *argv], capture_output=True,
+                              text=True, env=ENV, timeout=60)
+        assert proc.returncode == 1 and f"lastgood: error: {what} needs torch" in proc.stderr, proc.stderr
+    assert not (tmp_path / "o").exists()
 
 
 # ---------------------------------------------------------------------- import

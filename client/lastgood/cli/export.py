@@ -5,6 +5,7 @@ directory (lastgood.export); `lastgood import-dcp DIR`: a stock DCP directory in
 from __future__ import annotations
 
 import signal
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -75,6 +76,9 @@ def export(st: State, ckpt: CkptRef, dest: Path, fmt: str, dtype: str | None, ma
 
     # SIGTERM (a scheduler's stop) unwinds like Ctrl-C, so the temporary directory goes too
     previous = signal.signal(signal.SIGTERM, _interrupt)
+    if fmt == "dcp":
+        with _torch_for("export --format dcp"):
+            import lastgood.export.dcp  # noqa: F401 - torch's DCP writer, before anything is read
     try:
         with bar:
             doc = run_export(st.rest, ckpt, dest, opts, advance)
@@ -119,8 +123,8 @@ def import_dcp(st: State, src: Path, run: str, step: int, parent: int | None) ->
     nothing of it runs); tensors and values load weights-only too. The whole state is
     held in memory once. Needs torch.
     """
-    from lastgood.dcp.stock import import_dcp as run_import
-
+    with _torch_for("import-dcp"):
+        from lastgood.dcp.stock import import_dcp as run_import
     doc = run_import(src, step=step, url=st.url, run=run, token=st.token, parent_id=parent)
 
     def human(out):
@@ -129,6 +133,17 @@ def import_dcp(st: State, src: Path, run: str, step: int, parent: int | None) ->
                     f", step {doc['step']}): {doc['tensors']} tensors, {render.fmt_bytes(doc['bytes'])}, "
                     f"{doc['values']} non-tensor value(s); committed")
     st.emit(doc, human)
+
+
+@contextmanager
+def _torch_for(what: str):
+    """The two commands that need torch say so when it is not installed."""
+    try:
+        yield
+    except ImportError as e:
+        if e.name != "torch" and not str(e.name or "").startswith("torch."):
+            raise
+        raise CliError(f"{what} needs torch, which this Python does not have (pip install torch)") from None
 
 
 def _interrupt(signum, frame):
