@@ -346,3 +346,28 @@ def test_a_stock_dcp_metadata_that_claims_more_than_its_files_hold_is_refused_be
     assert service.get(f"/api/v1/runs/{run_name}/checkpoints").status_code == 404
     (d / ".metadata").write_bytes(good)
     assert import_dcp(d, url=service.url, run=run_name, step=1)["tensors"] == 6
+
+
+def test_a_damaged_metadata_is_a_format_error_never_another_exception(tmp_path):
+    """Every truncation of a real .metadata, and bytes flipped through it: FormatError (a
+    clear, bounded message) or, where the damage leaves valid DCP metadata, Metadata."""
+    import random
+
+    from lastgood.dcp.stock import read_metadata
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    stock_save(tmp_path / "stock")
+    good = (tmp_path / "stock" / ".metadata").read_bytes()
+    rng = random.Random(0)
+    damaged = [good[:n] for n in range(0, len(good), max(1, len(good) // 97))]
+    for _ in range(200):
+        b = bytearray(good)
+        b[rng.randrange(len(b))] = rng.randrange(256)
+        damaged.append(bytes(b))
+    path = tmp_path / "m"
+    for raw in damaged:
+        path.write_bytes(raw)
+        try:
+            assert isinstance(read_metadata(path), Metadata)
+        except lastgood.errors.FormatError as e:
+            assert len(str(e)) < 1000

@@ -69,7 +69,7 @@ def _protocol2(raw: bytes) -> bytes:
     try:
         ops = list(pickletools.genops(raw))
     except Exception as e:  # noqa: BLE001 - genops raises ValueError and others on bad input
-        raise FormatError(f"not a pickle: {e}") from None
+        raise FormatError(f"not a pickle: {str(e)[:200]}") from None
     out: list[tuple[bytes, str | None]] = []  # (bytes, the string it pushes, if it pushes one)
     strings: dict[int, str] = {}  # memo index -> a memoized string (inlined where it is fetched)
     memo: set[int] = set()
@@ -124,18 +124,51 @@ def read_metadata(path) -> Metadata:
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
             RuntimeError) as e:
         raise FormatError(f"{path}: refused, it is not DCP metadata this reader accepts: {str(e)[:300]}") from None
-    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict) or \
-            not isinstance(md.storage_data, dict):
+    if not isinstance(md, Metadata):
         raise FormatError(f"{path}: refused, it holds a {type(md).__name__}, not DCP's Metadata")
-    for where in md.storage_data.values():
-        _check_where(path, where)
+    try:
+        _check_structure(path, md)
+    except (AttributeError, TypeError, ValueError) as e:  # an object built without its fields
+        raise FormatError(f"{path}: refused, its metadata is incomplete: {str(e)[:300]}") from None
     return md
+
+
+def _dims(value) -> bool:
+    return isinstance(value, (tuple, list)) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                   for d in value)
+
+
+def _check_structure(path: Path, md: Metadata) -> None:
+    """Every field the import reads is there and has its type (the unpickler builds objects
+    from whatever state the file gives them)."""
+    if not isinstance(md.state_dict_metadata, dict) or not isinstance(md.storage_data, dict) or \
+            not (md.planner_data is None or isinstance(md.planner_data, dict)):
+        raise FormatError(f"{path}: refused, its metadata's tables are not dictionaries")
+    for fqn, m in md.state_dict_metadata.items():
+        if not isinstance(fqn, str):
+            raise FormatError(f"{path}: refused, an entry's name is a {type(fqn).__name__}")
+        if isinstance(m, BytesStorageMetadata):
+            continue
+        if not isinstance(m, TensorStorageMetadata) or not isinstance(m.properties, md_classes.TensorProperties) \
+                or not isinstance(m.properties.dtype, torch.dtype) or not _dims(m.size) \
+                or not isinstance(m.chunks, list) or not all(
+                    isinstance(c, md_classes.ChunkStorageMetadata) and _dims(c.offsets) and _dims(c.sizes)
+                    for c in m.chunks):
+            raise FormatError(f"{path}: refused, {fqn[:200]!r} is not a tensor's or a value's metadata")
+    for index, where in md.storage_data.items():
+        if not isinstance(index, md_classes.MetadataIndex) or not isinstance(index.fqn, str) or \
+                not (index.offset is None or _dims(index.offset)):
+            raise FormatError(f"{path}: refused, a storage entry is not indexed by name and offset")
+        _check_where(path, where)
 
 
 def _check_where(path: Path, where) -> None:
     """An entry's file is one of the directory's own (`__0_0.distcp`), never `../x` or `/x`."""
     if not isinstance(where, filesystem._StorageInfo):
         raise FormatError(f"{path}: refused, an entry is stored at a {type(where).__name__}, not a file range")
+    td = where.transform_descriptors
+    if not (td is None or (isinstance(td, (list, tuple)) and all(isinstance(t, str) for t in td))):
+        raise FormatError(f"{path}: refused, an entry's transforms are not names")
     name = where.relative_path
     if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith("."):
         raise FormatError(f"{path}: refused, an entry is stored in {str(name)[:200]!r}, which is not a file of "
