@@ -1,7 +1,8 @@
 """Rank script for DCP through lastgood.
 
-    sync|async URL RUN     save (or async_save) an FSDP2 model + AdamW state, load it into a
-                           fresh one, print whether every value came back exactly
+    sync|async URL RUN [OUT]  save (or async_save) an FSDP2 model + AdamW state, load it into a
+                           fresh one, print whether every value came back exactly; rank 0
+                           writes the full state saved to OUT/want.pt if OUT is given
     pickle URL RUN         save with DCP's default planner: must be refused
     die URL RUN            rank 1 dies inside write_data: nothing may become visible
 """
@@ -75,6 +76,8 @@ def main() -> None:
     else:
         dcp.save(state, storage_writer=writer, checkpoint_id="5", planner=lgdcp.SavePlanner())
     want_m, want_o = full(model, opt)
+    if len(sys.argv) > 4 and rank == 0:
+        torch.save({"model": want_m, "optim": want_o}, os.path.join(sys.argv[4], "want.pt"))
 
     model2, opt2 = build(1)
     msd2, osd2 = get_state_dict(model2, opt2)

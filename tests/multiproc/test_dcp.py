@@ -16,8 +16,8 @@ EXACT = "model True optim True groups True meta {'epoch': 3, 'tokens': 123456789
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_dcp_save_and_load_through_lastgood(service, run_name, mode):
-    res = torchrun(SCRIPT, [mode, service.url, run_name])
+def test_dcp_save_and_load_through_lastgood(service, run_name, mode, tmp_path):
+    res = torchrun(SCRIPT, [mode, service.url, run_name, str(tmp_path)])
     assert res.returncode == 0, why(res)
     assert f"[rank 0] {EXACT}" in res.stdout
     assert "[rank 1] loaded meta {'epoch': 3, 'tokens': 123456789, 'name': 'x'}" in res.stdout
@@ -27,6 +27,8 @@ def test_dcp_save_and_load_through_lastgood(service, run_name, mode):
     assert names == {0: ["dcp.metadata.json", "rank00000.safetensors"], 1: ["rank00001.safetensors"]}
     meta = service.get(f"/api/v1/checkpoints/{lg['id']}/ranks/0/files/dcp.metadata.json")
     assert meta.status_code == 200 and meta.json()["format"] == "lastgood.dcp/1"  # JSON, not a pickle
+    if mode == "sync":
+        exported_reads_back_with_stock_dcp(service, lg["id"], tmp_path)
 
 
 def test_dcp_default_planner_is_refused(service, run_name):
@@ -74,3 +76,24 @@ def test_dcp_save_in_peer_mode_through_direct_fs_commits(make_service, run_name,
     # rank 0 (waiting) checked rank 1's file; rank 1 checked rank 0's only if it was handed over
     # before rank 1 voted, else the service hashed it
     assert (1, 0) in pairs and set(pairs) <= {(0, 1), (1, 0)}, checked
+
+
+def exported_reads_back_with_stock_dcp(service, cid: int, tmp_path: Path) -> None:
+    """`lastgood export --format dcp` of the 2-rank FSDP2 save: stock dcp_to_torch_save
+    (nothing of lastgood) gives back the full model and AdamW state, bit for bit."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from lastgood.export import export_dcp
+
+    doc = export_dcp(cid, tmp_path / "dcp", url=service.url)
+    assert doc["format"] == "dcp" and doc["world_size"] == 2 and doc["values"] > 0
+    dcp_to_torch_save(str(tmp_path / "dcp"), str(tmp_path / "full.pt"))
+    got, want = torch.load(tmp_path / "full.pt", weights_only=True), torch.load(tmp_path / "want.pt", weights_only=True)
+    assert sorted(got["model"]) == sorted(want["model"])
+    assert all(torch.equal(got["model"][k], v) for k, v in want["model"].items())
+    assert got["optim"]["state"].keys() == want["optim"]["state"].keys()
+    assert all(torch.equal(got["optim"]["state"][p][k], v) for p, s in want["optim"]["state"].items()
+               for k, v in s.items())
+    assert got["optim"]["param_groups"] == want["optim"]["param_groups"]
+    assert got["meta"] == {"epoch": 3, "tokens": 123456789, "name": "x"}

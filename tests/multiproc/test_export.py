@@ -146,3 +146,29 @@ def test_small_max_shard_size_writes_several_files_and_the_index(saved, tmp_path
             assert data <= limit or len(keys) == 1  # a tensor larger than the limit gets a file of its own
     model = load(out, full)
     assert torch.equal(logits(model), saved.logits("fsdp4"))
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "ddp"])
+def test_dcp_export_of_a_two_rank_save_reads_back_bitwise_with_stock_dcp(saved, tmp_path, kind):
+    """--format dcp: stock FileSystemReader + dcp.load (DCP's default planner, no lastgood)
+    and dcp_to_torch_save give back every trained weight bit for bit; the FSDP2 shards stay
+    DCP chunks (two per weight: one per rank), DDP's replicas become one."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from lastgood.export import export_dcp
+
+    out, ref = tmp_path / "dcp", f"{saved.runs[kind]}@last-good"
+    if kind == "ddp":  # the command line once; in this process otherwise (a torch import less)
+        doc = lastgood("--json", "export", ref, str(out), "--format", "dcp", url=saved.svc.url, timeout=120).json()
+    else:
+        doc = export_dcp(ref, out, url=saved.svc.url)
+    full = saved.full(kind)
+    assert doc["format"] == "dcp" and doc["tensors"] == len(full) and doc["verified"] is True
+    assert doc["chunks"] == (2 * len(full) if kind == "fsdp2" else len(full))
+    sd = {"model": {k: torch.zeros_like(v) for k, v in full.items()}}
+    dcp.load(sd, storage_reader=dcp.FileSystemReader(str(out)), no_dist=True)
+    assert all(sd["model"][k].dtype == v.dtype and torch.equal(sd["model"][k], v) for k, v in full.items())
+    dcp_to_torch_save(str(out), str(tmp_path / "full.pt"))
+    got = torch.load(tmp_path / "full.pt", weights_only=True)["model"]
+    assert sorted(got) == sorted(full) and all(torch.equal(got[k], v) for k, v in full.items())

@@ -1,5 +1,5 @@
 """`lastgood`, the command line: runs, checkpoints, lineage, tags, GC, verify, download, export,
-supervise.
+import-dcp, supervise.
 
     lastgood runs
     lastgood ls gpt-small --status COMMITTED
@@ -7,7 +7,8 @@ supervise.
     lastgood download gpt-small@last-good ./ckpt
     lastgood export gpt-small@last-good ./gpt-small-hf --dtype bf16
 
-REST only and torch-free (see app.py for the output and exit-code contract).
+REST only and torch-free (see app.py for the output and exit-code contract), but for
+`export --format dcp` and `import-dcp`, which import torch when they run.
 """
 
 from __future__ import annotations

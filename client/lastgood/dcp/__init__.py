@@ -23,11 +23,18 @@ was a lost reply of a checkpoint that did commit; a rank that dies leaves it to 
 
 No pickle: DCP's metadata is stored as JSON, and DCP's default planners pickle
 non-tensor values (`torch.save` on write, an unrestricted torch load on read), so lastgood ships
-planners that store them as typed JSON instead; the reader refuses any other planner for
-such values, and the writer refuses pickled bytes.
+a save planner that stores them as typed JSON instead, and the writer refuses pickled
+bytes. The reader decodes the JSON itself and places each value as DCP's default
+`load_bytes` would (`_load_value`), so any planner that keeps that method works: DCP's
+default, and the ones torch's helpers build (`dcp_to_torch_save`'s, `load_sharded_optimizer_state_dict`'s);
+`LoadPlanner` is DCP's default planner with that spelled out.
 
 The writer is picklable and opens its connection lazily (DCP's process-based async mode
 pickles it).
+
+`lastgood.dcp.stock` reads a stock DCP directory without running its pickled `.metadata`
+and imports it into a run (`lastgood import-dcp`); `lastgood export --format dcp` writes
+one from any checkpoint (lastgood.export). docs/dcp.md has both.
 """
 
 from __future__ import annotations
@@ -84,15 +91,36 @@ class SavePlanner(DefaultSavePlanner):
         return object
 
 
+def _place(planner: DefaultLoadPlanner, read_item, obj) -> None:
+    """A value into the planner's state dict, where DefaultLoadPlanner.load_bytes puts it."""
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], obj)
+    else:
+        planner.state_dict[read_item.dest_index.fqn] = obj
+
+
 class LoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, reading non-tensor values from typed JSON."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        obj = _from_json_bytes(value.read(), read_item.dest_index.fqn)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+        _place(self, read_item, _from_json_bytes(value.read(), read_item.dest_index.fqn))
+
+
+def _load_value(planner, read_item, text: str) -> None:
+    """A stored value (typed JSON) handed to the load's planner. Planners that keep
+    DefaultLoadPlanner's load_bytes (DCP's default, and those torch's helpers build:
+    `_EmptyStateDictLoadPlanner` in dcp_to_torch_save, `_ReaderWithOffset` in
+    load_sharded_optimizer_state_dict) get it placed as that method would place it, never
+    through its torch.load; lastgood's LoadPlanner reads it itself; any other load_bytes,
+    which would expect a pickle, is refused."""
+    if isinstance(planner, LoadPlanner):
+        planner.load_bytes(read_item, io.BytesIO(MAGIC + text.encode()))
+    elif isinstance(planner, DefaultLoadPlanner) and type(planner).load_bytes is DefaultLoadPlanner.load_bytes:
+        _place(planner, read_item, value_from_json(text))
+    else:
+        raise LastgoodError(f"{read_item.dest_index.fqn}: non-tensor values are stored as JSON, and "
+                            f"{type(planner).__name__}.load_bytes expects a pickle; load with DCP's default "
+                            f"planner or planner=lastgood.dcp.LoadPlanner()")
 
 
 # ---------------------------------------------------------------------- writer
@@ -302,9 +330,7 @@ class StorageReader(_Connected, dcp.StorageReader):
                 files[key] = (buf, tensors, header_length(buf), values)
             buf, tensors, start, values = files[key]
             if item.type == LoadItemType.BYTE_IO:
-                if not isinstance(planner, LoadPlanner):
-                    raise LastgoodError("non-tensor values are stored as JSON: load with planner=lastgood.dcp.LoadPlanner()")
-                planner.load_bytes(item, io.BytesIO(MAGIC + values[where["json"]].encode()))
+                _load_value(planner, item, values[where["json"]])
             else:
                 src = tensor_from_buffer(buf, tensors[where["tensor"]], start, None, copy=False)
                 src = narrow_tensor_by_index(src, item.storage_offsets, item.lengths)

@@ -1,4 +1,5 @@
-"""Export a committed checkpoint as a Hugging Face model directory, verified, in bounded memory.
+"""Export a committed checkpoint as a Hugging Face model directory, verified, in bounded memory
+(or, `export_dcp` / `--format dcp`, as a stock DCP directory: export/dcp.py, with torch).
 
     from lastgood.export import export_hf
     export_hf("gpt-small@last-good", "out/gpt-small", url="http://127.0.0.1:8000", dtype="bf16")
@@ -49,7 +50,7 @@ from lastgood.common.durable import fsync_dir as _fsync_dir
 
 log = logging.getLogger("lastgood")
 
-__all__ = ["export_hf", "ExportError", "HF_CONFIG_KEY", "DEFAULT_PREFIX", "DEFAULT_MAX_SHARD_SIZE"]
+__all__ = ["export_hf", "export_dcp", "ExportError", "HF_CONFIG_KEY", "DEFAULT_PREFIX", "DEFAULT_MAX_SHARD_SIZE"]
 
 # where a training state may carry its model's Hugging Face config: TrainState(extra={"hf_config": {...}})
 HF_CONFIG_KEY = "hf_config"
@@ -90,8 +91,18 @@ def _check_dest(dest: Path) -> None:
         raise ExportError(f"{dest} exists and is not an empty directory; export into a new one")
 
 
+FORMATS = ("hf", "dcp")
+DEFAULT_PREFIXES = {"hf": DEFAULT_PREFIX, "dcp": ""}  # dcp: names as the state has them, model.<key>
+
+
 class Options:
-    def __init__(self, dtype, max_shard_size, prefix, name_map, config) -> None:
+    def __init__(self, dtype, max_shard_size, prefix, name_map, config, fmt: str = "hf") -> None:
+        if fmt not in FORMATS:
+            raise ExportError(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+        if fmt == "dcp" and (dtype is not None or config is not None):
+            raise ExportError("--dtype and --config apply to --format hf; --format dcp writes the tensors as stored")
+        self.fmt = fmt
+        prefix = DEFAULT_PREFIXES[fmt] if prefix is None else prefix
         if dtype is not None and dtype not in DTYPES:
             raise ExportError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
         try:
@@ -188,12 +199,18 @@ def run_export(rest, ref: CkptRef, dest: Path, opts: Options, progress=None) -> 
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.parent / f".{dest.name}.export-{uuid.uuid4().hex[:8]}.tmp"
         tmp.mkdir()
-        src = Collector(opts.prefix, str(tmp / ".scratch"))
+        tail, held = f"; nothing was written to {dest}", []
         try:
-            skipped = _read(rest, cid, manifest, src, lease, f"; nothing was written to {dest}", progress)
-            doc = _write(tmp, src, opts, manifest, progress)
+            if opts.fmt == "dcp":
+                src, skipped, doc = _export_dcp(rest, cid, manifest, tmp, opts, lease, tail, progress, held)
+            else:
+                src = Collector(opts.prefix, str(tmp / ".scratch"))
+                held.append(src)
+                skipped = _read(rest, cid, manifest, src, lease, tail, progress)
+                doc = _write(tmp, src, opts, manifest, progress)
         finally:
-            src.close()
+            for s in held:
+                s.close()
             (tmp / ".scratch").unlink(missing_ok=True)
         _fsync_dir(tmp)
         os.rename(tmp, dest)  # replaces an empty DEST; anything else there now fails here
@@ -210,7 +227,7 @@ def run_export(rest, ref: CkptRef, dest: Path, opts: Options, progress=None) -> 
         if not lease.release():
             log.warning("lastgood: could not release read lease %s; it expires by itself", lease.lease_id)
     return {"checkpoint_id": cid, "run": manifest.run, "step": manifest.step, "world_size": manifest.world_size,
-            "dir": str(dest), "format": "hf", "dtype": opts.dtype_name, "prefix": opts.prefix, **doc,
+            "dir": str(dest), "format": opts.fmt, "dtype": opts.dtype_name, "prefix": opts.prefix, **doc,
             "read": [{"rank": r, "name": n, "size": s} for r, n, s in src.files_read],
             "skipped": [{"rank": r, "name": n, "size": s} for r, n, s in skipped],
             "bytes_read": src.bytes_read, "verified": True, "seconds": round(time.monotonic() - t0, 3)}
@@ -228,6 +245,20 @@ def _with_tensors(rest, cid: int, manifest):
 def _read(rest, cid: int, manifest, src: Collector, lease, tail: str, progress) -> list[tuple[int, str, int]]:
     """Every rank file that holds a model tensor still missing, streamed once and verified
     (source.py); returns the files not needed."""
+    skipped = _read_files(rest, cid, manifest, src, lease, tail, progress)
+    if lost := src.missing():  # written once, by a rank whose files do not hold it (replicas.py)
+        raise FormatError(f"checkpoint {cid}: model tensor(s) {', '.join(lost[:3])} written once by another rank "
+                          f"are not in that rank's files: the checkpoint is damaged")
+    if not src.tensors:
+        comps = ", ".join(f"{n} ({k})" for n, k in src.components.items()) or "none"
+        raise ExportError(f"checkpoint {cid} has no module tensors under prefix {src.prefix!r}; its "
+                          f"components: {comps}")
+    for t in src.tensors.values():
+        check_coverage(t)
+    return skipped
+
+
+def _read_files(rest, cid: int, manifest, src: Collector, lease, tail: str, progress) -> list[tuple[int, str, int]]:
     skipped = []
     src.entries = {(r, e.name): e for r in manifest.ranks for e in manifest.files(r)}
     for r in sorted(manifest.ranks):
@@ -247,17 +278,39 @@ def _read(rest, cid: int, manifest, src: Collector, lease, tail: str, progress) 
                 src.read(stream, r, entry)
             except FormatError as e:
                 raise FormatError(f"checkpoint {cid}: {e} (export reads checkpoints that "
-                                  f"lastgood.Checkpointer saved)") from None
-    if lost := src.missing():  # written once, by a rank whose files do not hold it (replicas.py)
-        raise FormatError(f"checkpoint {cid}: model tensor(s) {', '.join(lost[:3])} written once by another rank "
-                          f"are not in that rank's files: the checkpoint is damaged")
-    if not src.tensors:
-        comps = ", ".join(f"{n} ({k})" for n, k in src.components.items()) or "none"
-        raise ExportError(f"checkpoint {cid} has no module tensors under prefix {src.prefix!r}; its "
-                          f"components: {comps}")
-    for t in src.tensors.values():
-        check_coverage(t)
+                                  f"lastgood.Checkpointer or lastgood.dcp saved)") from None
     return skipped
+
+
+def _export_dcp(rest, cid: int, manifest, tmp: Path, opts: Options, lease, tail: str, progress, held: list):
+    """--format dcp (export/dcp.py): a checkpoint lastgood.dcp saved, every entry; one the
+    Checkpointer saved, its module tensors. Every byte read is verified first."""
+    from lastgood.export.dcp import DcpSource, chunks_of, nesting, write_dcp
+    from lastgood.state.dcp_metadata import METADATA_FILE, metadata_from_json
+
+    scratch = str(tmp / ".scratch")
+    owner = next(((r, f) for r in sorted(manifest.ranks) for f in manifest.files(r) if f.name == METADATA_FILE), None)
+    if owner is not None:
+        if opts.name_map or opts.prefix:
+            raise ExportError(f"checkpoint {cid} was saved through lastgood.dcp: it is exported whole, under its "
+                              f"DCP names (no --prefix, no --map)")
+        raw = b"".join(read_verified(rest, cid, owner[0], owner[1], lease, tail))
+        try:
+            src = DcpSource(metadata_from_json(raw), scratch)
+        except (KeyError, TypeError, ValueError) as e:
+            raise FormatError(f"checkpoint {cid}: its {METADATA_FILE} does not parse: {e}") from None
+        held.append(src)
+        skipped = _read_files(rest, cid, manifest, src, lease, tail, progress)
+        chunks = src.chunks()
+        planner_data = src.metadata.planner_data if isinstance(src.metadata.planner_data, dict) else {}
+    else:
+        src = Collector(opts.prefix, scratch)
+        held.append(src)
+        skipped = _read(rest, cid, manifest, src, lease, tail, progress)
+        items = _name(src, opts)
+        chunks = [c for it in items for c in chunks_of(it.name, it.tensor)]
+        planner_data = nesting([it.name for it in items]) if not (opts.prefix or opts.name_map) else {}
+    return src, skipped, write_dcp(tmp, chunks, src, planner_data)
 
 
 def _write(tmp: Path, src: Collector, opts: Options, manifest, progress) -> dict:
@@ -309,6 +362,23 @@ def export_hf(checkpoint, dest, *, url: str | None = None, token: str | None = N
     byte read does not match the manifest, ExportError for what cannot be exported, and
     leaves no `dest` behind when it raises."""
     opts = Options(dtype, max_shard_size, prefix, name_map, config)
+    try:
+        ref = parse_ckpt(str(checkpoint))
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+    cfg = ClientConfig.resolve(url=url, token=token)
+    return run_export(RestClient(cfg.url or DEFAULT_URL, timeout, cfg.token), ref, Path(dest), opts)
+
+
+def export_dcp(checkpoint, dest, *, url: str | None = None, token: str | None = None, timeout: float = 30.0,
+               prefix: str | None = None, name_map=None) -> dict:
+    """Write checkpoint `checkpoint` (an id, or "RUN@TAG") as a stock DCP directory `dest`
+    (which must not exist, or be empty): `torch.distributed.checkpoint.FileSystemReader(dest)`
+    and `format_utils.dcp_to_torch_save(dest, ...)` read it. A checkpoint lastgood.dcp saved
+    is exported whole; of one the Checkpointer saved, the module tensors under `prefix`
+    (default: all of them, named `model.<key>`), renamed by `name_map` as for export_hf.
+    Needs torch (export/dcp.py); raises as export_hf does."""
+    opts = Options(None, DEFAULT_MAX_SHARD_SIZE, prefix, name_map, None, fmt="dcp")
     try:
         ref = parse_ckpt(str(checkpoint))
     except ValueError as e:
