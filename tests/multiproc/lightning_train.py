@@ -70,7 +70,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
     # shuffled on one rank; under DDP, Lightning's DistributedSampler replaces the sampler and
-    # a shuffled order was not resumed exactly (docs/integrations.md), so the order is fixed there
+    # a shuffled order is not resumed exactly (docs/integrations/lightning.md, Limits): fixed there
     loader = StatefulDataLoader(data, batch_size=4, shuffle=world == 1, generator=torch.Generator().manual_seed(2))
     model = Model(1e-2, a.out / "data", Mode.FAST, argparse.Namespace(depth=2, name="tiny"))
     io = LastgoodCheckpointIO(a.url, run=a.run, heartbeat_seconds=0)
