@@ -77,7 +77,8 @@ def arrive(what: str, timeout: float, poll: float = 0.05) -> None:
     if verdict != b"go":
         arrived = store.add(f"{key}/count", 0)
         raise LastgoodError(
-            f"{what}: not every rank created it within {timeout:g} s ({arrived} of {world} so far; this is rank {rank}). "
+            f"{what}: not every rank created it within {timeout:g} s ({arrived} of {world} so far; "
+            f"this is rank {rank}). "
             "It is collective: every rank creates it, at the same point of the program. For state that every "
             "rank holds alike (DDP) and that one rank saves, pass solo=True")
 
