@@ -59,7 +59,8 @@ def arrive(what: str, timeout: float, poll: float = 0.05) -> None:
     except Exception:  # noqa: BLE001 - a group without a store: nothing to check with
         return
     _arrivals += 1
-    key = f"lastgood/arrive/{_arrivals}"
+    # a store that outlives a round of torchrun's restarts holds the older rounds' keys
+    key = f"lastgood/arrive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_arrivals}"
     world, rank = dist.get_world_size(), dist.get_rank()
     store.add(f"{key}/count", 1)
     deadline = time.monotonic() + timeout
