@@ -7,6 +7,7 @@ namespaces in hparams come back as such; other values are refused with the key n
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -38,7 +39,7 @@ def _final(out: Path, nproc: int) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [1])
+@pytest.mark.parametrize("nproc", [1, 2])
 def test_a_killed_lightning_run_resumes_bit_identical(service, run_name, tmp_path, nproc):
     ref, job = tmp_path / "ref", tmp_path / "job"
     # the uninterrupted run and the one killed after step 7 are independent: run together
@@ -54,7 +55,8 @@ def test_a_killed_lightning_run_resumes_bit_identical(service, run_name, tmp_pat
 
     want, got = _final(ref, nproc), _final(job, nproc)
     for w, g in zip(want, got):
-        assert w.keys() == g.keys() and all(w[k].equal(g[k]) for k in w), "not bit-identical"
+        assert w.keys() == g.keys(), (sorted(w), sorted(g))
+        assert not [k for k in w if not w[k].equal(g[k])], "not bit-identical"
     if nproc > 1:  # DDP: every rank holds the same state
         assert all(got[0][k].equal(got[1][k]) for k in got[0])
 
@@ -76,3 +78,30 @@ def test_a_killed_lightning_run_resumes_bit_identical(service, run_name, tmp_pat
     refused = re.search(r"refused: (\w+): (.*)", out)
     assert refused and refused.group(1) == "LastgoodError" and "'lightning.hyper_parameters.tokenizer'" in \
         refused.group(2) and "never pickles" in refused.group(2), out[-3000:]
+
+
+@pytest.mark.slow  # two Lightning processes
+def test_the_lightning_example_runs_as_shown_and_resumes(service, tmp_path):
+    """docs/integrations/lightning.md's program as printed; then again with more steps,
+    resuming through ModelCheckpoint's own ckpt_path="last", which finds the pointer."""
+    from tests.client.test_doc_examples import marked_blocks
+
+    blocks = marked_blocks("docs/integrations/lightning.md")
+    assert len(blocks) == 1 and "max_steps=40" in blocks[0] and "ckpt_path=resume" in blocks[0]
+    env = {**os.environ, "LASTGOOD_URL": service.url, "OMP_NUM_THREADS": "1"}
+    env.pop("LASTGOOD_RUN", None)
+    runs = []
+    for i, text in enumerate([blocks[0], blocks[0].replace("max_steps=40", "max_steps=60")
+                              .replace("ckpt_path=resume", 'ckpt_path="last"')]):
+        script = tmp_path / f"lightning_example_{i}.py"
+        script.write_text(text + "\n")
+        runs.append(subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                                   cwd=tmp_path, timeout=300))
+        assert runs[-1].returncode == 0, runs[-1].stdout + runs[-1].stderr
+    assert "resumed from None; trained to step 40" in runs[0].stdout, runs[0].stdout
+    assert "loaded step 40 with lr 0.01" in runs[0].stdout, runs[0].stdout
+    second = runs[1].stdout + runs[1].stderr
+    assert "Restoring states from the checkpoint path at" in second and "last.ckpt" in second, second[-3000:]
+    assert "trained to step 60" in runs[1].stdout, second[-3000:]
+    lg = service.get("/api/v1/runs/lightning-demo/last-good").json()
+    assert lg["step"] == 60

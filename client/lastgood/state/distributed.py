@@ -59,7 +59,8 @@ def arrive(what: str, timeout: float, poll: float = 0.05) -> None:
     except Exception:  # noqa: BLE001 - a group without a store: nothing to check with
         return
     _arrivals += 1
-    key = f"lastgood/arrive/{_arrivals}"
+    # a store that outlives a round of torchrun's restarts holds the older rounds' keys
+    key = f"lastgood/arrive/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_arrivals}"
     world, rank = dist.get_world_size(), dist.get_rank()
     store.add(f"{key}/count", 1)
     deadline = time.monotonic() + timeout
@@ -77,7 +78,8 @@ def arrive(what: str, timeout: float, poll: float = 0.05) -> None:
     if verdict != b"go":
         arrived = store.add(f"{key}/count", 0)
         raise LastgoodError(
-            f"{what}: not every rank created it within {timeout:g} s ({arrived} of {world} so far; this is rank {rank}). "
+            f"{what}: not every rank created it within {timeout:g} s ({arrived} of {world} so far; "
+            f"this is rank {rank}). "
             "It is collective: every rank creates it, at the same point of the program. For state that every "
             "rank holds alike (DDP) and that one rank saves, pass solo=True")
 

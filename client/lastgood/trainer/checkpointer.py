@@ -36,7 +36,7 @@ from lastgood.commit.session import SaveSession
 from lastgood.common import joblog
 from lastgood.common.interval import Decider, Interval
 from lastgood.datapath.transport import Transport
-from lastgood.errors import Fenced, LastgoodError, PermissionDenied, SaveFailed, ServiceError
+from lastgood.errors import Fenced, LastgoodError, SaveFailed, ServiceError
 from lastgood.remote import config
 from lastgood.remote import heartbeat as _health
 from lastgood.remote.config import ClientConfig
@@ -184,32 +184,10 @@ class Checkpointer:
             log.warning("lastgood: could not record restart %s: %s", restarts, e)
 
     def _register(self, retention: str | None = None) -> int | None:
-        """Fencing (docs/fencing.md): this launch's generation, registered before anything is
-        read, so that a commit of an older launch either shows up in this launch's restore or
-        is refused. Rank 0 registers and broadcasts (one registration per launch, however many
-        ranks); without a process group every rank registers, which the service answers with
-        the same generation. A token that may not write (a reader restoring) neither registers
-        nor fences the job that writes; its saves are refused anyway. The run's `retention`,
-        if given, is set in the same step, so a policy the service refuses stops every rank."""
-        generation, err = 0, None
-        if self.rank == 0 or not distributed.initialized():
-            try:
-                generation = self.transport.register_launch(self.run, self.launch, self.world_size)
-                if retention is not None:
-                    self.transport.set_retention(self.run, retention)
-            except ServiceError as e:
-                if isinstance(e, PermissionDenied):
-                    log.info("lastgood: not registered as a launch of %s (read-only token): %s", self.run, e)
-                else:
-                    generation, err = -1, e
-            except Exception as e:  # noqa: BLE001 - re-raised after the broadcast
-                generation, err = -1, e
-        generation = distributed.broadcast_int(generation)
-        if generation < 0:
-            raise err or LastgoodError("rank 0 could not register this launch (or set the run's retention) "
-                                       "with the service; see its log")
-        self.transport.generation = generation or None
-        return generation or None
+        """Fencing (docs/fencing.md): this launch's generation (launch.register)."""
+        generation = _launch.register(self.transport, self.run, self.launch, self.world_size, self.rank, retention)
+        self.transport.generation = generation
+        return generation
 
     @property
     def attempt(self) -> str:

@@ -8,6 +8,8 @@ under a new attempt of the same launch, `<attempt>_<n>`: it commits as a newer
 checkpoint, child of the first, and last-good is the newest state saved. Every rank makes
 the same save() calls, so every rank names the same attempt, with no message between them.
 
+Registration: rank 0 registers the launch for its generation and broadcasts it (`register`).
+
 Open Checkpointers: a second Checkpointer of the same run in one process would register a
 new launch and fence the first, whose saves then fail. It is refused at construction
 (unless it names an attempt of its own, a new launch on purpose), with what to do.
@@ -15,9 +17,13 @@ new launch and fence the first, whose saves then fail. It is refused at construc
 
 from __future__ import annotations
 
+import logging
 import threading
 
-from lastgood.errors import LastgoodError
+from lastgood.errors import LastgoodError, PermissionDenied, ServiceError
+from lastgood.state import distributed
+
+log = logging.getLogger("lastgood")
 
 
 class Attempts:
@@ -69,3 +75,31 @@ def release(url: str, run: str, owner: object) -> None:
     with _lock:
         if _open.get((url, run)) is owner:
             del _open[(url, run)]
+
+
+def register(transport, run: str, launch: str, world_size: int, rank: int, retention: str | None) -> int | None:
+    """Fencing (docs/fencing.md): this launch's generation, registered before anything is
+    read, so that a commit of an older launch either shows up in this launch's restore or
+    is refused. Rank 0 registers and broadcasts (one registration per launch, however many
+    ranks); without a process group every rank registers, which the service answers with
+    the same generation. A token that may not write (a reader restoring) neither registers
+    nor fences the job that writes; its saves are refused anyway. The run's `retention`,
+    if given, is set in the same step, so a policy the service refuses stops every rank."""
+    generation, err = 0, None
+    if rank == 0 or not distributed.initialized():
+        try:
+            generation = transport.register_launch(run, launch, world_size)
+            if retention is not None:
+                transport.set_retention(run, retention)
+        except ServiceError as e:
+            if isinstance(e, PermissionDenied):
+                log.info("lastgood: not registered as a launch of %s (read-only token): %s", run, e)
+            else:
+                generation, err = -1, e
+        except Exception as e:  # noqa: BLE001 - re-raised after the broadcast
+            generation, err = -1, e
+    generation = distributed.broadcast_int(generation)
+    if generation < 0:
+        raise err or LastgoodError("rank 0 could not register this launch (or set the run's retention) "
+                                   "with the service; see its log")
+    return generation or None
