@@ -28,7 +28,8 @@ MAX_LINEAGE = 10000
 LINEAGE_PAGE = 1000
 # events that mean a save or a checkpoint went wrong: the runs overview counts the recent ones
 FAILURE_EVENTS = ("abort", "expired", "corrupt", "hash_mismatch")
-_EVENT_KIND = re.compile(r"[a-z_]{1,32}")
+EVENT_KIND = r"[a-z_]{1,32}"  # an event kind a listing may filter by
+_EVENT_KIND = re.compile(EVENT_KIND)
 
 
 def _iso(t):

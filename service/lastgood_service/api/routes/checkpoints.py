@@ -14,7 +14,7 @@ from lastgood.wire import names
 from ...domain.errors import Damaged, InvalidArgument, OutOfRange
 from ..contract import StrictJSONRoute, answers, error_response
 from ..errors import lookup
-from ..deps import CkptId, CommitsDep, QueriesDep
+from ..deps import CkptId, CommitsDep, FileName, QueriesDep
 
 router = APIRouter(route_class=StrictJSONRoute, tags=["checkpoints"])
 
@@ -61,7 +61,7 @@ def get_manifest(checkpoint_id: CkptId, commits: CommitsDep):
 
 
 @router.get("/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/index/{file_name}", responses=answers(400, 404, 409))
-def get_index(checkpoint_id: CkptId, rank: Annotated[int, Path(ge=0, le=names.MAX_RANK)], file_name: str,
+def get_index(checkpoint_id: CkptId, rank: Annotated[int, Path(ge=0, le=names.MAX_RANK)], file_name: FileName,
               commits: CommitsDep):
     """One file's tensor index object (a manifest of format 2 names it by hash): the exact
     bytes, checked here against that hash; a damaged one marks the checkpoint CORRUPT."""
@@ -81,7 +81,7 @@ def verify(checkpoint_id: CkptId, commits: CommitsDep):
 @router.get("/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/files/{file_name}",
             responses=answers(400, 404, 409, 416))
 def download(request: Request, checkpoint_id: CkptId, rank: Annotated[int, Path(ge=0, le=names.MAX_RANK)],
-             file_name: str, commits: CommitsDep):
+             file_name: FileName, commits: CommitsDep):
     try:
         names.check_file_name(file_name)
     except names.InvalidName as exc:

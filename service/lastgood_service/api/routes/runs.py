@@ -10,14 +10,20 @@ from pydantic import BaseModel, Field
 
 from lastgood.wire import names
 
+from ...domain.queries import EVENT_KIND, STATUSES
+from ...domain.runs.curation import CLIENT_EVENTS
 from ..contract import StrictJSONRoute, answers
-from ..deps import CommitsDep, CuratorDep, Limit, Offset, QueriesDep, run_prefix
+from ..deps import CommitsDep, CuratorDep, Limit, Offset, QueriesDep, RunName, run_prefix
 
 router = APIRouter(route_class=StrictJSONRoute, tags=["runs"])
+# the rules the domain checks, in the schema (the domain still refuses any other value: 400)
+Status = Annotated[str, Query(description="only checkpoints in this status", json_schema_extra={"enum": list(STATUSES)})]
+Kinds = Annotated[str, Query(max_length=400, description="comma list of kinds",
+                             json_schema_extra={"pattern": f"^{EVENT_KIND}(?:,{EVENT_KIND})*$"})]
 
 
 class EventBody(BaseModel):
-    kind: str = Field(description="spike, restart or note")
+    kind: str = Field(description="spike, restart or note", json_schema_extra={"enum": sorted(CLIENT_EVENTS)})
     checkpoint_id: int | None = Field(None, ge=1, le=names.MAX_ID)
     data: dict = Field(default_factory=dict, description="strict JSON, at most 32 levels deep")
 
@@ -28,18 +34,18 @@ def list_runs(request: Request, queries: QueriesDep, limit: Limit = 100, offset:
 
 
 @router.get("/api/v1/runs/{run}", responses=answers(400, 404))
-def get_run(run: str, queries: QueriesDep):
+def get_run(run: RunName, queries: QueriesDep):
     return queries.get_run(run)
 
 
 @router.get("/api/v1/runs/{run}/checkpoints", responses=answers(400, 404))
-def list_checkpoints(run: str, queries: QueriesDep, status: str | None = None, limit: Limit = 100,
+def list_checkpoints(run: RunName, queries: QueriesDep, status: Status = None, limit: Limit = 100,
                      offset: Offset = 0):
     return queries.list_checkpoints(run, status, limit, offset)
 
 
 @router.get("/api/v1/runs/{run}/last-good", responses=answers(400, 404, 409))
-def last_good(run: str, queries: QueriesDep, commits: CommitsDep, manifest: bool = False):
+def last_good(run: RunName, queries: QueriesDep, commits: CommitsDep, manifest: bool = False):
     """The run's last-good, its manifest read and checked (included with `manifest=true`:
     a restore needs the id, not a document of O(ranks)); 404 `not_found`: no such run; 404
     `no_checkpoint`: the run never committed one; 409 `no_usable_checkpoint`: it did,
@@ -51,13 +57,13 @@ def last_good(run: str, queries: QueriesDep, commits: CommitsDep, manifest: bool
 
 
 @router.get("/api/v1/runs/{run}/events", responses=answers(400, 404))
-def events(run: str, queries: QueriesDep, limit: Limit = 100, offset: Offset = 0,
-           kind: Annotated[str | None, Query(max_length=400, description="comma list of kinds")] = None):
+def events(run: RunName, queries: QueriesDep, limit: Limit = 100, offset: Offset = 0,
+           kind: Kinds = None):
     return queries.events(run, limit, offset, kind.split(",") if kind is not None else None)
 
 
 @router.post("/api/v1/runs/{run}/events", responses=answers(400, 404, 413))
-def record_event(run: str, body: EventBody, curator: CuratorDep):
+def record_event(run: RunName, body: EventBody, curator: CuratorDep):
     return curator.record_event(run, body.kind, body.checkpoint_id, body.data)
 
 

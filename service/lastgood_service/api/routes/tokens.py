@@ -5,16 +5,21 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
+from lastgood.wire import names
+
 from ..contract import StrictJSONRoute, answers
+from ...domain.tokens import ROLES
 from ..deps import Id, TokensDep
 
 router = APIRouter(route_class=StrictJSONRoute, tags=["tokens"])
 
 
 class TokenBody(BaseModel):
-    name: str = Field(description="who or what holds it, e.g. 'trainer gpt-small'")
-    role: str = Field(description="reader, writer or admin")
-    run_prefix: str | None = Field(None, description="limit the token to runs whose names start with this")
+    name: str = Field(description="who or what holds it, e.g. 'trainer gpt-small'",
+                      json_schema_extra={"minLength": 1, "maxLength": 128})
+    role: str = Field(description="reader, writer or admin", json_schema_extra={"enum": list(ROLES)})
+    run_prefix: str | None = Field(None, description="limit the token to runs whose names start with this",
+                                   json_schema_extra=names.SCHEMA["run"])
 
 
 @router.get("/api/v1/tokens", responses=answers(params=False))
