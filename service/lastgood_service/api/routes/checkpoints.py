@@ -43,6 +43,7 @@ def parse_range(header: str, size: int) -> tuple[int, int]:
 
 @router.get("/api/v1/checkpoints/{checkpoint_id}", responses=answers(404, 409))
 def get_checkpoint(checkpoint_id: CkptId, queries: QueriesDep, commits: CommitsDep):
+    """A checkpoint: status, step, lineage, tags, files, and where a restore goes if it is unusable."""
     view = queries.get_checkpoint(checkpoint_id)
     # the full view, every tensor index fetched and checked: for tools, never the restore path
     if view["status"] == "COMMITTED":
@@ -57,6 +58,7 @@ def get_checkpoint(checkpoint_id: CkptId, queries: QueriesDep, commits: CommitsD
 
 @router.get("/api/v1/checkpoints/{checkpoint_id}/manifest", responses=answers(404, 409))
 def get_manifest(checkpoint_id: CkptId, commits: CommitsDep):
+    """A committed checkpoint's manifest, read from the store and checked."""
     return Response(commits.manifest_bytes(checkpoint_id), media_type="application/json")
 
 
@@ -82,6 +84,7 @@ def verify(checkpoint_id: CkptId, commits: CommitsDep):
             responses=answers(400, 404, 409, 416))
 def download(request: Request, checkpoint_id: CkptId, rank: Annotated[int, Path(ge=0, le=names.MAX_RANK)],
              file_name: FileName, commits: CommitsDep):
+    """Download one of a rank's files (HTTP Range for a part of it); the xxh3-128 is in the headers."""
     try:
         names.check_file_name(file_name)
     except names.InvalidName as exc:

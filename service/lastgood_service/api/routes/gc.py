@@ -19,6 +19,7 @@ def gc_plan(gc: GCDep):
 
 @router.post("/api/v1/gc", responses=answers())
 def gc_run(gc: GCDep, dry_run: bool = False):
+    """Run one GC pass now (`dry_run=true`: only say what it would delete)."""
     plan = gc.plan()
     out = {"plan": plan.to_dict(), "dry_run": dry_run}
     if not dry_run:

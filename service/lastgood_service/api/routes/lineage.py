@@ -37,6 +37,7 @@ def run_lineage(run: RunName, queries: QueriesDep, limit: Annotated[int, Query(g
 
 @router.get("/api/v1/checkpoints/{checkpoint_id}/ancestors", responses=answers(404))
 def ancestors(checkpoint_id: CkptId, queries: QueriesDep):
+    """The checkpoint's ancestors along its lineage, and where a restore goes if it is unusable."""
     return queries.ancestors(checkpoint_id)
 
 

@@ -17,7 +17,8 @@ from ..deps import CommitsDep, CuratorDep, Limit, Offset, QueriesDep, RunName, r
 
 router = APIRouter(route_class=StrictJSONRoute, tags=["runs"])
 # the rules the domain checks, in the schema (the domain still refuses any other value: 400)
-Status = Annotated[str, Query(description="only checkpoints in this status", json_schema_extra={"enum": list(STATUSES)})]
+Status = Annotated[str, Query(description="only checkpoints in this status",
+                              json_schema_extra={"enum": list(STATUSES)})]
 Kinds = Annotated[str, Query(max_length=400, description="comma list of kinds",
                              json_schema_extra={"pattern": f"^{EVENT_KIND}(?:,{EVENT_KIND})*$"})]
 
@@ -30,17 +31,20 @@ class EventBody(BaseModel):
 
 @router.get("/api/v1/runs", responses=answers(400))
 def list_runs(request: Request, queries: QueriesDep, limit: Limit = 100, offset: Offset = 0):
+    """One page of runs, by name (within the token's run scope)."""
     return queries.list_runs(limit, offset, run_prefix(request))
 
 
 @router.get("/api/v1/runs/{run}", responses=answers(400, 404))
 def get_run(run: RunName, queries: QueriesDep):
+    """A run: its generation, its last-good, and its checkpoints counted by status."""
     return queries.get_run(run)
 
 
 @router.get("/api/v1/runs/{run}/checkpoints", responses=answers(400, 404))
 def list_checkpoints(run: RunName, queries: QueriesDep, status: Status = None, limit: Limit = 100,
                      offset: Offset = 0):
+    """One page of the run's checkpoints, highest step first, optionally of one status."""
     return queries.list_checkpoints(run, status, limit, offset)
 
 
@@ -59,11 +63,13 @@ def last_good(run: RunName, queries: QueriesDep, commits: CommitsDep, manifest: 
 @router.get("/api/v1/runs/{run}/events", responses=answers(400, 404))
 def events(run: RunName, queries: QueriesDep, limit: Limit = 100, offset: Offset = 0,
            kind: Kinds = None):
+    """One page of the run's events, oldest first, optionally of some kinds only."""
     return queries.events(run, limit, offset, kind.split(",") if kind is not None else None)
 
 
 @router.post("/api/v1/runs/{run}/events", responses=answers(400, 404, 413))
 def record_event(run: RunName, body: EventBody, curator: CuratorDep):
+    """Record a client event (a spike, a restart, a note, the supervisor's) on the run."""
     return curator.record_event(run, body.kind, body.checkpoint_id, body.data)
 
 

@@ -26,20 +26,24 @@ class TagBody(BaseModel):
 
 @router.post("/api/v1/checkpoints/{checkpoint_id}/tags", responses=answers(400, 404, 409, 413))
 def set_tag(checkpoint_id: CkptId, body: TagBody, curator: CuratorDep, generation: Generation = None):
+    """Tag the checkpoint (an alias moves to it from the run's other checkpoints)."""
     return curator.set_tag(checkpoint_id, body.name, body.alias, generation)
 
 
 @router.delete("/api/v1/checkpoints/{checkpoint_id}/tags/{name:path}",  # tags may hold '/'
                responses=answers(400, 404, 409))
 def remove_tag(checkpoint_id: CkptId, name: TagName, curator: CuratorDep, generation: Generation = None):
+    """Remove a tag or alias from the checkpoint (system tags are lastgood's own)."""
     return curator.remove_tag(checkpoint_id, name, generation)
 
 
 @router.put("/api/v1/checkpoints/{checkpoint_id}/pin", responses=answers(400, 404, 409))
 def pin(checkpoint_id: CkptId, curator: CuratorDep, generation: Generation = None):
+    """Pin the checkpoint: GC keeps it whatever the retention says."""
     return curator.pin(checkpoint_id, True, generation)
 
 
 @router.delete("/api/v1/checkpoints/{checkpoint_id}/pin", responses=answers(400, 404, 409))
 def unpin(checkpoint_id: CkptId, curator: CuratorDep, generation: Generation = None):
+    """Unpin the checkpoint: retention decides about it again."""
     return curator.pin(checkpoint_id, False, generation)

@@ -24,6 +24,7 @@ class TokenBody(BaseModel):
 
 @router.get("/api/v1/tokens", responses=answers(params=False))
 def list_tokens(tokens: TokensDep):
+    """Every token: id, name, role, run scope, when made and revoked (never the secret)."""
     return {"items": tokens.list()}
 
 
@@ -35,4 +36,5 @@ def create_token(body: TokenBody, tokens: TokensDep):
 
 @router.delete("/api/v1/tokens/{token_id}", responses=answers(404))
 def revoke_token(token_id: Id, tokens: TokensDep):
+    """Revoke a token: it is refused from the next call on."""
     return tokens.revoke(token_id)
