@@ -7,11 +7,13 @@ call, /healthz or gRPC from an answer within 1 s, at the default open-file limit
 from __future__ import annotations
 
 import errno
+import re
 import resource
 import selectors
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -203,12 +205,18 @@ def _healthz_kept_open(port: int) -> socket.socket:
 def test_a_cap_closes_waiting_connections_never_those_being_answered(tmp_path):
     """With 8 connections at most: 4 outcome waits (being answered) and 4 half requests fill
     it; each new whole request closes the oldest waiting connection (the half requests, then
-    the idle keep-alive ones), never a wait; once all 8 are waits, a new one gets 503."""
+    the idle keep-alive ones), never a wait; once all 8 are waits, a new one gets 503. Started
+    with a soft open-file limit of 1,024 under a hard one of 4,096, the service runs with 4,096
+    and logs it."""
     svc = ServiceProc(tmp_path / "svc", {**FAST, "LASTGOOD_REST_MAX_CONNECTIONS": "8",
                                          "LASTGOOD_REST_MAX_CONNECTIONS_PER_CLIENT": "8",
-                                         "LASTGOOD_LEASE_SECONDS": "60"}).start()
+                                         "LASTGOOD_LEASE_SECONDS": "60"}, nofile=(1024, 4096)).start()
     socks = []
     try:
+        # the soft open-file limit is raised to the hard one at start, and said
+        limits = Path(f"/proc/{svc.pid}/limits").read_text()
+        assert re.search(r"Max open files\s+4096\s+4096", limits), limits
+        assert "open files at most 4096: REST holds at most 8 connections" in svc.log.read_text()
         with Client(svc.grpc_target) as c:
             cid = c.begin("capped", step=1).checkpoint_id  # PENDING: its outcome waits
         wait = f"GET /api/v1/checkpoints/{cid}/outcome?wait=8 HTTP/1.1\r\nHost: x\r\n\r\n".encode()
