@@ -65,7 +65,8 @@ demo: $(DEV_STAMP)
 	$(BIN)/python examples/gpt/demo.py
 
 # the REST fuzz at full size: 10,000 generated cases per auth mode (tokens off, tokens on),
-# a fresh seed each time; `make test` runs the same test with 300 cases and a fixed seed
+# a fresh seed each time, with schemathesis's conformance checks on every answer (docs/security.md,
+# "REST conformance"); `make test` runs the same test with 300 cases and a fixed seed
 FUZZ_CASES ?= 10000
 fuzz: $(DEV_STAMP)
 	LASTGOOD_FUZZ_CASES=$(FUZZ_CASES) LASTGOOD_FUZZ_SEED=$${LASTGOOD_FUZZ_SEED:-$$(date +%s)} \

@@ -41,7 +41,7 @@ class ServiceProcess:
     proc: subprocess.Popen | None = None
     log: Path | None = None
     info: dict = field(default_factory=dict)  # GET /api/v1/info once it is up
-    nofile: int | None = None  # the process's open-file limit (soft and hard), e.g. to test it under a low one
+    nofile: int | tuple[int, int] | None = None  # the process's open-file limit: soft and hard, or (soft, hard)
 
     @property
     def url(self) -> str:
@@ -83,7 +83,8 @@ class ServiceProcess:
     def _limits(self) -> None:
         import resource  # in the child, before it runs the service
 
-        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
+        soft, hard = self.nofile if isinstance(self.nofile, tuple) else (self.nofile, self.nofile)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
     def stop(self, sig: int = signal.SIGTERM, grace: float = 10.0) -> None:
         if self.proc is not None and self.proc.poll() is None:

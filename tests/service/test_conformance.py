@@ -118,3 +118,11 @@ def test_every_answer_says_nosniff(svc, saved):
     missing = {k: r.status_code for k, r in answers.items() if r.headers.get("x-content-type-options") != "nosniff"}
     assert not missing, missing
     assert all(len(r.headers.get_list("x-content-type-options")) == 1 for r in answers.values())
+
+
+def test_every_operation_has_a_description(svc):
+    """Each operation of /openapi.json says what it does (issue 39, item 7: part of it)."""
+    doc = http(svc).get("/openapi.json").json()
+    bare = [f"{m.upper()} {p}" for p, ops in doc["paths"].items() for m, op in ops.items()
+            if len(op.get("description", "").strip()) < 20]
+    assert not bare, bare

@@ -39,6 +39,20 @@ _SPOOL = re.compile(_SPOOL_PATTERN)  # a file a client hands over in the spool
 _STORE_PATH = re.compile(r"[A-Za-z0-9._-]{1,200}(/[A-Za-z0-9._-]{1,200}){0,15}")  # a blob, relative to the store's root
 _LENT = re.compile(re.escape(SPOOL_OUT_DIR) + "/" + _SPOOL_PATTERN)  # a link the service lends, relative to the spool
 
+# The same rules as JSON Schema (ECMA-262) patterns, for the OpenAPI document, so that a
+# request a client builds from the schema is one the checks below accept (no '..' is spelt
+# without a lookahead: a dot is never followed by another dot). tests/unit/test_names_schema.py
+# holds each pattern to its check.
+_NO_DOTDOT = r"(?:\.?[A-Za-z0-9_-])*\.?"
+SCHEMA = {
+    "run": {"pattern": r"^[A-Za-z0-9]" + _NO_DOTDOT + "$", "minLength": 1, "maxLength": 128},
+    "file": {"pattern": r"^[A-Za-z0-9]" + _NO_DOTDOT + "$", "minLength": 1, "maxLength": 200},
+    "attempt": {"pattern": r"^(?:\.|\.?(?:[A-Za-z0-9_:-]\.?)+)$", "minLength": 1, "maxLength": 64},
+    # a tag may hold any printable text but for its system names; the schema names the
+    # portable part of it: printable ASCII, no leading or trailing space
+    "tag": {"pattern": r"^[!-~](?:[ -~]*[!-~])?$", "minLength": 1, "maxLength": 128},
+}
+
 MAX_ID = 2**62      # checkpoint, lease and token ids; steps; byte offsets (headroom under int64)
 MAX_RANK = 2**31 - 1  # ranks and world sizes (int32)
 

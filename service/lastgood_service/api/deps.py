@@ -113,8 +113,14 @@ Limit = Annotated[int, Query(ge=1, le=MAX_PAGE)]
 Offset = Annotated[int, Query(ge=0, le=names.MAX_ID)]
 Id = Annotated[int, Path(ge=1, le=names.MAX_ID)]  # checkpoint, lease and token ids
 CkptId = Id
+# the name rules (lastgood.wire.names) in the OpenAPI document: a name built from the schema is
+# accepted; the handlers' checks still refuse any other (400)
+RunName = Annotated[str, Path(description="a run name", json_schema_extra=names.SCHEMA["run"])]
+FileName = Annotated[str, Path(description="a shard file name", json_schema_extra=names.SCHEMA["file"])]
 # the caller's launch generation on the curation routes: an older one than the run's newest is refused
-Generation = Annotated[int | None, Header(alias=GENERATION_HEADER, ge=0, le=names.MAX_ID)]
+# (int, not int | None: the header is absent or an integer, and the schema says so; a "null"
+# alternative would have clients send the text "null")
+Generation = Annotated[int, Header(alias=GENERATION_HEADER, ge=0, le=names.MAX_ID)]
 
 
 def run_prefix(request: Request) -> str | None:

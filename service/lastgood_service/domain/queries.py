@@ -26,7 +26,8 @@ MAX_LINEAGE = 10000
 # page and the CLI page through longer runs); the whole 10,000 would make every poll of a
 # long run a multi-MB peak that the service's RSS keeps
 LINEAGE_PAGE = 1000
-_EVENT_KIND = re.compile(r"[a-z_]{1,32}")
+EVENT_KIND = r"[a-z_]{1,32}"  # an event kind a listing may filter by
+_EVENT_KIND = re.compile(EVENT_KIND)
 
 
 def _iso(t):

@@ -14,7 +14,7 @@ from lastgood.wire import names
 from ...domain.errors import Damaged, InvalidArgument, OutOfRange
 from ..contract import StrictJSONRoute, answers, error_response
 from ..errors import lookup
-from ..deps import CkptId, CommitsDep, QueriesDep
+from ..deps import CkptId, CommitsDep, FileName, QueriesDep
 
 router = APIRouter(route_class=StrictJSONRoute, tags=["checkpoints"])
 
@@ -43,8 +43,7 @@ def parse_range(header: str, size: int) -> tuple[int, int]:
 
 @router.get("/api/v1/checkpoints/{checkpoint_id}", responses=answers(404, 409))
 def get_checkpoint(checkpoint_id: CkptId, queries: QueriesDep, commits: CommitsDep):
-    """One checkpoint: its status, tags and lineage fields, and its manifest (what every rank saved,
-    with sizes and xxh3-128 digests)."""
+    """A checkpoint: status, step, lineage, tags, files, and where a restore goes if it is unusable."""
     view = queries.get_checkpoint(checkpoint_id)
     # the full view, every tensor index fetched and checked: for tools, never the restore path
     if view["status"] == "COMMITTED":
@@ -59,13 +58,12 @@ def get_checkpoint(checkpoint_id: CkptId, queries: QueriesDep, commits: CommitsD
 
 @router.get("/api/v1/checkpoints/{checkpoint_id}/manifest", responses=answers(404, 409))
 def get_manifest(checkpoint_id: CkptId, commits: CommitsDep):
-    """The checkpoint's manifest (docs/format.md), read from the store and checked against the hash the
-    catalog recorded."""
+    """A committed checkpoint's manifest, read from the store and checked."""
     return Response(commits.manifest_bytes(checkpoint_id), media_type="application/json")
 
 
 @router.get("/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/index/{file_name}", responses=answers(400, 404, 409))
-def get_index(checkpoint_id: CkptId, rank: Annotated[int, Path(ge=0, le=names.MAX_RANK)], file_name: str,
+def get_index(checkpoint_id: CkptId, rank: Annotated[int, Path(ge=0, le=names.MAX_RANK)], file_name: FileName,
               commits: CommitsDep):
     """One file's tensor index object (a manifest of format 2 names it by hash): the exact
     bytes, checked here against that hash; a damaged one marks the checkpoint CORRUPT."""
@@ -85,9 +83,8 @@ def verify(checkpoint_id: CkptId, commits: CommitsDep):
 @router.get("/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/files/{file_name}",
             responses=answers(400, 404, 409, 416))
 def download(request: Request, checkpoint_id: CkptId, rank: Annotated[int, Path(ge=0, le=names.MAX_RANK)],
-             file_name: str, commits: CommitsDep):
-    """A file's bytes (application/octet-stream), its xxh3-128 in the ETag and X-Lastgood-Xxh3-128
-    headers; `Range: bytes=a-b` reads part of it (206; 416 outside the file)."""
+             file_name: FileName, commits: CommitsDep):
+    """Download one of a rank's files (HTTP Range for a part of it); the xxh3-128 is in the headers."""
     try:
         names.check_file_name(file_name)
     except names.InvalidName as exc:

@@ -28,8 +28,7 @@ def gc_plan(gc: GCDep, request: Request, full: bool = False):
 
 @router.post("/api/v1/gc", responses=answers())
 def gc_run(gc: GCDep, dry_run: bool = False):
-    """Run GC now for every run: the plan (as GET /gc/plan) and what was deleted; `dry_run=true` only
-    plans."""
+    """Run one GC pass now (`dry_run=true`: only say what it would delete)."""
     plan = gc.plan()
     out = {"plan": plan.to_dict(), "dry_run": dry_run}
     if not dry_run:

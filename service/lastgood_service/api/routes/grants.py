@@ -16,7 +16,7 @@ from ...domain.commit.types import ShardHeader
 from ...domain.errors import InvalidArgument
 from ...domain.dataplane.grants import DirectUploads, UploadedPart
 from ..contract import StrictJSONRoute, answers
-from ..deps import CkptId, CommitsDep
+from ..deps import CkptId, CommitsDep, FileName
 
 router = APIRouter(route_class=StrictJSONRoute, tags=["direct uploads"])
 
@@ -33,7 +33,7 @@ DirectDep = Annotated[DirectUploads, Depends(_direct)]
 
 class FileBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    file_name: str = Field(min_length=1, max_length=255)
+    file_name: str = Field(min_length=1, max_length=255, json_schema_extra=names.SCHEMA["file"])
     size: int = Field(ge=0, le=names.MAX_ID)
     xxh3_128: str = Field(min_length=32, max_length=32)
     part_size: int | None = Field(None, ge=MIN_PART_SIZE, le=MAX_PART_SIZE,
@@ -81,7 +81,7 @@ def hand_over(checkpoint_id: CkptId, rank: Rank, body: HandOverBody, direct: Dir
 
 @router.get("/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/read-grants/{file_name}",
             responses=answers(400, 404, 409))
-def read_grant(checkpoint_id: CkptId, rank: Rank, file_name: str, direct: DirectDep):
+def read_grant(checkpoint_id: CkptId, rank: Rank, file_name: FileName, direct: DirectDep):
     """A presigned GET of a committed checkpoint's file; the reader re-hashes what it reads."""
     try:
         names.check_file_name(file_name)

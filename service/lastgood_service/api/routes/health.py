@@ -13,7 +13,7 @@ from lastgood.wire import names
 
 from ...domain.health.heartbeats import MAX_SECONDS
 from ..contract import StrictJSONRoute, answers
-from ..deps import HealthDep
+from ..deps import HealthDep, RunName
 
 Seconds = Annotated[float | None, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False, strict=True)]
 
@@ -24,7 +24,8 @@ class HeartbeatBody(BaseModel):
     step: int | None = Field(None, ge=0, le=names.MAX_ID, strict=True)
     step_seconds: Seconds = Field(None, description="seconds per step since the rank's previous beat")
     phase: Literal["train", "saving", "restoring", "idle"]
-    attempt: str | None = Field(None, max_length=64, description="the launch's attempt id")
+    attempt: str | None = Field(None, max_length=64, description="the launch's attempt id",
+                                json_schema_extra=names.SCHEMA["attempt"])
     generation: int | None = Field(None, ge=0, le=names.MAX_ID, strict=True, description="the launch's generation")
     max_step_seconds: Seconds = Field(None, description="the longest step since the previous beat")
     period_s: Seconds = Field(None, description="seconds between this rank's beats")
@@ -35,14 +36,14 @@ router = APIRouter(route_class=StrictJSONRoute, tags=["health"])
 
 
 @router.post("/api/v1/runs/{run}/heartbeats", status_code=204, responses=answers(400, 404, 409, 413))
-def heartbeat(run: str, body: HeartbeatBody, health: HealthDep):
+def heartbeat(run: RunName, body: HeartbeatBody, health: HealthDep):
     """One rank's latest liveness and progress; the service keeps the newest per rank."""
     health.beat(run, body.model_dump())
     return Response(status_code=204)
 
 
 @router.get("/api/v1/runs/{run}/health", responses=answers(400, 404))
-def run_health(run: str, health: HealthDep,
+def run_health(run: RunName, health: HealthDep,
                hang_timeout: Annotated[float | None, Query(gt=0, le=MAX_SECONDS, allow_inf_nan=False)] = None):
     """Per rank its latest beat and verdict (ok, hung, straggler, lost), the hung and
     straggling ranks, the hang timeout in force (`hang_timeout` fixes it for this

@@ -25,5 +25,5 @@ def acquire_lease(checkpoint_id: CkptId, body: LeaseBody, curator: CuratorDep):
 
 @router.delete("/api/v1/leases/{lease_id}", responses=answers(404))
 def release_lease(lease_id: Id, curator: CuratorDep):
-    """End a read lease before it expires, so GC may plan the checkpoint again."""
+    """Release a read lease: GC may delete the checkpoint's blobs again."""
     return curator.release_lease(lease_id)

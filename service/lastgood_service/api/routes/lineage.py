@@ -12,7 +12,7 @@ from lastgood.wire import names
 
 from ...domain.queries import LINEAGE_PAGE, MAX_LINEAGE
 from ..contract import StrictJSONRoute, answers
-from ..deps import CkptId, CuratorDep, Generation, Offset, QueriesDep
+from ..deps import CkptId, CuratorDep, Generation, Offset, QueriesDep, RunName
 
 router = APIRouter(route_class=StrictJSONRoute, tags=["lineage"])
 
@@ -26,7 +26,7 @@ class RollbackBody(BaseModel):
 
 
 @router.get("/api/v1/runs/{run}/lineage", responses=answers(400, 404))
-def run_lineage(run: str, queries: QueriesDep, limit: Annotated[int, Query(ge=1, le=MAX_LINEAGE)] = LINEAGE_PAGE,
+def run_lineage(run: RunName, queries: QueriesDep, limit: Annotated[int, Query(ge=1, le=MAX_LINEAGE)] = LINEAGE_PAGE,
                 offset: Offset = 0):
     """One page of the run's checkpoint tree, oldest first: nodes (step, status, branch, tags,
     bytes, durations), parent edges, and `total` to page on with `offset`."""
@@ -37,12 +37,11 @@ def run_lineage(run: str, queries: QueriesDep, limit: Annotated[int, Query(ge=1,
 
 @router.get("/api/v1/checkpoints/{checkpoint_id}/ancestors", responses=answers(404))
 def ancestors(checkpoint_id: CkptId, queries: QueriesDep):
-    """The checkpoint's ancestors, newest first, and the newest committed one a restore would fall back
-    to."""
+    """The checkpoint's ancestors along its lineage, and where a restore goes if it is unusable."""
     return queries.ancestors(checkpoint_id)
 
 
 @router.post("/api/v1/runs/{run}/rollback", responses=answers(400, 404, 409, 413))
-def rollback(run: str, body: RollbackBody, curator: CuratorDep, generation: Generation = None):
+def rollback(run: RunName, body: RollbackBody, curator: CuratorDep, generation: Generation = None):
     """Mark what followed the target suspect, tag the target rollback-target, move last-good back."""
     return curator.rollback(run, body.target_id, body.spike_step, body.data, generation)

@@ -17,15 +17,14 @@ router = APIRouter(route_class=StrictJSONRoute, tags=["ops"])
 
 @router.get("/healthz")
 def healthz(queries: QueriesDep):
-    """Liveness and readiness: ok once the catalog answers (public, no token)."""
+    """Liveness: 200 `ok` while the service answers and its catalog does (public)."""
     queries.list_runs(limit=1)  # proves the catalog answers
     return {"status": "ok"}
 
 
 @router.get("/api/v1/info")
 def info(ctx: Ctx):
-    """The service's version, its gRPC address, its limits (chunk, shard and request sizes, the
-    lease) and the data paths it offers (spool, direct-FS, direct S3): what a client reads first."""
+    """Where the gRPC endpoint is, the chunk and shard limits, the data paths on offer (public)."""
     s = ctx.commits.settings
     return Info(grpc_target=ctx.grpc_target, version=__version__, max_chunk_bytes=s.max_chunk_bytes,
                 max_shard_bytes=s.max_shard_bytes, lease_seconds=s.lease_seconds,

@@ -26,7 +26,7 @@ PeerKey = Annotated[str | None, Header(alias=peerkey.HEADER, max_length=64,
 
 
 class ReadFile(BaseModel):
-    name: str = Field(min_length=1, max_length=200)
+    name: str = Field(min_length=1, max_length=200, json_schema_extra=names.SCHEMA["file"])
     xxh3_128: str | None = Field(None, pattern="^[0-9a-f]{32}$",
                                  description="what the checker read; null: it could not read the file")
     ranges_xxh3_128: str | None = Field(None, pattern="^[0-9a-f]{32}$",

@@ -8,7 +8,7 @@ from pydantic import BaseModel, Field
 from ...domain.runs.retention import MAX_SPEC
 from ...domain.runs.run_retention import RunRetention
 from ..contract import StrictJSONRoute, answers
-from ..deps import GCDep
+from ..deps import GCDep, RunName
 
 router = APIRouter(route_class=StrictJSONRoute, tags=["runs"])
 
@@ -24,13 +24,13 @@ def _policies(gc: GCDep) -> RunRetention:
 
 
 @router.get("/api/v1/runs/{run}/retention", responses=answers(400, 404))
-def get_retention(run: str, gc: GCDep):
+def get_retention(run: RunName, gc: GCDep):
     """The retention GC applies to the run: its own, else the service default."""
     return _policies(gc).get(run)
 
 
 @router.put("/api/v1/runs/{run}/retention", responses=answers(400, 413))
-def set_retention(run: str, body: RetentionBody, gc: GCDep):
+def set_retention(run: RunName, body: RetentionBody, gc: GCDep):
     """Give the run its own retention (validated as the service default is), or clear it.
     A run with no checkpoint yet is created with it: the policy holds from its first save."""
     return _policies(gc).set(run, body.retention)

@@ -10,40 +10,46 @@ from pydantic import BaseModel, Field
 
 from lastgood.wire import names
 
+from ...domain.queries import EVENT_KIND, STATUSES
+from ...domain.runs.curation import CLIENT_EVENTS
 from ..contract import StrictJSONRoute, answers
-from ..deps import CommitsDep, CuratorDep, Limit, Offset, QueriesDep, run_prefix
+from ..deps import CommitsDep, CuratorDep, Limit, Offset, QueriesDep, RunName, run_prefix
 
 router = APIRouter(route_class=StrictJSONRoute, tags=["runs"])
+# the rules the domain checks, in the schema (the domain still refuses any other value: 400)
+Status = Annotated[str, Query(description="only checkpoints in this status",
+                              json_schema_extra={"enum": list(STATUSES)})]
+Kinds = Annotated[str, Query(max_length=400, description="comma list of kinds",
+                             json_schema_extra={"pattern": f"^{EVENT_KIND}(?:,{EVENT_KIND})*$"})]
 
 
 class EventBody(BaseModel):
-    kind: str = Field(description="spike, restart or note")
+    kind: str = Field(description="spike, restart or note", json_schema_extra={"enum": sorted(CLIENT_EVENTS)})
     checkpoint_id: int | None = Field(None, ge=1, le=names.MAX_ID)
     data: dict = Field(default_factory=dict, description="strict JSON, at most 32 levels deep")
 
 
 @router.get("/api/v1/runs", responses=answers(400))
 def list_runs(request: Request, queries: QueriesDep, limit: Limit = 100, offset: Offset = 0):
-    """Runs, with each one's last-good and its checkpoint counts by status (a scoped token sees its own
-    runs)."""
+    """One page of runs, by name (within the token's run scope)."""
     return queries.list_runs(limit, offset, run_prefix(request))
 
 
 @router.get("/api/v1/runs/{run}", responses=answers(400, 404))
-def get_run(run: str, queries: QueriesDep):
-    """One run: its generation, last-good and checkpoint counts by status."""
+def get_run(run: RunName, queries: QueriesDep):
+    """A run: its generation, its last-good, and its checkpoints counted by status."""
     return queries.get_run(run)
 
 
 @router.get("/api/v1/runs/{run}/checkpoints", responses=answers(400, 404))
-def list_checkpoints(run: str, queries: QueriesDep, status: str | None = None, limit: Limit = 100,
+def list_checkpoints(run: RunName, queries: QueriesDep, status: Status = None, limit: Limit = 100,
                      offset: Offset = 0):
-    """The run's checkpoints, newest first; `status` filters by one status."""
+    """One page of the run's checkpoints, highest step first, optionally of one status."""
     return queries.list_checkpoints(run, status, limit, offset)
 
 
 @router.get("/api/v1/runs/{run}/last-good", responses=answers(400, 404, 409))
-def last_good(run: str, queries: QueriesDep, commits: CommitsDep, manifest: bool = False):
+def last_good(run: RunName, queries: QueriesDep, commits: CommitsDep, manifest: bool = False):
     """The run's last-good, its manifest read and checked (included with `manifest=true`:
     a restore needs the id, not a document of O(ranks)); 404 `not_found`: no such run; 404
     `no_checkpoint`: the run never committed one; 409 `no_usable_checkpoint`: it did,
@@ -55,16 +61,15 @@ def last_good(run: str, queries: QueriesDep, commits: CommitsDep, manifest: bool
 
 
 @router.get("/api/v1/runs/{run}/events", responses=answers(400, 404))
-def events(run: str, queries: QueriesDep, limit: Limit = 100, offset: Offset = 0,
-           kind: Annotated[str | None, Query(max_length=400, description="comma list of kinds")] = None):
-    """The run's events, oldest first (begin, commit, abandon, launch, rollback, save_given_up, ...);
-    `kind` filters by a comma list of kinds."""
+def events(run: RunName, queries: QueriesDep, limit: Limit = 100, offset: Offset = 0,
+           kind: Kinds = None):
+    """One page of the run's events, oldest first, optionally of some kinds only."""
     return queries.events(run, limit, offset, kind.split(",") if kind is not None else None)
 
 
 @router.post("/api/v1/runs/{run}/events", responses=answers(400, 404, 413))
-def record_event(run: str, body: EventBody, curator: CuratorDep):
-    """Record an event of the run (spike, restart or note), optionally naming one of its checkpoints."""
+def record_event(run: RunName, body: EventBody, curator: CuratorDep):
+    """Record a client event (a spike, a restart, a note, the supervisor's) on the run."""
     return curator.record_event(run, body.kind, body.checkpoint_id, body.data)
 
 
