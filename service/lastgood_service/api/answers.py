@@ -2,8 +2,8 @@
 
 The shapes are pydantic models used for the document only: the routes return the domain's
 dicts unchanged (no response_model, so an answer is never filtered or re-validated on its
-way out), and tests/service/test_openapi_answers.py holds real answers of a real service
-against these schemas. Every model allows keys it does not name, so a field added to an
+way out), and tests/service/test_openapi_answers.py and the REST fuzz (schemathesis's
+response conformance) hold real answers of a real service against these schemas. Every model allows keys it does not name, so a field added to an
 answer is compatible; what a model names, the answer has. `document(app)` puts the schemas
 into the app's OpenAPI document; OK names each route's model by (method, path).
 """
@@ -287,7 +287,7 @@ class GCResult(Answer):
 class GCRun(Answer):
     plan: GCPlan
     dry_run: bool
-    result: GCResult
+    result: GCResult | None = Field(None, description="what was deleted (absent with dry_run)")
 
 
 class GCPolicy(Answer):
