@@ -20,10 +20,11 @@ from safetensors.torch import save as st_save
 import lastgood
 from lastgood.datapath import directs3
 from lastgood.restore import readplan
-from lastgood.errors import InvalidArgument
+from lastgood.errors import FailedPrecondition, InvalidArgument
 from lastgood.wire.ranges import RangeHasher
 from lastgood.datapath.transport import Transport
 
+from lastgood_service.domain.keys import shard_name as shard_name_of
 from tests.service.test_direct_s3 import MiB, begin, direct_service, training
 
 pytestmark = pytest.mark.slow  # LocalStack
@@ -146,7 +147,7 @@ def test_digests_that_would_overflow_the_hand_over_body_are_dropped_and_the_save
 
 def test_a_refused_declaration_does_not_delete_the_object_another_file_was_recorded_on(
         make_service, tmp_path, localstack, ls_bucket, run_name):
-    """Two files of a rank with the same bytes share one object (its key is the xxh3-128).
+    """Two files of a rank with the same bytes share one object (its key derives from the xxh3-128).
     One hand-over is held (the hold_declared_index failpoint) after completing the object,
     before its declared digests are checked; the other file is recorded on that object
     meanwhile; then the held one's digests are refused. Before, the refusal deleted the
@@ -180,7 +181,7 @@ def test_a_refused_declaration_does_not_delete_the_object_another_file_was_recor
     th.join(60)
     assert refused and "declared range digests refused" in str(refused[0])
     keys = [o.object_name for o in localstack.client().list_objects(ls_bucket, prefix="ckpt/", recursive=True)
-            if o.object_name.endswith(good.xxh3_128)]
+            if o.object_name.endswith(shard_name_of(good.xxh3_128))]
     assert len(keys) == 1, "the object the recorded file points to was deleted with the refusal"
     assert t.commit_rank(cid, 0, ["rank00000.safetensors"], wait=5).status == "COMMITTED"
     _, digest = t.read_file(cid, 0, "rank00000.safetensors", len(data))
@@ -189,12 +190,13 @@ def test_a_refused_declaration_does_not_delete_the_object_another_file_was_recor
 
 
 @pytest.mark.parametrize("wrong", [True, False])
-def test_verify_recomputes_declared_range_digests(make_service, tmp_path, localstack, ls_bucket, run_name, wrong):
-    """In `store` mode nobody reads a direct upload's bytes, so digests of the right shape
-    but of other bytes (here: of the file with its last byte changed) are accepted, and the
-    checkpoint stays last-good while every restore at another world size falls back from
-    its ranged reads. verify() recomputes them in its pass over the bytes: CORRUPT. The
-    control (the file's own digests) verifies ok."""
+def test_store_mode_recomputes_declared_range_digests_before_the_commit(make_service, tmp_path, localstack,
+                                                                        ls_bucket, run_name, wrong):
+    """In `store` mode the service reads each direct upload back for its xxh3-128 before the
+    commit (domain/dataplane/grants.py) and recomputes the declared range digests in the same
+    read: digests of the right shape but of other bytes (here: of the file with its last byte
+    changed) abandon the checkpoint, and last-good does not move. The control (the file's own
+    digests) commits, and verify() finds it whole."""
     svc = direct_service(make_service, tmp_path, localstack, ls_bucket)
     t = Transport(svc.url)
     cid = begin(t, run_name)
@@ -208,13 +210,15 @@ def test_verify_recomputes_declared_range_digests(make_service, tmp_path, locals
         prepared = directs3.Parts(prepared.size, prepared.xxh3_128, prepared.part_size, prepared.crc32, digests)
     handle = directs3.upload(t, cid, 0, "rank00000.safetensors", data, prepared)
     directs3.hand_over(t, cid, 0, "rank00000.safetensors", handle)
-    assert t.commit_rank(cid, 0, ["rank00000.safetensors"], wait=5).status == "COMMITTED"
-    r = svc.post(f"/api/v1/checkpoints/{cid}/verify")
-    assert r.status_code == 200, r.text
-    out = r.json()
-    assert out["ok"] is not wrong, out
     if wrong:
-        assert out["status"] == "CORRUPT" and "range digests" in out["bad"][0]["file"], out
-        lg = svc.get(f"/api/v1/runs/{run_name}/last-good")
-        assert lg.status_code != 200 or lg.json()["id"] != cid, lg.text  # last-good moved off it
+        with pytest.raises(FailedPrecondition, match="ABANDONED"):
+            t.commit_rank(cid, 0, ["rank00000.safetensors"], wait=10)
+        mismatch = [e for e in svc.get(f"/api/v1/runs/{run_name}/events").json()["items"]
+                    if e["kind"] == "hash_mismatch"]
+        assert mismatch and "range digests" in str(mismatch[0]), mismatch
+        assert svc.get(f"/api/v1/runs/{run_name}/last-good").status_code == 404
+    else:
+        assert t.commit_rank(cid, 0, ["rank00000.safetensors"], wait=10).status == "COMMITTED"
+        r = svc.post(f"/api/v1/checkpoints/{cid}/verify")
+        assert r.status_code == 200 and r.json()["ok"], r.text
     t.close()

@@ -135,3 +135,21 @@ def test_a_malformed_peer_key_is_refused_and_records_no_vote(peer_svc, run_name,
         assert t.commit_rank(cid, 1, [], wait=0).status == "PENDING"  # control: the client's own key
     finally:
         t.close()
+
+
+def test_a_checker_that_voted_without_a_key_is_given_nothing_and_the_service_hashes(peer_svc, run_name, tmp_path):
+    """A client that sends no peer key (an older one) is not failed: its assignment is empty,
+    its report refused, and the service hashes its peer's file - a changed one is aborted."""
+    data = make_shard(0, seed=26)
+    t, direct, handle, digest, cid = handed_over(peer_svc, tmp_path, run_name, data, change_after_hashing=True)
+    try:
+        direct.hand_over(cid, 0, shard_name(0), memoryview(data), digest, handle)
+        t.commit_rank(cid, 0, [shard_name(0)], wait=0)
+        t._stub.CommitRank(pb.CommitRankRequest(checkpoint_id=cid, rank=1, files=[]), timeout=30)  # no peer_key
+        with pytest.raises(PermissionDenied, match="without a peer key"):
+            forged_report(t, cid, digest, peerkey.rank_secret(cid, 1))
+        assert peer.check(t, direct, cid, 1, deadline=float("inf")) in ("PENDING", "ABANDONED")  # nothing to read
+        wait_status(peer_svc, cid, "ABANDONED", timeout=30)
+    finally:
+        t.close()
+    assert last_good_id(peer_svc, run_name) is None

@@ -7,9 +7,12 @@ commit, each file is read back from the store by another rank - rank r checks ra
 compared with what its writer declared.
 
 After its own vote a rank asks which files to check (the service names them, with their
-declared digest and their path under the store's root, or a presigned GET of the object:
-the rank holds no store credentials), reads and hashes each through its own mount or that
-URL, and reports the digests it got. It repeats until its peer has voted and nothing of
+size and their path under the store's root, or a presigned GET of the object: the rank
+holds no store credentials; never their declared digest), reads and hashes each through its
+own mount or that URL, and reports the digests it got. Both requests carry this process's
+secret for the rank, whose commitment its vote carried (lastgood/wire/peerkey.py): the
+service takes a check only from the rank assigned to it. A job of one rank checks nothing:
+its assignment is empty and the service hashes its files. It repeats until its peer has voted and nothing of
 the peer's is left unchecked, or the checkpoint is decided. A mismatch aborts
 the checkpoint on the service; the rank learns it from the answer, as every other rank
 learns it from its vote. A file it cannot read (no mount, a missing blob) is reported as

@@ -45,6 +45,12 @@ from ..commit.types import ShardHeader
 log = logging.getLogger("lastgood.commit")
 
 
+# files the service reads back at once (`store` mode's confirmations, a peer's unread files,
+# the grace's): more would only share the same download bandwidth and cores; a thread waiting
+# for its turn renews its checkpoint's lease, so a queue of many files never expires it
+MAX_READS = 8
+
+
 def grace_seconds(settings) -> float:
     """How long after the last vote a DECLARED file waits for its checker."""
     g = settings.peer_check_grace_seconds
@@ -74,6 +80,7 @@ class PeerFallback:
         self._hashing: set[tuple[int, int, str]] = set()  # (checkpoint, rank, file) being hashed here
         self._committing: set[int] = set()  # checkpoints the sweep is trying to commit again here
         self.next_in = 0.0  # seconds until a sweep can next find work, as of the last one (reaper.py)
+        self._reads = threading.BoundedSemaphore(MAX_READS)
 
     def hashing(self, checkpoint_id: int, rank: int, name: str) -> bool:
         with self._lock:
@@ -179,7 +186,12 @@ class PeerFallback:
                         continue  # a checker reported it meanwhile, or the checkpoint is decided
                     key, size, want = sh.blob_key, sh.size, sh.xxh3_128
                     ranges = declared_ranges.of_shard(c.store, key_prefix(s, ck), sh)  # the writer's, if declared
-                got, got_ranges = self._hash(checkpoint_id, key, size, declared_ranges.rule_of(ranges))
+                while not self._reads.acquire(timeout=c.settings.lease_seconds / 4):
+                    c.renew(checkpoint_id)  # waiting for a turn to read is progress too
+                try:
+                    got, got_ranges = self._hash(checkpoint_id, key, size, declared_ranges.rule_of(ranges))
+                finally:
+                    self._reads.release()
                 if got == want and got_ranges != fingerprint_of(ranges):  # the bytes are, their range digests not
                     bad.append((rank, name, want, f"{got}, range digests {got_ranges} (not the declared "
                                                   f"{fingerprint_of(ranges)})"))

@@ -153,16 +153,17 @@ class PeerChecks:
                     Shard.checkpoint_id == checkpoint_id, Shard.status == DECLARED))] if ck.status == PENDING else []
                 status = ck.status
             else:
-                alone = None
-                self._require_checker(s, ck, rank, secret)
+                alone = None if self._require_checker(s, ck, rank, secret) else []
             peer = peer_of(rank, ck.world_size)
             voted = s.get(Vote, (checkpoint_id, peer)) is not None
             shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == checkpoint_id, Shard.rank == peer,
                                                         Shard.status == DECLARED).order_by(Shard.file_name)))
-            status = ck.status
+            status, world = ck.status, ck.world_size
             pfx = key_prefix(s, ck)
-        if alone is not None:
-            return self._alone(checkpoint_id, alone, status, voted)
+        if alone is not None:  # alone, or a rank that voted without a key: the service hashes its peer's files
+            if world > 1 and status == PENDING:
+                alone = [(peer, sh.file_name) for sh in shards]
+            return self._alone(checkpoint_id, alone, status, voted, peer)
         where = self._where() if shards and status == PENDING else None
         # no declared digest: the checker reports what it read, the service compares (report);
         # each file's writer's range digests, if any, by their rule: recomputed by the checker
@@ -174,7 +175,7 @@ class PeerChecks:
         return {"verification": self.mode, "status": status, "peer_rank": peer, "peer_voted": voted,
                 "files": files if status == PENDING else []}
 
-    def _require_checker(self, s, ck, rank: int, secret: str | None) -> None:
+    def _require_checker(self, s, ck, rank: int, secret: str | None) -> bool:
         """Only the rank assigned to check may ask for or report its assignment: the caller
         must hold the secret whose commitment `rank`'s vote carried (lastgood/wire/peerkey.py).
         Every rank of a job holds the same token, so without this any of them - the writer of
@@ -183,22 +184,24 @@ class PeerChecks:
         if vote is None:
             raise FailedPrecondition(f"rank {rank} has not voted on checkpoint {ck.id}: a rank checks its peer's "
                                      f"files after its own vote")
-        if vote.peer_key is None:
-            raise PermissionDenied(f"rank {rank} voted on checkpoint {ck.id} without a peer key, so no check of its "
-                                   f"assignment is accepted: the service hashes those files itself")
+        if vote.peer_key is None:  # a client that sends none (older): not refused, but no check of its is taken
+            return False
         if not peerkey.matches(secret, vote.peer_key):
             raise PermissionDenied(f"peer check of rank {rank}'s assignment on checkpoint {ck.id}: the "
                                    f"{peerkey.HEADER} is not the secret rank {rank} voted with; only that rank "
                                    f"may check its peer's files")
+        return True
 
-    def _alone(self, checkpoint_id: int, files: list, status: str, voted: bool) -> dict:
-        """A job of one rank: no other rank can check its files, and a rank reading back its
-        own file could report the digest it declared without reading it. The service hashes
-        them itself, now (peer_fallback), and commits if the rank has voted."""
+    def _alone(self, checkpoint_id: int, files: list, status: str, voted: bool, peer: int) -> dict:
+        """Files no rank may check: a job of one rank's (no other rank can, and one reading
+        back its own file could report the digest it declared without reading it), or the
+        peer's of a rank that voted without a peer key (a client that sends none). The
+        service hashes them itself, now (peer_fallback), and commits once all voted."""
         left = [f for f in files if not self.fallback.hashing(checkpoint_id, *f)]
         if left:
-            self.fallback.start(checkpoint_id, left, "a job of one rank does not check its own files")
-        return {"verification": self.mode, "status": status, "peer_rank": 0, "peer_voted": voted, "files": []}
+            self.fallback.start(checkpoint_id, left, "no rank may check it (a job of one rank, or a checker "
+                                                     "that voted without a peer key)")
+        return {"verification": self.mode, "status": status, "peer_rank": peer, "peer_voted": voted, "files": []}
 
     def report(self, checkpoint_id: int, rank: int, peer_rank: int, files: list[dict],
                secret: str | None = None) -> dict:
@@ -230,7 +233,9 @@ class PeerChecks:
             if peer_rank != peer_of(rank, ck.world_size):
                 raise InvalidArgument(f"rank {rank} checks the files of rank {peer_of(rank, ck.world_size)}, "
                                       f"not of rank {peer_rank}")
-            self._require_checker(s, ck, rank, secret)
+            if not self._require_checker(s, ck, rank, secret):
+                raise PermissionDenied(f"rank {rank} voted on checkpoint {ck.id} without a peer key, so no check of "
+                                       f"its is accepted: the service hashes its peer's files itself")
             if ck.status != PENDING:
                 return {"status": ck.status, "verified": [], "mismatched": []}
             ck.lease_expires_at = c.lease_from_now()  # a check is progressing: the checkpoint is alive
