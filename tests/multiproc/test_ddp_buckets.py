@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import FAST, ROOT, ServiceProc
 from tests.multiproc.launch import torchrun, why
 
 STEPS, EVERY, KILL = 14, 4, "1:10"
@@ -72,6 +72,15 @@ def _launch(tmp_path, url: str, run: str, nproc: int, steps: int = STEPS, **env)
     res = torchrun(script, [], nproc=nproc, env={"STEPS": str(steps), **env})
     digests = {(int(r), int(s)): d for r, s, d in re.findall(r"^DIGEST (\d+) (\d+) (\w+)$", res.stdout, re.M)}
     return res.returncode, digests, why(res)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    """A service of the module's own with a 30 s lease: 3 and 4 ranks on two loaded cores may
+    take longer than the shared service's 3 s between a begin and its vote."""
+    svc = ServiceProc(tmp_path_factory.mktemp("ddp-buckets"), {**FAST, "LASTGOOD_LEASE_SECONDS": "30"}).start()
+    yield svc
+    svc.stop()
 
 
 @pytest.mark.slow
