@@ -38,13 +38,15 @@ run: $(SERVICE_STAMP)
 
 # every test, in three passes: the fast subset on two workers (as test-fast); the browser, the
 # bench smoke and the slow tests on two workers (each worker starts its own PostgreSQL and
-# LocalStack, on free ports); then the torchrun tests one at a time (their ranks load both
-# cores). The slowest 30 of each pass close it: where the suite's time goes
+# LocalStack, on free ports); then the torchrun tests on two workers as well, a test file to a
+# worker (--dist loadfile: a file's services start once): most of a torchrun test waits on
+# rendezvous, services and timeouts, and one at a time took twice as long. The slowest 30 of
+# each pass close it: where the suite's time goes
 FAST := not multiproc and not ui and not slow and not bench
 test: $(DEV_STAMP) $(LOCALSTACK_STAMP)
 	$(BIN)/python -m pytest -n 2 -m "$(FAST)"
 	$(BIN)/python -m pytest -n 2 -m "not ($(FAST)) and not multiproc" --durations=30
-	$(BIN)/python -m pytest -m multiproc --durations=30
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m multiproc --durations=30
 
 # the inner loop: everything but torchrun, the browser, the bench smoke and single slow tests
 # (markers in pytest.ini), on two workers (pytest-xdist): they wait on service processes more
