@@ -65,6 +65,7 @@ def _missing(why: str):
 class PostgresServer:
     root: Path
     port: int
+    durable: bool = False  # commits acknowledged only once written out: they survive a crash stop
 
     @property
     def data_dir(self) -> Path:
@@ -103,18 +104,20 @@ class PostgresServer:
     def start(self) -> None:
         """Start the stopped server again on the same port (its clients' URL stays valid)."""
         r = _as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(self.data_dir), "-l", str(self.log),
-                         "-o", _options(self.port, self.root), "-w", "-t", "60", "start")
+                         "-o", _options(self.port, self.root, self.durable), "-w", "-t", "60", "start")
         if r.returncode != 0:
             raise RuntimeError(f"pg_ctl start failed:\n{r.stdout}\n{r.stderr}")
 
 
-def _options(port: int, root: Path) -> str:
+def _options(port: int, root: Path, durable: bool = False) -> str:
+    # test databases: durability against an OS crash is not what is tested (no fsync); a server
+    # a test crash-stops (`durable`) still writes each commit's WAL out before acknowledging it,
+    # as a production server does, so that what the service was told is committed survives
     return (f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c max_connections=300 "
-            # test databases: durability of the test server itself is not what is tested
-            f"-c fsync=off -c synchronous_commit=off -c full_page_writes=off")
+            f"-c fsync=off -c synchronous_commit={'on' if durable else 'off'} -c full_page_writes=off")
 
 
-def _start(root: Path, initdb: bool = True) -> PostgresServer:
+def _start(root: Path, initdb: bool = True, durable: bool = False) -> PostgresServer:
     """`initdb=False`: start on the data directory already in root (bench/catalog.py's kept copy)."""
     data = root / "data"
     r = _as_postgres(str(PG_BIN / "initdb"), "-D", str(data), "-U", PG_USER, "-A", "trust", "-E", "UTF8",
@@ -125,14 +128,14 @@ def _start(root: Path, initdb: bool = True) -> PostgresServer:
     for _ in range(5):  # a free port can be taken by someone else before postgres binds it
         port = _free_port()
         r = _as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(data), "-l", str(root / "postgres.log"),
-                         "-o", _options(port, root), "-w", "-t", "60", "start")
+                         "-o", _options(port, root, durable), "-w", "-t", "60", "start")
         if r.returncode == 0:
-            return PostgresServer(root, port)
+            return PostgresServer(root, port, durable)
         last = f"{r.stdout}\n{r.stderr}\n{(root / 'postgres.log').read_text(errors='replace')[-3000:]}"
     raise RuntimeError(f"pg_ctl start failed:\n{last}")
 
 
-def _own_server():
+def _own_server(durable: bool = False):
     """A server of its own in a fresh temporary directory; yields it, then stops and removes it."""
     if not (PG_BIN / "postgres").exists():
         _missing(f"{PG_BIN / 'postgres'} does not exist")
@@ -149,7 +152,7 @@ def _own_server():
     if os.geteuid() == 0:
         os.chown(root, pw.pw_uid, pw.pw_gid)
     try:
-        server = _start(root)
+        server = _start(root, durable=durable)
     except Exception:
         shutil.rmtree(root, ignore_errors=True)
         raise
@@ -168,7 +171,7 @@ def pg_server():
 @pytest.fixture
 def own_pg_server():
     """A server for one test alone, which it may stop and start (the session's server stays up)."""
-    yield from _own_server()
+    yield from _own_server(durable=True)
 
 
 @pytest.fixture

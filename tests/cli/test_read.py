@@ -14,7 +14,7 @@ from lastgood.cli import cli
 from .conftest import ENV, error_line, lastgood, lastgood_many
 
 COMMANDS = ["runs", "ls", "show", "lineage", "events", "tag", "untag", "pin", "unpin", "gc", "verify", "download", "export",
-            "supervise"]
+            "import-dcp", "supervise"]
 NO_JSON = {"supervise"}  # it runs a job, whose output is on stdout
 
 

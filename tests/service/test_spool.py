@@ -248,7 +248,8 @@ def test_without_a_spool_clients_stream(make_service, run_name):
         ckpt.wait()
     cl = Client(svc.grpc_target)
     try:
-        cid = cl.begin(run_name, step=2).checkpoint_id
+        gen = svc.get(f"/api/v1/runs/{run_name}/launches/current").json()["generation"]  # as its launch
+        cid = cl.begin(run_name, step=2, generation=gen).checkpoint_id
         err = rpc_error(SC.FAILED_PRECONDITION, spooled_put, cl, cid, b"x", "0" * 32 + ".part", "0" * 32)
         assert err.details().startswith("spool:")
     finally:
