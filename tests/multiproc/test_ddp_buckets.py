@@ -12,8 +12,9 @@ import re
 
 import pytest
 
-from tests.conftest import FAST, ROOT, ServiceProc
+from tests.conftest import FAST, ServiceProc
 from tests.multiproc.launch import torchrun, why
+from tests.multiproc.readme import readme_snippet
 
 STEPS, EVERY, KILL = 14, 4, "1:10"
 
@@ -54,15 +55,8 @@ def train_one_step(batch):
 
 
 def snippet(url: str, run: str) -> str:
-    code = re.search(r"## Use it in your training loop\n.*?```python\n(.*?)```", (ROOT / "README.md").read_text(),
-                     re.S).group(1)
-    for pattern, value in ((r'"http://127\.0\.0\.1:8000"', repr(url)), (r'run="gpt-small"', f"run={run!r}"),
-                           (r"step % 100 == 0", f"step % {EVERY} == 0")):
-        code, n = re.subn(pattern, value, code)
-        assert n == 1, f"the README's snippet no longer has {pattern!r} once"
-    lines = code.splitlines()
-    at = next(i for i, line in enumerate(lines) if line.startswith("dist.init_process_group"))
-    return "\n".join(lines[:at + 1] + PRELUDE.splitlines() + lines[at + 1:]) + "\n"
+    return readme_snippet(PRELUDE, {r'"http://127\.0\.0\.1:8000"': repr(url), r'run="gpt-small"': f"run={run!r}",
+                                    r"step % 100 == 0": f"step % {EVERY} == 0"})
 
 
 def _launch(tmp_path, url: str, run: str, nproc: int, steps: int = STEPS, **env) -> tuple[int, dict, str]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import pytest
 
 from lastgood_service.launcher import free_port
 from tests.conftest import ROOT
+from tests.multiproc.readme import readme_snippet
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # two wheels built, a venv, torch installed
 
@@ -44,16 +44,9 @@ def train_one_step(batch):
 '''
 
 
-def readme_snippet(url: str) -> str:
-    text = (ROOT / "README.md").read_text()
-    code = re.search(r"## Use it in your training loop\n.*?```python\n(.*?)```", text, re.S).group(1)
-    code, n = re.subn(r'"http://127\.0\.0\.1:8000"', repr(url), code)
-    assert n == 1, "the README's snippet no longer names the service's URL once"
-    lines = code.splitlines()
-    at = next(i for i, line in enumerate(lines) if line.startswith("dist.init_process_group"))
-    # the placeholders go after the process group starts and before the model is built
-    return "\n".join(lines[:at + 1] + PRELUDE.splitlines() + lines[at + 1:]) + \
-        '\nprint("RESULT", __import__("json").dumps({"start": start, "rank": dist.get_rank()}), flush=True)\n'
+def snippet(url: str) -> str:
+    return readme_snippet(PRELUDE, {r'"http://127\.0\.0\.1:8000"': repr(url)}) + \
+        'print("RESULT", __import__("json").dumps({"start": start, "rank": dist.get_rank()}), flush=True)\n'
 
 
 def pip(env_dir, *args: str) -> None:
@@ -112,7 +105,7 @@ def test_wheels_install_into_a_fresh_environment_and_run_the_readme_snippet(tmp_
         constraints.write_text("torch==2.13.0\ntorchdata==0.11.0\n")
         pip(env_dir, f"{client}[torch,data]", "-c", str(constraints))
         script = tmp_path / "train.py"
-        script.write_text(readme_snippet(url))
+        script.write_text(snippet(url))
         results = []
         for steps in ("120", "230"):  # the second launch resumes from last-good (step 100) and goes on
             job = run(bin_ / "torchrun", "--nproc-per-node=2", f"--master-port={free_port()}", script,

@@ -362,6 +362,11 @@ def export_hf(checkpoint, dest, *, url: str | None = None, token: str | None = N
     byte read does not match the manifest, ExportError for what cannot be exported, and
     leaves no `dest` behind when it raises."""
     opts = Options(dtype, max_shard_size, prefix, name_map, config)
+    return _export(checkpoint, dest, url, token, timeout, opts)
+
+
+def _export(checkpoint, dest, url: str | None, token: str | None, timeout: float, opts: Options) -> dict:
+    """Either export's reference, client and run (export_hf, export_dcp)."""
     try:
         ref = parse_ckpt(str(checkpoint))
     except ValueError as e:
@@ -379,9 +384,4 @@ def export_dcp(checkpoint, dest, *, url: str | None = None, token: str | None = 
     (default: all of them, named `model.<key>`), renamed by `name_map` as for export_hf.
     Needs torch (export/dcp.py); raises as export_hf does."""
     opts = Options(None, DEFAULT_MAX_SHARD_SIZE, prefix, name_map, None, fmt="dcp")
-    try:
-        ref = parse_ckpt(str(checkpoint))
-    except ValueError as e:
-        raise ExportError(str(e)) from None
-    cfg = ClientConfig.resolve(url=url, token=token)
-    return run_export(RestClient(cfg.url or DEFAULT_URL, timeout, cfg.token), ref, Path(dest), opts)
+    return _export(checkpoint, dest, url, token, timeout, opts)
