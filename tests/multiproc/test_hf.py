@@ -1,0 +1,63 @@
+"""Hugging Face Trainer through LastgoodTrainer (#37): a run SIGKILLed mid-epoch and resumed
+through trainer.train(resume_from_checkpoint=...) ends bit-identical to an uninterrupted
+run, and to the stock Trainer's uninterrupted run; nothing is written to output_dir (no
+checkpoint folder, no pickle). One rank: a plain subprocess, no launcher."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from .launch import why
+
+SCRIPT = Path(__file__).parent / "hf_train.py"
+
+
+def _start(args: list[str]) -> subprocess.Popen:
+    import os
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, str(SCRIPT), *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(p: subprocess.Popen, timeout: float = 300) -> subprocess.CompletedProcess:
+    out, _ = p.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, "")
+
+
+@pytest.mark.slow
+def test_a_killed_hf_run_resumes_bit_identical_and_writes_no_pickle(service, run_name, tmp_path):
+    ref, job, native = tmp_path / "ref", tmp_path / "job", tmp_path / "native"
+    # independent: the uninterrupted run, the one killed after step 10 (saved 3, 6, 9), the stock Trainer's
+    runs = [_start([service.url, f"{run_name}-ref", str(ref)]),
+            _start([service.url, run_name, str(job), "--kill-at", "10"]),
+            _start([service.url, "unused", str(native), "--native"])]
+    done, killed, stock = (_finish(p) for p in runs)
+    assert done.returncode == 0 and stock.returncode == 0, why(done) + why(stock)
+    assert killed.returncode != 0 and "done at step" not in killed.stdout, why(killed)
+    resumed = _finish(_start([service.url, run_name, str(job)]))
+    assert resumed.returncode == 0, why(resumed)
+    assert "resume from last-good" in resumed.stdout and "done at step 12" in resumed.stdout, why(resumed)
+
+    want, got = load_file(str(ref / "final.safetensors")), load_file(str(job / "final.safetensors"))
+    assert want.keys() == got.keys() and any(k.startswith("opt.") for k in want), sorted(want)
+    assert not [k for k in want if not want[k].equal(got[k])], "not bit-identical"
+    theirs = load_file(str(native / "final.safetensors"))  # the stock Trainer trains the same
+    assert not [k for k in want if not want[k].equal(theirs[k])], "differs from the stock Trainer"
+
+    # resumed from step 9 (mid-epoch 2: the Trainer skips the trained batches), then saved 12
+    listing = service.get(f"/api/v1/runs/{run_name}/checkpoints", params={"limit": 100}).json()["items"]
+    assert sorted(c["step"] for c in listing if c["status"] == "COMMITTED") == [3, 6, 9, 12], listing
+    lg = service.get(f"/api/v1/runs/{run_name}/last-good").json()
+    assert lg["step"] == 12 and lg["parent_id"] is not None
+    # the Trainer's output_dir: nothing at all (no checkpoint-N, optimizer.pt, rng_state.pth,
+    # training_args.bin); the control: the stock Trainer writes its pickles there
+    written = [p for d in (ref, job) for p in (d / "hf").rglob("*") if p.is_file()]
+    assert written == [], written
+    pickles = {p.name for p in (native / "hf").rglob("*") if p.suffix in (".pt", ".pth", ".bin")}
+    assert {"optimizer.pt", "rng_state.pth", "training_args.bin"} <= pickles, pickles
