@@ -13,7 +13,7 @@ How it fits the Trainer (docs/integrations/hf.md):
   scaler's) state dicts and the TrainerState (JSON) as one checkpoint of the run, with the
   RNG states TrainState captures (Python, NumPy, torch CPU and CUDA). Nothing is written
   to `output_dir`: no checkpoint-N folder, no optimizer.pt, rng_state.pth or
-  training_args.bin. The save returns once the state is snapshotted; the upload goes on in
+  training_args.bin; `save_model()` writes safetensors and JSON only. The save returns once the state is snapshotted; the upload goes on in
   the background, and `train()` returns once the last save committed.
 - `train(resume_from_checkpoint=ref)`: `ref` is "last-good" (or True), a tag of the run or
   a checkpoint id. The checkpoint is read once, before training; the Trainer's own resume
@@ -34,6 +34,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
+
+import numpy as np
+import torch
 from lastgood.errors import LastgoodError
 from lastgood.integrations.common import Held, resolve, resume_reference
 from lastgood.remote.config import ClientConfig
@@ -43,15 +47,19 @@ from lastgood.state.trainstate import TrainState
 from lastgood.trainer.checkpointer import Checkpointer
 from lastgood.wire.names import LAST_GOOD_TAG
 
+from safetensors.torch import save_file
+
 try:
-    from transformers import Trainer
+    from transformers import PreTrainedModel, Trainer
     from transformers.trainer_callback import ExportableState, TrainerState
     from transformers.trainer_utils import compare_trainer_and_checkpoint_args
+    from transformers.utils import SAFE_WEIGHTS_NAME
 except ModuleNotFoundError as e:
     raise ModuleNotFoundError("lastgood.integrations.hf needs transformers: pip install transformers",
                               name="transformers") from e
 
 COMPONENT = "hf_trainer"  # the TrainState component that holds the Trainer's checkpoint dict
+TRAINING_ARGS_JSON = "training_args.json"  # save_model()'s training arguments (the Trainer's own: a pickle)
 
 
 class LastgoodTrainerMixin:
@@ -74,6 +82,8 @@ class LastgoodTrainerMixin:
         self._lg_ref: str | None = None   # the reference train() resumes from
         self._lg_held: dict | None = None  # the checkpoint read for it, applied piece by piece
         self._lg_rng: dict | None = None
+        self._lg_collated: dict | None = None  # the CPU RNGs before the latest collation (_Collate)
+        self._lg_before_collate: dict | None = None  # the resume's: for the first collation
         super().__init__(*args, **kwargs)
         if self.args.load_best_model_at_end:
             raise LastgoodError("load_best_model_at_end reads the best checkpoint's folder, which a lastgood "
@@ -113,6 +123,8 @@ class LastgoodTrainerMixin:
             return
         held = {"model": self.accelerator.unwrap_model(self.model).state_dict(),
                 "trainer_state": dataclasses.asdict(self.state)}
+        if self._lg_collated is not None:
+            held["rng_before_collate"] = self._lg_collated
         if not self.args.save_only_model:
             held["optimizer"] = self.optimizer.state_dict()
             held["lr_scheduler"] = self.lr_scheduler.state_dict()
@@ -146,7 +158,7 @@ class LastgoodTrainerMixin:
             self.close_checkpointer()
             return out
         finally:
-            self._lg_ref = self._lg_held = self._lg_rng = None
+            self._lg_ref = self._lg_held = self._lg_rng = self._lg_before_collate = None
 
     def _lg_read(self, ref: str) -> None:
         ckpt = self.checkpointer
@@ -156,6 +168,7 @@ class LastgoodTrainerMixin:
                                 "resume_from_checkpoint=trainer.resume(), which is None on a new run)")
         self._lg_held = held.checkpoint
         self._lg_rng = rng.capture()  # restore() set the saved RNG states: kept for _load_rng_state
+        self._lg_before_collate = self._lg_held.get("rng_before_collate")
         saved = self._lg_held["trainer_state"]
         if self.args.auto_find_batch_size and saved.get("train_batch_size") is not None:
             self._train_batch_size = saved["train_batch_size"]
@@ -203,8 +216,85 @@ class LastgoodTrainerMixin:
             self.accelerator.scaler.load_state_dict(self._lg_held["scaler"])
 
     def _load_rng_state(self, checkpoint) -> None:
+        """At an epoch's start the Trainer restores the RNGs before the loader's iterator
+        is made, as the uninterrupted run drew from them. Mid-epoch it restores them after
+        fetching the next batches; `_Collate` restored them already, at the right draw."""
+        self._lg_before_collate = None
+        self._lg_restore_rng()
+
+    def _lg_restore_rng(self) -> None:
         if self._lg_rng is not None:
-            rng.restore(self._lg_rng)
+            state, self._lg_rng = self._lg_rng, None
+            rng.restore(state)
+
+    def get_train_dataloader(self):
+        loader = super().get_train_dataloader()
+        if self.args.dataloader_num_workers == 0:  # the collator runs here, drawing from this process's RNGs
+            base = getattr(loader, "base_dataloader", loader)  # accelerate's DataLoaderShard holds the DataLoader
+            base.collate_fn = _Collate(base.collate_fn, self)
+        return loader
+
+    # ------------------------------------------------------------------ save_model
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """`save_model()`: the model through `save_pretrained` (safetensors and its config),
+        the processing class, and the training arguments as training_args.json (the
+        Trainer's own pickles them into training_args.bin)."""
+        if getattr(self, "is_distributed_loading_by_transformers", False):
+            raise LastgoodError("save_model() of a model sharded at load time is not supported by the lastgood "
+                                "Trainer")
+        if not self.args.should_save:
+            return
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        os.makedirs(output_dir, exist_ok=True)
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if isinstance(model, PreTrainedModel):
+            model.save_pretrained(output_dir, state_dict=state_dict, is_main_process=True)
+        else:
+            save_file(state_dict if state_dict is not None else model.state_dict(),
+                      os.path.join(output_dir, SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        with open(os.path.join(output_dir, TRAINING_ARGS_JSON), "w", encoding="utf-8") as f:
+            f.write(self.args.to_json_string())
+
+
+def _cpu_rng() -> dict:
+    """The RNGs a collator draws from (Python, NumPy, torch CPU), in the codec's types."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(internal), gauss], "torch": torch.get_rng_state(),
+            "numpy": [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]}
+
+
+def _set_cpu_rng(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+
+
+class _Collate:
+    """The train loader's collator, recording the RNGs before each collation. Accelerate's
+    loader fetches one batch ahead, so at a save mid-epoch the next batch is collated
+    already, from RNG states older than the saved ones. A resumed run collates that batch
+    from the states recorded before it, then continues from the saved ones: a collator
+    that masks or augments draws as in the uninterrupted run (the Trainer's own resume
+    collates it from a fresh process's states)."""
+
+    def __init__(self, inner, trainer: "LastgoodTrainerMixin") -> None:
+        self.inner, self.trainer = inner, trainer
+
+    def __call__(self, rows):
+        t = self.trainer
+        pending, t._lg_before_collate = t._lg_before_collate, None
+        if pending is not None:
+            _set_cpu_rng(pending)
+        t._lg_collated = _cpu_rng()
+        batch = self.inner(rows)
+        if pending is not None:
+            t._lg_restore_rng()  # the saved states: drawn from after this collation, as in the uninterrupted run
+        return batch
 
 
 class LastgoodTrainer(LastgoodTrainerMixin, Trainer):
