@@ -62,7 +62,8 @@ def main() -> None:
     p.add_argument("--noisy", action="store_true", help="a collator that draws from the global RNG")
     a = p.parse_args()
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16))
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                       bos_token_id=0, eos_token_id=0))
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 64, (32, 16), generator=g)
     data = [{"input_ids": row, "labels": row} for row in ids]  # 8 steps an epoch

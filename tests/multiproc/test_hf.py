@@ -65,3 +65,30 @@ def test_a_killed_hf_run_resumes_bit_identical_and_writes_no_pickle(service, run
                            "final/training_args.json"], written
     pickles = {p.name for p in (native / "hf").rglob("*") if p.suffix in (".pt", ".pth", ".bin")}
     assert {"optimizer.pt", "rng_state.pth", "training_args.bin"} <= pickles, pickles
+
+
+@pytest.mark.slow  # two transformers processes
+def test_the_hf_example_runs_as_shown_and_resumes(service, tmp_path):
+    """docs/integrations/hf.md's program as printed; then again with more steps, resuming
+    from the run's last-good."""
+    import os
+
+    from tests.client.test_doc_examples import marked_blocks
+
+    blocks = marked_blocks("docs/integrations/hf.md")
+    assert len(blocks) == 1 and "max_steps=20" in blocks[0] and "resume_from_checkpoint=resume" in blocks[0]
+    env = {**os.environ, "LASTGOOD_URL": service.url, "OMP_NUM_THREADS": "1"}
+    env.pop("LASTGOOD_RUN", None)
+    outs = []
+    for i, text in enumerate([blocks[0], blocks[0].replace("max_steps=20", "max_steps=30")]):
+        script = tmp_path / f"hf_example_{i}.py"
+        script.write_text(text + "\n")
+        res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path,
+                             timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        outs.append(res.stdout)
+    assert "resumed from None; trained to step 20" in outs[0], outs[0]
+    assert "resumed from last-good; trained to step 30" in outs[1], outs[1]
+    assert service.get("/api/v1/runs/hf-demo/last-good").json()["step"] == 30
+    written = sorted(p.name for p in (tmp_path / "hf-out").rglob("*") if p.is_file())
+    assert written == ["config.json", "generation_config.json", "model.safetensors", "training_args.json"], written

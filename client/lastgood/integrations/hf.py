@@ -65,7 +65,7 @@ TRAINING_ARGS_JSON = "training_args.json"  # save_model()'s training arguments (
 class LastgoodTrainerMixin:
     """Put before a `transformers.Trainer` class. Keyword arguments: `lastgood_url`,
     `lastgood_run` (else LASTGOOD_URL / LASTGOOD_RUN) and `lastgood_options`, a dict for the
-    Checkpointer (e.g. `{"retention": "latest:3,last-good"}`, `{"token": ...}`)."""
+    Checkpointer (e.g. `{"retention": "latest:3,last-good,branch-heads"}`, `{"token": ...}`)."""
 
     def __init__(self, *args, lastgood_url: str | None = None, lastgood_run: str | None = None,
                  lastgood_options: dict | None = None, **kwargs) -> None:
