@@ -1,7 +1,8 @@
 """Hugging Face Trainer through LastgoodTrainer (#37): a run SIGKILLed mid-epoch and resumed
 through trainer.train(resume_from_checkpoint=...) ends bit-identical to an uninterrupted
-run, and to the stock Trainer's uninterrupted run; nothing is written to output_dir (no
-checkpoint folder, no pickle). One rank: a plain subprocess, no launcher."""
+run, and to the stock Trainer's uninterrupted run, where the stock Trainer's own resume
+does not (its collator draws from the global RNG); nothing but save_model()'s safetensors
+and JSON is written to output_dir. One rank: a plain subprocess, no launcher."""
 
 from __future__ import annotations
 
@@ -32,25 +33,32 @@ def _finish(p: subprocess.Popen, timeout: float = 300) -> subprocess.CompletedPr
 
 @pytest.mark.slow
 def test_a_killed_hf_run_resumes_bit_identical_and_writes_no_pickle(service, run_name, tmp_path):
-    ref, job, native = tmp_path / "ref", tmp_path / "job", tmp_path / "native"
-    # independent: the uninterrupted run, the one killed after step 10 (saved 3, 6, 9), the stock Trainer's
-    # a collator that draws from the global RNG: the Trainer's own mid-epoch resume collates the
-    # first batch from other draws (measured: max diff 1.2e-2 on these weights), this one does not
+    ref, job, native, native_job = tmp_path / "ref", tmp_path / "job", tmp_path / "native", tmp_path / "native-job"
+    # a collator that draws from the global RNG; independent runs, together: the uninterrupted run,
+    # the one killed after step 10 (saved 3, 6, 9), the stock Trainer's uninterrupted and killed ones
     runs = [_start([service.url, f"{run_name}-ref", str(ref), "--noisy"]),
             _start([service.url, run_name, str(job), "--noisy", "--kill-at", "10"]),
-            _start([service.url, "unused", str(native), "--noisy", "--native"])]
-    done, killed, stock = (_finish(p) for p in runs)
+            _start([service.url, "unused", str(native), "--noisy", "--native"]),
+            _start([service.url, "unused", str(native_job), "--noisy", "--native", "--kill-at", "10"])]
+    done, killed, stock, stock_killed = (_finish(p) for p in runs)
     assert done.returncode == 0 and stock.returncode == 0, why(done) + why(stock)
     assert killed.returncode != 0 and "done at step" not in killed.stdout, why(killed)
-    resumed = _finish(_start([service.url, run_name, str(job), "--noisy"]))
-    assert resumed.returncode == 0, why(resumed)
+    assert stock_killed.returncode != 0, why(stock_killed)
+    resumes = [_start([service.url, run_name, str(job), "--noisy"]),
+               _start([service.url, "unused", str(native_job), "--noisy", "--native"])]
+    resumed, stock_resumed = (_finish(p) for p in resumes)
+    assert resumed.returncode == 0 and stock_resumed.returncode == 0, why(resumed) + why(stock_resumed)
     assert "resume from last-good" in resumed.stdout and "done at step 12" in resumed.stdout, why(resumed)
+    assert "checkpoint-9" in stock_resumed.stdout, why(stock_resumed)
 
     want, got = load_file(str(ref / "final.safetensors")), load_file(str(job / "final.safetensors"))
     assert want.keys() == got.keys() and any(k.startswith("opt.") for k in want), sorted(want)
     assert not [k for k in want if not want[k].equal(got[k])], "not bit-identical"
     theirs = load_file(str(native / "final.safetensors"))  # the stock Trainer trains the same
     assert not [k for k in want if not want[k].equal(theirs[k])], "differs from the stock Trainer"
+    # the control: the stock Trainer's own resume collates the batch it fetched ahead from other draws
+    theirs_resumed = load_file(str(native_job / "final.safetensors"))
+    assert [k for k in want if not want[k].equal(theirs_resumed[k])], "the stock resume is bit-identical here"
 
     # resumed from step 9 (mid-epoch 2: the Trainer skips the trained batches), then saved 12
     listing = service.get(f"/api/v1/runs/{run_name}/checkpoints", params={"limit": 100}).json()["items"]

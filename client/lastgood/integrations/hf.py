@@ -33,6 +33,7 @@ Importing this module imports transformers; the rest of the client never does.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import random
 
@@ -57,6 +58,8 @@ try:
 except ModuleNotFoundError as e:
     raise ModuleNotFoundError("lastgood.integrations.hf needs transformers: pip install transformers",
                               name="transformers") from e
+
+log = logging.getLogger("lastgood")
 
 COMPONENT = "hf_trainer"  # the TrainState component that holds the Trainer's checkpoint dict
 TRAINING_ARGS_JSON = "training_args.json"  # save_model()'s training arguments (the Trainer's own: a pickle)
@@ -155,10 +158,16 @@ class LastgoodTrainerMixin:
             # apply the checkpoint read here (see _inner_training_loop)
             out = super().train(resume_from_checkpoint=None, trial=trial, ignore_keys_for_eval=ignore_keys_for_eval,
                                 **kwargs)
-            self.close_checkpointer()
-            return out
+        except BaseException:
+            try:  # training failed: the saves so far still commit, and the run is free for another Checkpointer
+                self.close_checkpointer()
+            except Exception as e:  # noqa: BLE001 - the training's own error is the one raised
+                log.error("lastgood: closing the Trainer's Checkpointer after a failed train(): %s", e)
+            raise
         finally:
             self._lg_ref = self._lg_held = self._lg_rng = self._lg_before_collate = None
+        self.close_checkpointer()  # returns once the last save committed (SaveFailed if it did not)
+        return out
 
     def _lg_read(self, ref: str) -> None:
         ckpt = self.checkpointer
