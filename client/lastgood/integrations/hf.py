@@ -13,14 +13,17 @@ How it fits the Trainer (docs/integrations/hf.md):
   scaler's) state dicts and the TrainerState (JSON) as one checkpoint of the run, with the
   RNG states TrainState captures (Python, NumPy, torch CPU and CUDA). Nothing is written
   to `output_dir`: no checkpoint-N folder, no optimizer.pt, rng_state.pth or
-  training_args.bin; `save_model()` writes safetensors and JSON only. The save returns once the state is snapshotted; the upload goes on in
-  the background, and `train()` returns once the last save committed.
+  training_args.bin; `save_model()` writes safetensors and JSON only. The save returns
+  once the state is snapshotted; the upload goes on in the background, and `train()`
+  returns once the last save committed.
 - `train(resume_from_checkpoint=ref)`: `ref` is "last-good" (or True), a tag of the run or
   a checkpoint id. The checkpoint is read once, before training; the Trainer's own resume
   path then applies it piece by piece, where it would read its files: the weights before
   the model is prepared, the TrainerState (and stateful callbacks) in
-  `_init_training_state`, the optimizer and scheduler once created, the RNG states at the
-  point the Trainer restores its own (after skipping the trained batches).
+  `_init_training_state`, the optimizer and scheduler once created, the RNG states where
+  the uninterrupted run drew from them: mid-epoch, the batch Accelerate's loader had
+  fetched ahead is collated from the states recorded before it (`_Collate`), then the
+  saved ones are restored (the Trainer's own resume collates it from a fresh process's).
 - The Checkpointer is solo (trainer/checkpointer.py): the Trainer's state is the same on
   every rank under DDP, so global rank 0 saves it as a world of one and every rank restores
   it; no call is collective.
@@ -205,7 +208,8 @@ class LastgoodTrainerMixin:
         epochs_trained = int(self.state.global_step // num_update_steps_per_epoch)
         steps_in_epoch = 0
         if not self.args.ignore_data_skip:
-            steps_in_epoch = (self.state.global_step % num_update_steps_per_epoch) * self.args.gradient_accumulation_steps
+            steps_in_epoch = self.state.global_step % num_update_steps_per_epoch
+            steps_in_epoch *= self.args.gradient_accumulation_steps
         self.state.init_training_references(self, max_steps, num_train_epochs, trial)
         return epochs_trained, steps_in_epoch
 
@@ -238,7 +242,10 @@ class LastgoodTrainerMixin:
 
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
-        if self.args.dataloader_num_workers == 0:  # the collator runs here, drawing from this process's RNGs
+        # the collator runs here, drawing from this process's RNGs, and a resume skips batches
+        # without collating them (an IterableDataset's are collated: the Trainer's own order then)
+        iterable = isinstance(self.train_dataset, torch.utils.data.IterableDataset)
+        if self.args.dataloader_num_workers == 0 and not iterable:
             base = getattr(loader, "base_dataloader", loader)  # accelerate's DataLoaderShard holds the DataLoader
             base.collate_fn = _Collate(base.collate_fn, self)
         return loader
