@@ -41,9 +41,8 @@ import sys
 from typing import Any
 
 from lastgood.errors import LastgoodError, PermissionDenied, ServiceError
-from lastgood.remote import reading
+from lastgood.integrations.common import Held, resolve, resume_reference
 from lastgood.remote.config import ClientConfig
-from lastgood.remote.rest import RestClient
 from lastgood.state import distributed
 from lastgood.state.codec import UnsupportedValue
 from lastgood.state.trainstate import TrainState
@@ -118,19 +117,6 @@ def _member(where: str, name: str, fallback: Any) -> Any:
     return fallback
 
 
-class _Held:
-    """Lightning's checkpoint dict as one TrainState component."""
-
-    def __init__(self, checkpoint: dict | None = None) -> None:
-        self.checkpoint = checkpoint
-
-    def state_dict(self) -> dict | None:
-        return self.checkpoint
-
-    def load_state_dict(self, state: dict) -> None:
-        self.checkpoint = state
-
-
 # ---------------------------------------------------------------------- pointers
 def _write_pointer(path, doc: dict) -> None:
     path = os.fspath(path)
@@ -189,15 +175,14 @@ class LastgoodCheckpointIO(CheckpointIO):
         `trainer.fit(model, ckpt_path=io.resume())` in a script that starts and resumes alike.
         Asks the service only (callable before the process group is up); every rank gets the
         same answer unless a commit lands between their asks (call it before fit, as here)."""
-        rest = RestClient(self.url, token=self.config.token, retry=self.config.retry)
-        return LAST_GOOD_TAG if rest.last_good(self.run) is not None else None
+        return resume_reference(self.config, self.run)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("LastgoodCheckpointIO.save_checkpoint takes no storage_options")
         ckpt = self.checkpointer
         try:
-            state = TrainState(**{COMPONENT: _Held(storable(checkpoint))})
+            state = TrainState(**{COMPONENT: Held(storable(checkpoint))})
             ckpt.save(int(checkpoint.get("global_step", 0)), state)
         except UnsupportedValue as e:
             raise LastgoodError(f"cannot save Lightning's checkpoint: {e}. Keep such values as JSON, tensors, "
@@ -217,7 +202,7 @@ class LastgoodCheckpointIO(CheckpointIO):
         applied; Lightning moves the state onto the model). Nothing is unpickled, so
         `weights_only` changes nothing."""
         ckpt = self.checkpointer
-        held = _Held()
+        held = Held()
         cid = self._resolve(path, ckpt)
         if ckpt.restore(TrainState(**{COMPONENT: held}), checkpoint_id=cid) is None:
             raise LastgoodError(f"run {self.run!r} has no checkpoint to resume from (pass ckpt_path=io.resume(), "
@@ -232,11 +217,7 @@ class LastgoodCheckpointIO(CheckpointIO):
                 raise LastgoodError(f"{text} points to a checkpoint of run {doc['run']!r}; this plugin's run "
                                     f"is {self.run!r}")
             return doc["checkpoint_id"]
-        if text == LAST_GOOD_TAG:
-            return None
-        if text.isdigit():
-            return int(text)
-        return reading.resolve(ckpt.transport, reading.CkptRef(run=self.run, tag=text))
+        return resolve(text, ckpt)
 
     def remove_checkpoint(self, path) -> None:
         """ModelCheckpoint drops a checkpoint: unpin it, delete the pointer."""
