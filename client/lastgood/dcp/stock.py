@@ -5,9 +5,9 @@ pickles, and imported into a run.
     import_dcp("ckpt/step-1000", url=url, run="gpt", step=1000)   # lastgood import-dcp DIR ...
 
 DCP's `.metadata` is a pickle (`pickle.dump` of its `Metadata`), and stock
-`FileSystemReader.read_metadata` reads it with `pickle.load`, which runs whatever the file
+`FileSystemReader.read_metadata` reads it with the `pickle` module's own loader, which runs whatever the file
 asks. Here it is read only through torch's weights-only unpickler
-(`torch._weights_only_unpickler`, what `torch.load(weights_only=True)` uses) with DCP's
+(`torch._weights_only_unpickler`, what torch's weights-only load uses) with DCP's
 metadata classes, and nothing else, allow-listed (`torch.serialization.safe_globals`): a
 global outside that list is refused before anything is called, and no module is imported
 to look it up. That unpickler reads pickle protocol 2; DCP writes protocol 4, so the
@@ -17,9 +17,9 @@ STACK_GLOBAL made GLOBAL from the two strings it names. A file that needs anythi
 is refused.
 
 The tensors come through `FileSystemReader.read_data`, which loads each with
-`torch.load(weights_only=True)`; non-tensor values (DCP's default planner `torch.save`s
+torch's weights-only load; non-tensor values (DCP's default planner `torch.save`s
 them) through `StockLoadPlanner.load_bytes`, with `weights_only=True` as well (DCP's own
-default planner loads them with `weights_only=False`).
+default planner loads them without that restriction).
 
 The import loads the whole state into memory (every tensor at its full size, on the CPU),
 then saves it as one `dcp.save` through `lastgood.dcp.StorageWriter` (one rank, the
@@ -178,7 +178,7 @@ def _check_where(path: Path, where) -> None:
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """Stock `FileSystemReader`, its `.metadata` read by read_metadata, never `pickle.load`."""
+    """Stock `FileSystemReader`, its `.metadata` read by read_metadata, never by `pickle` itself."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         if kwargs.get("rank") is not None:
