@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from lastgood.errors import LastgoodError
 from lastgood.integrations.common import Held, resolve, resume_reference
-from lastgood.remote.config import ClientConfig
+from lastgood.remote.config import ENV_URL, ClientConfig
 from lastgood.state import distributed, rng
 from lastgood.state.codec import UnsupportedValue
 from lastgood.state.trainstate import TrainState
@@ -81,7 +81,7 @@ class LastgoodTrainerMixin:
                 raise TypeError(f"lastgood_options may not set {reserved}= (the Trainer sets it)")
         self.lastgood_config = ClientConfig.resolve(url=lastgood_url, run=lastgood_run, token=options.get("token"))
         if not self.lastgood_config.url:
-            raise LastgoodError("no lastgood service URL: pass lastgood_url= or set LASTGOOD_URL")
+            raise LastgoodError(f"no lastgood service URL: pass lastgood_url= or set {ENV_URL}")
         self.lastgood_run = distributed.run_name(self.lastgood_config.run, self.lastgood_config.new_run)
         self._lg_options = options
         self._lg_ckpt: Checkpointer | None = None
