@@ -44,9 +44,14 @@ def _differing(want: list[dict], got: list[dict]) -> list[str]:
 def test_a_killed_accelerate_run_resumes_bit_identical(service, run_name, tmp_path, nproc):
     ref, job = tmp_path / "ref", tmp_path / "job"
     # independent: the uninterrupted run and the one killed after batch 14 (saved 4, 8, 12)
+    # and on 1 rank the stock Accelerator killed there too, resumed from its own folder
+    native = tmp_path / "native"
     whole, first = (_start(nproc, [service.url, f"{run_name}-ref", str(ref)]),
                     _start(nproc, [service.url, run_name, str(job), "--kill-at", "14"]))
+    stock = _start(1, [service.url, "unused", str(native), "--native", "--kill-at", "14"]) if nproc == 1 else None
     done, killed = _finish(whole), _finish(first)
+    if stock is not None:
+        stock = _start(1, [service.url, "unused", str(native), "--native"]) if _finish(stock).returncode else None
     assert done.returncode == 0, why(done)
     assert killed.returncode != 0 and "done at batch" not in killed.stdout, why(killed)
     resumed = _finish(_start(nproc, [service.url, run_name, str(job)]))
@@ -57,6 +62,17 @@ def test_a_killed_accelerate_run_resumes_bit_identical(service, run_name, tmp_pa
     want, got = _final(ref, nproc), _final(job, nproc)
     assert any(k.startswith("opt.") for k in want[0]) and want[0]["losses"].numel() == 20, sorted(want[0])
     assert not _differing(want, got), "not bit-identical"
+    if stock is not None:  # the control: Accelerate's own resume from its folder of pickles
+        stock_resumed = _finish(stock)
+        assert stock_resumed.returncode == 0 and "resume from " + str(native / "native" / "12") in stock_resumed.stdout, \
+            why(stock_resumed)
+        assert {"optimizer.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl"} <= \
+            {p.name for p in (native / "native" / "12").iterdir()}
+        theirs = _final(native, 1)
+        differ = _differing(want, theirs)
+        gap = max((want[0][k] - theirs[0][k]).abs().max().item() for k in want[0])
+        print(f"stock Accelerate resume vs uninterrupted: {len(differ)} tensors differ, max abs diff {gap:.3g}")
+        assert differ, "the stock resume is bit-identical here"
     if nproc > 1:  # DDP: the same weights everywhere, each rank's own dropout masks (its own RNG states)
         assert want[0]["model.0.weight"].equal(want[1]["model.0.weight"])
         assert not want[0]["losses"].equal(want[1]["losses"])
