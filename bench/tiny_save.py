@@ -13,6 +13,10 @@ One 64x64 Linear with its AdamW state (~50 KiB), saved A B C A B C ... `--reps` 
                  fsync'd, their directory fsync'd, and one SQLite commit (WAL, synchronous=FULL,
                  as the service's catalog), nothing else
 
+Where the time goes: every service call each lastgood case makes is timed (`calls`: per
+save, how many of each and the median milliseconds of one; the rest of a save is the
+client's own work: snapshot, hashing, the upload thread's hand-off).
+
 Prints medians and the rep-by-rep ratios to DCP; writes bench/results/tiny_save.json. The
 service runs as its own process on this host (bench.common.Service), so its spool and blob
 store are on the disk /tmp is on, as DCP's directory is.
@@ -83,6 +87,36 @@ class Floor:
         return time.perf_counter() - t0
 
 
+CALLS = ("last_good", "begin", "spool_write", "put_followed", "put_shard", "commit_rank", "outcome", "checkpoint",
+         "pending", "manifest")
+
+
+class Calls:
+    """Times every service call of one transport (its instance's methods, wrapped): per case,
+    the calls of the reps measured (`on`), not of the warm-up."""
+
+    def __init__(self) -> None:
+        self.case: str | None = None
+        self.seen: dict[str, dict[str, list[float]]] = {}
+
+    def watch(self, transport, case: str) -> None:
+        for name in CALLS:
+            real = getattr(transport, name)
+
+            def timed_call(*a, _real=real, _name=name, **k):
+                t0 = time.perf_counter()
+                try:
+                    return _real(*a, **k)
+                finally:
+                    if self.case == case:
+                        self.seen.setdefault(case, {}).setdefault(_name, []).append(time.perf_counter() - t0)
+            setattr(transport, name, timed_call)
+
+    def summary(self, case: str, saves: int) -> dict:
+        return {name: {"per_save": len(xs) / saves, "median_ms": statistics.median(xs) * 1e3}
+                for name, xs in sorted(self.seen.get(case, {}).items())}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.tiny_save", description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=30)
@@ -105,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     dcp_run = f"{run}-dcp"
     writer = lgdcp.StorageWriter(svc.url, run=dcp_run)
     floor = Floor(work, nbytes)
+    calls = Calls()
+    calls.watch(ckpt.transport, "checkpointer")
+    calls.watch(writer.transport, "lastgood_dcp")
     step = [0]
 
     def sd():
@@ -140,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
             cases[c]()
         for i in range(args.reps):
             for c in order_of(list(CASES), i):
+                calls.case = c
                 times[c].append(cases[c]())
+                calls.case = None
             if i % 10 == 9 or i == args.reps - 1:
                 print(f"rep {i + 1}: " + ", ".join(f"{c} {times[c][-1] * 1e3:.1f} ms" for c in CASES), flush=True)
     finally:
@@ -160,12 +199,16 @@ def main(argv: list[str] | None = None) -> int:
             entry["vs_dcp_reps"] = [x / d for x, d in zip(xs, times["dcp"])]
             entry["vs_dcp"] = statistics.median(xs) / statistics.median(times["dcp"])
             entry["vs_dcp_median_of_reps"] = statistics.median(entry["vs_dcp_reps"])
+        if c in ("checkpointer", "lastgood_dcp"):
+            entry["calls"] = calls.summary(c, len(xs))
         if c != "floor":
             entry["vs_floor"] = statistics.median(xs) / statistics.median(times["floor"])
         out["cases"][c] = entry
         print(f"{c:>13}: median {entry['median_ms']:.1f} ms"
               + (f", {entry['vs_dcp']:.2f}x DCP" if "vs_dcp" in entry else "")
               + (f", {entry['vs_floor']:.2f}x the floor" if "vs_floor" in entry else ""))
+        for name, cl in entry.get("calls", {}).items():
+            print(f"{'':>15}{name}: {cl['per_save']:.1f} a save, {cl['median_ms']:.1f} ms")
     write_results(args.out, args.name, out)
     return 0
 

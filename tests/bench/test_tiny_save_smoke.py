@@ -22,3 +22,5 @@ def test_tiny_save_smoke_runs_every_case(tmp_path):
         assert len(c["ms"]) == 3 and all(x > 0 for x in c["ms"]), name
         if name != "dcp":
             assert len(c["vs_dcp_reps"]) == 3 and c["vs_dcp"] > 0, name
+        if name in ("checkpointer", "lastgood_dcp"):  # where the time goes: every save begins and votes
+            assert c["calls"]["begin"]["per_save"] == 1 and c["calls"]["commit_rank"]["per_save"] == 1, name
