@@ -195,3 +195,35 @@ def test_the_token_bucket_allows_its_rate_and_one_burst():
     assert slept == [pytest.approx(1.0)]
     with pytest.raises(ValueError):
         TokenBucket(0)
+
+
+def test_a_byte_flipped_in_a_replica_is_detected_and_the_other_copy_read(two_nodes):
+    from lastgood.datapath.agents import AgentClient, AgentRefused, read_verified
+    from lastgood.errors import CorruptCheckpoint
+
+    a, b = two_nodes
+    data = os.urandom(1 << 20)
+    own = AgentClient(a.address)
+    d = Path(own.reserve("r", 5, 1, len(data)))
+    (d / "w.lgs").write_bytes(data)
+    [held] = own.ready("r", 5, 1, ["w.lgs"])
+    assert held["xxh3_128"] == hash_bytes(data)
+    _wait(lambda: [s for s in b.status()["segments"] if s["files"]])
+    # a byte flipped in the partner's shared memory, after it hashed its copy
+    replica = b.root / "r" / "5" / "1" / "w.lgs"
+    with open(replica, "r+b") as f:
+        f.seek(12345)
+        c = f.read(1)
+        f.seek(12345)
+        f.write(bytes([c[0] ^ 0x01]))
+    got, source = read_verified([b.address, a.address], "r", 5, 1, "w.lgs", len(data), hash_bytes(data))
+    assert got == data and source == a.address                  # the damaged copy was skipped
+    # control: with only the damaged copy, nothing wrong is returned
+    with pytest.raises(CorruptCheckpoint, match="not the manifest"):
+        read_verified([b.address], "r", 5, 1, "w.lgs", len(data), hash_bytes(data))
+    (a.root / "r" / "5" / "1" / "w.lgs").unlink()                # the own copy lost as well
+    with pytest.raises(CorruptCheckpoint, match="no good copy"):
+        read_verified([a.address, b.address], "r", 5, 1, "w.lgs", len(data), hash_bytes(data))
+    with pytest.raises(AgentRefused) as e:
+        own.reserve("../r", 6, 1, 10)
+    assert e.value.status == 400

@@ -173,7 +173,10 @@ class Segments:
 
     def open(self, run: str, checkpoint_id: int, rank: int, name: str):
         self.digest(run, checkpoint_id, rank, name)
-        return open(self.path(run, checkpoint_id, rank, name), "rb")
+        try:
+            return open(self.path(run, checkpoint_id, rank, name), "rb")
+        except FileNotFoundError:
+            raise SegmentMissing(f"{run}/{checkpoint_id}/{rank}/{name} is gone from the segment") from None
 
     def listing(self) -> list[dict]:
         with self._lock:
