@@ -14,8 +14,8 @@ from lastgood.cli import cli
 from .conftest import ENV, error_line, lastgood, lastgood_many
 
 COMMANDS = ["runs", "ls", "show", "lineage", "events", "tag", "untag", "pin", "unpin", "gc", "verify", "download", "export",
-            "import-dcp", "supervise"]
-NO_JSON = {"supervise"}  # it runs a job, whose output is on stdout
+            "import-dcp", "supervise", "agent"]
+NO_JSON = {"supervise", "agent"}  # they run until ended: a job, whose output is on stdout; the node agent
 
 
 def rest(service, path: str, **params):

@@ -1,5 +1,5 @@
 """`lastgood`, the command line: runs, checkpoints, lineage, tags, GC, verify, download, export,
-import-dcp, supervise.
+import-dcp, supervise, agent.
 
     lastgood runs
     lastgood ls gpt-small --status COMMITTED
@@ -13,7 +13,7 @@ REST only and torch-free (see app.py for the output and exit-code contract), but
 
 from __future__ import annotations
 
-from lastgood.cli import commands, download, export, supervise  # noqa: F401 - registers the commands on `cli`
+from lastgood.cli import agent, commands, download, export, supervise  # noqa: F401 - registers the commands on `cli`
 from lastgood.cli.app import EXIT_HELP, Exit, cli, main
 
 __all__ = ["EXIT_HELP", "Exit", "cli", "main"]

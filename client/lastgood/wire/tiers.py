@@ -88,3 +88,11 @@ def partners(agents: list[AgentPlace], own: AgentPlace, replicas: int = DEFAULT_
 def holders_needed(replicas: int) -> int:
     """How many distinct hosts must report a memory file's digest before it counts."""
     return 1 + replicas
+
+
+# The node agent's own HTTP protocol (lastgood.agent serves it, lastgood.remote.agent calls it).
+AGENT_READY_PATH = "/v1/ready"            # POST: a rank's files are in its segment directory
+AGENT_RESERVE_PATH = "/v1/reserve"        # POST: room for a rank's bytes under the node's budget
+AGENT_SEGMENTS_PATH = "/v1/segments"      # /<run>/<checkpoint id>/<rank>/<file>: GET (ranged), PUT (a partner's copy)
+AGENT_STATUS_PATH = "/v1/status"          # GET: what the agent holds, its budget and events
+AGENT_DIGEST_HEADER = "X-Lastgood-Xxh3-128"  # the holder's own xxh3-128 of the whole file

@@ -1,0 +1,110 @@
+"""Replication: each sealed segment is streamed to the node's partner agents in the
+background, throttled by a token bucket so it takes at most a configured share of the link.
+The rank never waits on it; a partner that cannot be reached is an event, and the memory
+checkpoint does not commit (its copy is never reported)."""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import queue
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass
+
+from lastgood.wire.tiers import AGENT_DIGEST_HEADER, AGENT_SEGMENTS_PATH
+
+from .segments import CHUNK, Segments
+
+log = logging.getLogger("lastgood.agent")
+
+
+class TokenBucket:
+    """At most `rate` bytes per second on average, bursts of at most `burst` bytes."""
+
+    def __init__(self, rate: float | None, burst: int = CHUNK, clock=time.monotonic, sleep=time.sleep) -> None:
+        if rate is not None and rate <= 0:
+            raise ValueError(f"a replication rate must be > 0 bytes/s, got {rate!r}")
+        self.rate, self.burst = rate, burst
+        self._clock, self._sleep = clock, sleep
+        self._tokens = float(burst)
+        self._at = clock()
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        if self.rate is None:
+            return
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+            self._at = now
+            self._tokens -= n
+            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+        if wait:
+            self._sleep(wait)
+
+
+def segment_path(run: str, checkpoint_id: int, rank: int, name: str) -> str:
+    q = urllib.parse.quote
+    return f"{AGENT_SEGMENTS_PATH}/{q(run, safe='')}/{checkpoint_id}/{rank}/{q(name, safe='')}"
+
+
+@dataclass(frozen=True)
+class Job:
+    run: str
+    checkpoint_id: int
+    rank: int
+    files: tuple[dict, ...]      # {"name", "size", "xxh3_128"} as this agent hashed them
+    partners: tuple[str, ...]    # host:port of each partner agent
+
+
+class Replicator:
+    def __init__(self, segments: Segments, bucket: TokenBucket, on_event, timeout: float = 30.0) -> None:
+        self.segments, self.bucket, self.on_event, self.timeout = segments, bucket, on_event, timeout
+        self.q: queue.Queue[Job | None] = queue.Queue()
+        self.sent_bytes = 0
+        self.done = 0
+        self._thread = threading.Thread(target=self._loop, name="lastgood-agent-replicate", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.q.put(None)
+
+    def submit(self, job: Job) -> None:
+        self.q.put(job)
+
+    def _loop(self) -> None:
+        while (job := self.q.get()) is not None:
+            for partner in job.partners:
+                for f in job.files:
+                    try:
+                        self._send(job, partner, f)
+                    except Exception as e:  # noqa: BLE001 - any failure is the partner's event, never the agent's end
+                        self.on_event("partner_unreachable", run=job.run, checkpoint_id=job.checkpoint_id,
+                                      rank=job.rank, partner=partner, file=f["name"], detail=str(e)[:300])
+                        break
+            self.done += 1
+            self.q.task_done()
+
+    def _send(self, job: Job, partner: str, f: dict) -> None:
+        host, _, port = partner.rpartition(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=self.timeout)
+        try:
+            conn.putrequest("PUT", segment_path(job.run, job.checkpoint_id, job.rank, f["name"]))
+            conn.putheader("Content-Length", str(f["size"]))
+            conn.putheader(AGENT_DIGEST_HEADER, f["xxh3_128"])
+            conn.endheaders()
+            with self.segments.open(job.run, job.checkpoint_id, job.rank, f["name"]) as src:
+                while chunk := src.read(CHUNK):
+                    self.bucket.take(len(chunk))
+                    conn.send(chunk)
+                    self.sent_bytes += len(chunk)
+            resp = conn.getresponse()
+            body = resp.read()
+            if resp.status != 200:
+                raise ConnectionError(f"{partner} answered {resp.status}: {body[:200]!r}")
+        finally:
+            conn.close()

@@ -1,0 +1,199 @@
+"""The agent's segments: files under <root>/<run>/<checkpoint id>/<rank>/<file> (tiers.SHM_ROOT
+on a node; a tmpfs, so the bytes are memory that outlives the rank processes), their digests,
+and the node's memory budget.
+
+The budget rule: a new segment is admitted when the bytes held plus its own fit the budget;
+else the oldest checkpoints (lowest id first, across runs) are freed, except the newest
+checkpoint of each run that the agent holds complete (the restore point while the new one is
+not committed); if that is still not enough the new segment is refused (BudgetExceeded) and
+nothing held is touched beyond what was freed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lastgood.wire import names
+from lastgood.wire.hashing import StreamHasher
+
+CHUNK = 1 << 20
+
+
+class BudgetExceeded(Exception):
+    """The node's memory budget cannot hold a new segment even after freeing what may go."""
+
+
+class SegmentMissing(LookupError):
+    pass
+
+
+@dataclass
+class Held:
+    """One checkpoint's files on this agent: {(rank, file): (size, xxh3_128)}."""
+    run: str
+    checkpoint_id: int
+    files: dict[tuple[int, str], tuple[int, str]] = field(default_factory=dict)
+    reserved: int = 0
+    complete: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return max(self.reserved, sum(size for size, _ in self.files.values()))
+
+
+def check_key(run: str, checkpoint_id: int, rank: int, name: str | None = None) -> None:
+    names.check_run_name(run)
+    if not isinstance(checkpoint_id, int) or isinstance(checkpoint_id, bool) or checkpoint_id < 1:
+        raise ValueError(f"checkpoint_id must be a positive integer, got {checkpoint_id!r}")
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < 1 << 20:
+        raise ValueError(f"rank must be 0..{(1 << 20) - 1}, got {rank!r}")
+    if name is not None:
+        names.check_file_name(name)
+
+
+class Segments:
+    def __init__(self, root: Path | str, budget: int | None = None) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.budget = budget
+        self._held: dict[tuple[str, int], Held] = {}
+        self._lock = threading.Lock()
+        self.freed: list[tuple[str, int]] = []   # what the budget or the live list freed, in order
+
+    # ---------------------------------------------------------------- layout
+    def directory(self, run: str, checkpoint_id: int, rank: int) -> Path:
+        check_key(run, checkpoint_id, rank)
+        return self.root / run / str(checkpoint_id) / str(rank)
+
+    def path(self, run: str, checkpoint_id: int, rank: int, name: str) -> Path:
+        check_key(run, checkpoint_id, rank, name)
+        return self.directory(run, checkpoint_id, rank) / name
+
+    # ---------------------------------------------------------------- budget
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(h.nbytes for h in self._held.values())
+
+    def reserve(self, run: str, checkpoint_id: int, rank: int, nbytes: int) -> Path:
+        """Make room for `nbytes` more of (run, checkpoint_id) and create its rank directory."""
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"bytes must be a non-negative integer, got {nbytes!r}")
+        d = self.directory(run, checkpoint_id, rank)
+        with self._lock:
+            held = self._held.get((run, checkpoint_id))
+            have = held.nbytes if held else 0
+            self._admit(run, checkpoint_id, nbytes)
+            if held is None:
+                held = self._held[(run, checkpoint_id)] = Held(run, checkpoint_id)
+            held.reserved = have + nbytes
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def _admit(self, run: str, checkpoint_id: int, nbytes: int) -> None:
+        if self.budget is None:
+            return
+        total = sum(h.nbytes for h in self._held.values())
+        if total + nbytes <= self.budget:
+            return
+        newest_complete = {}
+        for h in self._held.values():
+            if h.complete and h.checkpoint_id > newest_complete.get(h.run, 0):
+                newest_complete[h.run] = h.checkpoint_id
+        may_go = sorted((h for h in self._held.values()
+                         if (h.run, h.checkpoint_id) != (run, checkpoint_id)
+                         and newest_complete.get(h.run) != h.checkpoint_id),
+                        key=lambda h: h.checkpoint_id)
+        if total - sum(h.nbytes for h in may_go) + nbytes > self.budget:
+            raise BudgetExceeded(
+                f"{nbytes} bytes for {run}/{checkpoint_id} do not fit the node's memory budget of "
+                f"{self.budget} bytes ({total} held, of which the newest complete checkpoint of each run stays)")
+        for h in may_go:
+            if total + nbytes <= self.budget:
+                break
+            total -= h.nbytes
+            self._drop(h.run, h.checkpoint_id)
+
+    # ---------------------------------------------------------------- contents
+    def seal(self, run: str, checkpoint_id: int, rank: int, files: list[str]) -> list[dict]:
+        """Hash the rank's files as they lie in its directory; they become held. A file
+        missing or over the reservation raises (and nothing is recorded)."""
+        out, entries = [], {}
+        for name in files:
+            p = self.path(run, checkpoint_id, rank, name)
+            if not p.is_file():
+                raise SegmentMissing(f"{run}/{checkpoint_id}/{rank}/{name} is not in the agent's segment")
+            h = StreamHasher()
+            with open(p, "rb") as f:
+                while chunk := f.read(CHUNK):
+                    h.update(chunk)
+            entries[(rank, name)] = (h.size, h.hexdigest())
+            out.append({"name": name, "size": h.size, "xxh3_128": h.hexdigest()})
+        with self._lock:
+            held = self._held.setdefault((run, checkpoint_id), Held(run, checkpoint_id))
+            held.files.update(entries)
+            held.complete = True
+        return out
+
+    def receive(self, run: str, checkpoint_id: int, rank: int, name: str, size: int, read) -> dict:
+        """A partner's copy: `size` bytes from read(n), written and hashed as they arrive."""
+        self.reserve(run, checkpoint_id, rank, size)
+        p = self.path(run, checkpoint_id, rank, name)
+        h = StreamHasher()
+        tmp = p.with_name(p.name + ".part")
+        try:
+            with open(tmp, "wb") as f:
+                left = size
+                while left:
+                    chunk = read(min(CHUNK, left))
+                    if not chunk:
+                        raise ConnectionError(f"the copy of {name} ended after {size - left} of {size} bytes")
+                    f.write(chunk)
+                    h.update(chunk)
+                    left -= len(chunk)
+            os.replace(tmp, p)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        with self._lock:
+            held = self._held[(run, checkpoint_id)]
+            held.files[(rank, name)] = (h.size, h.hexdigest())
+            held.complete = True
+        return {"name": name, "size": h.size, "xxh3_128": h.hexdigest()}
+
+    def digest(self, run: str, checkpoint_id: int, rank: int, name: str) -> tuple[int, str]:
+        with self._lock:
+            held = self._held.get((run, checkpoint_id))
+            if held is None or (rank, name) not in held.files:
+                raise SegmentMissing(f"{run}/{checkpoint_id}/{rank}/{name} is not held here")
+            return held.files[(rank, name)]
+
+    def open(self, run: str, checkpoint_id: int, rank: int, name: str):
+        self.digest(run, checkpoint_id, rank, name)
+        try:
+            return open(self.path(run, checkpoint_id, rank, name), "rb")
+        except FileNotFoundError:
+            raise SegmentMissing(f"{run}/{checkpoint_id}/{rank}/{name} is gone from the segment") from None
+
+    def listing(self) -> list[dict]:
+        with self._lock:
+            return [{"run": h.run, "checkpoint_id": h.checkpoint_id,
+                     "files": [{"rank": r, "name": n, "size": s, "xxh3_128": d}
+                               for (r, n), (s, d) in sorted(h.files.items())]}
+                    for h in sorted(self._held.values(), key=lambda h: (h.run, h.checkpoint_id))]
+
+    def keys(self) -> set[tuple[str, int]]:
+        with self._lock:
+            return set(self._held)
+
+    def free(self, run: str, checkpoint_id: int) -> None:
+        with self._lock:
+            self._drop(run, checkpoint_id)
+
+    def _drop(self, run: str, checkpoint_id: int) -> None:
+        self._held.pop((run, checkpoint_id), None)
+        shutil.rmtree(self.root / run / str(checkpoint_id), ignore_errors=True)
+        self.freed.append((run, checkpoint_id))

@@ -1,0 +1,119 @@
+"""A rank's side of the node agent's protocol (lastgood.agent; docs/memory-tier.md): room in
+its own agent's segment, the files it wrote there made ready, and a held file read back from
+the copies in order, every byte hashed against the manifest's digest.
+
+`read_verified` is the per-file fallback of a memory restore: each copy in turn (the own
+agent first, then partner agents); a copy that is missing, cut short or whose bytes do not
+hash to the manifest's digest is skipped; no good copy left raises CorruptCheckpoint, and
+the restorer falls back to the newest good ancestor on every rank alike.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+from dataclasses import dataclass
+
+from lastgood.errors import CorruptCheckpoint
+from lastgood.wire import tiers
+from lastgood.wire.hashing import StreamHasher
+
+log = logging.getLogger("lastgood.agent")
+CHUNK = 1 << 20
+
+
+class AgentRefused(Exception):
+    """The agent cannot take this memory save (budget, too few partners, bad input): the
+    memory save is given up; training goes on."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"the node agent refused the memory save ({status}): {detail}")
+        self.status = status
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"an agent address is HOST:PORT, got {address!r}")
+    return host, int(port)
+
+
+@dataclass(frozen=True)
+class AgentClient:
+    address: str
+    timeout: float = 30.0
+
+    def _post(self, path: str, body: dict) -> dict:
+        host, port = _split(self.address)
+        conn = http.client.HTTPConnection(host, port, timeout=self.timeout)
+        try:
+            data = json.dumps(body).encode()
+            conn.request("POST", path, data, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            raw = resp.read()
+        except OSError as e:
+            raise AgentRefused(0, f"no answer from the agent at {self.address}: {e}") from None
+        finally:
+            conn.close()
+        try:
+            got = json.loads(raw)
+        except ValueError:
+            got = {"detail": raw[:200].decode(errors="replace")}
+        if resp.status != 200:
+            raise AgentRefused(resp.status, str(got.get("detail", got))[:500])
+        return got
+
+    def reserve(self, run: str, checkpoint_id: int, rank: int, nbytes: int) -> str:
+        """The directory the rank writes its files into, with room for `nbytes` made."""
+        return self._post(tiers.AGENT_RESERVE_PATH, {"run": run, "checkpoint_id": checkpoint_id,
+                                                     "rank": rank, "bytes": nbytes})["directory"]
+
+    def ready(self, run: str, checkpoint_id: int, rank: int, files: list[str],
+              replicas: int = tiers.DEFAULT_REPLICAS) -> list[dict]:
+        """The agent hashes the files, reports its copy and replicates in the background;
+        its digests of what it holds come back (the rank votes its own)."""
+        return self._post(tiers.AGENT_READY_PATH, {"run": run, "checkpoint_id": checkpoint_id, "rank": rank,
+                                                   "files": files, "replicas": replicas})["files"]
+
+
+def read_range(address: str, run: str, checkpoint_id: int, rank: int, name: str, start: int, length: int,
+               timeout: float = 30.0) -> bytes:
+    """`length` bytes of a held file from `start`, from the agent at `address` (no check)."""
+    from urllib.parse import quote
+
+    host, port = _split(address)
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", f"{tiers.AGENT_SEGMENTS_PATH}/{quote(run, safe='')}/{checkpoint_id}/{rank}/"
+                            f"{quote(name, safe='')}", headers={"Range": f"bytes={start}-{start + length - 1}"})
+        resp = conn.getresponse()
+        body = resp.read()
+        if resp.status != 206:
+            raise LookupError(f"{address}: {resp.status} {body[:200]!r}")
+        if len(body) != length:
+            raise ConnectionError(f"{address}: {len(body)} of {length} bytes")
+        return body
+    finally:
+        conn.close()
+
+
+def read_verified(copies: list[str], run: str, checkpoint_id: int, rank: int, name: str, size: int,
+                  digest: str, timeout: float = 30.0) -> tuple[bytes, str]:
+    """The file's bytes from the first copy whose bytes hash to `digest`, and that copy's
+    address. A copy is read whole (a file of a memory checkpoint is one range of one rank)."""
+    tried = []
+    for address in copies:
+        try:
+            data = read_range(address, run, checkpoint_id, rank, name, 0, size, timeout) if size else b""
+        except (OSError, LookupError, ValueError, http.client.HTTPException) as e:
+            tried.append(f"{address}: {e}")
+            continue
+        h = StreamHasher()
+        h.update(data)
+        if h.hexdigest() == digest:
+            return data, address
+        log.warning("the copy of %s/%s/%s/%s at %s does not match the manifest's digest: next copy",
+                    run, checkpoint_id, rank, name, address)
+        tried.append(f"{address}: xxh3-128 {h.hexdigest()} is not the manifest's {digest}")
+    raise CorruptCheckpoint(f"no good copy of {run}/{checkpoint_id}/{rank}/{name}: " + "; ".join(tried))
