@@ -34,7 +34,8 @@ def _finish(p: subprocess.Popen, timeout: float = 300) -> subprocess.CompletedPr
 @pytest.mark.parametrize("nproc,mode", [(1, "disabled"), (2, "async")])
 def test_a_killed_torchtitan_run_resumes_bit_identical(service, run_name, tmp_path, nproc, mode):
     ref, job = tmp_path / "ref", tmp_path / "job"
-    how = ["--async-mode", mode]
+    policy = "latest:8,tagged,last-good,branch-heads"  # the checkpoint section's retention, set by rank 0
+    how = ["--async-mode", mode, "--retention", policy]
     whole = _start(nproc, [service.url, f"{run_name}-ref", str(ref), *how])
     first = _start(nproc, [service.url, run_name, str(job), *how, "--kill-at", "7"])
     done, killed = _finish(whole), _finish(first)
@@ -58,6 +59,7 @@ def test_a_killed_torchtitan_run_resumes_bit_identical(service, run_name, tmp_pa
     assert committed[-1] == 12 and all(c["world_size"] == nproc for c in listing), listing
     assert service.get(f"/api/v1/runs/{run_name}/last-good").json()["step"] == 12
     assert not (job / "checkpoint").exists()  # nothing in torchtitan's checkpoint folder
+    assert service.get(f"/api/v1/runs/{run_name}/retention").json()["own"] == policy
 
 
 @pytest.mark.slow  # three torchrun launches of one rank

@@ -11,7 +11,7 @@ state. Two ranks shard the model with FSDP2 (fully_shard, as torchtitan does). S
 3 steps; resumes through the manager's load() on start. Each rank writes its final weights
 and optimizer state to OUT/final-rank<r>.safetensors. `--kill-at`: every rank SIGKILLs
 itself after that step's save; `--load-step`, `--last-model-only`: the checkpoint
-section's load_step and last_save_model_only.
+section's load_step and last_save_model_only; `--retention`: the run's policy.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--load-step", type=int, default=-1)
     p.add_argument("--last-model-only", action="store_true")
+    p.add_argument("--retention")
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("lastgood").setLevel(logging.INFO)  # which checkpoint the manager loads
@@ -82,7 +83,7 @@ def main() -> None:
     train_state = TrainState()
     config = LastgoodCheckpointManager.Config(enable=True, interval=3, url=a.url, run=a.run,
                                               async_mode=a.async_mode, last_save_model_only=a.last_model_only,
-                                              load_step=a.load_step)
+                                              load_step=a.load_step, retention=a.retention)
     checkpointer = config.build(dataloader=dataloader, model_parts=[model], optimizers=optimizers,
                                 lr_schedulers=lr_schedulers, states={"train_state": train_state},
                                 sd_adapter=None, base_folder=str(a.out))
