@@ -34,7 +34,8 @@ def _finish(p: subprocess.Popen, timeout: float = 300) -> subprocess.CompletedPr
 @pytest.mark.parametrize("nproc,mode", [(1, "disabled"), (2, "async")])
 def test_a_killed_torchtitan_run_resumes_bit_identical(service, run_name, tmp_path, nproc, mode):
     ref, job = tmp_path / "ref", tmp_path / "job"
-    how = ["--async-mode", mode]
+    policy = "latest:8,tagged,last-good,branch-heads"  # the checkpoint section's retention, set by rank 0
+    how = ["--async-mode", mode, "--retention", policy]
     whole = _start(nproc, [service.url, f"{run_name}-ref", str(ref), *how])
     first = _start(nproc, [service.url, run_name, str(job), *how, "--kill-at", "7"])
     done, killed = _finish(whole), _finish(first)
@@ -58,26 +59,43 @@ def test_a_killed_torchtitan_run_resumes_bit_identical(service, run_name, tmp_pa
     assert committed[-1] == 12 and all(c["world_size"] == nproc for c in listing), listing
     assert service.get(f"/api/v1/runs/{run_name}/last-good").json()["step"] == 12
     assert not (job / "checkpoint").exists()  # nothing in torchtitan's checkpoint folder
+    assert service.get(f"/api/v1/runs/{run_name}/retention").json()["own"] == policy
 
 
-@pytest.mark.slow  # two torchrun launches
-def test_the_torchtitan_example_runs_as_shown_and_resumes(service, tmp_path):
-    """docs/integrations/torchtitan.md's program as printed; then again with more steps,
-    resuming from the run's last-good through the manager's load()."""
+@pytest.mark.slow  # three torchrun launches of one rank
+def test_a_model_only_last_save_loads_the_model_only_and_load_step_picks_a_step(service, run_name, tmp_path):
+    """torchtitan's default last save holds the model only (last_save_model_only): a start
+    from it loads the model and begins at step 0, as torchtitan's seed checkpoint does;
+    load_step names a committed step, and a step with no checkpoint is refused."""
+    base = [service.url, run_name, str(tmp_path), "--steps", "4"]
+    first = _finish(_start(1, [*base, "--last-model-only"]))
+    assert first.returncode == 0 and "done at step 4" in first.stdout, why(first)
+    listing = service.get(f"/api/v1/runs/{run_name}/checkpoints").json()["items"]
+    assert sorted(c["step"] for c in listing) == [3, 4], listing
+    again = _finish(_start(1, base))
+    assert again.returncode == 0 and "resumed True at step 0" in again.stdout, why(again)
+    assert re.search(r"loading checkpoint \d+ \(step 4\) of run \S+, the model only", again.stdout), why(again)
+    picked = _finish(_start(1, [*base, "--load-step", "3"]))
+    assert picked.returncode == 0 and "resumed True at step 3" in picked.stdout, why(picked)
+    # a step with no checkpoint: refused, nothing trained
+    none = _finish(_start(1, [*base, "--load-step", "2"]))
+    assert none.returncode != 0 and "has no committed checkpoint of step 2" in none.stdout, why(none)
+
+
+@pytest.mark.slow  # a torchrun launch
+def test_the_torchtitan_example_runs_as_shown(service, tmp_path):
+    """docs/integrations/torchtitan.md's program as printed (the kill tests above resume)."""
     from tests.client.test_doc_examples import marked_blocks
 
     blocks = marked_blocks("docs/integrations/torchtitan.md")
     assert len(blocks) == 1 and "steps = 20" in blocks[0]
-    runs = []
-    for i, text in enumerate([blocks[0], blocks[0].replace("steps = 20", "steps = 30")]):
-        script = tmp_path / f"titan_example_{i}.py"
-        script.write_text(text + "\n")
-        cmd, env = _command(script, [], 1, {"LASTGOOD_URL": service.url}, None)
-        env.pop("LASTGOOD_RUN", None)
-        runs.append(subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300))
-        assert runs[-1].returncode == 0, why(runs[-1])
-    assert "resumed at step 0" in runs[0].stdout and "trained to step 20" in runs[0].stdout, runs[0].stdout
-    assert "resumed at step 20" in runs[1].stdout and "trained to step 30" in runs[1].stdout, runs[1].stdout
+    script = tmp_path / "titan_example.py"
+    script.write_text(blocks[0] + "\n")
+    cmd, env = _command(script, [], 1, {"LASTGOOD_URL": service.url}, None)
+    env.pop("LASTGOOD_RUN", None)
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, why(run)
+    assert "resumed at step 0" in run.stdout and "trained to step 20" in run.stdout, run.stdout
     listing = service.get("/api/v1/runs/titan-demo/checkpoints", params={"limit": 100}).json()["items"]
-    assert sorted(c["step"] for c in listing if c["status"] == "COMMITTED") == [5, 10, 15, 20, 25, 30], listing
+    assert sorted(c["step"] for c in listing if c["status"] == "COMMITTED") == [5, 10, 15, 20], listing
     assert not (tmp_path / "outputs" / "checkpoint").exists()

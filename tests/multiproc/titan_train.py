@@ -10,12 +10,14 @@ checkpoint manager built from its Config as the Trainer builds it, and the Train
 state. Two ranks shard the model with FSDP2 (fully_shard, as torchtitan does). Saves every
 3 steps; resumes through the manager's load() on start. Each rank writes its final weights
 and optimizer state to OUT/final-rank<r>.safetensors. `--kill-at`: every rank SIGKILLs
-itself after that step's save.
+itself after that step's save; `--load-step`, `--last-model-only`: the checkpoint
+section's load_step and last_save_model_only; `--retention`: the run's policy.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -54,7 +56,12 @@ def main() -> None:
     p.add_argument("--async-mode", default="disabled")
     p.add_argument("--kill-at", type=int)
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--load-step", type=int, default=-1)
+    p.add_argument("--last-model-only", action="store_true")
+    p.add_argument("--retention")
     a = p.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("lastgood").setLevel(logging.INFO)  # which checkpoint the manager loads
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -75,7 +82,8 @@ def main() -> None:
                                          generator=torch.Generator().manual_seed(2))
     train_state = TrainState()
     config = LastgoodCheckpointManager.Config(enable=True, interval=3, url=a.url, run=a.run,
-                                              async_mode=a.async_mode, last_save_model_only=False)
+                                              async_mode=a.async_mode, last_save_model_only=a.last_model_only,
+                                              load_step=a.load_step, retention=a.retention)
     checkpointer = config.build(dataloader=dataloader, model_parts=[model], optimizers=optimizers,
                                 lr_schedulers=lr_schedulers, states={"train_state": train_state},
                                 sd_adapter=None, base_folder=str(a.out))

@@ -156,8 +156,20 @@ class LastgoodCheckpointManager(CheckpointManager):
         if isinstance(self.states.get(DATALOADER), ParallelAwareDataloader):
             self.states[DATALOADER] = LoaderState(self.states[DATALOADER])
         self._writer: lgdcp.StorageWriter | None = None
-        if config.retention is not None and distributed.rank_world()[0] == 0:
-            self._rest().set_retention(self.run, config.retention)
+        if config.retention is not None:
+            self._set_retention(config.retention)
+
+    def _set_retention(self, retention: str) -> None:
+        """Rank 0 sets the run's policy; a refusal stops every rank (none waits on the others)."""
+        err = None
+        if distributed.rank_world()[0] == 0:
+            try:
+                self._rest().set_retention(self.run, retention)
+            except Exception as e:  # noqa: BLE001 - re-raised after the broadcast
+                err = e
+        if distributed.broadcast_int(int(err is not None)):
+            raise err or LastgoodError(f"rank 0 could not set run {self.run!r}'s retention {retention!r}; "
+                                       "see its log")
 
     def _rest(self) -> RestClient:
         cfg = self.lastgood
