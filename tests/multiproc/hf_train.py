@@ -9,7 +9,8 @@ own checkpoint folders and resuming with resume_from_checkpoint=True (when it ha
 Writes the final weights and the optimizer's moments to OUT/final.safetensors (the
 Trainer's output_dir is OUT/hf; save_model() writes OUT/hf/final). `--noisy`: a collator
 that draws from the global RNG. `--kill-at`: SIGKILLs itself after that step, once the
-saves so far committed (or were written, --native).
+saves so far committed (or were written, --native). Runs alone or under torchrun (DDP):
+rank R>0 writes OUT/final-rankR.safetensors.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ class KillAt(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
-            if isinstance(self.trainer, LastgoodTrainer):
+            if isinstance(self.trainer, LastgoodTrainer) and args.process_index == 0:
                 self.trainer.checkpointer.wait()  # the saves so far committed: the resume is mid-epoch
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()  # under torchrun: no rank dies before rank 0's saves are done
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -88,7 +91,8 @@ def main() -> None:
     opt = trainer.optimizer.state_dict()["state"]
     moments = {f"opt.{i}.{k}": v for i, s in opt.items() for k, v in s.items() if torch.is_tensor(v)}
     weights = {f"model.{k}": v.contiguous() for k, v in trainer.model.state_dict().items() if k != "lm_head.weight"}
-    save_file({**weights, **moments}, str(a.out / "final.safetensors"))
+    rank = args.process_index  # under torchrun: rank R>0 writes final-rankR.safetensors
+    save_file({**weights, **moments}, str(a.out / ("final.safetensors" if rank == 0 else f"final-rank{rank}.safetensors")))
     trainer.save_model(str(a.out / "hf" / "final"))  # safetensors and JSON through LastgoodTrainer
     print(f"done at step {trainer.state.global_step}", flush=True)
 

@@ -81,3 +81,30 @@ def test_a_killed_accelerate_run_resumes_bit_identical(service, run_name, tmp_pa
     assert sorted(c["step"] for c in listing if c["status"] == "COMMITTED") == [4, 8, 12, 16, 20], listing
     assert all(c["world_size"] == nproc for c in listing)  # every rank saves its own RNG states
     assert not [p for p in job.rglob("*") if p.is_file() and p.suffix != ".safetensors"]  # no file of Accelerate's
+
+
+@pytest.mark.slow  # two accelerate processes
+def test_the_accelerate_example_runs_as_shown_and_resumes(service, tmp_path):
+    """docs/integrations/accelerate.md's program as printed; then again with more batches,
+    loading the run's last-good."""
+    import os
+
+    from tests.client.test_doc_examples import marked_blocks
+
+    blocks = marked_blocks("docs/integrations/accelerate.md")
+    assert len(blocks) == 1 and "total = 24" in blocks[0] and "accelerator.load_state(resume)" in blocks[0]
+    env = {**os.environ, "LASTGOOD_URL": service.url, "OMP_NUM_THREADS": "1"}
+    env.pop("LASTGOOD_RUN", None)
+    outs = []
+    for i, text in enumerate([blocks[0], blocks[0].replace("total = 24", "total = 36")]):
+        script = tmp_path / f"accelerate_example_{i}.py"
+        script.write_text(text + "\n")
+        res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, cwd=tmp_path,
+                             timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        outs.append(res.stdout)
+    assert "resumed from None; trained to batch 24" in outs[0], outs[0]
+    assert "resumed from last-good; trained to batch 36" in outs[1], outs[1]
+    listing = service.get("/api/v1/runs/accelerate-demo/checkpoints", params={"limit": 100}).json()["items"]
+    assert sorted(c["step"] for c in listing if c["status"] == "COMMITTED")[-1] == 36, listing
+    assert [p.name for p in tmp_path.iterdir()] and not [p for p in tmp_path.rglob("*") if p.suffix != ".py"]

@@ -27,7 +27,7 @@ How it fits Accelerate (docs/integrations/accelerate.md):
   first iterators after it draw nothing from the global RNGs (the uninterrupted run drew
   their seeds before the save), so a resumed run is bit-identical to an uninterrupted one.
 - The Checkpointer is collective, as `save_state` is called on every process: every rank
-  saves its own RNG states (replicated tensors are kept once, docs/replicated.md).
+  saves its own RNG states (a DDP model's parameters are written once, docs/replicated.md).
 """
 
 from __future__ import annotations
