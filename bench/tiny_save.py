@@ -13,8 +13,8 @@ One 64x64 Linear with its AdamW state (~50 KiB), saved A B C A B C ... `--reps` 
                  fsync'd, their directory fsync'd, and one SQLite commit (WAL, synchronous=FULL,
                  as the service's catalog), nothing else
   floor_lastgood the syncs a one-rank lastgood save makes, alone: LASTGOOD_BLOBS files (shard,
-                 tensor index, manifest) each fsync'd with every directory up to the store's
-                 root (as blobstore/local.py publishes), and LASTGOOD_COMMITS SQLite commits
+                 tensor index, manifest) each fsync'd with the directories blobstore/local.py
+                 fsyncs for it (3, 1, 1), and LASTGOOD_COMMITS SQLite commits
 
 Where the time goes: every service call each lastgood case makes is timed (`calls`: per
 save, how many of each and the median milliseconds of one; the rest of a save is the
@@ -116,12 +116,10 @@ class Floor:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            d = where
-            while True:
+            # the directories blobstore/local.py fsyncs: the shard's new folders up to ckpt/, then
+            # only the folder each later blob lies in (the others' entries are known durable)
+            for d in ([leaf, leaf.parent, leaf.parent.parent] if i == 0 else [where]):
                 fsync_dir(d)
-                if d == self.dir:
-                    break
-                d = d.parent
         for _ in range(LASTGOOD_COMMITS):
             self.db.execute("BEGIN")
             self.db.execute("INSERT INTO t (v) VALUES (?)", (str(self.n),))
