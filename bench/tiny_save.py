@@ -12,6 +12,9 @@ One 64x64 Linear with its AdamW state (~50 KiB), saved A B C A B C ... `--reps` 
   floor          what durability alone costs on this disk: FLOOR_FILES small files written and
                  fsync'd, their directory fsync'd, and one SQLite commit (WAL, synchronous=FULL,
                  as the service's catalog), nothing else
+  floor_lastgood the syncs a one-rank lastgood save makes, alone: LASTGOOD_BLOBS files (shard,
+                 tensor index, manifest) each fsync'd with the directories blobstore/local.py
+                 fsyncs for it (3, 1, 1), and LASTGOOD_COMMITS SQLite commits
 
 Where the time goes: every service call each lastgood case makes is timed (`calls`: per
 save, how many of each and the median milliseconds of one; the rest of a save is the
@@ -38,7 +41,7 @@ from pathlib import Path
 from bench.common import ROOT, Service, machine, order_of, write_results
 from bench.one_size import SERVICE_ENV
 
-CASES = ("checkpointer", "lastgood_dcp", "dcp", "floor")
+CASES = ("checkpointer", "lastgood_dcp", "dcp", "floor", "floor_lastgood")
 FLOOR_FILES = 2  # the shard and the manifest (DCP writes two too: its data file and .metadata)
 
 
@@ -53,14 +56,27 @@ def build_state():
     return model, opt
 
 
+LASTGOOD_BLOBS = 3    # the shard, its tensor index, the manifest
+LASTGOOD_COMMITS = 4  # begin, the file's VERIFIED row, the vote, the commit
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class Floor:
     """The fsyncs alone: FLOOR_FILES files of `size` bytes written and fsync'd, their
     directory fsync'd, one SQLite row committed with synchronous=FULL in WAL mode."""
 
-    def __init__(self, work: Path, size: int) -> None:
-        self.dir, self.size, self.n = work / "floor", size, 0
+    def __init__(self, work: Path, size: int, like_lastgood: bool = False) -> None:
+        name = "floor_lastgood" if like_lastgood else "floor"
+        self.dir, self.size, self.n, self.like_lastgood = work / name, size, 0, like_lastgood
         self.dir.mkdir(parents=True)
-        self.db = sqlite3.connect(work / "floor.db", isolation_level=None)
+        self.db = sqlite3.connect(work / f"{name}.db", isolation_level=None)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, v TEXT)")
@@ -68,6 +84,8 @@ class Floor:
     def __call__(self) -> float:
         self.n += 1
         payload = os.urandom(self.size)
+        if self.like_lastgood:
+            return self._like_lastgood(payload)
         t0 = time.perf_counter()
         for i in range(FLOOR_FILES):
             fd = os.open(self.dir / f"{self.n}-{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -84,6 +102,28 @@ class Floor:
         self.db.execute("BEGIN")
         self.db.execute("INSERT INTO t (v) VALUES (?)", (str(self.n),))
         self.db.execute("COMMIT")
+        return time.perf_counter() - t0
+
+    def _like_lastgood(self, payload: bytes) -> float:
+        leaf = self.dir / "ckpt" / str(self.n) / "r0"  # blobs/ckpt/<checkpoint>/r<rank>/, as the store's keys
+        t0 = time.perf_counter()
+        leaf.mkdir(parents=True)
+        for i in range(LASTGOOD_BLOBS):
+            where = leaf if i < 2 else leaf.parent  # the manifest lies in the checkpoint's folder
+            fd = os.open(where / f"b{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, payload)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            # the directories blobstore/local.py fsyncs: the shard's new folders up to ckpt/, then
+            # only the folder each later blob lies in (the others' entries are known durable)
+            for d in ([leaf, leaf.parent, leaf.parent.parent] if i == 0 else [where]):
+                fsync_dir(d)
+        for _ in range(LASTGOOD_COMMITS):
+            self.db.execute("BEGIN")
+            self.db.execute("INSERT INTO t (v) VALUES (?)", (str(self.n),))
+            self.db.execute("COMMIT")
         return time.perf_counter() - t0
 
 
@@ -138,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = lastgood.Checkpointer(svc.url, run=run, attempt=uuid.uuid4().hex[:16])
     dcp_run = f"{run}-dcp"
     writer = lgdcp.StorageWriter(svc.url, run=dcp_run)
-    floor = Floor(work, nbytes)
+    floor, floor_lastgood = Floor(work, nbytes), Floor(work, nbytes, like_lastgood=True)
     calls = Calls()
     calls.watch(ckpt.transport, "checkpointer")
     calls.watch(writer.transport, "lastgood_dcp")
@@ -170,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work / "dcp", ignore_errors=True)
         return took
 
-    cases = {"checkpointer": checkpointer, "lastgood_dcp": lastgood_dcp, "dcp": stock_dcp, "floor": floor}
+    cases = {"checkpointer": checkpointer, "lastgood_dcp": lastgood_dcp, "dcp": stock_dcp, "floor": floor,
+             "floor_lastgood": floor_lastgood}
     times: dict[str, list[float]] = {c: [] for c in CASES}
     try:
         for c in CASES:  # warm-up: connections, staging buffers, DCP's imports
@@ -191,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     load_end = os.getloadavg()
     out = {"command": "python -m bench.tiny_save " + " ".join(argv if argv is not None else sys.argv[1:]),
            "machine": {**machine(), "loadavg_end": load_end}, "state_bytes": nbytes, "reps": args.reps,
-           "floor_files": FLOOR_FILES, "cases": {}}
+           "floor_files": FLOOR_FILES, "lastgood_blobs": LASTGOOD_BLOBS, "lastgood_commits": LASTGOOD_COMMITS,
+           "cases": {}}
     for c in CASES:
         xs = times[c]
         entry = {"ms": [x * 1e3 for x in xs], "median_ms": statistics.median(xs) * 1e3}
@@ -203,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             entry["calls"] = calls.summary(c, len(xs))
         if c != "floor":
             entry["vs_floor"] = statistics.median(xs) / statistics.median(times["floor"])
+        if c in ("checkpointer", "lastgood_dcp"):
+            entry["vs_floor_lastgood"] = statistics.median(xs) / statistics.median(times["floor_lastgood"])
         out["cases"][c] = entry
         print(f"{c:>13}: median {entry['median_ms']:.1f} ms"
               + (f", {entry['vs_dcp']:.2f}x DCP" if "vs_dcp" in entry else "")

@@ -17,7 +17,7 @@ def test_tiny_save_smoke_runs_every_case(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "tiny_save.json").read_text())
-    assert set(doc["cases"]) == {"checkpointer", "lastgood_dcp", "dcp", "floor"} and doc["state_bytes"] > 0
+    assert set(doc["cases"]) == {"checkpointer", "lastgood_dcp", "dcp", "floor", "floor_lastgood"} and doc["state_bytes"] > 0
     for name, c in doc["cases"].items():
         assert len(c["ms"]) == 3 and all(x > 0 for x in c["ms"]), name
         if name != "dcp":

@@ -23,20 +23,56 @@ BLOB_MODE = 0o444  # a published blob is never written again (a new version is a
 
 
 def _publish(store: "LocalBlobStore", fd: int, tmp: Path, dest: Path) -> None:
-    """Make the file read-only, fsync it, rename it into place, fsync every directory from
-    the blob's up to blobs/ (a concurrent publisher may have created one of them, and its
-    entry must be durable before we acknowledge). Read-only, because the spool lends
-    readers hard links to blobs (domain/dataplane/spool.py), which share the blob's inode and mode."""
+    """Make the file read-only, fsync it, rename it into place, fsync the blob's directory
+    and every directory above it up to blobs/ whose own entry is not known durable (a
+    concurrent publisher may have created one of them, and its entry must be durable before
+    we acknowledge). Known durable: a directory of the same inode whose parent this store
+    fsync'd after it existed (DurableDirs); a checkpoint's second and third blob (its tensor
+    index, its manifest) then fsync only their own directory, its first its new folders.
+    Read-only, because the spool lends readers hard links to blobs (domain/dataplane/spool.py),
+    which share the blob's inode and mode."""
     os.fchmod(fd, BLOB_MODE)
     os.fsync(fd)
     dest.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, dest)
-    d = dest.parent
+    d, below = dest.parent, []
     while True:
-        _fsync_dir(d)
-        if d == store.blob_dir:
+        _fsync_dir(d)  # the new entry in it: the blob's, or that of the directory below
+        if d == store.blob_dir or store.durable_dirs.known(d):
             break
+        below.append((d, os.stat(d).st_ino))  # its entry is durable once its parent is fsync'd, next
         d = d.parent
+    store.durable_dirs.add(below)
+
+
+class DurableDirs:
+    """Directories of the store whose entry in their parent is durable: each was seen (by
+    inode) before its parent was fsync'd. A directory this store removes (delete) is
+    forgotten; one removed and made again by another process is another inode, unless the
+    file system hands out the same number again. Bounded: forgotten all at once past LIMIT (the
+    next publishes fsync up the chain again)."""
+
+    LIMIT = 65536
+
+    def __init__(self) -> None:
+        self._inodes: dict[Path, int] = {}
+
+    def known(self, d: Path) -> bool:
+        ino = self._inodes.get(d)
+        if ino is None:
+            return False
+        try:
+            return os.stat(d).st_ino == ino
+        except OSError:
+            return False
+
+    def forget(self, d: Path) -> None:
+        self._inodes.pop(d, None)
+
+    def add(self, dirs: list[tuple[Path, int]]) -> None:
+        if len(self._inodes) + len(dirs) > self.LIMIT:
+            self._inodes = {}
+        self._inodes.update(dirs)  # one dict update: atomic under the GIL, for publishers on many threads
 
 
 class _LocalWriter(BlobWriter):
@@ -108,6 +144,7 @@ class LocalBlobStore(BlobStore, AdoptsFiles, LendsLocalPaths, ReportsFreeSpace):
         self.blob_dir.mkdir(parents=True, exist_ok=True)
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
         self._rename_ok: dict[Path, bool] = {}
+        self.durable_dirs = DurableDirs()  # _publish: ancestors whose entry needs no fsync again
         for stale in self.tmp_dir.glob("*.part"):  # writers of a process that crashed
             stale.unlink(missing_ok=True)
 
@@ -190,4 +227,5 @@ class LocalBlobStore(BlobStore, AdoptsFiles, LendsLocalPaths, ReportsFreeSpace):
                 d.rmdir()
             except OSError:  # not empty, or already gone
                 break
+            self.durable_dirs.forget(d)  # made again, it is new: fsync'd up the chain (its inode may recur)
             d = d.parent
