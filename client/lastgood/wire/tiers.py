@@ -88,3 +88,17 @@ def partners(agents: list[AgentPlace], own: AgentPlace, replicas: int = DEFAULT_
 def holders_needed(replicas: int) -> int:
     """How many distinct hosts must report a memory file's digest before it counts."""
     return 1 + replicas
+
+
+MAX_ADDRESS = 255
+_ADDRESS = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9.-]{0,252}|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}")
+
+
+def check_address(value: str) -> str:
+    """An agent's address as it declares it ("host:port", "[v6]:port"): where partners and
+    restoring ranks reach it. Bounded, no scheme, no path."""
+    if not isinstance(value, str) or len(value) > MAX_ADDRESS or not _ADDRESS.fullmatch(value) \
+            or not 0 < int(value.rsplit(":", 1)[1]) < 65536:
+        raise ValueError(f"address must be host:port (port 1..65535, at most {MAX_ADDRESS} characters), "
+                         f"got {value[:80] if isinstance(value, str) else value!r}")
+    return value
