@@ -22,9 +22,9 @@ def register(svc, host: str, port: int = 7000) -> dict:
     return r.json()
 
 
-def begin(cl, run: str, step: int = 1, world: int = 1, replicas: int = 1) -> int:
+def begin(cl, run: str, step: int = 1, world: int = 1, replicas: int = 1, parent: int = 0) -> int:
     return cl.stub.BeginCheckpoint(pb.BeginCheckpointRequest(
-        run=run, step=step, world_size=world, attempt=ATTEMPT, tier="memory", replicas=replicas),
+        run=run, step=step, world_size=world, attempt=ATTEMPT, tier="memory", replicas=replicas, parent_id=parent),
         timeout=RPC_TIMEOUT).checkpoint_id
 
 
@@ -148,3 +148,53 @@ def test_live_names_the_pending_and_held_memory_checkpoints(svc, cl, run_name):
     got = {(x["run"], x["checkpoint_id"]) for x in live.json()["live"]}
     assert {(run_name, held), (run_name, pending)} <= got
     json_error(http(svc).get(f"/api/v1/agents/{a['agent_id']}/live", headers={tiers.AGENT_KEY_HEADER: b["key"]}), 403)
+
+
+def test_memory_bytes_through_the_service_are_refused(svc, cl, run_name):
+    a, b = register(svc, "host-m"), register(svc, "host-n")
+    cid = begin(cl, run_name)
+    vote(cl, cid, 0, {"m.bin": D1})
+    report(svc, a, cid, 0, {"m.bin": D1})
+    assert report(svc, b, cid, 0, {"m.bin": D1}).json()["status"] == "COMMITTED"
+    err = json_error(http(svc).get(f"/api/v1/checkpoints/{cid}/ranks/0/files/m.bin"), 409)
+    assert "memory checkpoint" in err["message"]
+    e = rpc_error(grpc.StatusCode.FAILED_PRECONDITION, cl.read, cid, 0, "m.bin")
+    assert "read it from its agents" in e.details()
+
+
+def _durable_tag(svc, run: str) -> list[int]:
+    items = http(svc).get(f"/api/v1/runs/{run}/checkpoints", params={"limit": 100}).json()["items"]
+    return [c["id"] for c in items if any(t["name"] == tiers.LAST_GOOD_DURABLE_TAG for t in c["tags"])]
+
+
+def test_the_last_good_durable_tag_moves_with_durable_commits(svc, cl, run_name):
+    a, b = register(svc, "host-o"), register(svc, "host-p")
+    first, _ = cl.save(run_name, 1)
+    assert _durable_tag(svc, run_name) == []  # control: a run of durable checkpoints only has none
+    mem = begin(cl, run_name, step=2)
+    vote(cl, mem, 0, {"m.bin": D1})
+    report(svc, a, mem, 0, {"m.bin": D1})
+    assert report(svc, b, mem, 0, {"m.bin": D1}).json()["status"] == "COMMITTED"
+    assert _durable_tag(svc, run_name) == [first]  # the first memory commit names the newest durable one
+    last_good = http(svc).get(f"/api/v1/runs/{run_name}/last-good").json()
+    assert last_good["id"] == mem and last_good["tier"] == "memory"  # last-good: the newest of either tier
+    second, _ = cl.save(run_name, 3)
+    assert _durable_tag(svc, run_name) == [second]
+
+
+def test_gc_keeps_the_last_good_durable_checkpoint_and_deletes_memory_rows(svc, cl, run_name):
+    a, b = register(svc, "host-q"), register(svc, "host-r")
+    durable, _ = cl.save(run_name, 1)
+    mems = []
+    for step in (2, 3):
+        cid = begin(cl, run_name, step=step, parent=mems[-1] if mems else durable)
+        vote(cl, cid, 0, {"m.bin": D1})
+        report(svc, a, cid, 0, {"m.bin": D1})
+        assert report(svc, b, cid, 0, {"m.bin": D1}).json()["status"] == "COMMITTED"
+        mems.append(cid)
+    r = http(svc).put(f"/api/v1/runs/{run_name}/retention", json={"retention": "latest:1,last-good,branch-heads"})
+    assert r.status_code == 200, r.text
+    deleted = http(svc).post("/api/v1/gc").json()["result"]["deleted"]
+    assert mems[0] in deleted and mems[1] not in deleted  # latest:1 keeps the newest memory checkpoint
+    assert durable not in deleted  # latest:1 alone would delete it: the tag keeps it
+    assert status(svc, durable) == "COMMITTED" and status(svc, mems[0]) == "DELETED"

@@ -22,14 +22,14 @@ router = APIRouter(route_class=StrictJSONRoute, tags=["agents"])
 AgentId = Annotated[int, Path(ge=1, le=names.MAX_ID)]
 AgentKey = Annotated[str | None, Header(alias=tiers.AGENT_KEY_HEADER, max_length=tiers.AGENT_KEY_HEX,
                                         description="the agent's key, as its registration answered it")]
-_LABEL = {"pattern": "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"}  # the schema's copy of tiers.check_label's rule
 
 
 class Place(BaseModel):
-    host: str = Field(min_length=1, max_length=64, json_schema_extra=_LABEL)
-    rack: str = Field("", max_length=64)
-    switch: str = Field("", max_length=64)
-    address: str = Field(min_length=3, max_length=tiers.MAX_ADDRESS, description="host:port the agent serves on")
+    host: str = Field(min_length=1, max_length=64, json_schema_extra=tiers.SCHEMA["label"])
+    rack: str = Field("", max_length=64, json_schema_extra=tiers.SCHEMA["optional_label"])
+    switch: str = Field("", max_length=64, json_schema_extra=tiers.SCHEMA["optional_label"])
+    address: str = Field(min_length=3, max_length=tiers.MAX_ADDRESS, json_schema_extra=tiers.SCHEMA["address"],
+                         description="host:port the agent serves on")
 
 
 class HeldFile(BaseModel):

@@ -290,6 +290,7 @@ class CommitProtocol(CommitPut):
                 ck = s.get(Checkpoint, checkpoint_id)  # not loaded before in this session: the updated row
                 branches.settle(s, ck.run_id, ck.id)  # committed: its stored branch and later ones'
                 moved = last_good.advance(s, ck)
+                last_good.move_durable_tag(s, ck)  # a durable commit: the last-good-durable tag moves with it
                 add_event(s, "commit", ck.run_id, ck.id, step=ck.step, bytes=ck.bytes, last_good=moved,
                           recovered=recovering)
                 save_s, commit_s = (now - ck.created_at).total_seconds(), (now - last_vote).total_seconds()
