@@ -96,3 +96,20 @@ AGENT_RESERVE_PATH = "/v1/reserve"        # POST: room for a rank's bytes under 
 AGENT_SEGMENTS_PATH = "/v1/segments"      # /<run>/<checkpoint id>/<rank>/<file>: GET (ranged), PUT (a partner's copy)
 AGENT_STATUS_PATH = "/v1/status"          # GET: what the agent holds, its budget and events
 AGENT_DIGEST_HEADER = "X-Lastgood-Xxh3-128"  # the holder's own xxh3-128 of the whole file
+
+MAX_ADDRESS = 255
+_PORT = r"(?:[1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
+_ADDRESS = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9.-]{0,200}|\[[0-9A-Fa-f:.]{2,45}\]):" + _PORT)
+# the same rules in an OpenAPI document (the service's agent routes)
+SCHEMA = {"label": {"pattern": "^" + _LABEL.pattern + "$"},
+          "optional_label": {"pattern": "^(?:" + _LABEL.pattern + ")?$"},
+          "address": {"pattern": "^" + _ADDRESS.pattern + "$"}}
+
+
+def check_address(value: str) -> str:
+    """An agent's address as it declares it ("host:port", "[v6]:port"): where partners and
+    restoring ranks reach it. Bounded, no scheme, no path."""
+    if not isinstance(value, str) or len(value) > MAX_ADDRESS or not _ADDRESS.fullmatch(value):
+        raise ValueError(f"address must be host:port (port 1..65535, at most {MAX_ADDRESS} characters), "
+                         f"got {value[:80] if isinstance(value, str) else value!r}")
+    return value

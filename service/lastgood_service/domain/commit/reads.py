@@ -17,6 +17,7 @@ from ...catalog.models import COMMITTED, Shard
 from ..errors import DamagedMismatch, DamagedMissing, FailedPrecondition, NotFound, OutOfRange, not_committed
 from . import indexes
 from .core import key_prefix
+from . import tiering
 from .verification import CommitVerification
 
 
@@ -28,6 +29,7 @@ class CommitReads(CommitVerification):
             ck = self.get_checkpoint(s, checkpoint_id)
             if ck.status != COMMITTED:
                 raise not_committed(checkpoint_id, ck.status, "read")
+            tiering.refuse_blob(ck, "through the service")  # its bytes are in agents' memory
             self.check_rank(ck, rank)
             sh = s.scalar(select(Shard).where(Shard.checkpoint_id == checkpoint_id, Shard.rank == rank,
                                               Shard.file_name == file_name))

@@ -153,6 +153,8 @@ class GCPlanning(GCBase):
         out: dict[int, list[tuple[str, int]]] = defaultdict(list)
         for chunk in _chunks([r.id for r in rows]):
             for sh in s.scalars(select(Shard).where(Shard.checkpoint_id.in_(chunk)).order_by(Shard.id)):
+                if not sh.blob_key:  # a memory checkpoint's file (commit/tiering.py): in agents' memory, no blob
+                    continue
                 out[sh.checkpoint_id].append((sh.blob_key, sh.size))
                 if (parsed := keys.parse(sh.blob_key)) and (index := indexes.key_of(parsed.prefix, sh)):
                     out[sh.checkpoint_id].append((index, 0))  # its tensor index object

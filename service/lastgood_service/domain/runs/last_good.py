@@ -8,6 +8,9 @@ transaction, never assigns the pointer itself:
   retreat          a checkpoint found CORRUPT gives it up to its usable ancestor
   roll_back_to     a rollback after a loss spike takes it back to the target
 
+Beside it, `move_durable_tag` keeps the run's newest committed durable checkpoint under the
+system tag last-good-durable (docs/memory-tier.md), in every durable commit's transaction.
+
 `usable_ancestor` is the fall-back rule both a retreat and a restore that cannot use a
 checkpoint (GET /checkpoints/{id}/ancestors, `fallback_id`) follow; the client asks the
 service for it and keeps no copy.
@@ -18,7 +21,7 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ...catalog.models import COMMITTED, SUSPECT, SYSTEM, Checkpoint, Run, Tag, utcnow
+from ...catalog.models import COMMITTED, DURABLE, LAST_GOOD_DURABLE, SUSPECT, SYSTEM, Checkpoint, Run, Tag, utcnow
 from .lineage import ancestors
 
 
@@ -69,3 +72,34 @@ def usable_ancestor(s: Session, ck: Checkpoint) -> int | None:
         if status.get(cid) == COMMITTED and cid not in suspect:
             return cid
     return None
+
+
+def move_durable_tag(s: Session, ck: Checkpoint) -> None:
+    """ck was just committed. In a run with memory checkpoints, the system tag
+    LAST_GOOD_DURABLE (lastgood.wire.tiers) names the run's newest committed durable
+    checkpoint, moved in the commit's transaction: by a durable commit to itself, by a
+    memory commit (the run's first) to the newest durable one if it names none yet. GC never
+    deletes the checkpoint it names (retention.Retention.keep), so a restore whose memory
+    copies are lost has it. A run of durable checkpoints only has no such tag (last-good is it)."""
+    cur = s.scalar(select(Tag).where(Tag.run_id == ck.run_id, Tag.name == LAST_GOOD_DURABLE, Tag.kind == SYSTEM))
+    if ck.tier == DURABLE:
+        if cur is None and s.scalar(select(Checkpoint.id).where(Checkpoint.run_id == ck.run_id,
+                                                                Checkpoint.tier != DURABLE).limit(1)) is None:
+            return
+        target = ck
+    else:
+        if cur is not None:
+            return
+        target = s.scalar(select(Checkpoint).where(Checkpoint.run_id == ck.run_id, Checkpoint.tier == DURABLE,
+                                                   Checkpoint.status == COMMITTED)
+                          .order_by(Checkpoint.step.desc(), Checkpoint.id.desc()).limit(1))
+        if target is None:
+            return
+    if cur is not None:
+        held = s.get(Checkpoint, cur.checkpoint_id)
+        if held is not None and held.status == COMMITTED and held.step > target.step:
+            return
+        cur.checkpoint_id, cur.created_at = target.id, utcnow()
+    else:
+        s.add(Tag(run_id=ck.run_id, checkpoint_id=target.id, name=LAST_GOOD_DURABLE, kind=SYSTEM,
+                  created_at=utcnow()))

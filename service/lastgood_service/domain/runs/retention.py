@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from ...catalog.models import SUSPECT
+from ...catalog.models import LAST_GOOD_DURABLE, SUSPECT
 
 
 @dataclass
@@ -95,7 +95,8 @@ class Retention:
         self.policies = policies
 
     def keep(self, run: RunView) -> set[int]:
-        kept: set[int] = set()
+        # whatever the policies: the checkpoint a memory checkpoint's restore falls back to
+        kept: set[int] = {cid for cid, names in run.tags.items() if LAST_GOOD_DURABLE in names}
         for p in self.policies:
             kept |= p.keep(run)
         return kept

@@ -1,0 +1,200 @@
+"""The memory tier in the catalog (docs/memory-tier.md, "In the catalog"): node agents
+register, report the copies they hold, and a memory checkpoint commits only once each file
+is held with its declared digest on `1 + replicas` distinct hosts. A real service process;
+the agents' REST calls are made here with plain HTTP, as an agent makes them."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from lastgood.wire import tiers
+from lastgood.wire.v1 import lastgood_pb2 as pb
+
+from .helpers import ATTEMPT, RPC_TIMEOUT, events, http, json_error, rpc_error
+
+D1, D2 = "1" * 32, "2" * 32
+
+
+def register(svc, host: str, port: int = 7000) -> dict:
+    r = http(svc).post("/api/v1/agents", json={"host": host, "address": f"127.0.0.1:{port}"})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def begin(cl, run: str, step: int = 1, world: int = 1, replicas: int = 1, parent: int = 0) -> int:
+    return cl.stub.BeginCheckpoint(pb.BeginCheckpointRequest(
+        run=run, step=step, world_size=world, attempt=ATTEMPT, tier="memory", replicas=replicas, parent_id=parent),
+        timeout=RPC_TIMEOUT).checkpoint_id
+
+
+def vote(cl, cid: int, rank: int, files: dict[str, str], size: int = 10):
+    return cl.stub.CommitRank(pb.CommitRankRequest(
+        checkpoint_id=cid, rank=rank, memory_files=[pb.MemoryFile(name=n, size=size, xxh3_128=d)
+                                                    for n, d in files.items()]), timeout=RPC_TIMEOUT)
+
+
+def report(svc, agent: dict, cid: int, rank: int, files: dict[str, str], size: int = 10, key: str | None = None):
+    return http(svc).post(f"/api/v1/checkpoints/{cid}/copies",
+                          headers={tiers.AGENT_KEY_HEADER: key or agent["key"]},
+                          json={"agent_id": agent["agent_id"], "rank": rank,
+                                "files": [{"name": n, "size": size, "xxh3_128": d} for n, d in files.items()]})
+
+
+def status(svc, cid: int) -> str:
+    r = http(svc).get(f"/api/v1/checkpoints/{cid}")
+    assert r.status_code == 200, r.text
+    return r.json()["status"]
+
+
+def test_register_lists_and_a_second_registration_retires_the_first(svc):
+    a = register(svc, "node-a", 7101)
+    assert len(a["key"]) == tiers.AGENT_KEY_HEX and a["agent_id"] > 0
+    again = register(svc, "node-a", 7101)
+    listed = http(svc).get("/api/v1/agents").json()["agents"]
+    ids = [x["agent_id"] for x in listed]
+    assert again["agent_id"] in ids and a["agent_id"] not in ids  # the old one stops counting
+    mine = next(x for x in listed if x["agent_id"] == again["agent_id"])
+    assert mine == {"agent_id": again["agent_id"], "host": "node-a", "rack": "", "switch": "",
+                    "address": "127.0.0.1:7101"}
+    # bad labels: a clear 400, nothing registered
+    for body in ({"host": "../x", "address": "h:1"}, {"host": "n", "address": "no-port"},
+                 {"host": "n", "address": "h:99999"}, {"host": "n", "rack": "a b", "address": "h:1"}):
+        json_error(http(svc).post("/api/v1/agents", json=body), (400, 422))
+    assert len(http(svc).get("/api/v1/agents").json()["agents"]) == len(listed)
+
+
+def test_commits_with_two_hosts_reports_and_not_with_one(svc, cl, run_name):
+    a, b = register(svc, "host-a"), register(svc, "host-b")
+    cid = begin(cl, run_name)
+    assert report(svc, a, cid, 0, {"model.bin": D1}).json()["status"] == "PENDING"  # before the vote
+    assert vote(cl, cid, 0, {"model.bin": D1}).status == "PENDING"  # one host only: no commit (control)
+    assert status(svc, cid) == "PENDING"
+    # the same host again (another agent on it) does not count twice
+    a2 = register(svc, "host-a", 7002)
+    assert report(svc, a2, cid, 0, {"model.bin": D1}).json()["status"] == "PENDING"
+    assert report(svc, b, cid, 0, {"model.bin": D1}).json()["status"] == "COMMITTED"
+    view = http(svc).get(f"/api/v1/checkpoints/{cid}").json()
+    assert view["tier"] == "memory"
+    copies = http(svc).get(f"/api/v1/checkpoints/{cid}/copies").json()
+    assert copies["tier"] == "memory" and copies["replicas"] == 1
+    (entry,) = copies["copies"]
+    assert {x["host"] for x in entry["agents"]} == {"host-a", "host-b"} and entry["rank"] == 0
+
+
+def test_reports_after_the_vote_commit_a_two_rank_checkpoint(svc, cl, run_name):
+    a, b = register(svc, "host-c"), register(svc, "host-d")
+    cid = begin(cl, run_name, world=2)
+    for r in (0, 1):
+        assert vote(cl, cid, r, {f"r{r}.bin": D1}).status == "PENDING"
+    for r in (0, 1):
+        report(svc, a, cid, r, {f"r{r}.bin": D1})
+    assert status(svc, cid) == "PENDING"
+    assert report(svc, b, cid, 0, {"r0.bin": D1}).json()["status"] == "PENDING"
+    assert report(svc, b, cid, 1, {"r1.bin": D1}).json()["status"] == "COMMITTED"
+
+
+def test_a_copy_of_other_bytes_abandons_it(svc, cl, run_name):
+    a, b = register(svc, "host-e"), register(svc, "host-f")
+    cid = begin(cl, run_name)
+    vote(cl, cid, 0, {"m.bin": D1})
+    report(svc, a, cid, 0, {"m.bin": D1})
+    assert report(svc, b, cid, 0, {"m.bin": D2}).json()["status"] == "ABANDONED"
+    mism = [e for e in events(svc, run_name) if e["kind"] == "hash_mismatch"]
+    assert mism and mism[0]["data"]["agent_id"] == b["agent_id"], mism
+
+
+def test_a_mismatch_reported_before_the_vote_abandons_it_at_the_vote(svc, cl, run_name):
+    a = register(svc, "host-g")
+    cid = begin(cl, run_name)
+    report(svc, a, cid, 0, {"m.bin": D2})
+    e = rpc_error(grpc.StatusCode.FAILED_PRECONDITION, vote, cl, cid, 0, {"m.bin": D1})
+    assert "ABANDONED" in e.details()
+    assert status(svc, cid) == "ABANDONED"
+
+
+def test_a_wrong_key_is_refused_recorded_and_changes_nothing(svc, cl, run_name):
+    a, b = register(svc, "host-h"), register(svc, "host-i")
+    cid = begin(cl, run_name)
+    vote(cl, cid, 0, {"m.bin": D1})
+    report(svc, a, cid, 0, {"m.bin": D1})
+    json_error(report(svc, b, cid, 0, {"m.bin": D1}, key=a["key"]), 403)  # another agent's key
+    json_error(report(svc, b, cid, 0, {"m.bin": D2}, key="0" * 64), 403)  # a mismatch, refused first
+    assert status(svc, cid) == "PENDING"
+    assert [x["host"] for x in http(svc).get(f"/api/v1/checkpoints/{cid}/copies").json()["copies"][0]["agents"]] \
+        == ["host-h"]
+    assert len([e for e in events(svc, run_name) if e["kind"] == "copy_report_refused"]) == 2
+    # control: the right key commits it
+    assert report(svc, b, cid, 0, {"m.bin": D1}).json()["status"] == "COMMITTED"
+
+
+def test_durable_checkpoints_refuse_reports_and_memory_ones_refuse_bytes(svc, cl, run_name):
+    a = register(svc, "host-j")
+    durable, _ = cl.save(run_name, 1)
+    json_error(report(svc, a, durable, 0, {"m.bin": D1}), 409)
+    json_error(http(svc).get(f"/api/v1/checkpoints/{durable}/copies"), 409)
+    assert http(svc).get(f"/api/v1/checkpoints/{durable}").json()["tier"] == "durable"
+
+
+def test_live_names_the_pending_and_held_memory_checkpoints(svc, cl, run_name):
+    a, b = register(svc, "host-k"), register(svc, "host-l")
+    held = begin(cl, run_name, step=1)
+    vote(cl, held, 0, {"m.bin": D1})
+    report(svc, a, held, 0, {"m.bin": D1})
+    report(svc, b, held, 0, {"m.bin": D1})
+    pending = begin(cl, run_name, step=2)
+    live = http(svc).get(f"/api/v1/agents/{a['agent_id']}/live", headers={tiers.AGENT_KEY_HEADER: a["key"]})
+    assert live.status_code == 200, live.text
+    got = {(x["run"], x["checkpoint_id"]) for x in live.json()["live"]}
+    assert {(run_name, held), (run_name, pending)} <= got
+    json_error(http(svc).get(f"/api/v1/agents/{a['agent_id']}/live", headers={tiers.AGENT_KEY_HEADER: b["key"]}), 403)
+
+
+def test_memory_bytes_through_the_service_are_refused(svc, cl, run_name):
+    a, b = register(svc, "host-m"), register(svc, "host-n")
+    cid = begin(cl, run_name)
+    vote(cl, cid, 0, {"m.bin": D1})
+    report(svc, a, cid, 0, {"m.bin": D1})
+    assert report(svc, b, cid, 0, {"m.bin": D1}).json()["status"] == "COMMITTED"
+    err = json_error(http(svc).get(f"/api/v1/checkpoints/{cid}/ranks/0/files/m.bin"), 409)
+    assert "memory checkpoint" in err["message"]
+    e = rpc_error(grpc.StatusCode.FAILED_PRECONDITION, cl.read, cid, 0, "m.bin")
+    assert "read it from its agents" in e.details()
+
+
+def _durable_tag(svc, run: str) -> list[int]:
+    items = http(svc).get(f"/api/v1/runs/{run}/checkpoints", params={"limit": 100}).json()["items"]
+    return [c["id"] for c in items if any(t["name"] == tiers.LAST_GOOD_DURABLE_TAG for t in c["tags"])]
+
+
+def test_the_last_good_durable_tag_moves_with_durable_commits(svc, cl, run_name):
+    a, b = register(svc, "host-o"), register(svc, "host-p")
+    first, _ = cl.save(run_name, 1)
+    assert _durable_tag(svc, run_name) == []  # control: a run of durable checkpoints only has none
+    mem = begin(cl, run_name, step=2)
+    vote(cl, mem, 0, {"m.bin": D1})
+    report(svc, a, mem, 0, {"m.bin": D1})
+    assert report(svc, b, mem, 0, {"m.bin": D1}).json()["status"] == "COMMITTED"
+    assert _durable_tag(svc, run_name) == [first]  # the first memory commit names the newest durable one
+    last_good = http(svc).get(f"/api/v1/runs/{run_name}/last-good").json()
+    assert last_good["id"] == mem and last_good["tier"] == "memory"  # last-good: the newest of either tier
+    second, _ = cl.save(run_name, 3)
+    assert _durable_tag(svc, run_name) == [second]
+
+
+def test_gc_keeps_the_last_good_durable_checkpoint_and_deletes_memory_rows(svc, cl, run_name):
+    a, b = register(svc, "host-q"), register(svc, "host-r")
+    durable, _ = cl.save(run_name, 1)
+    mems = []
+    for step in (2, 3):
+        cid = begin(cl, run_name, step=step, parent=mems[-1] if mems else durable)
+        vote(cl, cid, 0, {"m.bin": D1})
+        report(svc, a, cid, 0, {"m.bin": D1})
+        assert report(svc, b, cid, 0, {"m.bin": D1}).json()["status"] == "COMMITTED"
+        mems.append(cid)
+    r = http(svc).put(f"/api/v1/runs/{run_name}/retention", json={"retention": "latest:1,last-good,branch-heads"})
+    assert r.status_code == 200, r.text
+    deleted = http(svc).post("/api/v1/gc").json()["result"]["deleted"]
+    assert mems[0] in deleted and mems[1] not in deleted  # latest:1 keeps the newest memory checkpoint
+    assert durable not in deleted  # latest:1 alone would delete it: the tag keeps it
+    assert status(svc, durable) == "COMMITTED" and status(svc, mems[0]) == "DELETED"
