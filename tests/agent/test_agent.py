@@ -227,3 +227,24 @@ def test_a_byte_flipped_in_a_replica_is_detected_and_the_other_copy_read(two_nod
     with pytest.raises(AgentRefused) as e:
         own.reserve("../r", 6, 1, 10)
     assert e.value.status == 400
+
+
+def test_supervise_with_a_memory_budget_runs_the_agent_and_hands_its_address_to_the_job(shm, tmp_path):
+    """The service is unreachable here: the agent registers later (an event), the job runs,
+    finds LASTGOOD_AGENT, and a save into the agent's segment is held and readable."""
+    out = tmp_path / "job.json"
+    job = ("import json, os, sys; sys.path[:0] = [%r]; "
+           "from lastgood.datapath.agents import AgentClient, read_range; "
+           "a = os.environ['LASTGOOD_AGENT']; c = AgentClient(a); d = c.reserve('r', 1, 0, 5); "
+           "open(d + '/f', 'wb').write(b'hello'); "
+           "held = c.ready('r', 1, 0, ['f'], replicas=0); "
+           "json.dump({'held': held, 'read': read_range(a, 'r', 1, 0, 'f', 1, 3).decode()}, open(%r, 'w'))"
+           % (str(Path(__file__).resolve().parents[2] / "client"), str(out)))
+    proc = subprocess.run([sys.executable, "-m", "lastgood.cli", "--url", f"http://127.0.0.1:{_free_port()}",
+                           "supervise", "--run", "r", "--max-restarts", "0", "--memory-budget", "1M",
+                           "--agent-host", "node-a", "--agent-shm-root", str(shm / "a"), "--", sys.executable, "-c", job],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(out.read_text())
+    assert got["held"] == [{"name": "f", "size": 5, "xxh3_128": hash_bytes(b"hello")}] and got["read"] == "ell"
+    assert (shm / "a" / "r" / "1" / "0" / "f").read_bytes() == b"hello"   # it outlives the job's process
