@@ -108,7 +108,18 @@ SPEC = {
     ("GET", "/api/v1/gc/plan"): (R, "list"), ("POST", "/api/v1/gc"): (A, "global"),
     ("GET", "/api/v1/tokens"): (A, "global"), ("POST", "/api/v1/tokens"): (A, "global"),
     ("DELETE", "/api/v1/tokens/{token_id}"): (A, "global"),
+    # the memory tier's node agents
+    ("POST", "/api/v1/agents"): (W, "global"), ("GET", "/api/v1/agents"): (R, "global"),
+    ("GET", "/api/v1/agents/{agent_id}/live"): (R, "global"),
+    ("POST", "/api/v1/checkpoints/{checkpoint_id}/copies"): (W, "checkpoint"),
+    ("GET", "/api/v1/checkpoints/{checkpoint_id}/copies"): (R, "checkpoint"),
 }
+
+# authorized calls the handler answers with its own refusal (the matrix's checkpoint is
+# durable, and a call sends no agent key): (status, text the answer holds)
+HANDLER_REFUSES = {("POST", "/api/v1/checkpoints/{checkpoint_id}/copies"): (409, "is durable"),
+                   ("GET", "/api/v1/checkpoints/{checkpoint_id}/copies"): (409, "is durable"),
+                   ("GET", "/api/v1/agents/{agent_id}/live"): (403, "X-Lastgood-Agent-Key")}
 
 
 # routes of a feature this service (a local store) has off: an authorized call reaches the
@@ -145,7 +156,8 @@ def test_every_route_has_a_policy_and_a_spec(world):
 def _concrete(world, method, path):
     """A request that succeeds for an allowed caller: path params and body."""
     h, boot, cid = world["http"], world["boot"], world["cid"]
-    values = {"run": RUN, "checkpoint_id": str(cid), "rank": "0", "file_name": shard_name(0), "name": "t-x"}
+    values = {"run": RUN, "checkpoint_id": str(cid), "rank": "0", "file_name": shard_name(0), "name": "t-x",
+              "agent_id": "1"}
     body = None
     if "{lease_id}" in path:
         values["lease_id"] = str(h.post(f"/api/v1/checkpoints/{cid}/leases", json={}, headers=boot).json()["lease_id"])
@@ -176,6 +188,10 @@ def _concrete(world, method, path):
                 "parts": [{"number": 1, "etag": "e", "crc32": "AAAAAA=="}]}
     elif path.endswith("/peer-check") and method == "POST":
         body = {"peer_rank": 0, "files": []}
+    elif path == "/api/v1/agents" and method == "POST":
+        body = {"host": "matrix-node", "address": "127.0.0.1:7000"}
+    elif path.endswith("/copies") and method == "POST":
+        body = {"agent_id": 1, "rank": 0, "files": []}
     elif path == "/api/v1/tokens" and method == "POST":
         body = {"name": "made-in-matrix", "role": "reader"}
     url = re.sub(r"\{(\w+)\}", lambda m: values[m.group(1)], path)
@@ -196,6 +212,9 @@ def test_rest_matrix(world, principal):
         if want == "ok" and (method, path) == ("POST", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/peer-check"):
             # authorized: the checkpoint has one rank, whose files the service hashes (no report taken)
             ok = r.status_code == 400 and "does not check its own files" in r.text
+        if want == "ok" and (method, path) in HANDLER_REFUSES:
+            code, text = HANDLER_REFUSES[(method, path)]
+            ok = r.status_code == code and text in r.text
         if want == "ok-filtered" and ok:
             doc = r.json()  # a token for team-b- runs sees none of team-a-'s
             ok = doc["items"] == [] if "items" in doc else (doc["checkpoints"] == [] and doc["runs"] == [])

@@ -90,9 +90,23 @@ def holders_needed(replicas: int) -> int:
     return 1 + replicas
 
 
-# The node agent's own HTTP protocol (lastgood.agent serves it, lastgood.remote.agent calls it).
+# The node agent's own HTTP protocol (lastgood.agent serves it, lastgood.datapath.agents calls it).
 AGENT_READY_PATH = "/v1/ready"            # POST: a rank's files are in its segment directory
 AGENT_RESERVE_PATH = "/v1/reserve"        # POST: room for a rank's bytes under the node's budget
 AGENT_SEGMENTS_PATH = "/v1/segments"      # /<run>/<checkpoint id>/<rank>/<file>: GET (ranged), PUT (a partner's copy)
 AGENT_STATUS_PATH = "/v1/status"          # GET: what the agent holds, its budget and events
 AGENT_DIGEST_HEADER = "X-Lastgood-Xxh3-128"  # the holder's own xxh3-128 of the whole file
+
+
+MAX_ADDRESS = 255
+_ADDRESS = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9.-]{0,252}|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}")
+
+
+def check_address(value: str) -> str:
+    """An agent's address as it declares it ("host:port", "[v6]:port"): where partners and
+    restoring ranks reach it. Bounded, no scheme, no path."""
+    if not isinstance(value, str) or len(value) > MAX_ADDRESS or not _ADDRESS.fullmatch(value) \
+            or not 0 < int(value.rsplit(":", 1)[1]) < 65536:
+        raise ValueError(f"address must be host:port (port 1..65535, at most {MAX_ADDRESS} characters), "
+                         f"got {value[:80] if isinstance(value, str) else value!r}")
+    return value

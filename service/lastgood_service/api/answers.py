@@ -60,6 +60,7 @@ class CheckpointView(Answer):
     attempt: str
     generation: int
     world_size: int
+    tier: str = Field(description="durable or memory (docs/memory-tier.md)")
     parent_id: int | None
     status: str = Field(description="PENDING, COMMITTED, ABANDONED, CORRUPT or DELETED")
     bytes: int
@@ -351,6 +352,38 @@ class PeerReported(Answer):
     mismatched: list[str]
 
 
+# ------------------------------------------------------------------ the memory tier (docs/memory-tier.md)
+class AgentView(Answer):
+    agent_id: int
+    host: str
+    rack: str
+    switch: str
+    address: str
+
+
+class AgentRegistered(Answer):
+    agent_id: int
+    key: str = Field(description="the agent's key (64 hex digits), shown once; every later call sends it")
+
+
+class AgentList(Answer):
+    agents: list[AgentView]
+
+
+class CopyReported(Answer):
+    status: str = Field(description="the checkpoint's status after the report")
+
+
+class MemoryCopies(Answer):
+    tier: str
+    replicas: int
+    copies: list[dict] = Field(description="each file: rank, file, and the agents holding its declared bytes")
+
+
+class LiveSegments(Answer):
+    live: list[dict] = Field(description="the memory checkpoints (run, checkpoint_id) the agent keeps")
+
+
 OK: dict[tuple[str, str], type[Answer]] = {
     ("get", "/healthz"): Healthz,
     ("get", "/api/v1/info"): InfoAnswer,
@@ -392,6 +425,11 @@ OK: dict[tuple[str, str], type[Answer]] = {
     ("get", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/read-grants/{file_name}"): ReadGrant,
     ("get", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/peer-check"): PeerAssignment,
     ("post", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/peer-check"): PeerReported,
+    ("post", "/api/v1/agents"): AgentRegistered,
+    ("get", "/api/v1/agents"): AgentList,
+    ("get", "/api/v1/agents/{agent_id}/live"): LiveSegments,
+    ("post", "/api/v1/checkpoints/{checkpoint_id}/copies"): CopyReported,
+    ("get", "/api/v1/checkpoints/{checkpoint_id}/copies"): MemoryCopies,
 }
 
 # answers that are not JSON: a file's bytes

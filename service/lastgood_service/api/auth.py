@@ -64,6 +64,13 @@ POLICY: dict[tuple[str, str], str | tuple[str, str]] = {
     ("POST", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/grants"): (WRITER, "checkpoint"),
     ("POST", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/direct-files"): (WRITER, "checkpoint"),
     ("GET", "/api/v1/checkpoints/{checkpoint_id}/ranks/{rank}/read-grants/{file_name}"): (READER, "checkpoint"),
+    # the memory tier's node agents (api/routes/agents.py): they serve every run of their node,
+    # so only unscoped tokens register and list them; an agent's own calls carry its key too
+    ("POST", "/api/v1/agents"): (WRITER, "global"),
+    ("GET", "/api/v1/agents"): (READER, "global"),
+    ("GET", "/api/v1/agents/{agent_id}/live"): (READER, "global"),
+    ("POST", "/api/v1/checkpoints/{checkpoint_id}/copies"): (WRITER, "checkpoint"),
+    ("GET", "/api/v1/checkpoints/{checkpoint_id}/copies"): (READER, "checkpoint"),
     ("GET", "/api/v1/gc/policy"): (READER, "global"),
     ("GET", "/api/v1/gc/plan"): (READER, "list"),      # the runs of the token's scope (full=true: unscoped)
     ("POST", "/api/v1/gc"): (ADMIN, "global"),

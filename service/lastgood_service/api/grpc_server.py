@@ -194,7 +194,8 @@ class Servicer(pb_grpc.CheckpointsServicer):
     def BeginCheckpoint(self, request, context):
         self._allow(context, WRITER, run=request.run)
         ck = self.commits.begin(request.run, request.step, request.world_size, request.parent_id or None,
-                                request.attempt, request.rank, request.generation, request.expected_bytes)
+                                request.attempt, request.rank, request.generation, request.expected_bytes,
+                                request.tier, request.replicas)
         return pb.BeginCheckpointResponse(checkpoint_id=ck.id, status=ck.status,
                                           lease_seconds=self.commits.settings.lease_seconds)
 
@@ -262,7 +263,7 @@ class Servicer(pb_grpc.CheckpointsServicer):
         try:
             res = self.commits.vote(request.checkpoint_id, request.rank, list(request.files),
                                     wait if waiting or not math.isfinite(wait) else 0.0,  # NaN: refused there
-                                    request.peer_key)
+                                    request.peer_key, list(request.memory_files))
         finally:
             if waiting:
                 self._waiters.release()

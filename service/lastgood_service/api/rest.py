@@ -23,7 +23,7 @@ from .auth import make_authorizer
 from .contract import StrictJSONRoute, error_response, problem
 from .deps import AppContext
 from .errors import lookup, travels
-from .routes import (checkpoints, gc, grants, health, launches, leases, lineage, ops, outcomes, page,
+from .routes import (agents, checkpoints, gc, grants, health, launches, leases, lineage, ops, outcomes, page,
                      peer_checks, retention, runs, tags, tokens)
 
 log = logging.getLogger("lastgood.rest")
@@ -35,7 +35,7 @@ __all__ = ["AppContext", "create_app"]
 # routers before the outcome's would be most of the event loop's work per request
 # (docs/control-plane.md). Their paths overlap no other router's, so the order changes nothing else.
 ROUTERS = (outcomes, health, ops, runs, tokens, lineage, tags, launches, leases, gc, retention, checkpoints, page,
-           grants, peer_checks)
+           grants, peer_checks, agents)
 
 
 def allowed_methods(routes, scope, allow: str = "") -> str:

@@ -9,6 +9,7 @@ from sqlalchemy import (BigInteger, DateTime, Float, ForeignKey, Index, Integer,
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from lastgood.wire.names import LAST_GOOD_TAG
+from lastgood.wire.tiers import LAST_GOOD_DURABLE_TAG, Tier
 from lastgood.wire.vocab import ShardStatus, Status
 
 # the wire's words as plain strings, the form the catalog stores and SQL compares
@@ -25,6 +26,8 @@ DECLARED = ShardStatus.DECLARED.value
 # runs.last_good_id, so there is one source of truth.
 TAG, ALIAS, PIN, SYSTEM = "tag", "alias", "pin", "system"
 SUSPECT, ROLLBACK_TARGET, LAST_GOOD, PINNED = "suspect", "rollback-target", LAST_GOOD_TAG, "pinned"
+LAST_GOOD_DURABLE = LAST_GOOD_DURABLE_TAG  # a stored system tag, moved by every durable commit
+DURABLE, MEMORY = Tier.DURABLE.value, Tier.MEMORY.value
 
 
 class UTCDateTime(TypeDecorator):
@@ -121,6 +124,10 @@ class Checkpoint(Base):
     generation: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     # its branch in the run's lineage, stored by domain/runs/branches.py (the rule: lineage.assign_branches)
     branch: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # docs/memory-tier.md: `memory` files live in node agents' shared memory, not in the store
+    tier: Mapped[str] = mapped_column(String(16), default=DURABLE, server_default=DURABLE)
+    # memory only: the partner copies each file needs besides its own node's (lastgood.wire.tiers)
+    replicas: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class Launch(Base):
@@ -167,6 +174,42 @@ class Vote(Base):
     created_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
     # the commitment of the rank's peer-check secret (lastgood/wire/peerkey.py); None: none sent
     peer_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
+
+
+class Agent(Base):
+    """A node agent of the memory tier (domain/memory/agents.py). Only the SHA-256 of its key
+    is stored (lastgood.wire.tiers.key_digest). A registration again of the same host and
+    address retires the older row: its reports stop counting, its key stops opening."""
+
+    __tablename__ = "agents"
+    __table_args__ = (Index("ix_agents_host_address", "host", "address"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    host: Mapped[str] = mapped_column(String(64))
+    rack: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    switch: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    address: Mapped[str] = mapped_column(String(255))
+    key_digest: Mapped[str] = mapped_column(String(64))
+    registered_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
+    retired_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
+class Copy(Base):
+    """An agent's report that it holds one file of a memory checkpoint, with the size and
+    xxh3-128 of its own hash of the bytes it holds (domain/memory/copies.py)."""
+
+    __tablename__ = "copies"
+    __table_args__ = (
+        UniqueConstraint("checkpoint_id", "rank", "file_name", "agent_id", name="uq_copies_ckpt_rank_file_agent"),
+        Index("ix_copies_agent", "agent_id", "checkpoint_id"),
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"))
+    rank: Mapped[int] = mapped_column(Integer)
+    file_name: Mapped[str] = mapped_column(String(200))
+    agent_id: Mapped[int] = mapped_column(ForeignKey("agents.id"))
+    size: Mapped[int] = mapped_column(BigInteger)
+    xxh3_128: Mapped[str] = mapped_column(String(32))
+    reported_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
 
 
 class Tag(Base):

@@ -5,7 +5,8 @@ Floors, top to bottom; each imports only the floors below it, and the parts of o
 
   gc/ | repair.py | queries.py   catalog-wide passes and reads: GC, fsck and rebuild, the API's queries
   dataplane/                     the data paths beside the stream: spool, direct-FS, direct S3 grants
-  peer/                          who verifies bytes handed over by name; peer checks and their fallback
+  peer/ | memory/                who verifies bytes handed over by name; peer checks and their fallback;
+                                 the memory tier's node agents and their copy reports
   commit/ | health/              the two-phase commit of a checkpoint, its values, reads and outcomes;
                                  run health: heartbeats, verdicts, the checkpoint interval
   runs/                          a run's launches, lineage, branches, last-good, curation, retention

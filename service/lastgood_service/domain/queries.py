@@ -37,7 +37,7 @@ def _iso(t):
 def checkpoint_view(ck: Checkpoint, run: Run, tags: list[dict] | None = None) -> dict:
     return {
         "id": ck.id, "run": run.name, "step": ck.step, "attempt": ck.attempt, "generation": ck.generation,
-        "world_size": ck.world_size,
+        "world_size": ck.world_size, "tier": ck.tier,
         "parent_id": ck.parent_id, "status": ck.status, "bytes": ck.bytes,
         "created_at": _iso(ck.created_at), "committed_at": _iso(ck.committed_at),
         "lease_expires_at": _iso(ck.lease_expires_at) if ck.status == "PENDING" else None,

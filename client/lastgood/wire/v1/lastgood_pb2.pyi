@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class BeginCheckpointRequest(_message.Message):
-    __slots__ = ("run", "step", "world_size", "parent_id", "attempt", "rank", "generation", "expected_bytes")
+    __slots__ = ("run", "step", "world_size", "parent_id", "attempt", "rank", "generation", "expected_bytes", "tier", "replicas")
     RUN_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,8 @@ class BeginCheckpointRequest(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     run: str
     step: int
     world_size: int
@@ -24,7 +26,9 @@ class BeginCheckpointRequest(_message.Message):
     rank: int
     generation: int
     expected_bytes: int
-    def __init__(self, run: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., parent_id: _Optional[int] = ..., attempt: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., expected_bytes: _Optional[int] = ...) -> None: ...
+    tier: str
+    replicas: int
+    def __init__(self, run: _Optional[str] = ..., step: _Optional[int] = ..., world_size: _Optional[int] = ..., parent_id: _Optional[int] = ..., attempt: _Optional[str] = ..., rank: _Optional[int] = ..., generation: _Optional[int] = ..., expected_bytes: _Optional[int] = ..., tier: _Optional[str] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class BeginCheckpointResponse(_message.Message):
     __slots__ = ("checkpoint_id", "status", "lease_seconds")
@@ -87,18 +91,30 @@ class PutShardResponse(_message.Message):
     def __init__(self, already_present: _Optional[bool] = ..., size: _Optional[int] = ..., xxh3_128: _Optional[str] = ...) -> None: ...
 
 class CommitRankRequest(_message.Message):
-    __slots__ = ("checkpoint_id", "rank", "files", "wait_seconds", "peer_key")
+    __slots__ = ("checkpoint_id", "rank", "files", "wait_seconds", "peer_key", "memory_files")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PEER_KEY_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FILES_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: int
     rank: int
     files: _containers.RepeatedScalarFieldContainer[str]
     wait_seconds: float
     peer_key: str
-    def __init__(self, checkpoint_id: _Optional[int] = ..., rank: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., wait_seconds: _Optional[float] = ..., peer_key: _Optional[str] = ...) -> None: ...
+    memory_files: _containers.RepeatedCompositeFieldContainer[MemoryFile]
+    def __init__(self, checkpoint_id: _Optional[int] = ..., rank: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., wait_seconds: _Optional[float] = ..., peer_key: _Optional[str] = ..., memory_files: _Optional[_Iterable[_Union[MemoryFile, _Mapping]]] = ...) -> None: ...
+
+class MemoryFile(_message.Message):
+    __slots__ = ("name", "size", "xxh3_128")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    XXH3_128_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    xxh3_128: str
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., xxh3_128: _Optional[str] = ...) -> None: ...
 
 class CommitRankResponse(_message.Message):
     __slots__ = ("checkpoint_id", "status", "missing_ranks")

@@ -31,13 +31,14 @@ from lastgood.wire.hashing import hash_bytes
 from lastgood.wire.manifest import FileEntry, Manifest
 
 from ...catalog import txtimer
-from ...catalog.models import ABANDONED, COMMITTED, CORRUPT, DECLARED, PENDING, VERIFIED, Checkpoint, Run, Shard, Vote
+from ...catalog.models import (ABANDONED, COMMITTED, CORRUPT, DECLARED, DURABLE, PENDING, VERIFIED, Checkpoint, Run,
+                               Shard, Vote)
 from ...failpoints import Failpoint, reach
 from .. import keys
 from ..errors import Conflict, FailedPrecondition, Fenced, InvalidArgument, NotFound
 from ..events import add_event
 from ..runs import branches, fencing, last_good
-from . import indexes
+from . import indexes, tiering
 from .core import key_prefix
 from .put import CommitPut
 from .types import CommitPlan, VoteResult
@@ -55,10 +56,12 @@ class CommitProtocol(CommitPut):
     # ---------------------------------------------------------------- begin
     @txtimer.label("begin")  # /metrics counts catalog transactions by these labels
     def begin(self, run: str, step: int, world_size: int, parent_id: int | None, attempt: str,
-              rank: int = 0, generation: int = 0, expected_bytes: int = 0) -> Checkpoint:
+              rank: int = 0, generation: int = 0, expected_bytes: int = 0, tier: str = "",
+              replicas: int = 0) -> Checkpoint:
         """`generation`: the caller's launch (domain/runs/fencing.py); 0 for a client that did not register.
         `expected_bytes`: what this rank is about to upload (0: unknown); refused at once if
-        the store cannot hold it, before any rank uploads a byte."""
+        the store cannot hold it, before any rank uploads a byte. `tier`, `replicas`: a memory
+        checkpoint's (domain/memory/tiering.py), "" and 0 for a durable one."""
         self.gate.check()
         fencing.check_names(run, attempt)
         if step < 0:
@@ -72,9 +75,11 @@ class CommitProtocol(CommitPut):
         if expected_bytes < 0:
             raise InvalidArgument(f"expected_bytes must be >= 0, got {expected_bytes}")
         parent_id = parent_id or None
+        tier, replicas = tiering.tier_of(tier, replicas)
         for _ in range(3):
             try:
-                return self._begin_once(run, step, world_size, parent_id, attempt, rank, generation, expected_bytes)
+                return self._begin_once(run, step, world_size, parent_id, attempt, rank, generation, expected_bytes,
+                                        tier, replicas)
             except Fenced:
                 fencing.record_refusal(self.sessions, run, None, what="begin", step=step, rank=rank,
                                        attempt=attempt, generation=generation)
@@ -84,7 +89,7 @@ class CommitProtocol(CommitPut):
         raise Conflict(f"concurrent begin of {run} step {step} attempt {attempt} did not settle")
 
     def _begin_once(self, run_name, step, world_size, parent_id, attempt, rank, generation,
-                    expected_bytes) -> Checkpoint:
+                    expected_bytes, tier=DURABLE, replicas=0) -> Checkpoint:
         with self.sessions() as s, s.begin():
             # FOR SHARE: a launch registering now (UPDATE runs) waits until this checkpoint
             # is recorded, and then abandons it with the rest of the fenced generation
@@ -102,6 +107,9 @@ class CommitProtocol(CommitPut):
                                    f"{ck.world_size}; this rank says {world_size}")
                 if (ck.parent_id or None) != parent_id:
                     raise Conflict(f"checkpoint {ck.id} has parent {ck.parent_id}; this rank says {parent_id}")
+                if (ck.tier, ck.replicas) != (tier, replicas):
+                    raise Conflict(f"checkpoint {ck.id} is {ck.tier} with {ck.replicas} replicas; this rank says "
+                                   f"{tier} with {replicas}")
                 if ck.status in (ABANDONED, CORRUPT):
                     raise FailedPrecondition(f"checkpoint {ck.id} ({run_name} step {step} attempt {attempt}) is "
                                              f"{ck.status}; save again under a new attempt")
@@ -116,23 +124,29 @@ class CommitProtocol(CommitPut):
                     raise NotFound(f"parent checkpoint {parent_id} does not exist in run {run_name}")
             # after the fencing check (a zombie hears Fenced, not "store full"), and only by the
             # begin that would create the checkpoint: a refused one leaves nothing pending
-            self._require_room(expected_bytes)
+            if tier == DURABLE:  # a memory checkpoint's files take no room in the store
+                self._require_room(expected_bytes)
             now = self.clock()
             ck = Checkpoint(run_id=run.id, step=step, attempt=attempt, world_size=world_size,
                             parent_id=parent_id, status=PENDING, bytes=0, lease_expires_at=self.lease_from_now(),
-                            created_at=now, generation=generation)
+                            created_at=now, generation=generation, tier=tier, replicas=replicas)
             s.add(ck)
             s.flush()
             branches.settle(s, run.id, ck.id)  # its stored branch (domain/runs/branches.py)
-            add_event(s, "begin", run.id, ck.id, step=step, world_size=world_size, attempt=attempt, rank=rank)
+            add_event(s, "begin", run.id, ck.id, step=step, world_size=world_size, attempt=attempt, rank=rank,
+                      **({"tier": tier, "replicas": replicas} if tier != DURABLE else {}))
             return ck
 
     # ---------------------------------------------------------------- vote and commit
     @txtimer.label("vote")
     def vote(self, checkpoint_id: int, rank: int, files: list[str], wait_seconds: float = 0.0,
-             peer_key: str = "") -> VoteResult:
-        """`peer_key`: the commitment of the rank's peer-check secret (lastgood/wire/peerkey.py), or ""."""
+             peer_key: str = "", memory_files: list | None = None) -> VoteResult:
+        """`peer_key`: the commitment of the rank's peer-check secret (lastgood/wire/peerkey.py), or "".
+        `memory_files`: a memory checkpoint's files, declared by this vote (tiering.py); `files`
+        then names exactly them, or nothing."""
         self.gate.check()
+        if memory_files:
+            files = self._declare_memory(checkpoint_id, rank, files, memory_files)
         if len(set(files)) != len(files):
             raise InvalidArgument("the vote lists a file twice")
         if peer_key and not peerkey.is_commitment(peer_key):
@@ -147,6 +161,25 @@ class CommitProtocol(CommitPut):
         if result.status == COMMITTED and self.settings.failpoint == Failpoint.LOSE_COMMIT_REPLY:
             raise RuntimeError("failpoint lose_commit_reply: the commit happened, its reply is lost")
         return result
+
+    def _declare_memory(self, checkpoint_id: int, rank: int, files: list[str], memory_files: list) -> list[str]:
+        """Record a memory vote's files DECLARED before the vote itself (tiering.declare); the
+        names the vote then lists. A copy already reported with other bytes aborts the checkpoint."""
+        memory_files = [tiering.MemoryFile(f.name, f.size, f.xxh3_128) for f in memory_files]
+        tiering.check_files(memory_files)
+        declared = [f.name for f in memory_files]
+        if files and sorted(files) != sorted(declared):
+            raise InvalidArgument("a memory vote's files are exactly its memory_files (or left empty)")
+        with self.sessions() as s, s.begin():
+            ck = self.get_checkpoint(s, checkpoint_id, lock=True)  # serialised with copy reports
+            self.check_rank(ck, rank)
+            fencing.check(s, ck.run_id, ck.generation, f"vote on checkpoint {ck.id}", writes_checkpoints=True)
+            bad = tiering.declare(s, self, ck, rank, memory_files, self.clock())
+            reason = tiering.abandon(s, self, ck, bad) if bad else None
+        if reason:
+            self.ended_by_contest(checkpoint_id)
+            raise FailedPrecondition(f"checkpoint {checkpoint_id} is ABANDONED: {reason}")
+        return declared
 
     def wait_for(self, checkpoint_id: int, timeout: float) -> VoteResult:
         deadline = time.monotonic() + timeout

@@ -36,7 +36,7 @@ from sqlalchemy import func, select
 
 from lastgood.wire.ranges import FileCheck, fingerprint
 
-from ...catalog.models import DECLARED, PENDING, VERIFIED, Checkpoint, Shard, Vote
+from ...catalog.models import DECLARED, DURABLE, PENDING, VERIFIED, Checkpoint, Shard, Vote
 from ..commit import declared_ranges
 from ..commit.core import key_prefix
 from ..commit.declared_ranges import fingerprint_of
@@ -107,8 +107,10 @@ class PeerFallback:
         now = c.clock()
         due = now - dt.timedelta(seconds=grace)
         with c.sessions() as s, s.begin():
+            # a memory checkpoint's DECLARED files have no blob: agents' reports verify them
+            # (domain/commit/tiering.py), and the lease decides if they never do
             pending = s.execute(select(Checkpoint.id, Checkpoint.world_size, Checkpoint.created_at)
-                                .where(Checkpoint.status == PENDING)).all()
+                                .where(Checkpoint.status == PENDING, Checkpoint.tier == DURABLE)).all()
             old = {ck_id: world for ck_id, world, created in pending if created <= due}
             # nothing to do until the grace has passed since the earliest begin of those
             # pending (one begun later: later still); while one that old is pending, every

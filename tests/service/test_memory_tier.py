@@ -1,0 +1,150 @@
+"""The memory tier in the catalog (docs/memory-tier.md, "In the catalog"): node agents
+register, report the copies they hold, and a memory checkpoint commits only once each file
+is held with its declared digest on `1 + replicas` distinct hosts. A real service process;
+the agents' REST calls are made here with plain HTTP, as an agent makes them."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from lastgood.wire import tiers
+from lastgood.wire.v1 import lastgood_pb2 as pb
+
+from .helpers import ATTEMPT, RPC_TIMEOUT, events, http, json_error, rpc_error
+
+D1, D2 = "1" * 32, "2" * 32
+
+
+def register(svc, host: str, port: int = 7000) -> dict:
+    r = http(svc).post("/api/v1/agents", json={"host": host, "address": f"127.0.0.1:{port}"})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def begin(cl, run: str, step: int = 1, world: int = 1, replicas: int = 1) -> int:
+    return cl.stub.BeginCheckpoint(pb.BeginCheckpointRequest(
+        run=run, step=step, world_size=world, attempt=ATTEMPT, tier="memory", replicas=replicas),
+        timeout=RPC_TIMEOUT).checkpoint_id
+
+
+def vote(cl, cid: int, rank: int, files: dict[str, str], size: int = 10):
+    return cl.stub.CommitRank(pb.CommitRankRequest(
+        checkpoint_id=cid, rank=rank, memory_files=[pb.MemoryFile(name=n, size=size, xxh3_128=d)
+                                                    for n, d in files.items()]), timeout=RPC_TIMEOUT)
+
+
+def report(svc, agent: dict, cid: int, rank: int, files: dict[str, str], size: int = 10, key: str | None = None):
+    return http(svc).post(f"/api/v1/checkpoints/{cid}/copies",
+                          headers={tiers.AGENT_KEY_HEADER: key or agent["key"]},
+                          json={"agent_id": agent["agent_id"], "rank": rank,
+                                "files": [{"name": n, "size": size, "xxh3_128": d} for n, d in files.items()]})
+
+
+def status(svc, cid: int) -> str:
+    r = http(svc).get(f"/api/v1/checkpoints/{cid}")
+    assert r.status_code == 200, r.text
+    return r.json()["status"]
+
+
+def test_register_lists_and_a_second_registration_retires_the_first(svc):
+    a = register(svc, "node-a", 7101)
+    assert len(a["key"]) == tiers.AGENT_KEY_HEX and a["agent_id"] > 0
+    again = register(svc, "node-a", 7101)
+    listed = http(svc).get("/api/v1/agents").json()["agents"]
+    ids = [x["agent_id"] for x in listed]
+    assert again["agent_id"] in ids and a["agent_id"] not in ids  # the old one stops counting
+    mine = next(x for x in listed if x["agent_id"] == again["agent_id"])
+    assert mine == {"agent_id": again["agent_id"], "host": "node-a", "rack": "", "switch": "",
+                    "address": "127.0.0.1:7101"}
+    # bad labels: a clear 400, nothing registered
+    for body in ({"host": "../x", "address": "h:1"}, {"host": "n", "address": "no-port"},
+                 {"host": "n", "address": "h:99999"}, {"host": "n", "rack": "a b", "address": "h:1"}):
+        json_error(http(svc).post("/api/v1/agents", json=body), (400, 422))
+    assert len(http(svc).get("/api/v1/agents").json()["agents"]) == len(listed)
+
+
+def test_commits_with_two_hosts_reports_and_not_with_one(svc, cl, run_name):
+    a, b = register(svc, "host-a"), register(svc, "host-b")
+    cid = begin(cl, run_name)
+    assert report(svc, a, cid, 0, {"model.bin": D1}).json()["status"] == "PENDING"  # before the vote
+    assert vote(cl, cid, 0, {"model.bin": D1}).status == "PENDING"  # one host only: no commit (control)
+    assert status(svc, cid) == "PENDING"
+    # the same host again (another agent on it) does not count twice
+    a2 = register(svc, "host-a", 7002)
+    assert report(svc, a2, cid, 0, {"model.bin": D1}).json()["status"] == "PENDING"
+    assert report(svc, b, cid, 0, {"model.bin": D1}).json()["status"] == "COMMITTED"
+    view = http(svc).get(f"/api/v1/checkpoints/{cid}").json()
+    assert view["tier"] == "memory"
+    copies = http(svc).get(f"/api/v1/checkpoints/{cid}/copies").json()
+    assert copies["tier"] == "memory" and copies["replicas"] == 1
+    (entry,) = copies["copies"]
+    assert {x["host"] for x in entry["agents"]} == {"host-a", "host-b"} and entry["rank"] == 0
+
+
+def test_reports_after_the_vote_commit_a_two_rank_checkpoint(svc, cl, run_name):
+    a, b = register(svc, "host-c"), register(svc, "host-d")
+    cid = begin(cl, run_name, world=2)
+    for r in (0, 1):
+        assert vote(cl, cid, r, {f"r{r}.bin": D1}).status == "PENDING"
+    for r in (0, 1):
+        report(svc, a, cid, r, {f"r{r}.bin": D1})
+    assert status(svc, cid) == "PENDING"
+    assert report(svc, b, cid, 0, {"r0.bin": D1}).json()["status"] == "PENDING"
+    assert report(svc, b, cid, 1, {"r1.bin": D1}).json()["status"] == "COMMITTED"
+
+
+def test_a_copy_of_other_bytes_abandons_it(svc, cl, run_name):
+    a, b = register(svc, "host-e"), register(svc, "host-f")
+    cid = begin(cl, run_name)
+    vote(cl, cid, 0, {"m.bin": D1})
+    report(svc, a, cid, 0, {"m.bin": D1})
+    assert report(svc, b, cid, 0, {"m.bin": D2}).json()["status"] == "ABANDONED"
+    mism = [e for e in events(svc, run_name) if e["kind"] == "hash_mismatch"]
+    assert mism and mism[0]["data"]["agent_id"] == b["agent_id"], mism
+
+
+def test_a_mismatch_reported_before_the_vote_abandons_it_at_the_vote(svc, cl, run_name):
+    a = register(svc, "host-g")
+    cid = begin(cl, run_name)
+    report(svc, a, cid, 0, {"m.bin": D2})
+    e = rpc_error(grpc.StatusCode.FAILED_PRECONDITION, vote, cl, cid, 0, {"m.bin": D1})
+    assert "ABANDONED" in e.details()
+    assert status(svc, cid) == "ABANDONED"
+
+
+def test_a_wrong_key_is_refused_recorded_and_changes_nothing(svc, cl, run_name):
+    a, b = register(svc, "host-h"), register(svc, "host-i")
+    cid = begin(cl, run_name)
+    vote(cl, cid, 0, {"m.bin": D1})
+    report(svc, a, cid, 0, {"m.bin": D1})
+    json_error(report(svc, b, cid, 0, {"m.bin": D1}, key=a["key"]), 403)  # another agent's key
+    json_error(report(svc, b, cid, 0, {"m.bin": D2}, key="0" * 64), 403)  # a mismatch, refused first
+    assert status(svc, cid) == "PENDING"
+    assert [x["host"] for x in http(svc).get(f"/api/v1/checkpoints/{cid}/copies").json()["copies"][0]["agents"]] \
+        == ["host-h"]
+    assert len([e for e in events(svc, run_name) if e["kind"] == "copy_report_refused"]) == 2
+    # control: the right key commits it
+    assert report(svc, b, cid, 0, {"m.bin": D1}).json()["status"] == "COMMITTED"
+
+
+def test_durable_checkpoints_refuse_reports_and_memory_ones_refuse_bytes(svc, cl, run_name):
+    a = register(svc, "host-j")
+    durable, _ = cl.save(run_name, 1)
+    json_error(report(svc, a, durable, 0, {"m.bin": D1}), 409)
+    json_error(http(svc).get(f"/api/v1/checkpoints/{durable}/copies"), 409)
+    assert http(svc).get(f"/api/v1/checkpoints/{durable}").json()["tier"] == "durable"
+
+
+def test_live_names_the_pending_and_held_memory_checkpoints(svc, cl, run_name):
+    a, b = register(svc, "host-k"), register(svc, "host-l")
+    held = begin(cl, run_name, step=1)
+    vote(cl, held, 0, {"m.bin": D1})
+    report(svc, a, held, 0, {"m.bin": D1})
+    report(svc, b, held, 0, {"m.bin": D1})
+    pending = begin(cl, run_name, step=2)
+    live = http(svc).get(f"/api/v1/agents/{a['agent_id']}/live", headers={tiers.AGENT_KEY_HEADER: a["key"]})
+    assert live.status_code == 200, live.text
+    got = {(x["run"], x["checkpoint_id"]) for x in live.json()["live"]}
+    assert {(run_name, held), (run_name, pending)} <= got
+    json_error(http(svc).get(f"/api/v1/agents/{a['agent_id']}/live", headers={tiers.AGENT_KEY_HEADER: b["key"]}), 403)
