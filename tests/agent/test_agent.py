@@ -30,16 +30,18 @@ def _free_port() -> int:
 
 
 class AgentProc:
-    def __init__(self, host: str, port: int, root: Path, peers: dict[str, int], *extra: str) -> None:
+    def __init__(self, host: str, port: int, root: Path, peers: dict[str, int], *extra: str, url: str | None = None) -> None:
         self.host, self.address, self.root = host, f"127.0.0.1:{port}", root
-        cmd = [sys.executable, "-m", "lastgood.cli", "agent", "--host", host, "--listen", self.address,
-               "--shm-root", str(root), "--standalone", *extra]
+        cmd = [sys.executable, "-m", "lastgood.cli", *(["--url", url] if url else []), "agent", "--host", host,
+               "--listen", self.address, "--shm-root", str(root), *([] if url else ["--standalone"]), *extra]
         for h, p in peers.items():
             cmd += ["--peer", f"{h}=127.0.0.1:{p}"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         assert line, self.proc.stderr.read()
-        assert json.loads(line)["address"] == self.address
+        started = json.loads(line)
+        assert started["address"] == self.address
+        self.agent_id = started["agent_id"]
 
     def call(self, method: str, path: str, body: dict | None = None, headers: dict | None = None):
         data = json.dumps(body).encode() if body is not None else None
