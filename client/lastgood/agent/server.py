@@ -229,13 +229,8 @@ def _handler(agent: Agent):
                 self.send_header("Content-Length", str(end - start))
                 self.send_header(tiers.AGENT_DIGEST_HEADER, digest)
                 self.end_headers()
-                left = end - start
-                while left:
-                    chunk = f.read(min(left, 1 << 20))
-                    if not chunk:
-                        break
-                    self.wfile.write(chunk)
-                    left -= len(chunk)
+                self.wfile.flush()
+                self.connection.sendfile(f, start, end - start)   # os.sendfile: no copy through Python
 
         def do_PUT(self) -> None:
             if not urllib.parse.urlsplit(self.path).path.startswith(tiers.AGENT_SEGMENTS_PATH + "/"):
