@@ -9,7 +9,7 @@ DEV_STAMP := $(VENV)/.installed-dev
 LOCALSTACK_VENV := .venv-localstack
 LOCALSTACK_STAMP := $(LOCALSTACK_VENV)/.installed
 
-.PHONY: run test test-fast lint dist demo bench bench-save bench-gpu chaos screenshot proto clean fuzz soak
+.PHONY: run test test-fast lint dist demo bench bench-save bench-tiny bench-gpu chaos screenshot proto clean fuzz soak
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -83,6 +83,11 @@ bench: $(DEV_STAMP)
 # lastgood vs DCP save, restore and stall at 1 GiB and 4 GiB, 7 interleaved reps; run it on an idle machine
 bench-save: $(DEV_STAMP)
 	$(BIN)/python -m bench.run --quiet-check --quiet-wait 900 --only-sizes --sizes 1G,4G --reps 7
+
+# the fixed cost of a save: a tiny state through the Checkpointer, lastgood's DCP writer and stock DCP,
+# interleaved 30 times, and the fsyncs alone (bench/tiny_save.py)
+bench-tiny: $(DEV_STAMP)
+	$(BIN)/python -m bench.tiny_save --reps 30
 
 # the GPU path on one CUDA device (bench/gpu.py): save()'s stall against a plain pinned copy, D2H
 # against the PCIe limit, step time with saves against without, restore; under 8 minutes.

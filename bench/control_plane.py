@@ -48,6 +48,7 @@ import grpc
 import httpx
 
 from bench.common import ROOT, Service, machine, median, percentile
+from bench.control_plane_load import Hog, older_code, per_rank_us, summarize, thread_cpu
 from bench.probes import Catalog, ThreadSampler, _delta, catalog_transactions, cpu_seconds, summary, wchar
 from lastgood.wire.hashing import hash_bytes
 from lastgood.wire.v1 import lastgood_pb2 as pb
@@ -143,7 +144,7 @@ async def get_json(host: str, port: int, path: str) -> tuple[int, dict]:
 
 
 async def storm(url: str, run: str, step: int, ranks: int, mode: str, pid: int | None = None,
-                profile: Path | None = None) -> dict:
+                profile: Path | None = None, hog: Hog | None = None) -> dict:
     """One checkpoint of `ranks` simulated ranks; see the module docstring. `profile`: the
     service runs under bench/profiling (--profile): its counts of the vote storm go there."""
     info = httpx.get(url + "/api/v1/info", timeout=30).json()
@@ -172,6 +173,8 @@ async def storm(url: str, run: str, step: int, ranks: int, mode: str, pid: int |
                 lat.append(time.perf_counter() - t)
 
         tx0 = catalog_transactions(url)
+        if hog:  # spinning during the storms only (bench/control_plane_load.py)
+            hog.resume()
         t0 = time.perf_counter()
         out["windows"] = {"begin_storm": [time.monotonic()]}
         await asyncio.gather(*(begin(r) for r in range(ranks)))
@@ -179,6 +182,8 @@ async def storm(url: str, run: str, step: int, ranks: int, mode: str, pid: int |
         tx_begun = catalog_transactions(url)
         out["begin"] = {"latency_s": summary(lat), "errors": len(errors), "error_codes": sorted(set(errors)),
                         "checkpoint_ids": len(ids), "wall_s": round(time.perf_counter() - t0, 3)}
+        if hog:
+            hog.pause()
         for r in failed:  # the client's retry policy would ask again: so do we, one at a time, unmeasured
             await begin(r, measured=False)
         if len(ids) != 1:
@@ -257,13 +262,21 @@ async def storm(url: str, run: str, step: int, ranks: int, mode: str, pid: int |
         if profile:  # count from here (bench/profiling/sitecustomize.py)
             Path(os.environ["LASTGOOD_BENCH_PROFILE_OUT"] + ".clear").touch()
             await asyncio.sleep(0.5)
-        cpu0 = cpu_seconds(pid) if pid else 0.0
+        if hog:
+            hog.resume()
+            hog0 = hog.cpu_seconds()
+        cpu0, threads0 = (cpu_seconds(pid), thread_cpu(pid)) if pid else (0.0, None)
         t0 = time.time()
         out["windows"]["vote_storm"] = [time.monotonic()]
         with ThreadSampler(pid) as sampler:
             await asyncio.gather(*(body(r) for r in range(ranks)))
         out["windows"]["vote_storm"].append(time.monotonic())
         out["vote_storm_wall_s"] = round(time.time() - t0, 3)
+        if hog:
+            hog.pause()
+            out["hog_cpu_s"] = round(hog.cpu_seconds() - hog0, 2)  # over the vote storm
+        out["service_cpu_per_rank_us"] = per_rank_us(threads0, thread_cpu(pid), ranks) if pid else None
+        out["heard_max_after_first_vote_s"] = round(max(h for h in heard if h is not None) - t0, 4)
         if profile:
             dumped = Path(os.environ["LASTGOOD_BENCH_PROFILE_OUT"])
             dumped.unlink(missing_ok=True)
@@ -292,9 +305,9 @@ async def storm(url: str, run: str, step: int, ranks: int, mode: str, pid: int |
 
 # ---------------------------------------------------------------------------- catalog
 def one_checkpoint(svc: Service, catalog: Catalog, run: str, step: int, ranks: int, mode: str,
-                   profile: Path | None = None, beats: Beats | None = None) -> dict:
+                   profile: Path | None = None, beats: Beats | None = None, hog: Hog | None = None) -> dict:
     before, w0 = catalog.counters(), wchar(svc.pid)
-    res = asyncio.run(storm(svc.url, run, step, ranks, mode, svc.pid, profile))
+    res = asyncio.run(storm(svc.url, run, step, ranks, mode, svc.pid, profile, hog))
     windows = res.pop("windows")
     if beats is not None:  # the heartbeats answered while the storms ran
         res["heartbeats"] = {name: beats.window(*w) for name, w in windows.items()}
@@ -313,7 +326,8 @@ def one_checkpoint(svc: Service, catalog: Catalog, run: str, step: int, ranks: i
 
 
 def run_catalog(kind: str, rank_counts: list[int], repeats: int, work: Path, modes=MODES, on_result=None,
-                profile: Path | None = None, heartbeats: int = 0, compare: tuple[str, str] | None = None) -> dict:
+                profile: Path | None = None, heartbeats: int = 0, compare: tuple[str, str] | None = None,
+                hog: bool = False) -> dict:
     pg = None
     env = {"LASTGOOD_REAPER_INTERVAL": "30", "LASTGOOD_LEASE_SECONDS": "600", "LASTGOOD_GC_INTERVAL": "0"}
     if profile:  # yappi in the service (bench/profiling/sitecustomize.py)
@@ -344,25 +358,30 @@ def run_catalog(kind: str, rank_counts: list[int], repeats: int, work: Path, mod
                                  f"sqlite:///{work / kind / str(len(catalogs)) / 'catalog.db'}")
     results = []
     beats = Beats(svcs["this"], heartbeats) if heartbeats else None
+    spinner = Hog() if hog else None
+    # every (code, mode, hog) in turn, the order reversed every other repeat: A B B A, same load
+    order = [(c, m, h) for c in codes for m in modes for h in ((False, True) if hog else (False,))]
     try:
         step = 0
         for ranks in rank_counts:
             for rep in range(repeats):
-                for code in (codes if rep % 2 == 0 else codes[::-1]):
-                    for mode in (modes if rep % 2 == 0 else modes[::-1]):
-                        step += 1
-                        load = os.getloadavg()[0]
-                        try:
-                            r = one_checkpoint(svcs[code], catalogs[code], f"cp-{kind}", step, ranks, mode,
-                                               profile and profile / f"{kind}-{ranks}-{mode}-{step}.txt", beats)
-                        except Exception as e:  # noqa: BLE001 - a failed checkpoint is a result too
-                            r = {"ranks": ranks, "mode": mode, "failed": f"{type(e).__name__}: {e}"[:2000]}
-                        r["code"], r["loadavg_1m_before"] = code, round(load, 2)
-                        print(json.dumps({k: v for k, v in r.items() if k != "catalog"}), flush=True)
-                        results.append(r)
-                        if on_result:
-                            on_result({"catalog": kind, "checkpoints": results})
+                for code, mode, hogged in (order if rep % 2 == 0 else order[::-1]):
+                    step += 1
+                    load = os.getloadavg()[0]
+                    try:
+                        r = one_checkpoint(svcs[code], catalogs[code], f"cp-{kind}", step, ranks, mode,
+                                           profile and profile / f"{kind}-{ranks}-{mode}-{step}.txt", beats,
+                                           spinner if hogged else None)
+                    except Exception as e:  # noqa: BLE001 - a failed checkpoint is a result too
+                        r = {"ranks": ranks, "mode": mode, "failed": f"{type(e).__name__}: {e}"[:2000]}
+                    r["code"], r["loadavg_1m_before"], r["catalog_kind"], r["hog"] = code, round(load, 2), kind, hogged
+                    print(json.dumps({k: v for k, v in r.items() if k != "catalog"}), flush=True)
+                    results.append(r)
+                    if on_result:
+                        on_result({"catalog": kind, "checkpoints": results})
     finally:
+        if spinner is not None:
+            spinner.stop()
         if beats is not None:
             beats.stop()
         for code, svc in svcs.items():
@@ -373,30 +392,6 @@ def run_catalog(kind: str, rank_counts: list[int], repeats: int, work: Path, mod
         if pg is not None:
             _as_postgres(str(PG_BIN / "pg_ctl"), "-D", str(pg.data_dir), "-m", "fast", "-w", "stop")
     return {"catalog": kind, "checkpoints": results}
-
-
-def older_code(ref: str, into: Path) -> str:
-    """The service and client of commit `ref`, unpacked under `into`: the PYTHONPATH that makes
-    a service process run them. httptools and uvloop, installed here, are hidden from it
-    unless that commit's service depends on them (uvicorn uses them whenever it can import them)."""
-    import io
-    import subprocess
-    import tarfile
-
-    into.mkdir(parents=True)
-    # older commits keep the Alembic environment at the top (migrations/), newer ones in the service package
-    top = subprocess.run(["git", "ls-tree", "--name-only", ref], cwd=ROOT, check=True, capture_output=True,
-                         text=True).stdout.split()
-    paths = ["service", "client", *(["migrations"] if "migrations" in top else [])]
-    tar = subprocess.run(["git", "archive", ref, *paths], cwd=ROOT, check=True, capture_output=True).stdout
-    tarfile.open(fileobj=io.BytesIO(tar)).extractall(into, filter="data")
-    path = [str(into / "service"), str(into / "client")]
-    if "uvloop" not in (into / "service" / "pyproject.toml").read_text():
-        (into / "hide").mkdir()
-        for mod in ("uvloop", "httptools"):
-            (into / "hide" / f"{mod}.py").write_text(f"raise ImportError('{mod}: hidden by bench.control_plane')\n")
-        path.insert(0, str(into / "hide"))
-    return os.pathsep.join(path)
 
 
 def main() -> None:
@@ -426,21 +421,25 @@ def main() -> None:
     p.add_argument("--compare-with", metavar="GIT_REF", help="also run the service of this commit, its "
                    "checkpoints alternating with this code's (same run, same load): git archive of service/, "
                    "client/ and migrations/, without httptools and uvloop unless that commit pins them")
+    p.add_argument("--hog", action="store_true", help="run every checkpoint twice, quiet and with a CPU hog "
+                   "spinning on the last CPU during its storms (bench/control_plane_load.py), interleaved")
     a = p.parse_args()
     if a.compare_with and a.heartbeats:
         p.error("--heartbeats beats this code's service only: run the comparison without it")
     report = {"machine": machine(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "nice": os.nice(0), "runs": []}
+              "nice": os.nice(0), "command": "python -m bench.control_plane " + " ".join(sys.argv[1:]),
+              "runs": []}
     with tempfile.TemporaryDirectory(prefix="lastgood-cp-") as work:
         os.chmod(work, 0o755)
-        compare = (a.compare_with, older_code(a.compare_with, Path(work) / "older")) if a.compare_with else None
+        compare = (a.compare_with, older_code(ROOT, a.compare_with, Path(work) / "older")) if a.compare_with else None
         for kind in a.catalogs.split(","):
             def partial(run: dict) -> None:  # written after every checkpoint: a long run that fails keeps its figures
                 Path(a.out).write_text(json.dumps({**report, "runs": report["runs"] + [run], "partial": True},
                                                   indent=1) + "\n")
             report["runs"].append(run_catalog(kind, [int(x) for x in a.ranks.split(",")], a.repeats, Path(work),
                                               tuple(a.modes.split(",")), partial, a.profile, a.heartbeats,
-                                              compare))
+                                              compare, a.hog))
+    report["summary"] = summarize([c for run in report["runs"] for c in run["checkpoints"]])
     report["loadavg_end"] = os.getloadavg()
     Path(a.out).write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {a.out}")

@@ -1,6 +1,6 @@
 """The bare gRPC transport ceiling in Python on loopback: raw bytes messages (no protobuf,
-no catalog, no disk) of the same chunk size lastgood uses, hashed with xxh3-128 on receipt
-and discarded. Download: server-streaming (the restore direction); upload: client-streaming
+no catalog) of the same chunk size lastgood uses, from memory or a stored file's chunks as
+they are read, hashed with xxh3-128 on receipt and discarded. Download: server-streaming (the restore direction); upload: client-streaming
 (the save direction). The server runs in its own process, as the service does.
 
     python -m bench.pipe serve PORT_FILE      # prints nothing; writes the bound port to PORT_FILE
@@ -32,6 +32,14 @@ def _download(request: bytes, context):
         left -= n
 
 
+def _download_file(request: bytes, context):
+    """The chunks of a stored file, read as they go (one copy out of the page cache each):
+    the service's read path with nothing of its own (no catalog, no framing, no hashing)."""
+    with open(request.decode(), "rb", buffering=0) as f:
+        while chunk := f.read(CHUNK):
+            yield chunk
+
+
 def _upload(request_iterator, context):
     h = xxhash.xxh3_128()
     n = 0
@@ -45,6 +53,7 @@ def serve(port_file: str) -> None:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=OPTIONS)
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Pipe", {
         "Download": grpc.unary_stream_rpc_method_handler(_download),
+        "DownloadFile": grpc.unary_stream_rpc_method_handler(_download_file),
         "Upload": grpc.stream_unary_rpc_method_handler(_upload),
     })])
     port = server.add_insecure_port("127.0.0.1:0")
@@ -61,6 +70,7 @@ class PipeClient:
         self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=OPTIONS)
         self._down = self.channel.unary_stream("/bench.Pipe/Download")
         self._up = self.channel.stream_unary("/bench.Pipe/Upload")
+        self._down_file = self.channel.unary_stream("/bench.Pipe/DownloadFile")
 
     def download(self, nbytes: int) -> float:
         """Seconds to receive nbytes, hashing every chunk; the bytes are discarded."""
@@ -74,6 +84,21 @@ class PipeClient:
         dt = time.perf_counter() - t0
         assert got == nbytes, (got, nbytes)
         return dt
+
+    def download_files(self, paths) -> float:
+        """Seconds to receive the files at `paths`, each its own stream, all at once (as a
+        restore reads a rank's files), hashing every chunk as download() does."""
+        def one(path) -> None:
+            h = xxhash.xxh3_128()
+            for chunk in self._down_file(str(path).encode(), timeout=3600):
+                h.update(chunk)
+            h.hexdigest()
+
+        t0 = time.perf_counter()
+        with futures.ThreadPoolExecutor(max_workers=len(paths)) as pool:
+            for f in [pool.submit(one, p) for p in paths]:
+                f.result()
+        return time.perf_counter() - t0
 
     def upload(self, nbytes: int) -> float:
         """Seconds to send nbytes (4 MiB messages sliced from one buffer) to a server that hashes them."""

@@ -170,3 +170,21 @@ def test_a_writer_holds_no_copy_of_its_shard_after_the_save(service, run_name):
     dcp.save(state(), storage_writer=writer, checkpoint_id="5", planner=lgdcp.SavePlanner())
     assert writer._upload.files and all(h.data.nbytes == 0 for h in writer._upload.files)
     assert_loads_back(service.url, run_name)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_reused_writer_continues_from_its_own_commit_without_asking_for_last_good(service, run_name):
+    """A writer that saves again takes its previous commit as the parent (as the
+    Checkpointer does): the run's last-good is asked for once, at the first save only, and
+    the second checkpoint's parent is the first. A small coordinator shard is sent with
+    DCP's metadata in finish(), and both load back."""
+    writer = lgdcp.StorageWriter(service.url, run=run_name)
+    asked = []
+    real = writer.transport.last_good
+    writer.transport.last_good = lambda run, **kw: asked.append(run) or real(run, **kw)  # counts, then asks
+    dcp.save(state(), storage_writer=writer, checkpoint_id="4", planner=lgdcp.SavePlanner())
+    first = writer.checkpoint_id
+    dcp.save(state(), storage_writer=writer, checkpoint_id="5", planner=lgdcp.SavePlanner())
+    assert asked == [run_name]  # the first save only
+    lg = assert_loads_back(service.url, run_name)
+    assert lg["id"] == writer.checkpoint_id and lg["parent_id"] == first

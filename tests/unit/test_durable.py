@@ -59,21 +59,28 @@ def test_a_file_written_with_early_writeback_is_not_left_dirty(tmp_path):
     background threshold nothing writes it back for 30 s)."""
     if on_tmpfs(tmp_path):
         pytest.skip("tmpfs has no writeback to start")
-    os.sync()
-    base = dirty_bytes()
-    t0 = time.monotonic()
-    write(tmp_path / "early.bin", early=True)
-    deadline = t0 + 10
-    while dirty_bytes() - base > 64 * MiB and time.monotonic() < deadline:
-        time.sleep(0.05)
-    waited = time.monotonic() - t0
-    assert dirty_bytes() - base <= 64 * MiB
-    os.sync()
-    base = dirty_bytes()
-    t0 = time.monotonic()
-    write(tmp_path / "plain.bin", early=False)
-    time.sleep(max(0.0, waited - (time.monotonic() - t0)))  # control: as long as the early one took
-    assert dirty_bytes() - base >= 192 * MiB
+    # the dirty backlog is the machine's: another process's heavy writes can cross the
+    # kernel's background threshold and flush the control's pages too, so a trial whose
+    # control was flushed is repeated; the early write must hold in every trial
+    for trial in range(3):
+        os.sync()
+        base = dirty_bytes()
+        t0 = time.monotonic()
+        write(tmp_path / "early.bin", early=True)
+        deadline = t0 + 10
+        while dirty_bytes() - base > 64 * MiB and time.monotonic() < deadline:
+            time.sleep(0.05)
+        waited = time.monotonic() - t0
+        assert dirty_bytes() - base <= 64 * MiB
+        os.sync()
+        base = dirty_bytes()
+        t0 = time.monotonic()
+        write(tmp_path / "plain.bin", early=False)
+        time.sleep(max(0.0, waited - (time.monotonic() - t0)))  # control: as long as the early one took
+        control = dirty_bytes() - base
+        if control >= 192 * MiB:
+            break
+    assert control >= 192 * MiB, f"the plain write left {control} bytes dirty in three trials"
 
 
 def test_where_writeback_cannot_be_started_nothing_happens(tmp_path):

@@ -17,25 +17,24 @@ class ServiceLink:
         self.key: str | None = None
 
     def register(self) -> None:
-        got = self.rest.post_json("/api/v1/agents", {"host": self.host, "rack": self.rack,
-                                                      "switch": self.switch, "address": self.address})
+        got = self.rest.register_agent({"host": self.host, "rack": self.rack, "switch": self.switch,
+                                        "address": self.address})
         self.agent_id, self.key = int(got["agent_id"]), str(got["key"])
 
     def place(self) -> tiers.AgentPlace:
         return tiers.AgentPlace(self.rack, self.switch, self.host, self.agent_id or 0)
 
     def agents(self) -> dict[tiers.AgentPlace, str]:
-        got = self.rest.get_json("/api/v1/agents")
+        got = self.rest.agents()
         return {tiers.AgentPlace(a.get("rack", ""), a.get("switch", ""), a["host"], int(a["agent_id"])): a["address"]
                 for a in got["agents"]}
 
     def report(self, checkpoint_id: int, rank: int, files: list[dict]) -> dict:
-        return self.rest.post_json(f"/api/v1/checkpoints/{checkpoint_id}/copies",
-                                   {"agent_id": self.agent_id, "rank": rank, "files": files},
-                                   headers={tiers.AGENT_KEY_HEADER: self.key})
+        return self.rest.report_copies(checkpoint_id, {"agent_id": self.agent_id, "rank": rank, "files": files},
+                                       self.key)
 
     def live(self) -> set[tuple[str, int]]:
-        got = self.rest.get_json(f"/api/v1/agents/{self.agent_id}/live", headers={tiers.AGENT_KEY_HEADER: self.key})
+        got = self.rest.agent_live(self.agent_id, self.key)
         return {(x["run"], int(x["checkpoint_id"])) for x in got["live"]}
 
 

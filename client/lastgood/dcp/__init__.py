@@ -65,6 +65,9 @@ from lastgood.state.dcp_metadata import (MAGIC, METADATA_FILE, metadata_from_jso
                                         value_from_json)
 
 log = logging.getLogger("lastgood")
+# a coordinator's shard up to this size is sent in finish(), beside DCP's metadata; a larger one
+# at once in write_data(), so that its upload overlaps the other ranks' writes
+SEND_WITH_METADATA = 1 << 20
 
 
 # ---------------------------------------------------------------------- planners
@@ -200,7 +203,9 @@ class StorageWriter(_Connected, dcp.StorageWriter):
         if self.step is None:
             raise LastgoodError("name the step: StorageWriter(step=...) or dcp.save(..., checkpoint_id=step)")
         self.session.settle()  # a checkpoint whose outcome a failed save missed: aborted, or found committed
-        parent = self.parent_id
+        # the parent: the one named, else this writer's previous commit (as a Checkpointer's
+        # save continues from its last one), else the run's last-good (one call, the first save only)
+        parent = self.parent_id if self.parent_id is not None else self.session.parent_id
         if parent is None:
             lg = self.transport.last_good(self.run)
             parent = lg["id"] if lg else None
@@ -244,7 +249,10 @@ class StorageWriter(_Connected, dcp.StorageWriter):
             up.abort(e)
             raise
         if self.is_coordinator:
-            up.send()  # the coordinator votes in finish(), with DCP's metadata
+            # the coordinator votes in finish(), with DCP's metadata; a small shard waits for it
+            # there and both are sent at once (one hand-over's latency, not two, on a tiny save)
+            if snap.view().nbytes > SEND_WITH_METADATA:
+                up.send()
         else:
             up.commit(wait=False)  # vote; the coordinator waits for the outcome
         fut: Future = Future()

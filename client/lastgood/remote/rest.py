@@ -21,7 +21,7 @@ import urllib.request
 from lastgood.wire.vocab import Status
 from lastgood import errors
 from lastgood.errors import NotFound, ServiceUnreachable
-from lastgood.wire import peerkey
+from lastgood.wire import peerkey, tiers
 from lastgood.wire.codes import GENERATION_HEADER
 from lastgood.wire.info import Info
 from lastgood.wire.manifest import IndexMismatch, Manifest
@@ -242,6 +242,22 @@ class RestClient:
 
     def release_lease(self, lease_id: int) -> None:
         self.call("DELETE", f"/api/v1/leases/{int(lease_id)}")
+
+    # ---- the memory tier's node agents (agent/service.py; docs/memory-tier.md)
+    def register_agent(self, place: dict) -> dict:
+        """{"agent_id", "key"} for an agent at `place` ({"host", "rack", "switch", "address"})."""
+        return self.post_json("/api/v1/agents", place)
+
+    def agents(self) -> dict:
+        return self.get_json("/api/v1/agents")
+
+    def report_copies(self, checkpoint_id: int, body: dict, key: str) -> dict:
+        """An agent's report of the memory files it holds and hashed (`body`: agent_id, rank, files)."""
+        return self.post_json(f"/api/v1/checkpoints/{int(checkpoint_id)}/copies", body,
+                              headers={tiers.AGENT_KEY_HEADER: key})
+
+    def agent_live(self, agent_id: int, key: str) -> dict:
+        return self.get_json(f"/api/v1/agents/{int(agent_id)}/live", headers={tiers.AGENT_KEY_HEADER: key})
 
     # ---- data paths: direct uploads and reads (datapath/directs3.py), peer checks (datapath/peer.py)
     def _rank_path(self, checkpoint_id: int, rank: int, what: str) -> str:

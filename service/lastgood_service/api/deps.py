@@ -86,10 +86,12 @@ async def _health(ctx: Ctx) -> Health:
     return ctx.health
 
 
-async def _outcomes(ctx: Ctx) -> OutcomeNotifier:
+async def outcomes_of(ctx: AppContext) -> OutcomeNotifier:
     """The process's one notifier (main.Service); an app built without one (a test's
     context) gets its own, told of the commits made through its CommitService. On the event
-    loop: no race creating it."""
+    loop: no race creating it. Called by the outcome route itself, not as a dependency:
+    every rank of a job asks there at once, and each dependency is one more solve per
+    request on the event loop (docs/control-plane.md)."""
     if ctx.outcomes is None:
         ctx.outcomes = OutcomeNotifier(ctx.commits.sessions, ctx.commits.settings.outcome_poll_interval)
         ctx.commits.listeners.append(ctx.outcomes.poke)
@@ -107,7 +109,6 @@ GCDep = Annotated[GarbageCollector, Depends(_gc)]
 TokensDep = Annotated[TokenStore, Depends(_tokens)]
 SettingsDep = Annotated[Settings, Depends(_settings)]
 HealthDep = Annotated[Health, Depends(_health)]
-OutcomesDep = Annotated[OutcomeNotifier, Depends(_outcomes)]
 
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE)]
 Offset = Annotated[int, Query(ge=0, le=names.MAX_ID)]

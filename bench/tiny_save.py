@@ -1,0 +1,218 @@
+"""The fixed cost of a save: a tiny state through lastgood and through DCP, interleaved.
+
+    python -m bench.tiny_save --reps 30          # make bench-tiny
+    python -m bench.tiny_save --reps 3 --out /tmp/x   # tests/bench/test_tiny_save_smoke.py
+
+One 64x64 Linear with its AdamW state (~50 KiB), saved A B C A B C ... `--reps` times
+(each rep in another order: bench.common.order_of), on the same disk, in one process:
+
+  checkpointer   lastgood.Checkpointer: save(step, state); wait() (hashed, fsync'd, committed)
+  lastgood_dcp   dcp.save(state, storage_writer=lastgood.dcp.StorageWriter(...)) (the same commit)
+  dcp            dcp.save(state, storage_writer=FileSystemWriter(dir, sync_files=True))
+  floor          what durability alone costs on this disk: FLOOR_FILES small files written and
+                 fsync'd, their directory fsync'd, and one SQLite commit (WAL, synchronous=FULL,
+                 as the service's catalog), nothing else
+
+Where the time goes: every service call each lastgood case makes is timed (`calls`: per
+save, how many of each and the median milliseconds of one; the rest of a save is the
+client's own work: snapshot, hashing, the upload thread's hand-off).
+
+Prints medians and the rep-by-rep ratios to DCP; writes bench/results/tiny_save.json. The
+service runs as its own process on this host (bench.common.Service), so its spool and blob
+store are on the disk /tmp is on, as DCP's directory is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from bench.common import ROOT, Service, machine, order_of, write_results
+from bench.one_size import SERVICE_ENV
+
+CASES = ("checkpointer", "lastgood_dcp", "dcp", "floor")
+FLOOR_FILES = 2  # the shard and the manifest (DCP writes two too: its data file and .metadata)
+
+
+def build_state():
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 64)).sum().backward()
+    opt.step()  # AdamW's state exists (exp_avg, exp_avg_sq, step)
+    return model, opt
+
+
+class Floor:
+    """The fsyncs alone: FLOOR_FILES files of `size` bytes written and fsync'd, their
+    directory fsync'd, one SQLite row committed with synchronous=FULL in WAL mode."""
+
+    def __init__(self, work: Path, size: int) -> None:
+        self.dir, self.size, self.n = work / "floor", size, 0
+        self.dir.mkdir(parents=True)
+        self.db = sqlite3.connect(work / "floor.db", isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, v TEXT)")
+
+    def __call__(self) -> float:
+        self.n += 1
+        payload = os.urandom(self.size)
+        t0 = time.perf_counter()
+        for i in range(FLOOR_FILES):
+            fd = os.open(self.dir / f"{self.n}-{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, payload)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        dfd = os.open(self.dir, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        self.db.execute("BEGIN")
+        self.db.execute("INSERT INTO t (v) VALUES (?)", (str(self.n),))
+        self.db.execute("COMMIT")
+        return time.perf_counter() - t0
+
+
+CALLS = ("last_good", "begin", "spool_write", "put_followed", "put_shard", "commit_rank", "outcome", "checkpoint",
+         "pending", "manifest")
+
+
+class Calls:
+    """Times every service call of one transport (its instance's methods, wrapped): per case,
+    the calls of the reps measured (`on`), not of the warm-up."""
+
+    def __init__(self) -> None:
+        self.case: str | None = None
+        self.seen: dict[str, dict[str, list[float]]] = {}
+
+    def watch(self, transport, case: str) -> None:
+        for name in CALLS:
+            real = getattr(transport, name)
+
+            def timed_call(*a, _real=real, _name=name, **k):
+                t0 = time.perf_counter()
+                try:
+                    return _real(*a, **k)
+                finally:
+                    if self.case == case:
+                        self.seen.setdefault(case, {}).setdefault(_name, []).append(time.perf_counter() - t0)
+            setattr(transport, name, timed_call)
+
+    def summary(self, case: str, saves: int) -> dict:
+        return {name: {"per_save": len(xs) / saves, "median_ms": statistics.median(xs) * 1e3}
+                for name, xs in sorted(self.seen.get(case, {}).items())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.tiny_save", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--name", default="tiny_save", help="the JSON's file name (without .json)")
+    args = ap.parse_args(argv)
+    import torch.distributed.checkpoint as dcp
+
+    import lastgood
+    import lastgood.dcp as lgdcp
+
+    model, opt = build_state()
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    nbytes += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
+    work = Path(tempfile.mkdtemp(prefix="lastgood-tiny-", dir="/tmp"))
+    svc = Service(work / "svc", SERVICE_ENV).start()
+    run = f"tiny-{uuid.uuid4().hex[:6]}"
+    state = lastgood.TrainState(model=model, optimizer=opt)
+    ckpt = lastgood.Checkpointer(svc.url, run=run, attempt=uuid.uuid4().hex[:16])
+    dcp_run = f"{run}-dcp"
+    writer = lgdcp.StorageWriter(svc.url, run=dcp_run)
+    floor = Floor(work, nbytes)
+    calls = Calls()
+    calls.watch(ckpt.transport, "checkpointer")
+    calls.watch(writer.transport, "lastgood_dcp")
+    step = [0]
+
+    def sd():
+        return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+    def checkpointer() -> float:
+        step[0] += 1
+        t0 = time.perf_counter()
+        ckpt.save(step[0], state)
+        ckpt.wait()
+        return time.perf_counter() - t0
+
+    def lastgood_dcp() -> float:
+        step[0] += 1
+        t0 = time.perf_counter()
+        dcp.save(sd(), storage_writer=writer, checkpoint_id=str(step[0]), planner=lgdcp.SavePlanner(),
+                 no_dist=True)
+        return time.perf_counter() - t0
+
+    def stock_dcp() -> float:
+        step[0] += 1
+        path = work / "dcp" / str(step[0])
+        t0 = time.perf_counter()
+        dcp.save(sd(), storage_writer=dcp.FileSystemWriter(path, sync_files=True), no_dist=True)
+        took = time.perf_counter() - t0
+        shutil.rmtree(work / "dcp", ignore_errors=True)
+        return took
+
+    cases = {"checkpointer": checkpointer, "lastgood_dcp": lastgood_dcp, "dcp": stock_dcp, "floor": floor}
+    times: dict[str, list[float]] = {c: [] for c in CASES}
+    try:
+        for c in CASES:  # warm-up: connections, staging buffers, DCP's imports
+            cases[c]()
+        for i in range(args.reps):
+            for c in order_of(list(CASES), i):
+                calls.case = c
+                times[c].append(cases[c]())
+                calls.case = None
+            if i % 10 == 9 or i == args.reps - 1:
+                print(f"rep {i + 1}: " + ", ".join(f"{c} {times[c][-1] * 1e3:.1f} ms" for c in CASES), flush=True)
+    finally:
+        ckpt.close()
+        if writer._transport is not None:
+            writer.transport.close()
+        svc.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    load_end = os.getloadavg()
+    out = {"command": "python -m bench.tiny_save " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "machine": {**machine(), "loadavg_end": load_end}, "state_bytes": nbytes, "reps": args.reps,
+           "floor_files": FLOOR_FILES, "cases": {}}
+    for c in CASES:
+        xs = times[c]
+        entry = {"ms": [x * 1e3 for x in xs], "median_ms": statistics.median(xs) * 1e3}
+        if c != "dcp":
+            entry["vs_dcp_reps"] = [x / d for x, d in zip(xs, times["dcp"])]
+            entry["vs_dcp"] = statistics.median(xs) / statistics.median(times["dcp"])
+            entry["vs_dcp_median_of_reps"] = statistics.median(entry["vs_dcp_reps"])
+        if c in ("checkpointer", "lastgood_dcp"):
+            entry["calls"] = calls.summary(c, len(xs))
+        if c != "floor":
+            entry["vs_floor"] = statistics.median(xs) / statistics.median(times["floor"])
+        out["cases"][c] = entry
+        print(f"{c:>13}: median {entry['median_ms']:.1f} ms"
+              + (f", {entry['vs_dcp']:.2f}x DCP" if "vs_dcp" in entry else "")
+              + (f", {entry['vs_floor']:.2f}x the floor" if "vs_floor" in entry else ""))
+        for name, cl in entry.get("calls", {}).items():
+            print(f"{'':>15}{name}: {cl['per_save']:.1f} a save, {cl['median_ms']:.1f} ms")
+    write_results(args.out, args.name, out)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("LASTGOOD_LOG_LEVEL", "WARNING")
+    sys.exit(main())
