@@ -30,16 +30,18 @@ def _free_port() -> int:
 
 
 class AgentProc:
-    def __init__(self, host: str, port: int, root: Path, peers: dict[str, int], *extra: str) -> None:
+    def __init__(self, host: str, port: int, root: Path, peers: dict[str, int], *extra: str, url: str | None = None) -> None:
         self.host, self.address, self.root = host, f"127.0.0.1:{port}", root
-        cmd = [sys.executable, "-m", "lastgood.cli", "agent", "--host", host, "--listen", self.address,
-               "--shm-root", str(root), "--standalone", *extra]
+        cmd = [sys.executable, "-m", "lastgood.cli", *(["--url", url] if url else []), "agent", "--host", host,
+               "--listen", self.address, "--shm-root", str(root), *([] if url else ["--standalone"]), *extra]
         for h, p in peers.items():
             cmd += ["--peer", f"{h}=127.0.0.1:{p}"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()
         assert line, self.proc.stderr.read()
-        assert json.loads(line)["address"] == self.address
+        started = json.loads(line)
+        assert started["address"] == self.address
+        self.agent_id = started["agent_id"]
 
     def call(self, method: str, path: str, body: dict | None = None, headers: dict | None = None):
         data = json.dumps(body).encode() if body is not None else None
@@ -174,12 +176,12 @@ def test_replication_is_throttled_to_its_rate(shm):
     b = AgentProc("node-b", pb, shm / "b", {"node-a": pa})
     a = AgentProc("node-a", pa, shm / "a", {"node-b": pb}, "--replication-rate", "4M")
     try:
-        data = os.urandom(6 << 20)
+        data = os.urandom(4 << 20)
         t0 = time.monotonic()
         assert a.save("r", 1, 0, {"f": data})[0] == 200
         _wait(lambda: [s for s in b.status()["segments"] if s["files"]])
         took = time.monotonic() - t0
-        assert took >= (6 - 1) / 4 * 0.95      # 1 MiB burst, then 4 MiB/s
+        assert took >= (4 - 1) / 4 * 0.95      # 1 MiB burst, then 4 MiB/s (unthrottled: milliseconds)
     finally:
         a.stop()
         b.stop()
@@ -227,3 +229,24 @@ def test_a_byte_flipped_in_a_replica_is_detected_and_the_other_copy_read(two_nod
     with pytest.raises(AgentRefused) as e:
         own.reserve("../r", 6, 1, 10)
     assert e.value.status == 400
+
+
+def test_supervise_with_a_memory_budget_runs_the_agent_and_hands_its_address_to_the_job(shm, tmp_path):
+    """The service is unreachable here: the agent registers later (an event), the job runs,
+    finds LASTGOOD_AGENT, and a save into the agent's segment is held and readable."""
+    out = tmp_path / "job.json"
+    job = ("import json, os, sys; sys.path[:0] = [%r]; "
+           "from lastgood.datapath.agents import AgentClient, read_range; "
+           "a = os.environ['LASTGOOD_AGENT']; c = AgentClient(a); d = c.reserve('r', 1, 0, 5); "
+           "open(d + '/f', 'wb').write(b'hello'); "
+           "held = c.ready('r', 1, 0, ['f'], replicas=0); "
+           "json.dump({'held': held, 'read': read_range(a, 'r', 1, 0, 'f', 1, 3).decode()}, open(%r, 'w'))"
+           % (str(Path(__file__).resolve().parents[2] / "client"), str(out)))
+    proc = subprocess.run([sys.executable, "-m", "lastgood.cli", "--url", f"http://127.0.0.1:{_free_port()}",
+                           "supervise", "--run", "r", "--max-restarts", "0", "--memory-budget", "1M",
+                           "--agent-host", "node-a", "--agent-shm-root", str(shm / "a"), "--", sys.executable, "-c", job],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(out.read_text())
+    assert got["held"] == [{"name": "f", "size": 5, "xxh3_128": hash_bytes(b"hello")}] and got["read"] == "ell"
+    assert (shm / "a" / "r" / "1" / "0" / "f").read_bytes() == b"hello"   # it outlives the job's process

@@ -55,11 +55,22 @@ class Agent:
     def start(self) -> None:
         if self.service is not None:
             self.service.address = self.address
-            self.service.register()
+            self.register()
         self.replicator.start()
         threading.Thread(target=self.httpd.serve_forever, name="lastgood-agent-http", daemon=True).start()
         if self.service is not None:
             threading.Thread(target=self._live_loop, name="lastgood-agent-live", daemon=True).start()
+
+    def register(self) -> bool:
+        """Register with the service; while it cannot (an outage, a service without the agents
+        route) the agent serves what it holds and reports nothing: memory checkpoints of its
+        node cannot commit. The live loop tries again."""
+        try:
+            self.service.register()
+            return True
+        except SERVICE_ERRORS as e:
+            self.event("register_failed", detail=str(e)[:300])
+            return False
 
     def stop(self) -> None:
         self._stop.set()
@@ -74,8 +85,14 @@ class Agent:
 
     # ---------------------------------------------------------------- placement
     def partners(self, replicas: int) -> list[str]:
+        if replicas == 0:
+            return []
         if self.service is not None:
-            ring = self.service.agents()
+            try:
+                ring = self.service.agents()
+            except SERVICE_ERRORS as e:    # no placement while the service is away
+                self.event("placement_unknown", detail=str(e)[:300])
+                return []
             own = self.service.place()
         else:
             hosts = sorted({self.host, *self.peers})
@@ -101,7 +118,7 @@ class Agent:
         self._report(run, checkpoint_id, rank, [digest])
 
     def _report(self, run: str, checkpoint_id: int, rank: int, files: list[dict]) -> None:
-        if self.service is None:
+        if self.service is None or self.service.agent_id is None:
             return
         try:
             self.service.report(checkpoint_id, rank, files)
@@ -110,7 +127,8 @@ class Agent:
 
     def _live_loop(self) -> None:
         while not self._stop.wait(self.live_every):
-            self.free_dead()
+            if self.service.agent_id is not None or self.register():
+                self.free_dead()
 
     def free_dead(self) -> None:
         """Free every held checkpoint the service does not list live (never on an outage)."""
@@ -211,13 +229,8 @@ def _handler(agent: Agent):
                 self.send_header("Content-Length", str(end - start))
                 self.send_header(tiers.AGENT_DIGEST_HEADER, digest)
                 self.end_headers()
-                left = end - start
-                while left:
-                    chunk = f.read(min(left, 1 << 20))
-                    if not chunk:
-                        break
-                    self.wfile.write(chunk)
-                    left -= len(chunk)
+                self.wfile.flush()
+                self.connection.sendfile(f, start, end - start)   # os.sendfile: no copy through Python
 
         def do_PUT(self) -> None:
             if not urllib.parse.urlsplit(self.path).path.startswith(tiers.AGENT_SEGMENTS_PATH + "/"):

@@ -13,7 +13,7 @@ from lastgood.wire import tiers
 from lastgood.cli.app import State, cli, pass_state
 
 
-def _size(_ctx, _param, value):
+def size_param(_ctx, _param, value):
     if value is None:
         return None
     try:
@@ -44,9 +44,9 @@ def _peers(_ctx, _param, values):
 @click.option("--advertise", default=None, metavar="ADDR:PORT", help="The address partners reach it at [default: --listen].")
 @click.option("--shm-root", default=tiers.SHM_ROOT, show_default=True, type=click.Path(file_okay=False),
               help="Where the segments live (a tmpfs: /dev/shm).")
-@click.option("--memory-budget", callback=_size, default=None, metavar="SIZE",
+@click.option("--memory-budget", callback=size_param, default=None, metavar="SIZE",
               help="The most bytes this node's segments may hold (e.g. 64G) [default: no limit].")
-@click.option("--replication-rate", callback=_size, default=None, metavar="SIZE",
+@click.option("--replication-rate", callback=size_param, default=None, metavar="SIZE",
               help="Bytes per second replication may send at most (its share of the link, e.g. 500M) [default: no limit].")
 @click.option("--peer", "peers", multiple=True, callback=_peers, metavar="HOST=ADDR:PORT",
               help="A fixed placement instead of the service's agent list (repeat per partner); "
@@ -67,24 +67,38 @@ def agent(st: State, host: str, rack: str, switch: str, listen: str, advertise: 
 
     Prints one JSON line when it serves: {"address", "agent_id"}.
     """
-    from lastgood.agent.segments import Segments
-    from lastgood.agent.server import Agent
-    from lastgood.agent.service import ServiceLink
-    from lastgood.remote.rest import RestClient
-
-    addr, _, port = listen.rpartition(":")
-    if not addr or not port.isdigit():
-        raise click.BadParameter(f"{listen!r}: ADDR:PORT expected", param_hint="--listen")
-    try:
-        link = None if peers or standalone else ServiceLink(RestClient(st.url, st.timeout, st.token), host, rack, switch, "")
-        node = Agent(Segments(shm_root, memory_budget), host, rack=rack, switch=switch, bind=(addr, int(port)),
-                     advertise=advertise, service=link, peers=peers, rate=replication_rate, live_every=live_every)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
-    node.start()
-    click.echo(json.dumps({"address": node.address, "agent_id": link.agent_id if link else None}), nl=True)
+    node = start_agent(st, host=host, rack=rack, switch=switch, listen=listen, advertise=advertise,
+                       shm_root=shm_root, memory_budget=memory_budget, replication_rate=replication_rate,
+                       peers=peers, standalone=standalone, live_every=live_every)
+    click.echo(json.dumps({"address": node.address,
+                           "agent_id": node.service.agent_id if node.service else None}), nl=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
     node.stop()
+
+
+def start_agent(st: State, *, host: str, listen: str, shm_root: str, memory_budget: int | None,
+                replication_rate: int | None, rack: str = "", switch: str = "", advertise: str | None = None,
+                peers: dict[str, str] | None = None, standalone: bool = False, live_every: float = 5.0):
+    """A started node agent (lastgood.agent.server.Agent), for `agent` and `supervise --memory-budget`."""
+    from lastgood.agent.segments import Segments
+    from lastgood.agent.server import Agent
+    from lastgood.agent.service import ServiceLink
+    from lastgood.remote.rest import RestClient
+    from lastgood.remote.retry import NO_RETRY
+
+    addr, _, port = listen.rpartition(":")
+    if not addr or not port.isdigit():
+        raise click.BadParameter(f"{listen!r}: ADDR:PORT expected", param_hint="--listen")
+    try:
+        link = None
+        if not (peers or standalone):
+            link = ServiceLink(RestClient(st.url, st.timeout, st.token, retry=NO_RETRY), host, rack, switch, "")
+        node = Agent(Segments(shm_root, memory_budget), host, rack=rack, switch=switch, bind=(addr, int(port)),
+                     advertise=advertise, service=link, peers=peers, rate=replication_rate, live_every=live_every)
+    except (ValueError, OSError) as e:
+        raise click.UsageError(str(e)) from None
+    node.start()
+    return node

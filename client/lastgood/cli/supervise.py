@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import socket
 
 import click
 
-from lastgood.wire import names
-from lastgood.remote.config import ENV_RUN
+from lastgood.wire import names, tiers
+from lastgood.remote.config import ENV_AGENT, ENV_RUN
 from lastgood.supervise.supervisor import Outcome, Policy, Supervisor, UsageError, run_of
+from lastgood.cli.agent import size_param, start_agent
 from lastgood.cli.app import RUN, Exit, State, cli, pass_state
 
 EXIT = {Outcome.FINISHED: Exit.OK, Outcome.GAVE_UP: Exit.GAVE_UP, Outcome.STOPPED: Exit.INTERRUPTED}
@@ -44,10 +46,21 @@ def _ranks(_ctx, _param, value: str | None) -> set[int]:
 @click.option("--run", "run", type=RUN, default=None,
               help=f"The run the job saves to [default: {ENV_RUN}, else torchrun's --rdzv-id]; passed to "
                    f"the job as {ENV_RUN}.")
+@click.option("--memory-budget", callback=size_param, default=None, metavar="SIZE",
+              help=f"Run the memory tier's node agent beside the job with this budget (e.g. 64G); the job "
+                   f"finds it through {ENV_AGENT} (see `lastgood agent`).")
+@click.option("--agent-host", default=None, metavar="LABEL", help="The agent's host label [default: this host's name].")
+@click.option("--agent-listen", default="127.0.0.1:0", show_default=True, metavar="ADDR:PORT",
+              help="Where the agent serves (an address partner nodes reach, on a multi-node job).")
+@click.option("--agent-shm-root", default=tiers.SHM_ROOT, show_default=True, type=click.Path(file_okay=False),
+              help="Where the agent's segments live (a tmpfs).")
+@click.option("--replication-rate", callback=size_param, default=None, metavar="SIZE",
+              help="Bytes per second the agent's replication may send [default: no limit].")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @pass_state
 def supervise(st: State, max_restarts: int, hang_timeout: float | None, drain: set[int], drain_after: int,
-              poll: float, grace: float, run: str | None, command: tuple[str, ...]) -> None:
+              poll: float, grace: float, run: str | None, memory_budget: int | None, agent_host: str | None,
+              agent_listen: str, agent_shm_root: str, replication_rate: int | None, command: tuple[str, ...]) -> None:
     """Run COMMAND, relaunch it when a rank hangs or the job fails.
 
     \b
@@ -73,10 +86,23 @@ def supervise(st: State, max_restarts: int, hang_timeout: float | None, drain: s
         sup = Supervisor(cmd, name, _rest(st, poll), policy, drain)
     except (UsageError, names.InvalidName) as e:
         raise click.UsageError(str(e)) from None
+    node = None
+    if memory_budget is not None:
+        host = agent_host or socket.gethostname().split(".")[0]
+        try:
+            tiers.check_label("--agent-host", host)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+        node = start_agent(st, host=host, listen=agent_listen, shm_root=agent_shm_root,
+                           memory_budget=memory_budget, replication_rate=replication_rate)
+        os.environ[ENV_AGENT] = node.address   # the job's processes inherit it
     try:
         outcome = sup.supervise()
     except UsageError as e:  # the command could not be started
         raise click.UsageError(str(e)) from None
+    finally:
+        if node is not None:
+            node.stop()
     click.get_current_context().exit(EXIT[outcome])
 
 

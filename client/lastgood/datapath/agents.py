@@ -78,8 +78,9 @@ class AgentClient:
 
 
 def read_range(address: str, run: str, checkpoint_id: int, rank: int, name: str, start: int, length: int,
-               timeout: float = 30.0) -> bytes:
-    """`length` bytes of a held file from `start`, from the agent at `address` (no check)."""
+               timeout: float = 30.0) -> bytearray:
+    """`length` bytes of a held file from `start`, from the agent at `address` (no check),
+    read into one buffer."""
     from urllib.parse import quote
 
     host, port = _split(address)
@@ -88,24 +89,28 @@ def read_range(address: str, run: str, checkpoint_id: int, rank: int, name: str,
         conn.request("GET", f"{tiers.AGENT_SEGMENTS_PATH}/{quote(run, safe='')}/{checkpoint_id}/{rank}/"
                             f"{quote(name, safe='')}", headers={"Range": f"bytes={start}-{start + length - 1}"})
         resp = conn.getresponse()
-        body = resp.read()
         if resp.status != 206:
-            raise LookupError(f"{address}: {resp.status} {body[:200]!r}")
-        if len(body) != length:
-            raise ConnectionError(f"{address}: {len(body)} of {length} bytes")
+            raise LookupError(f"{address}: {resp.status} {resp.read(200)!r}")
+        body = bytearray(length)
+        view, got = memoryview(body), 0
+        while got < length:
+            n = resp.readinto(view[got:])
+            if not n:
+                raise ConnectionError(f"{address}: {got} of {length} bytes")
+            got += n
         return body
     finally:
         conn.close()
 
 
 def read_verified(copies: list[str], run: str, checkpoint_id: int, rank: int, name: str, size: int,
-                  digest: str, timeout: float = 30.0) -> tuple[bytes, str]:
+                  digest: str, timeout: float = 30.0) -> tuple[bytearray, str]:
     """The file's bytes from the first copy whose bytes hash to `digest`, and that copy's
     address. A copy is read whole (a file of a memory checkpoint is one range of one rank)."""
     tried = []
     for address in copies:
         try:
-            data = read_range(address, run, checkpoint_id, rank, name, 0, size, timeout) if size else b""
+            data = read_range(address, run, checkpoint_id, rank, name, 0, size, timeout) if size else bytearray()
         except (OSError, LookupError, ValueError, http.client.HTTPException) as e:
             tried.append(f"{address}: {e}")
             continue

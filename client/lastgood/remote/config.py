@@ -61,6 +61,7 @@ DEFAULT_HEARTBEAT = 10.0
 ENV_JOIN = "LASTGOOD_JOIN_SECONDS"
 DEFAULT_JOIN = 30.0
 ENV_FILE_BYTES = "LASTGOOD_FILE_BYTES"
+ENV_AGENT = "LASTGOOD_AGENT"  # HOST:PORT of the node agent of the memory tier (`lastgood supervise --memory-budget` sets it)
 # a state of 512 MiB or more is written as 2-4 files at once: one writer thread cannot fill
 # the page cache as fast as several (docs/performance.md, "Parallel files per rank")
 DEFAULT_FILE_BYTES = 256 << 20

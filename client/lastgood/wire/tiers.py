@@ -90,7 +90,7 @@ def holders_needed(replicas: int) -> int:
     return 1 + replicas
 
 
-# The node agent's own HTTP protocol (lastgood.agent serves it, lastgood.remote.agent calls it).
+# The node agent's own HTTP protocol (lastgood.agent serves it, lastgood.datapath.agents calls it).
 AGENT_READY_PATH = "/v1/ready"            # POST: a rank's files are in its segment directory
 AGENT_RESERVE_PATH = "/v1/reserve"        # POST: room for a rank's bytes under the node's budget
 AGENT_SEGMENTS_PATH = "/v1/segments"      # /<run>/<checkpoint id>/<rank>/<file>: GET (ranged), PUT (a partner's copy)
