@@ -43,7 +43,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from sqlalchemy import select, text
+from sqlalchemy import insert, select, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from ...catalog.models import ABANDONED, COMMITTED, CORRUPT, DECLARED, PENDING, Shard, Vote
@@ -239,7 +239,7 @@ class VoteBatcher:
             for rank, name in s.execute(select(Shard.rank, Shard.file_name).where(
                     Shard.checkpoint_id == cid, Shard.rank.in_(unvoted))):
                 have[rank].add(name)
-        added = 0
+        rows: list[dict] = []
         for a in ok:
             try:
                 prior = voted_files.get(a.rank)
@@ -256,14 +256,17 @@ class VoteBatcher:
                     raise FailedPrecondition(f"rank {a.rank} votes for files that are not verified: {missing}")
                 if extra:
                     raise FailedPrecondition(f"rank {a.rank} uploaded files its vote leaves out: {extra}")
-                s.add(Vote(checkpoint_id=cid, rank=a.rank, files_json=json.dumps(sorted(a.files)),
-                           created_at=core.clock(), peer_key=a.peer_key))
+                rows.append({"checkpoint_id": cid, "rank": a.rank, "files_json": json.dumps(sorted(a.files)),
+                             "created_at": core.clock(), "peer_key": a.peer_key})
                 voted_files[a.rank] = sorted(a.files)  # the same rank twice in one batch: one vote
                 voted_keys[a.rank] = a.peer_key
-                added += 1
             except DomainError as e:
                 a.error = e
-        if added:
+        if rows:
+            # one multi-row INSERT, not an ORM object per vote: the rows are only written,
+            # and building 1,024 Vote objects was the batch transaction's largest part
+            # (bench/control_plane.py --profile)
+            s.execute(insert(Vote), rows)
             ck.lease_expires_at = core.lease_from_now()
             s.flush()
         accepted = [a for a in ok if a.error is None]
