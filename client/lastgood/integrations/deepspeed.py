@@ -180,7 +180,10 @@ def attach(engine, url: str | None = None, run: str | None = None, **options) ->
     def load_checkpoint(load_dir, tag=None, load_module_strict=True, load_optimizer_states=True, **kwargs):
         if tag is None:
             latest = os.path.join(os.fspath(load_dir), "latest")
-            tag = open(latest).read().strip() if os.path.isfile(latest) else LAST_GOOD_TAG
+            tag = LAST_GOOD_TAG
+            if os.path.isfile(latest):
+                with open(latest) as f:
+                    tag = f.read().strip()
         if engine.zero_optimization_partition_weights() and not load_optimizer_states:
             raise LastgoodError("ZeRO stage 3 without load_optimizer_states reads DeepSpeed's files from disk "
                                 "(zero_to_fp32); load with load_optimizer_states=True")
