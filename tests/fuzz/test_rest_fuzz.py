@@ -45,12 +45,14 @@ CONFORMANCE = [checks.positive_data_acceptance, checks.status_code_conformance, 
                checks.response_headers_conformance, checks.response_schema_conformance]
 # rules no schema can state: a schema-valid request refused for one of these is counted, not
 # failed. 400: a value against stored state or another field (a rank beyond the world size, a
-# generation the run never registered, the retention syntax); 422: an integral float (1.0) for
+# generation the run never registered, the retention syntax, a file named twice in a list of
+# objects); 422: an integral float (1.0) for
 # a strict integer, which JSON Schema's "integer" admits and the heartbeat refuses, and a value
 # the generator rounded past the id bound (names.MAX_ID, 2^62: beyond a float's exact integers)
-BEYOND_THE_SCHEMA = {400: re.compile(r"rank \d+ is outside world size|was never registered|retention policy|retention:"),
+BEYOND_THE_SCHEMA = {400: re.compile(r"rank \d+ is outside world size|was never registered|retention policy|retention:"
+                                     r"| is named twice"),
                      422: re.compile(r"body\.\w+: Input should be a valid integer(?!,)"
-                                     rf"|body\.\w+: Input should be less than or equal to {names.MAX_ID}\b")}
+                                     rf"|body\.[\w.]+: Input should be less than or equal to {names.MAX_ID}\b")}
 
 
 def _seed_catalog(data_dir) -> None:

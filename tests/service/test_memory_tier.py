@@ -182,19 +182,36 @@ def test_the_last_good_durable_tag_moves_with_durable_commits(svc, cl, run_name)
     assert _durable_tag(svc, run_name) == [second]
 
 
-def test_gc_keeps_the_last_good_durable_checkpoint_and_deletes_memory_rows(svc, cl, run_name):
-    a, b = register(svc, "host-q"), register(svc, "host-r")
-    durable, _ = cl.save(run_name, 1)
+def _memory_chain(svc, cl, run: str, parent: int, steps) -> list[int]:
+    a, b = register(svc, f"gc-a-{run[-6:]}"), register(svc, f"gc-b-{run[-6:]}")
     mems = []
-    for step in (2, 3):
-        cid = begin(cl, run_name, step=step, parent=mems[-1] if mems else durable)
+    for step in steps:
+        cid = begin(cl, run, step=step, parent=mems[-1] if mems else parent)
         vote(cl, cid, 0, {"m.bin": D1})
         report(svc, a, cid, 0, {"m.bin": D1})
         assert report(svc, b, cid, 0, {"m.bin": D1}).json()["status"] == "COMMITTED"
         mems.append(cid)
-    r = http(svc).put(f"/api/v1/runs/{run_name}/retention", json={"retention": "latest:1,last-good,branch-heads"})
+    return mems
+
+
+def _gc(svc, run: str, spec: str) -> list[int]:
+    r = http(svc).put(f"/api/v1/runs/{run}/retention", json={"retention": spec})
     assert r.status_code == 200, r.text
-    deleted = http(svc).post("/api/v1/gc").json()["result"]["deleted"]
-    assert mems[0] in deleted and mems[1] not in deleted  # latest:1 keeps the newest memory checkpoint
-    assert durable not in deleted  # latest:1 alone would delete it: the tag keeps it
+    return http(svc).post("/api/v1/gc").json()["result"]["deleted"]
+
+
+def test_gc_keeps_the_last_good_durable_checkpoint_and_deletes_memory_rows(svc, cl, run_name):
+    durable, _ = cl.save(run_name, 1)
+    mems = _memory_chain(svc, cl, run_name, durable, (2, 3))
+    deleted = _gc(svc, run_name, "latest:0,last-good,branch-heads,memory:latest:1")
+    assert mems[0] in deleted and mems[1] not in deleted  # memory:latest:1 keeps the newest memory checkpoint
+    assert durable not in deleted  # latest:0 would delete it: the last-good-durable tag keeps it
     assert status(svc, durable) == "COMMITTED" and status(svc, mems[0]) == "DELETED"
+
+
+def test_gc_keeps_the_default_number_of_memory_checkpoints(svc, cl, run_name):
+    durable, _ = cl.save(run_name, 1)
+    mems = _memory_chain(svc, cl, run_name, durable, (2, 3, 4))
+    deleted = _gc(svc, run_name, "latest:1,last-good,branch-heads")  # no memory rule: tiers.DEFAULT_MEMORY_KEEP
+    assert tiers.DEFAULT_MEMORY_KEEP == 2
+    assert deleted == [mems[0]]  # latest:1 counts durable checkpoints: the durable one stays too

@@ -15,8 +15,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ...blobstore import BlobStore
 from ...catalog import txtimer
-from ...catalog.models import (ABANDONED, COMMITTED, CORRUPT, DELETED, PENDING, STATUSES, Checkpoint, ReadLease, Run,
-                               Tag, utcnow)
+from ...catalog.models import (ABANDONED, COMMITTED, CORRUPT, DELETED, MEMORY, PENDING, STATUSES, Checkpoint, ReadLease,
+                               Run, Tag, utcnow)
 from ...metrics import Metrics
 from .. import keys
 from ..faults import Ballast
@@ -136,8 +136,10 @@ class GCBase:
             tags[cid].add(name)
             if kind in PROTECTING_TAGS:
                 protected.add(cid)
+        memory = set(s.scalars(select(Checkpoint.id).where(  # the memory tier's (runs/retention.py)
+            Checkpoint.run_id == run_id, Checkpoint.status == COMMITTED, Checkpoint.tier == MEMORY)))
         view = RunView(last_good_id, [(r.id, r.step) for r in committed], dict(tags),
-                       {cid for _, cid in heads.values()})
+                       {cid for _, cid in heads.values()}, memory)
         return view, protected
 
     @staticmethod

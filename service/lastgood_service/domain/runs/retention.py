@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from lastgood.wire.tiers import DEFAULT_MEMORY_KEEP
+
 from ...catalog.models import LAST_GOOD_DURABLE, SUSPECT
 
 
@@ -19,6 +21,7 @@ class RunView:
     committed: list[tuple[int, int]]               # (id, step), oldest first
     tags: dict[int, set[str]] = field(default_factory=dict)  # id -> tag names (pins included)
     branch_heads: set[int] = field(default_factory=set)
+    memory: set[int] = field(default_factory=set)  # the committed ones of the memory tier
 
 
 class Policy:
@@ -90,6 +93,29 @@ class KeepBranchHeads(Policy):
 MAX_SPEC = 512  # runs.retention's width
 
 
+@dataclass
+class KeepMemoryLatest(Policy):
+    """The newest n memory checkpoints (docs/memory-tier.md); latest:N and every:N count
+    durable checkpoints only, and a spec without this rule keeps tiers.DEFAULT_MEMORY_KEEP."""
+
+    n: int
+    name = "memory:latest"
+
+    def keep(self, run):
+        mem = [c for c in run.committed if c[0] in run.memory]
+        return {cid for cid, _ in sorted(mem, key=lambda c: (c[1], c[0]))[-self.n:]} if self.n else set()
+
+    def describe(self):
+        return f"memory:latest:{self.n}"
+
+
+def _durable_only(run: RunView) -> RunView:
+    if not run.memory:
+        return run
+    return RunView(run.last_good_id, [c for c in run.committed if c[0] not in run.memory], run.tags,
+                   run.branch_heads, set())
+
+
 class Retention:
     def __init__(self, policies: list[Policy]) -> None:
         self.policies = policies
@@ -97,8 +123,11 @@ class Retention:
     def keep(self, run: RunView) -> set[int]:
         # whatever the policies: the checkpoint a memory checkpoint's restore falls back to
         kept: set[int] = {cid for cid, names in run.tags.items() if LAST_GOOD_DURABLE in names}
+        durable = _durable_only(run)
         for p in self.policies:
-            kept |= p.keep(run)
+            kept |= p.keep(durable if isinstance(p, (KeepLatest, KeepEvery)) else run)
+        if run.memory and not any(isinstance(p, KeepMemoryLatest) for p in self.policies):
+            kept |= KeepMemoryLatest(DEFAULT_MEMORY_KEEP).keep(run)
         return kept
 
     def describe(self) -> str:
@@ -111,7 +140,12 @@ class Retention:
         policies: list[Policy] = []
         for part in (p.strip() for p in spec.split(",") if p.strip()):
             name, _, arg = part.partition(":")
-            if name in ("latest", "every"):
+            if name == "memory":
+                sub, _, n = arg.partition(":")
+                if sub != "latest" or not n.isdigit():
+                    raise ValueError(f"retention {part!r}: use memory:latest:N, e.g. memory:latest:2")
+                policies.append(KeepMemoryLatest(int(n)))
+            elif name in ("latest", "every"):
                 if not arg.isdigit() or (name == "every" and int(arg) == 0):
                     raise ValueError(f"retention {part!r}: {name} takes a positive number, e.g. {name}:3")
                 policies.append(KeepLatest(int(arg)) if name == "latest" else KeepEvery(int(arg)))
@@ -120,7 +154,7 @@ class Retention:
                                  "branch-heads": KeepBranchHeads}[name]())
             else:
                 raise ValueError(f"unknown retention policy {part!r}; use latest:N, every:N, tagged, "
-                                 f"last-good, branch-heads")
+                                 f"last-good, branch-heads, memory:latest:N")
         names = {p.name for p in policies}
         if not {"last-good", "branch-heads"} <= names:
             raise ValueError("retention must keep last-good and branch-heads: a run must always be resumable")
