@@ -44,7 +44,7 @@ class CopyReport(BaseModel):
     files: list[HeldFile] = Field(max_length=MAX_MEMORY_FILES)
 
 
-@router.post("/api/v1/agents", responses=answers(400))
+@router.post("/api/v1/agents", responses=answers(400, 413))
 def register_agent(body: Place, commits: CommitsDep):
     """Register a node agent: its id and key (shown once). A registration again of the same
     host and address retires the older one."""
