@@ -12,6 +12,10 @@ batch was being written, and within `vote_batch_window` seconds after - and writ
   votes in the batch are checked against the rank's verified shards read in one query,
   written, and the voted ranks are read back in one query (the count that says "all ranks
   voted", and the missing ranks the answer carries);
+- a vote on a checkpoint of one rank, begun through this process, skips the window: no
+  other vote of it can join, so its leader writes what is queued at once (the fixed cost
+  of a tiny single-rank save, docs/performance.md); the votes of other single-rank jobs
+  that arrive while it is written still join the next batch;
 - a voter's answer leaves only after its batch's transaction has committed (a vote is
   durable when acknowledged);
 - a vote the protocol refuses (wrong files, a checkpoint not PENDING, fenced) is refused
@@ -57,6 +61,7 @@ from .types import VoteResult
 log = logging.getLogger("lastgood.commit")
 
 MAX_BATCH = 2048  # votes a transaction writes at most (bounds its IN lists and its length)
+MAX_SOLO = 4096  # single-rank checkpoints remembered (the newest begun): a bound on the hint's memory
 
 
 @dataclass(eq=False)
@@ -88,7 +93,17 @@ class VoteBatcher:
         self._fail_next = point is Failpoint.VOTE_BATCH_FAILS_ONCE
         self._fail_checkpoint = checkpoint_id if point is Failpoint.VOTE_FAILS_ON_CHECKPOINT else None
         self._committing: set[int] = set()  # checkpoints a voter of this process is committing
+        self._solo: dict[int, None] = {}  # single-rank checkpoints begun here, oldest first (a hint only)
         self.batches = 0  # transactions written, for tests and the benchmark
+        self.unwaited = 0  # batches whose leader skipped the window (a single-rank vote), for tests
+
+    def alone(self, checkpoint_id: int) -> None:
+        """The checkpoint has one rank (protocol.begin says so): its vote need not wait for
+        others. A hint: a checkpoint begun through another replica just waits the window."""
+        with self._cv:
+            self._solo[checkpoint_id] = None
+            if len(self._solo) > MAX_SOLO:
+                del self._solo[next(iter(self._solo))]
 
     def committing(self, checkpoint_id: int) -> bool:
         """Is a voter of this process committing the checkpoint (domain/peer/peer_fallback.py asks)?"""
@@ -139,7 +154,11 @@ class VoteBatcher:
                 batch: list[_Ask] = []
                 written = False
                 try:
-                    if self.window > 0:
+                    with self._cv:
+                        solo = self._solo.pop(ask.checkpoint_id, 0) is None
+                    if solo:
+                        self.unwaited += 1
+                    elif self.window > 0:
                         time.sleep(self.window)  # let the votes arriving with this one join it
                     with self._cv:
                         batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
