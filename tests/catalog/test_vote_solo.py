@@ -8,6 +8,7 @@ still waits the window. Counted by the batcher, never timed.
 
 from __future__ import annotations
 
+from lastgood_service.catalog import txtimer
 from lastgood_service.domain.commit import CommitService
 from lastgood_service.settings import Settings
 from tests.service.helpers import make_shard, shard_name
@@ -33,3 +34,18 @@ def test_a_single_rank_vote_skips_the_window_and_others_wait_it(sessions, blobs,
     assert commits.vote(elsewhere, 0, [shard_name(0)]).status == "COMMITTED"
     assert (commits.vote_batches.unwaited, commits.vote_batches.batches) == (1, 4)
     assert {status(sessions, c) for c in (solo, pair, elsewhere)} == {"COMMITTED"}
+
+
+def test_the_completing_vote_commits_with_the_plan_its_batch_read(sessions, blobs, clock):
+    """The vote that completes a checkpoint reads the manifest's plan in its batch's
+    transaction, under the row lock, and try_commit does not read it again: a single-rank
+    vote is two catalog transactions (the batch, the commit), not three."""
+    commits = CommitService(Settings(lease_seconds=60, commit_wait_max=0), sessions, blobs, clock=clock)
+    timer = txtimer.of(sessions)
+    for step in (1, 2):
+        cid = commits.begin("run-plan", step, 1, None, ATTEMPT).id
+        put(commits, cid, 0, make_shard(0))
+        mark = timer.total
+        assert commits.vote(cid, 0, [shard_name(0)]).status == "COMMITTED"
+        assert len(timer.since(mark, label="vote")) == 2, timer.since(mark)
+        assert status(sessions, cid) == "COMMITTED"

@@ -76,6 +76,7 @@ class _Ask:
     missing: list[int] = field(default_factory=list)
     completes: bool = False  # its batch completed the checkpoint: someone must commit it
     contested: bool = False  # its peer key was not the one the rank voted with: the checkpoint is abandoned
+    plan: object = None  # the CommitPlan its batch read under the row lock when it completed the checkpoint
 
 
 class VoteBatcher:
@@ -129,7 +130,8 @@ class VoteBatcher:
                 return result  # a voter is committing it: PENDING now, the caller waits as it may
             self._committing.add(checkpoint_id)
         try:
-            if self.core.try_commit(checkpoint_id):  # this call committed it: no need to read it back
+            # the plan read in the batch's transaction: try_commit need not read it again
+            if self.core.try_commit(checkpoint_id, plan=ask.plan):  # this call committed it: no need to read it back
                 return VoteResult(checkpoint_id, COMMITTED, [])
             return self.core.wait_for(checkpoint_id, 0.0)
         except Exception as e:
@@ -189,7 +191,7 @@ class VoteBatcher:
         err = known if known is not None and not isinstance(known, FailedPrecondition) else Unavailable(
             f"vote not recorded: {what} ({type(e).__name__}); nothing of it was written: vote again")
         for a in asks:
-            a.error, a.completes, a.contested = err, False, False
+            a.error, a.completes, a.contested, a.plan = err, False, False, None
 
     def _contest(self, s, ck, a: _Ask) -> Conflict:
         """A vote again for a rank that voted with another peer key (lastgood/wire/peerkey.py):
@@ -211,7 +213,7 @@ class VoteBatcher:
     def _record(self, batch: list[_Ask]) -> None:
         by_checkpoint: dict[int, list[_Ask]] = defaultdict(list)
         for a in batch:
-            a.error, a.completes, a.contested = None, False, False
+            a.error, a.completes, a.contested, a.plan = None, False, False, None
             by_checkpoint[a.checkpoint_id].append(a)
         with self.core.sessions() as s, s.begin():
             for cid in sorted(by_checkpoint):  # row locks in id order: batches of two replicas cannot deadlock
@@ -305,5 +307,13 @@ class VoteBatcher:
         # (domain/peer/verification_modes.py, report; peer_fallback.py)
         completes = ck.status == PENDING and not missing_ranks and s.scalar(select(Shard.id).where(
             Shard.checkpoint_id == cid, Shard.status == DECLARED).limit(1)) is None
+        plan = None
+        if completes:
+            # the manifest's plan, read here under the row lock (as the peer report that verifies
+            # the last file does): the committing voter's try_commit does not read it again
+            try:
+                plan = core.commit_plan(s, ck)  # reads only: a refusal leaves the transaction as it was
+            except DomainError:
+                plan = None  # try_commit reads it again, and raises what it finds
         for a in accepted:
-            a.status, a.missing, a.completes = ck.status, missing_ranks, completes
+            a.status, a.missing, a.completes, a.plan = ck.status, missing_ranks, completes, plan
