@@ -12,6 +12,10 @@ batch was being written, and within `vote_batch_window` seconds after - and writ
   votes in the batch are checked against the rank's verified shards read in one query,
   written, and the voted ranks are read back in one query (the count that says "all ranks
   voted", and the missing ranks the answer carries);
+- a vote on a checkpoint of one rank, begun through this process, skips the window: no
+  other vote of it can join, so its leader writes what is queued at once (the fixed cost
+  of a tiny single-rank save, docs/performance.md); the votes of other single-rank jobs
+  that arrive while it is written still join the next batch;
 - a voter's answer leaves only after its batch's transaction has committed (a vote is
   durable when acknowledged);
 - a vote the protocol refuses (wrong files, a checkpoint not PENDING, fenced) is refused
@@ -57,6 +61,7 @@ from .types import VoteResult
 log = logging.getLogger("lastgood.commit")
 
 MAX_BATCH = 2048  # votes a transaction writes at most (bounds its IN lists and its length)
+MAX_SOLO = 4096  # single-rank checkpoints remembered (the newest begun): a bound on the hint's memory
 
 
 @dataclass(eq=False)
@@ -71,6 +76,7 @@ class _Ask:
     missing: list[int] = field(default_factory=list)
     completes: bool = False  # its batch completed the checkpoint: someone must commit it
     contested: bool = False  # its peer key was not the one the rank voted with: the checkpoint is abandoned
+    plan: object = None  # the CommitPlan its batch read under the row lock when it completed the checkpoint
 
 
 class VoteBatcher:
@@ -88,7 +94,17 @@ class VoteBatcher:
         self._fail_next = point is Failpoint.VOTE_BATCH_FAILS_ONCE
         self._fail_checkpoint = checkpoint_id if point is Failpoint.VOTE_FAILS_ON_CHECKPOINT else None
         self._committing: set[int] = set()  # checkpoints a voter of this process is committing
+        self._solo: dict[int, None] = {}  # single-rank checkpoints begun here, oldest first (a hint only)
         self.batches = 0  # transactions written, for tests and the benchmark
+        self.unwaited = 0  # batches whose leader skipped the window (a single-rank vote), for tests
+
+    def alone(self, checkpoint_id: int) -> None:
+        """The checkpoint has one rank (protocol.begin says so): its vote need not wait for
+        others. A hint: a checkpoint begun through another replica just waits the window."""
+        with self._cv:
+            self._solo[checkpoint_id] = None
+            if len(self._solo) > MAX_SOLO:
+                del self._solo[next(iter(self._solo))]
 
     def committing(self, checkpoint_id: int) -> bool:
         """Is a voter of this process committing the checkpoint (domain/peer/peer_fallback.py asks)?"""
@@ -114,7 +130,8 @@ class VoteBatcher:
                 return result  # a voter is committing it: PENDING now, the caller waits as it may
             self._committing.add(checkpoint_id)
         try:
-            if self.core.try_commit(checkpoint_id):  # this call committed it: no need to read it back
+            # the plan read in the batch's transaction: try_commit need not read it again
+            if self.core.try_commit(checkpoint_id, plan=ask.plan):  # this call committed it: no need to read it back
                 return VoteResult(checkpoint_id, COMMITTED, [])
             return self.core.wait_for(checkpoint_id, 0.0)
         except Exception as e:
@@ -139,7 +156,11 @@ class VoteBatcher:
                 batch: list[_Ask] = []
                 written = False
                 try:
-                    if self.window > 0:
+                    with self._cv:
+                        solo = self._solo.pop(ask.checkpoint_id, 0) is None
+                    if solo:
+                        self.unwaited += 1
+                    elif self.window > 0:
                         time.sleep(self.window)  # let the votes arriving with this one join it
                     with self._cv:
                         batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
@@ -170,7 +191,7 @@ class VoteBatcher:
         err = known if known is not None and not isinstance(known, FailedPrecondition) else Unavailable(
             f"vote not recorded: {what} ({type(e).__name__}); nothing of it was written: vote again")
         for a in asks:
-            a.error, a.completes, a.contested = err, False, False
+            a.error, a.completes, a.contested, a.plan = err, False, False, None
 
     def _contest(self, s, ck, a: _Ask) -> Conflict:
         """A vote again for a rank that voted with another peer key (lastgood/wire/peerkey.py):
@@ -192,7 +213,7 @@ class VoteBatcher:
     def _record(self, batch: list[_Ask]) -> None:
         by_checkpoint: dict[int, list[_Ask]] = defaultdict(list)
         for a in batch:
-            a.error, a.completes, a.contested = None, False, False
+            a.error, a.completes, a.contested, a.plan = None, False, False, None
             by_checkpoint[a.checkpoint_id].append(a)
         with self.core.sessions() as s, s.begin():
             for cid in sorted(by_checkpoint):  # row locks in id order: batches of two replicas cannot deadlock
@@ -286,5 +307,13 @@ class VoteBatcher:
         # (domain/peer/verification_modes.py, report; peer_fallback.py)
         completes = ck.status == PENDING and not missing_ranks and s.scalar(select(Shard.id).where(
             Shard.checkpoint_id == cid, Shard.status == DECLARED).limit(1)) is None
+        plan = None
+        if completes:
+            # the manifest's plan, read here under the row lock (as the peer report that verifies
+            # the last file does): the committing voter's try_commit does not read it again
+            try:
+                plan = core.commit_plan(s, ck)  # reads only: a refusal leaves the transaction as it was
+            except DomainError:
+                plan = None  # try_commit reads it again, and raises what it finds
         for a in accepted:
-            a.status, a.missing, a.completes = ck.status, missing_ranks, completes
+            a.status, a.missing, a.completes, a.plan = ck.status, missing_ranks, completes, plan
