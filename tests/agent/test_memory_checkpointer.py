@@ -1,0 +1,115 @@
+"""The Checkpointer's memory tier end to end (docs/memory-tier.md): a real service, two real
+agents on loopback with different --host labels, one rank. A memory save commits from the
+agents' copy reports and restores bit-exact from the own agent; with the own agent's copy
+damaged the partner's is read; with both damaged the restore falls back to the durable
+ancestor, bit-exact; an agent that is away gives the memory save up with an event while the
+durable saves go on."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from torch import nn
+
+import lastgood
+from lastgood.common.interval import Interval
+
+from ..conftest import FAST, ServiceProc
+from .test_agent import AgentProc, _free_port
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    svc = ServiceProc(tmp_path_factory.mktemp("memck-svc"), dict(FAST)).start()
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    with tempfile.TemporaryDirectory(prefix="lastgood-memck-", dir=base) as d:
+        a = AgentProc("node-a", _free_port(), Path(d) / "a", {}, "--live-every", "0.3", url=svc.url)
+        b = AgentProc("node-b", _free_port(), Path(d) / "b", {}, "--live-every", "0.3", url=svc.url)
+        yield svc, a, b
+        a.stop()
+        b.stop()
+    svc.stop()
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Linear(64, 64)
+
+
+def _same(m1: nn.Module, m2: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(m1.state_dict().values(), m2.state_dict().values()))
+
+
+def _flip(root: Path, run: str, cid: int) -> None:
+    for f in (root / run / str(cid) / "0").iterdir():
+        raw = bytearray(f.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        f.write_bytes(bytes(raw))
+
+
+def _checkpoint(svc, cid: int) -> dict:
+    return httpx.get(f"{svc.url}/api/v1/checkpoints/{cid}", timeout=10).json()
+
+
+def _save_durable_then_memory(svc, a, run):
+    """Step 1 durable (model seed 1), step 2 memory (seed 2): (durable, memory) checkpoints and models."""
+    durable, memory = _model(1), _model(2)
+    with lastgood.Checkpointer(svc.url, run=run, memory=Interval(every_steps=2), agent=a.address) as ck:
+        ck.save(1, lastgood.TrainState(model=durable))
+        ck.wait()
+        d_id = ck.last_saved.checkpoint_id
+        assert ck.due(2)  # the memory interval's step
+        ck.save(2, lastgood.TrainState(model=memory))
+        ck.wait()
+        assert ck.memory.stats == {"memory_committed": 1, "memory_given_up": 0}
+        m_id = ck.parent_id
+    assert m_id != d_id and _checkpoint(svc, m_id)["tier"] == "memory" and _checkpoint(svc, d_id)["tier"] == "durable"
+    assert _checkpoint(svc, m_id)["status"] == "COMMITTED"
+    return d_id, m_id, durable, memory
+
+
+def _restore(svc, a, run):
+    fresh = _model(99)
+    with lastgood.Checkpointer(svc.url, run=run, agent=a.address, memory=Interval(every_steps=2)) as ck:
+        step = ck.restore(lastgood.TrainState(model=fresh))
+        reads = ck.restore_reads
+    return step, fresh, reads
+
+
+def test_memory_save_restores_from_own_agent_then_partner(nodes, run_name):
+    svc, a, b = nodes
+    _, m_id, _, memory = _save_durable_then_memory(svc, a, run_name)
+    step, fresh, reads = _restore(svc, a, run_name)
+    assert step == 2 and _same(fresh, memory) and reads == {"memory_copies": [a.address]}
+    _flip(a.root, run_name, m_id)  # the own agent's copy damaged: the partner's is read
+    step, fresh, reads = _restore(svc, a, run_name)
+    assert step == 2 and _same(fresh, memory) and reads == {"memory_copies": [b.address]}
+
+
+def test_both_copies_damaged_falls_back_to_the_durable_ancestor(nodes, run_name):
+    svc, a, b = nodes
+    d_id, m_id, durable, memory = _save_durable_then_memory(svc, a, run_name)
+    _flip(a.root, run_name, m_id)
+    _flip(b.root, run_name, m_id)
+    step, fresh, _ = _restore(svc, a, run_name)
+    assert step == 1 and _same(fresh, durable) and not _same(fresh, memory)
+
+
+def test_an_agent_away_gives_the_memory_save_up_and_durable_saves_go_on(nodes, run_name):
+    svc, _, _ = nodes
+    away = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    with lastgood.Checkpointer(svc.url, run=run_name, memory=Interval(every_steps=2), agent=away) as ck:
+        ck.save(1, lastgood.TrainState(model=_model(1)))
+        ck.save(2, lastgood.TrainState(model=_model(2)), tier="memory")
+        ck.save(3, lastgood.TrainState(model=_model(3)))
+        ck.wait()  # the memory save given up fails nothing
+        assert ck.memory.stats == {"memory_committed": 0, "memory_given_up": 1}
+        assert ck.last_saved.step == 3
+    events = httpx.get(f"{svc.url}/api/v1/runs/{run_name}/events", params={"kind": "memory_given_up"},
+                       timeout=10).json()
+    items = events.get("events", events.get("items", events))
+    assert len(items) == 1 and items[0]["data"]["step"] == 2, events
