@@ -80,6 +80,7 @@ def _restore(svc, a, run):
     return step, fresh, reads
 
 
+@pytest.mark.slow
 def test_memory_save_restores_from_own_agent_then_partner(nodes, run_name):
     svc, a, b = nodes
     _, m_id, _, memory = _save_durable_then_memory(svc, a, run_name)
@@ -113,3 +114,42 @@ def test_an_agent_away_gives_the_memory_save_up_and_durable_saves_go_on(nodes, r
                        timeout=10).json()
     items = events.get("events", events.get("items", events))
     assert len(items) == 1 and items[0]["data"]["step"] == 2, events
+
+
+def _flip_rank(root: Path, run: str, cid: int, rank: int) -> None:
+    for f in (root / run / str(cid) / str(rank)).iterdir():
+        raw = bytearray(f.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        f.write_bytes(bytes(raw))
+
+
+@pytest.mark.slow
+def test_two_torchrun_ranks_restore_from_memory_then_partner_then_durable(nodes, run_name):
+    """Rank r saves into agent r; each agent's partner is the other. Restores: every rank
+    from its own agent; rank 0's own copy damaged: rank 0 from the partner; every copy of
+    rank 0 damaged: both ranks fall back to the durable step 1 alike."""
+    from tests.multiproc.launch import torchrun, why
+
+    svc, a, b = nodes
+    script = Path(__file__).parents[1] / "multiproc" / "memory_ranks.py"
+    agents = f"{a.address},{b.address}"
+    saved = torchrun(script, ["save", svc.url, run_name, agents], timeout=180)
+    assert saved.returncode == 0, why(saved)
+    assert saved.stdout.count("'memory_committed': 1") == 2, why(saved)
+    lg = httpx.get(f"{svc.url}/api/v1/runs/{run_name}/last-good", timeout=10).json()
+    assert lg["step"] == 2 and lg["tier"] == "memory"
+
+    def restored():
+        res = torchrun(script, ["restore", svc.url, run_name, agents], timeout=180)
+        assert res.returncode == 0, why(res)
+        return res.stdout
+
+    out = restored()
+    assert f"[rank 0] restored step 2 weight 10.0 reads {{'memory_copies': ['{a.address}']}}" in out, out
+    assert f"[rank 1] restored step 2 weight 11.0 reads {{'memory_copies': ['{b.address}']}}" in out, out
+    _flip_rank(a.root, run_name, lg["id"], 0)
+    out = restored()
+    assert f"[rank 0] restored step 2 weight 10.0 reads {{'memory_copies': ['{b.address}']}}" in out, out
+    _flip_rank(b.root, run_name, lg["id"], 0)
+    out = restored()
+    assert "[rank 0] restored step 1 weight 1.0" in out and "[rank 1] restored step 1 weight 2.0" in out, out
