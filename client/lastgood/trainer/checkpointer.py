@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from lastgood.commit.session import SaveSession
 from lastgood.common import joblog
 from lastgood.common.interval import Decider, Interval
-from lastgood.trainer.memory import MemoryTier
+from lastgood.trainer import memory as memtier
 from lastgood.datapath.transport import Transport
 from lastgood.errors import Fenced, LastgoodError, SaveFailed, ServiceError
 from lastgood.remote import config
@@ -163,16 +163,10 @@ class Checkpointer:
 
     def _start_memory(self, memory, agent: str | None, replicas: int) -> None:
         """The memory tier's saves (trainer/memory.py), when `memory` sets its interval."""
-        self.memory, self._memory_decider, self._next_tier = None, None, None
-        if memory is None:
-            return
-        agent = agent or os.environ.get(config.ENV_AGENT)
-        if not agent:
-            raise LastgoodError(f"a memory interval needs the node agent: pass agent='HOST:PORT' or set {config.ENV_AGENT}")
-        memory = Interval.parse(memory) if isinstance(memory, str) else memory
-        self.memory = MemoryTier(self.transport, self.run, self.rank, agent, replicas)
-        self._memory_decider = Decider(memory, lambda: None, distributed.broadcast_int)
-        self._restorer.agent = agent
+        self._next_tier = None
+        self.memory, self._memory_decider = memtier.start(self.transport, self.run, self.rank, memory, agent, replicas)
+        if self.memory is not None:
+            self._restorer.agent = self.memory.agent
 
     def step(self, step: int) -> None:
         """Record that training reached `step` (a timestamp, no I/O): the heartbeat thread
@@ -267,13 +261,7 @@ class Checkpointer:
                 self._decider.saved()
 
     def _tier_of(self, step: int, tier: str | None) -> str:
-        if tier is None:
-            tier = self._next_tier[1] if self._next_tier and self._next_tier[0] == step else tiers.Tier.DURABLE
-        if tier not in (tiers.Tier.DURABLE, tiers.Tier.MEMORY):
-            raise ValueError(f"tier must be 'durable' or 'memory', got {tier!r}")
-        if tier == tiers.Tier.MEMORY and self.memory is None:
-            raise LastgoodError("a memory save needs Checkpointer(..., memory=Interval(...))")
-        return tier
+        return memtier.tier_of(step, tier, self._next_tier, self.memory is not None)
 
     def _snapshot(self, step: int, state: TrainState, tier: str = tiers.Tier.DURABLE) -> None:
         cap = state.capture(step, self.rank, self.world_size, ddp_buckets=self.config.ddp_buckets)

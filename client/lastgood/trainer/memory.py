@@ -15,10 +15,15 @@ from __future__ import annotations
 import logging
 import time
 
+import os
+
 from lastgood.common import joblog
+from lastgood.common.interval import Decider, Interval
 from lastgood.datapath.agents import AgentRefused
 from lastgood.datapath.memory import MemoryPath
-from lastgood.errors import Fenced, ServiceError
+from lastgood.errors import Fenced, LastgoodError, ServiceError
+from lastgood.remote import config
+from lastgood.state import distributed
 from lastgood.wire import tiers
 from lastgood.wire.vocab import Status
 
@@ -29,11 +34,33 @@ class MemoryGivenUp(Exception):
     """This memory save did not commit; the reason is in the message."""
 
 
+def start(transport, run: str, rank: int, memory, agent: str | None, replicas: int):
+    """(MemoryTier, its Decider) for `memory` (an Interval or its text), or (None, None)."""
+    if memory is None:
+        return None, None
+    agent = agent or os.environ.get(config.ENV_AGENT)
+    if not agent:
+        raise LastgoodError(f"a memory interval needs the node agent: pass agent='HOST:PORT' or set {config.ENV_AGENT}")
+    memory = Interval.parse(memory) if isinstance(memory, str) else memory
+    return MemoryTier(transport, run, rank, agent, replicas), Decider(memory, lambda: None, distributed.broadcast_int)
+
+
+def tier_of(step: int, tier: str | None, decided: tuple[int, str] | None, has_memory: bool) -> str:
+    """The tier of save(step): the one named, else what due(step) decided, else durable."""
+    if tier is None:
+        tier = decided[1] if decided and decided[0] == step else tiers.Tier.DURABLE
+    if tier not in (tiers.Tier.DURABLE, tiers.Tier.MEMORY):
+        raise ValueError(f"tier must be 'durable' or 'memory', got {tier!r}")
+    if tier == tiers.Tier.MEMORY and not has_memory:
+        raise LastgoodError("a memory save needs Checkpointer(..., memory=Interval(...))")
+    return tier
+
+
 class MemoryTier:
     """One Checkpointer's memory saves (counts in `stats`)."""
 
     def __init__(self, transport, run: str, rank: int, agent: str, replicas: int = tiers.DEFAULT_REPLICAS) -> None:
-        self.transport, self.run, self.rank = transport, run, rank
+        self.transport, self.run, self.rank, self.agent = transport, run, rank, agent
         self.path = MemoryPath(agent, replicas)
         self.stats = {"memory_committed": 0, "memory_given_up": 0}
 
