@@ -153,3 +153,16 @@ def test_two_torchrun_ranks_restore_from_memory_then_partner_then_durable(nodes,
     _flip_rank(b.root, run_name, lg["id"], 0)
     out = restored()
     assert "[rank 0] restored step 1 weight 1.0" in out and "[rank 1] restored step 1 weight 2.0" in out, out
+
+
+def test_the_service_refuses_to_verify_a_memory_checkpoint_with_409(nodes, run_name):
+    """It holds none of the bytes: a clear 409 (never a 5xx a client would retry for minutes)."""
+    svc, a, _ = nodes
+    with lastgood.Checkpointer(svc.url, run=run_name, memory=Interval(every_steps=2), agent=a.address) as ck:
+        ck.save(2, lastgood.TrainState(model=_model(2)), tier="memory")
+        ck.wait()
+        cid = ck.parent_id
+    assert ck.memory.stats["memory_committed"] == 1
+    r = httpx.post(f"{svc.url}/api/v1/checkpoints/{cid}/verify", timeout=10)
+    assert r.status_code == 409 and "memory checkpoint" in r.text, (r.status_code, r.text[:300])
+    assert _checkpoint(svc, cid)["status"] == "COMMITTED"  # changed nothing
