@@ -121,10 +121,11 @@ class Transport(RestClient):
         return self._retrying(once, what)
 
     def begin(self, run: str, step: int, world_size: int, parent_id: int | None, attempt: str,
-              rank: int, expected_bytes: int = 0) -> pb.BeginCheckpointResponse:
+              rank: int, expected_bytes: int = 0, tier: str = "", replicas: int = 0) -> pb.BeginCheckpointResponse:
+        """`tier`, `replicas`: a memory checkpoint's (lastgood.wire.tiers; "" is durable)."""
         return self._unary("BeginCheckpoint", self._stub.BeginCheckpoint, pb.BeginCheckpointRequest(
             run=run, step=step, world_size=world_size, parent_id=parent_id or 0, attempt=attempt, rank=rank,
-            generation=self.generation or 0, expected_bytes=expected_bytes))
+            generation=self.generation or 0, expected_bytes=expected_bytes, tier=tier, replicas=replicas))
 
     def spool_write(self, data, hasher: StreamHasher | None = None, spool: dict | None = None,
                     fsync: bool = False) -> str | None:
@@ -291,12 +292,15 @@ class Transport(RestClient):
                                                                                     metadata=metadata),
                            None, timeout=max(self.timeout, 3600.0))
 
-    def commit_rank(self, checkpoint_id: int, rank: int, files: list[str], wait: float) -> pb.CommitRankResponse:
+    def commit_rank(self, checkpoint_id: int, rank: int, files: list[str], wait: float,
+                    memory_files: list[tuple[str, int, str]] = ()) -> pb.CommitRankResponse:
+        """`memory_files`: a memory checkpoint's vote, (name, size, xxh3-128) of each file."""
         # the commitment of this process's secret for the rank: only this rank can then ask for and
         # report its peer checks (lastgood/wire/peerkey.py); sent whatever the mode, it costs nothing
         key = peerkey.commitment(peerkey.rank_secret(checkpoint_id, rank))
         return self._unary("CommitRank", self._stub.CommitRank, pb.CommitRankRequest(
-            checkpoint_id=checkpoint_id, rank=rank, files=files, wait_seconds=wait, peer_key=key),
+            checkpoint_id=checkpoint_id, rank=rank, files=files, wait_seconds=wait, peer_key=key,
+            memory_files=[pb.MemoryFile(name=n, size=z, xxh3_128=d) for n, z, d in memory_files]),
             timeout=wait + self.timeout)
 
     def abort(self, checkpoint_id: int, reason: str, rank: int) -> None:

@@ -256,6 +256,10 @@ class RestClient:
         return self.post_json(f"/api/v1/checkpoints/{int(checkpoint_id)}/copies", body,
                               headers={tiers.AGENT_KEY_HEADER: key})
 
+    def copies(self, checkpoint_id: int) -> dict:
+        """The agents holding verified copies of a committed memory checkpoint's files."""
+        return self.get_json(f"/api/v1/checkpoints/{int(checkpoint_id)}/copies")
+
     def agent_live(self, agent_id: int, key: str) -> dict:
         return self.get_json(f"/api/v1/agents/{int(agent_id)}/live", headers={tiers.AGENT_KEY_HEADER: key})
 

@@ -18,11 +18,13 @@ from lastgood.errors import (Conflict, CorruptCheckpoint, DataLoss, FailedPrecon
                              NotFound, NoUsableCheckpoint, ServiceError)
 from lastgood.remote.reading import RESTORE_LEASE_SECONDS, ReadLease
 from lastgood.restore import readplan, replicas
+from lastgood.datapath.memory import MemoryReader
 from lastgood.restore.files import fetch_rank
 from lastgood.state import distributed
 from lastgood.state.sharding import ShardIndex
 from lastgood.state.staging import StagingPool, aligned_empty
 from lastgood.state.trainstate import TrainState, fits
+from lastgood.wire import tiers
 from lastgood.wire.format import shard_file_name
 from lastgood.wire.manifest import Manifest
 
@@ -39,12 +41,15 @@ class Restorer:
     OK, UNUSABLE, FAILED = 0, 1, 2
 
     def __init__(self, transport, run: str, rank: int, world_size: int, pool: Callable[[], StagingPool],
-                 ddp_buckets: bool = True) -> None:
+                 ddp_buckets: bool = True, agent: str | None = None) -> None:
         """`pool`: the staging pool of the writer this restore shares buffers with, asked
         for at each restore (the Checkpointer's, which a caller may share among several).
-        `ddp_buckets`: DDP resumes in its saved gradient-bucket layout (state/ddp_buckets.py)."""
+        `ddp_buckets`: DDP resumes in its saved gradient-bucket layout (state/ddp_buckets.py).
+        `agent`: this node's agent (HOST:PORT), read first for a memory checkpoint."""
         self.transport, self.run, self.rank, self.world_size, self._pool_of = transport, run, rank, world_size, pool
         self.ddp_buckets = ddp_buckets
+        self.agent = agent
+        self._memory: set[int] = set()  # memory checkpoints met: the service cannot re-hash their bytes
         self.reads: dict | None = None  # what the last restore by ranges read (readplan.py)
 
     @property
@@ -78,7 +83,7 @@ class Restorer:
                 raise err or LastgoodError(f"restoring checkpoint {cid} failed on another rank; see its log")
             if err is not None:
                 log.error("lastgood: checkpoint %s is unusable: %s", cid, err)
-            if self.rank == 0:
+            if self.rank == 0 and cid not in self._memory:
                 self._report_unusable(cid)
             if checkpoint_id is not None:
                 raise err or CorruptCheckpoint(f"checkpoint {cid} is unusable on another rank")
@@ -160,6 +165,9 @@ class Restorer:
         min(rank, old world - 1)."""
         manifest = self.transport.manifest(cid)
         old_world = manifest.world_size
+        if self.transport.checkpoint(cid).get("tier") == tiers.Tier.MEMORY:
+            self._memory.add(cid)
+            return self._fetch_memory(manifest)
         if old_world != self.world_size:
             before = self.transport.shard_bytes, self.transport.range_requests
             planned = readplan.fetch(self.transport, state, manifest, self.rank, shard_file_name)
@@ -187,6 +195,26 @@ class Restorer:
                 self.pool.release(buf)
             raise
         return manifest, files, min(self.rank, old_world - 1), held
+
+    def _fetch_memory(self, manifest: Manifest):
+        """A memory checkpoint's files of this rank, each from the first agent whose copy hashes
+        to the manifest's digest, own agent first (datapath/memory.py); no good copy left is
+        CorruptCheckpoint, and every rank falls back to the newest good ancestor."""
+        if manifest.world_size != self.world_size:
+            raise CorruptCheckpoint(f"memory checkpoint {manifest.checkpoint_id} was saved by {manifest.world_size} "
+                                    f"ranks; restoring it on {self.world_size} is not built: its durable ancestor serves")
+        reader = MemoryReader(self.transport, self.run, manifest, self.agent)
+        held: list = []
+        try:
+            got = fetch_rank(reader, manifest, self.rank, shard_file_name(self.rank),
+                             lambda n: _held(held, self.pool.acquire(n)))[0]
+            files = replicas.complete(reader, manifest, [got], self.rank)
+        except BaseException:
+            for buf in held:
+                self.pool.release(buf)
+            raise
+        self.reads = {"memory_copies": sorted(set(reader.sources.values()))}
+        return manifest, files, self.rank, held
 
     def _give_back(self, state: TrainState, held: list) -> None:
         """Return restore buffers to the staging pool, where the next save overwrites them.

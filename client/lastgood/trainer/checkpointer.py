@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from lastgood.commit.session import SaveSession
 from lastgood.common import joblog
 from lastgood.common.interval import Decider, Interval
+from lastgood.trainer import memory as memtier
 from lastgood.datapath.transport import Transport
 from lastgood.errors import Fenced, LastgoodError, SaveFailed, ServiceError
 from lastgood.remote import config
@@ -48,7 +49,7 @@ from lastgood.state.staging import Snapshot, StagingPool, snapshot
 from lastgood.state.trainstate import TrainState
 from lastgood.trainer import launch as _launch
 from lastgood.trainer.uploads import SaveRecord, UploadQueue
-from lastgood.wire import names
+from lastgood.wire import names, tiers
 from lastgood.wire.format import file_names, shard_file_name
 
 log = logging.getLogger("lastgood")
@@ -65,7 +66,8 @@ class Checkpointer:
                  retry: RetryPolicy | None = None, require_final: bool = True, new_run: bool | None = None,
                  interval: Interval | str | None = None, heartbeat_seconds: float | None = None,
                  retention: str | None = None, dedup: bool | None = None, solo: bool = False,
-                 read_only: bool = False) -> None:
+                 read_only: bool = False, memory: Interval | str | None = None, agent: str | None = None,
+                 memory_replicas: int = tiers.DEFAULT_REPLICAS) -> None:
         """`retry`: how transient failures are retried (default: the LASTGOOD_RETRY_* settings);
         it also bounds how long a service that is starting is waited for, here and in
         restore(). `require_final`: wait()/close() raise SaveFailed when the newest save did
@@ -83,7 +85,10 @@ class Checkpointer:
         launch and may save; every rank may restore. `read_only`: restore only, never
         register a launch (so a job that trains is not fenced by a reader). Otherwise every rank creates the
         Checkpointer, within LASTGOOD_JOIN_SECONDS of each other (default 30; else a
-        LastgoodError on the ranks that did). What is not passed comes from the
+        LastgoodError on the ranks that did). `memory`: the memory tier's interval
+        (docs/memory-tier.md): `due()` also answers True at its steps and `save()` then writes
+        a memory checkpoint into the node agent at `agent` (HOST:PORT; default
+        LASTGOOD_AGENT) with `memory_replicas` partner copies. What is not passed comes from the
         environment, resolved once (config.ClientConfig, kept as `self.config`)."""
         self.config = cfg = ClientConfig.resolve(url=url, token=token, run=run, attempt=attempt, new_run=new_run,
                                                  retry=retry, dedup=dedup)
@@ -100,6 +105,7 @@ class Checkpointer:
             with self._collectives():
                 self._construct(cfg, commit_timeout, require_final, retention, interval, heartbeat_seconds,
                                 staging_buffers)
+                self._start_memory(memory, agent, memory_replicas)
         except BaseException:
             _launch.release(cfg.url, self.run, self)
             raise
@@ -129,7 +135,7 @@ class Checkpointer:
         self.last_saved: SaveResult | None = None
         self._pool = StagingPool(slots=staging_buffers)
         self._restorer = Restorer(self.transport, self.run, self.rank, self.world_size, lambda: self._pool,
-                                  ddp_buckets=cfg.ddp_buckets)
+                                  ddp_buckets=cfg.ddp_buckets, agent=os.environ.get(config.ENV_AGENT) or None)
         self._jobs = UploadQueue()
         self._record = SaveRecord()
         self._gave_up_since_commit = False  # then the ranks converge on a step before each begin (converge)
@@ -155,6 +161,13 @@ class Checkpointer:
         self._decider = Decider(self.interval, lambda: self.heartbeat.interval_s, distributed.broadcast_int) \
             if self.interval else None
 
+    def _start_memory(self, memory, agent: str | None, replicas: int) -> None:
+        """The memory tier's saves (trainer/memory.py), when `memory` sets its interval."""
+        self._next_tier = None
+        self.memory, self._memory_decider = memtier.start(self.transport, self.run, self.rank, memory, agent, replicas)
+        if self.memory is not None:
+            self._restorer.agent = self.memory.agent
+
     def step(self, step: int) -> None:
         """Record that training reached `step` (a timestamp, no I/O): the heartbeat thread
         reports it, and the service judges hangs and stragglers from it. Once per step."""
@@ -164,12 +177,15 @@ class Checkpointer:
         """Should this step be saved, under the Checkpointer's `interval`? Call it once per
         step on every rank (it records the step, as `step()` does); every rank gets the same
         answer. `epoch_end=True` at the last step of an epoch."""
-        if self._decider is None:
+        if self._decider is None and self._memory_decider is None:
             raise LastgoodError("due() needs Checkpointer(..., interval=...): e.g. Interval(every_steps=500), "
                                 "'30m' or 'auto'")
         self.heartbeat.step(step)
         with self._collectives():
-            return self._decider.due(step, epoch_end)
+            durable = self._decider is not None and self._decider.due(step, epoch_end)
+            memory = self._memory_decider is not None and self._memory_decider.due(step, epoch_end)
+        self._next_tier = (step, tiers.Tier.DURABLE if durable else tiers.Tier.MEMORY) if durable or memory else None
+        return durable or memory
 
     def _record_restart(self) -> None:
         """Under torchrun's elastic agent, every restart of the group is an event of the run."""
@@ -219,8 +235,9 @@ class Checkpointer:
         return self._session.unsure
 
     # ------------------------------------------------------------------ save
-    def save(self, step: int, state: TrainState) -> None:
-        """Snapshot `state` into CPU memory and return; the upload continues in the background."""
+    def save(self, step: int, state: TrainState, tier: str | None = None) -> None:
+        """Snapshot `state` into CPU memory and return; the upload continues in the background.
+        `tier`: "memory" or "durable"; by default what `due(step)` decided, else durable."""
         if self._closed:
             raise LastgoodError("Checkpointer is closed")
         if not self.writer:
@@ -236,14 +253,17 @@ class Checkpointer:
         self.heartbeat.phase(_health.SAVING)
         try:
             with self._collectives():
-                self._snapshot(step, state)
+                self._snapshot(step, state, self._tier_of(step, tier))
         finally:  # the stall the trainer paid: C of the auto interval
             self.heartbeat.saved(time.monotonic() - began)
             self.heartbeat.phase(_health.TRAIN)
-            if self._decider is not None:
+            if self._decider is not None and self._tier_of(step, tier) != tiers.Tier.MEMORY:
                 self._decider.saved()
 
-    def _snapshot(self, step: int, state: TrainState) -> None:
+    def _tier_of(self, step: int, tier: str | None) -> str:
+        return memtier.tier_of(step, tier, self._next_tier, self.memory is not None)
+
+    def _snapshot(self, step: int, state: TrainState, tier: str = tiers.Tier.DURABLE) -> None:
         cap = state.capture(step, self.rank, self.world_size, ddp_buckets=self.config.ddp_buckets)
         if self.config.dedup:  # replicated state: only this rank's share of it (collective; replicas.py)
             try:  # a fenced rank enters the collective too: every rank raises Fenced at this save
@@ -268,7 +288,8 @@ class Checkpointer:
         finally:
             self._jobs.wanted = False
         snap.attempt = self._attempts.for_save(step)  # a step saved again: a newer checkpoint (launch.py)
-        snap.seq = self._record.request(step)
+        snap.tier = tier  # a memory save is not one wait() answers for (trainer/memory.py)
+        snap.seq = self._record.request(step) if tier == tiers.Tier.DURABLE else 0
         self._jobs.put(snap)
 
     @property
@@ -291,7 +312,8 @@ class Checkpointer:
                     return
                 if self._fenced is None:  # a fenced launch uploads nothing more
                     with self.transport.stoppable(self._jobs.stop_asked):
-                        self._upload(snap)
+                        if self._upload(snap) is False:  # a memory save given up: an event said so
+                            continue
                         committed = True
                         self._gave_up_since_commit = False
                         self._record.commit(snap.step, snap.seq)
@@ -321,7 +343,7 @@ class Checkpointer:
             joblog.incident(log, logging.WARNING, "lastgood: could not record the given-up saves: %s", e)
             self._record.put_back(items)
 
-    def _upload(self, snap: Snapshot) -> None:
+    def _upload(self, snap: Snapshot) -> bool | None:
         if self._jobs.troubled:
             # the service was away at the last try: wait for it (retrying, until a newer save
             # wants this buffer) before writing a whole shard to the spool for nothing
@@ -331,6 +353,10 @@ class Checkpointer:
         converging = lambda: self._jobs.troubled or self._gave_up_since_commit  # noqa: E731
         if converging():
             self._session.converge(snap.step, snap.attempt)
+        if getattr(snap, "tier", None) == tiers.Tier.MEMORY:
+            cid = self.memory.save(self._session, snap.step, self.world_size, snap.attempt,
+                                   list(zip(file_names(self.file_name, len(snap.views())), snap.views())))
+            return cid is not None
         up = self._session.checkpoint(snap.step)
         # on the service's host the shard is handed over as a file, hashed as it is written;
         # written before begin, so that a long write never runs into the checkpoint's lease

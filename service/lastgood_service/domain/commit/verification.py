@@ -14,6 +14,7 @@ from lastgood.wire.ranges import FileCheck, fingerprint
 
 from ...catalog.models import COMMITTED, CORRUPT, Shard
 from ..runs import last_good
+from . import tiering
 from ..errors import FailedPrecondition
 from ..events import add_event
 from . import indexes
@@ -32,6 +33,7 @@ class CommitVerification(CommitCore):
             ck = self.get_checkpoint(s, checkpoint_id)
             if ck.status not in (COMMITTED, CORRUPT):
                 raise FailedPrecondition(f"checkpoint {checkpoint_id} is {ck.status}; only committed ones are verified")
+            tiering.refuse_blob(ck, "verified by the service")  # a memory checkpoint's bytes are its agents'
             shards = list(s.scalars(select(Shard).where(Shard.checkpoint_id == checkpoint_id)
                                     .order_by(Shard.rank, Shard.file_name)))
             pfx = key_prefix(s, ck)

@@ -19,7 +19,7 @@ from ..errors import FailedPrecondition, InvalidArgument, NotFound, not_committe
 from .lineage import descendants
 
 RESERVED = {SUSPECT, ROLLBACK_TARGET, LAST_GOOD, PINNED}
-CLIENT_EVENTS = {"spike", "restart", "note", "save_given_up",
+CLIENT_EVENTS = {"spike", "restart", "note", "save_given_up", "memory_given_up",  # a memory save (trainer/memory.py)
                  "supervisor_restart", "supervisor_gave_up", "supervisor_stopped"}  # lastgood supervise
 MAX_LEASE_SECONDS = 24 * 3600
 

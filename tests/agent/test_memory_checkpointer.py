@@ -1,0 +1,168 @@
+"""The Checkpointer's memory tier end to end (docs/memory-tier.md): a real service, two real
+agents on loopback with different --host labels, one rank. A memory save commits from the
+agents' copy reports and restores bit-exact from the own agent; with the own agent's copy
+damaged the partner's is read; with both damaged the restore falls back to the durable
+ancestor, bit-exact; an agent that is away gives the memory save up with an event while the
+durable saves go on."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from torch import nn
+
+import lastgood
+from lastgood.common.interval import Interval
+
+from ..conftest import FAST, ServiceProc
+from .test_agent import AgentProc, _free_port
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    svc = ServiceProc(tmp_path_factory.mktemp("memck-svc"), dict(FAST)).start()
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    with tempfile.TemporaryDirectory(prefix="lastgood-memck-", dir=base) as d:
+        a = AgentProc("node-a", _free_port(), Path(d) / "a", {}, "--live-every", "0.3", url=svc.url)
+        b = AgentProc("node-b", _free_port(), Path(d) / "b", {}, "--live-every", "0.3", url=svc.url)
+        yield svc, a, b
+        a.stop()
+        b.stop()
+    svc.stop()
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Linear(64, 64)
+
+
+def _same(m1: nn.Module, m2: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(m1.state_dict().values(), m2.state_dict().values()))
+
+
+def _flip(root: Path, run: str, cid: int) -> None:
+    for f in (root / run / str(cid) / "0").iterdir():
+        raw = bytearray(f.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        f.write_bytes(bytes(raw))
+
+
+def _checkpoint(svc, cid: int) -> dict:
+    return httpx.get(f"{svc.url}/api/v1/checkpoints/{cid}", timeout=10).json()
+
+
+def _save_durable_then_memory(svc, a, run):
+    """Step 1 durable (model seed 1), step 2 memory (seed 2): (durable, memory) checkpoints and models."""
+    durable, memory = _model(1), _model(2)
+    with lastgood.Checkpointer(svc.url, run=run, memory=Interval(every_steps=2), agent=a.address) as ck:
+        ck.save(1, lastgood.TrainState(model=durable))
+        ck.wait()
+        d_id = ck.last_saved.checkpoint_id
+        assert ck.due(2)  # the memory interval's step
+        ck.save(2, lastgood.TrainState(model=memory))
+        ck.wait()
+        assert ck.memory.stats == {"memory_committed": 1, "memory_given_up": 0}
+        m_id = ck.parent_id
+    assert m_id != d_id and _checkpoint(svc, m_id)["tier"] == "memory" and _checkpoint(svc, d_id)["tier"] == "durable"
+    assert _checkpoint(svc, m_id)["status"] == "COMMITTED"
+    return d_id, m_id, durable, memory
+
+
+def _restore(svc, a, run):
+    fresh = _model(99)
+    with lastgood.Checkpointer(svc.url, run=run, agent=a.address, memory=Interval(every_steps=2)) as ck:
+        step = ck.restore(lastgood.TrainState(model=fresh))
+        reads = ck.restore_reads
+    return step, fresh, reads
+
+
+@pytest.mark.slow
+def test_memory_save_restores_from_own_agent_then_partner(nodes, run_name):
+    svc, a, b = nodes
+    _, m_id, _, memory = _save_durable_then_memory(svc, a, run_name)
+    step, fresh, reads = _restore(svc, a, run_name)
+    assert step == 2 and _same(fresh, memory) and reads == {"memory_copies": [a.address]}
+    _flip(a.root, run_name, m_id)  # the own agent's copy damaged: the partner's is read
+    step, fresh, reads = _restore(svc, a, run_name)
+    assert step == 2 and _same(fresh, memory) and reads == {"memory_copies": [b.address]}
+
+
+def test_both_copies_damaged_falls_back_to_the_durable_ancestor(nodes, run_name):
+    svc, a, b = nodes
+    d_id, m_id, durable, memory = _save_durable_then_memory(svc, a, run_name)
+    _flip(a.root, run_name, m_id)
+    _flip(b.root, run_name, m_id)
+    step, fresh, _ = _restore(svc, a, run_name)
+    assert step == 1 and _same(fresh, durable) and not _same(fresh, memory)
+
+
+def test_an_agent_away_gives_the_memory_save_up_and_durable_saves_go_on(nodes, run_name):
+    svc, _, _ = nodes
+    away = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    with lastgood.Checkpointer(svc.url, run=run_name, memory=Interval(every_steps=2), agent=away) as ck:
+        ck.save(1, lastgood.TrainState(model=_model(1)))
+        ck.save(2, lastgood.TrainState(model=_model(2)), tier="memory")
+        ck.save(3, lastgood.TrainState(model=_model(3)))
+        ck.wait()  # the memory save given up fails nothing
+        assert ck.memory.stats == {"memory_committed": 0, "memory_given_up": 1}
+        assert ck.last_saved.step == 3
+    events = httpx.get(f"{svc.url}/api/v1/runs/{run_name}/events", params={"kind": "memory_given_up"},
+                       timeout=10).json()
+    items = events.get("events", events.get("items", events))
+    assert len(items) == 1 and items[0]["data"]["step"] == 2, events
+
+
+def _flip_rank(root: Path, run: str, cid: int, rank: int) -> None:
+    for f in (root / run / str(cid) / str(rank)).iterdir():
+        raw = bytearray(f.read_bytes())
+        raw[len(raw) // 2] ^= 0x01
+        f.write_bytes(bytes(raw))
+
+
+@pytest.mark.slow
+def test_two_torchrun_ranks_restore_from_memory_then_partner_then_durable(nodes, run_name):
+    """Rank r saves into agent r; each agent's partner is the other. Restores: every rank
+    from its own agent; rank 0's own copy damaged: rank 0 from the partner; every copy of
+    rank 0 damaged: both ranks fall back to the durable step 1 alike."""
+    from tests.multiproc.launch import torchrun, why
+
+    svc, a, b = nodes
+    script = Path(__file__).parents[1] / "multiproc" / "memory_ranks.py"
+    agents = f"{a.address},{b.address}"
+    saved = torchrun(script, ["save", svc.url, run_name, agents], timeout=180)
+    assert saved.returncode == 0, why(saved)
+    assert saved.stdout.count("'memory_committed': 1") == 2, why(saved)
+    lg = httpx.get(f"{svc.url}/api/v1/runs/{run_name}/last-good", timeout=10).json()
+    assert lg["step"] == 2 and lg["tier"] == "memory"
+
+    def restored():
+        res = torchrun(script, ["restore", svc.url, run_name, agents], timeout=180)
+        assert res.returncode == 0, why(res)
+        return res.stdout
+
+    out = restored()
+    assert f"[rank 0] restored step 2 weight 10.0 reads {{'memory_copies': ['{a.address}']}}" in out, out
+    assert f"[rank 1] restored step 2 weight 11.0 reads {{'memory_copies': ['{b.address}']}}" in out, out
+    _flip_rank(a.root, run_name, lg["id"], 0)
+    out = restored()
+    assert f"[rank 0] restored step 2 weight 10.0 reads {{'memory_copies': ['{b.address}']}}" in out, out
+    _flip_rank(b.root, run_name, lg["id"], 0)
+    out = restored()
+    assert "[rank 0] restored step 1 weight 1.0" in out and "[rank 1] restored step 1 weight 2.0" in out, out
+
+
+def test_the_service_refuses_to_verify_a_memory_checkpoint_with_409(nodes, run_name):
+    """It holds none of the bytes: a clear 409 (never a 5xx a client would retry for minutes)."""
+    svc, a, _ = nodes
+    with lastgood.Checkpointer(svc.url, run=run_name, memory=Interval(every_steps=2), agent=a.address) as ck:
+        ck.save(2, lastgood.TrainState(model=_model(2)), tier="memory")
+        ck.wait()
+        cid = ck.parent_id
+    assert ck.memory.stats["memory_committed"] == 1
+    r = httpx.post(f"{svc.url}/api/v1/checkpoints/{cid}/verify", timeout=10)
+    assert r.status_code == 409 and "memory checkpoint" in r.text, (r.status_code, r.text[:300])
+    assert _checkpoint(svc, cid)["status"] == "COMMITTED"  # changed nothing
