@@ -100,6 +100,47 @@ def test_one_damaged_file_of_several_falls_back(service, run_name, monkeypatch):
     assert service.get(f"/api/v1/runs/{run_name}/last-good").json()["id"] == good
 
 
+def _restore_by_id(service, run_name, damage: bool):
+    """Save a state split into several files, damage (or not) a tensor byte of its last
+    further file, restore it by id into another model: (raised, the model's state after)."""
+    model, opt = _training(0)
+    with lastgood.Checkpointer(service.url, run=run_name) as ckpt:
+        ckpt.save(1, lastgood.TrainState(model=model, optimizer=opt))
+        ckpt.wait()
+        cid = ckpt.last_saved.checkpoint_id
+    if damage:
+        files = _files(service, cid)
+        path = _blob(service, cid, files[sorted(n for n in files if n != "rank00000.safetensors")[-1]])
+        data = bytearray(path.read_bytes())
+        data[len(data) - 3] ^= 0x10
+        path.write_bytes(bytes(data))
+    model2, opt2 = _training(1)
+    before = _state(model2, opt2)
+    raised = None
+    with lastgood.Checkpointer(service.url, run=run_name) as ckpt:
+        try:
+            ckpt.restore(lastgood.TrainState(model=model2, optimizer=opt2), checkpoint_id=cid)
+        except lastgood.errors.CorruptCheckpoint as e:
+            raised = e
+    after = _state(model2, opt2)
+    return raised, [k for k in before if not torch.equal(before[k], after[k])]
+
+
+def test_a_damaged_later_file_applies_nothing(service, run_name, monkeypatch):
+    """Restoring by id a checkpoint with one damaged byte in its last file raises, and not
+    one tensor of the state (of that file or any other) was written: every file is
+    verified before the first byte is copied into the state."""
+    monkeypatch.setenv("LASTGOOD_FILE_BYTES", FILE_BYTES)
+    raised, changed = _restore_by_id(service, run_name, damage=True)
+    assert raised is not None and changed == []
+
+
+def test_control_an_undamaged_restore_by_id_writes_the_state(service, run_name, monkeypatch):
+    monkeypatch.setenv("LASTGOOD_FILE_BYTES", FILE_BYTES)
+    raised, changed = _restore_by_id(service, run_name, damage=False)
+    assert raised is None and len(changed) > 4
+
+
 def test_export_reads_a_split_checkpoint(service, run_name, monkeypatch, tmp_path):
     """`lastgood export` plans a further file's tensors from the first file's state."""
     from safetensors import safe_open

@@ -13,6 +13,9 @@ import hashlib
 import logging
 from collections.abc import Callable
 
+import numpy
+import torch
+
 from lastgood.common.joblog import incident
 from lastgood.errors import (Conflict, CorruptCheckpoint, DataLoss, FailedPrecondition, FormatError, LastgoodError,
                              NotFound, NoUsableCheckpoint, ServiceError)
@@ -239,22 +242,44 @@ class Restorer:
             incident(log, logging.WARNING, "lastgood: checkpoint %s was saved by %s ranks; restoring on %s",
                      manifest.checkpoint_id, manifest.world_size, self.world_size)
 
-        # the optimizers' current moments: restored in place, instead of into new tensors;
-        # module parameters and buffers: copied in by load_state_dict
+        # the optimizers' current moments and the plain modules' parameters and buffers on
+        # the CPU: copied in place (copy_into), the module's own given back to its
+        # load_state_dict, whose copy of a tensor onto itself is a no-op; a module tensor
+        # elsewhere: copied in by load_state_dict
         targets = state.optimizer_tensors(src.state["components"])
-        direct = state.module_tensor_names()
+        modules = state.module_tensors()
 
         def tensor(name: str, device: str | None):
             dst = targets.get(name)
+            if dst is None:
+                dst = modules.get(name)
             if dst is not None and fits(dst, src.tensors[name], device):
-                return dst.copy_(src.resolve(name, None, copy=False))
+                copy_into(dst, src.resolve(name, None, copy=False))
+                return dst
             # everything else is cloned: the buffer goes back to the staging pool
-            return src.resolve(name, device, copy=name not in direct)
+            return src.resolve(name, device, copy=name not in modules)
 
         state.apply(src.state, tensor, src.array,
                     shards=ShardIndex(files),
                     reseed=None if self.rank < manifest.world_size else _derived_seed(manifest.checkpoint_id, self.rank),
                     world_changed=changed, ddp_buckets=self.ddp_buckets)
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[...] = src, for a verified stored tensor `src` already of dst's dtype and shape.
+    Both contiguous on the CPU: one memcpy on this thread, the GIL released (numpy's
+    copy), so its speed does not hang on torch's intra-op threads, which wait for each
+    other on a loaded host; the process's thread setting is left as the trainer set it.
+    Otherwise torch's copy_."""
+    if (dst.device.type == "cpu" and src.device.type == "cpu" and dst.is_contiguous() and src.is_contiguous()
+            and dst.dtype == src.dtype and dst.numel() == src.numel() and dst.numel() > 0
+            and not dst.is_conj() and not dst.is_neg() and not src.is_conj() and not src.is_neg()):
+        with torch.no_grad():
+            out = dst.detach().reshape(-1).view(torch.uint8).numpy()
+            numpy.copyto(out, src.detach().reshape(-1).view(torch.uint8).numpy())
+        return
+    with torch.no_grad():
+        dst.copy_(src)
 
 
 def _held(held: list, buf):

@@ -173,12 +173,17 @@ class TrainState:
         """Stored names of the plain modules' parameters and buffers: load_state_dict copies
         those into the module. Anything else a module stores (extra state) may be kept as
         given, so restore hands it a tensor of its own."""
-        out = set()
+        return set(self.module_tensors())
+
+    def module_tensors(self) -> dict[str, torch.Tensor]:
+        """The plain modules' parameters and buffers under their stored names (detached
+        views of the live tensors), for restore to copy into before load_state_dict."""
+        out = {}
         for name, obj in self.components.items():
             if self._kind(name) == "module":
                 m = _unwrap(obj)
-                out.update(f"{name}.{n}" for n, _ in m.named_parameters())
-                out.update(f"{name}.{n}" for n, _ in m.named_buffers())
+                out.update((f"{name}.{n}", t.detach()) for n, t in m.named_parameters())
+                out.update((f"{name}.{n}", t.detach()) for n, t in m.named_buffers())
         return out
 
     def sharded_live(self) -> dict:
