@@ -25,6 +25,15 @@ def _command(script: Path, args: list[str], nproc: int, env: dict | None,
     return cmd, full_env
 
 
+def one_rank(script: Path, args: list[str], env: dict | None = None) -> tuple[list[str], dict]:
+    """One rank without the launcher: the env:// variables torchrun would set, in a plain
+    process (no second Python importing torch to watch it)."""
+    cmd, full_env = _command(script, args, 1, env, None)
+    ranks = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    return [sys.executable, str(script), *args], {**full_env, **ranks, **(env or {})}
+
+
 def torchrun(script: Path, args: list[str], nproc: int = 2, env: dict | None = None,
              timeout: float = 240, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
     """`launcher` replaces the default --master-port (e.g. elastic rendezvous options)."""

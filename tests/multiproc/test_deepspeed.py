@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from .launch import _command, why
+from .launch import _command, one_rank, why
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,9 @@ SCRIPT = Path(__file__).parent / "deepspeed_train.py"
 
 
 def _start(nproc: int, args: list[str]) -> subprocess.Popen:
-    cmd, env = _command(SCRIPT, args, nproc, {"DS_ACCELERATOR": "cpu"}, None)
+    # one rank: a plain process with torchrun's variables, no launcher process beside it
+    ds = {"DS_ACCELERATOR": "cpu"}
+    cmd, env = one_rank(SCRIPT, args, ds) if nproc == 1 else _command(SCRIPT, args, nproc, ds, None)
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -14,14 +14,15 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from .launch import _command, why
+from .launch import _command, one_rank, why
 
 HERE = Path(__file__).parent
 SCRIPT = HERE / "titan_train.py"
 
 
 def _start(nproc: int, args: list[str]) -> subprocess.Popen:
-    cmd, env = _command(SCRIPT, args, nproc, None, None)
+    # one rank: a plain process with torchrun's variables, no launcher process beside it
+    cmd, env = one_rank(SCRIPT, args) if nproc == 1 else _command(SCRIPT, args, nproc, None, None)
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -62,24 +63,25 @@ def test_a_killed_torchtitan_run_resumes_bit_identical(service, run_name, tmp_pa
     assert service.get(f"/api/v1/runs/{run_name}/retention").json()["own"] == policy
 
 
-@pytest.mark.slow  # three torchrun launches of one rank
+@pytest.mark.slow  # two one-rank launches
 def test_a_model_only_last_save_loads_the_model_only_and_load_step_picks_a_step(service, run_name, tmp_path):
     """torchtitan's default last save holds the model only (last_save_model_only): a start
     from it loads the model and begins at step 0, as torchtitan's seed checkpoint does;
-    load_step names a committed step, and a step with no checkpoint is refused."""
+    load_step names a committed step, and a step with no checkpoint is refused (the second
+    launch loads all three in turn: the start's load, then load(step=2), then load(step=3))."""
     base = [service.url, run_name, str(tmp_path), "--steps", "4"]
     first = _finish(_start(1, [*base, "--last-model-only"]))
     assert first.returncode == 0 and "done at step 4" in first.stdout, why(first)
     listing = service.get(f"/api/v1/runs/{run_name}/checkpoints").json()["items"]
     assert sorted(c["step"] for c in listing) == [3, 4], listing
-    again = _finish(_start(1, base))
-    assert again.returncode == 0 and "resumed True at step 0" in again.stdout, why(again)
-    assert re.search(r"loading checkpoint \d+ \(step 4\) of run \S+, the model only", again.stdout), why(again)
-    picked = _finish(_start(1, [*base, "--load-step", "3"]))
-    assert picked.returncode == 0 and "resumed True at step 3" in picked.stdout, why(picked)
-    # a step with no checkpoint: refused, nothing trained
-    none = _finish(_start(1, [*base, "--load-step", "2"]))
-    assert none.returncode != 0 and "has no committed checkpoint of step 2" in none.stdout, why(none)
+    again = _finish(_start(1, [*base, "--then-load", "2,3"]))
+    assert again.returncode == 0, why(again)
+    out = again.stdout
+    assert re.search(r"loading checkpoint \d+ \(step 4\) of run \S+, the model only", out), why(again)
+    # in order: the model only at step 0; step 2 refused, nothing loaded; step 3 in full
+    starts = [out.index("resumed True at step 0"), out.index("load_step 2 refused: "), out.index("resumed True at step 3")]
+    assert starts == sorted(starts) and "has no committed checkpoint of step 2" in out, why(again)
+    assert re.search(r"loading checkpoint \d+ \(step 3\) of run \S+\n", out) and "done at step 4" in out, why(again)
 
 
 @pytest.mark.slow  # a torchrun launch

@@ -11,7 +11,9 @@ state. Two ranks shard the model with FSDP2 (fully_shard, as torchtitan does). S
 3 steps; resumes through the manager's load() on start. Each rank writes its final weights
 and optimizer state to OUT/final-rank<r>.safetensors. `--kill-at`: every rank SIGKILLs
 itself after that step's save; `--load-step`, `--last-model-only`: the checkpoint
-section's load_step and last_save_model_only; `--retention`: the run's policy.
+section's load_step and last_save_model_only; `--retention`: the run's policy; `--then-load
+S,...`: after the start's load, load(step=S) for each S in turn (a refusal is printed), then
+train on from the last one loaded.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan.components.dataloader import ParallelAwareDataloader
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 
+from lastgood.errors import LastgoodError
 from lastgood.integrations.torchtitan import LastgoodCheckpointManager
 
 
@@ -59,6 +62,7 @@ def main() -> None:
     p.add_argument("--load-step", type=int, default=-1)
     p.add_argument("--last-model-only", action="store_true")
     p.add_argument("--retention")
+    p.add_argument("--then-load", default="")
     a = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("lastgood").setLevel(logging.INFO)  # which checkpoint the manager loads
@@ -90,6 +94,13 @@ def main() -> None:
 
     resumed = checkpointer.load(step=config.load_step)
     print(f"rank {rank} resumed {resumed} at step {train_state.step}", flush=True)
+    for step in (int(s) for s in a.then_load.split(",") if s):
+        try:
+            resumed = checkpointer.load(step=step)
+        except LastgoodError as e:
+            print(f"rank {rank} load_step {step} refused: {e}", flush=True)
+            continue
+        print(f"rank {rank} resumed {resumed} at step {train_state.step}", flush=True)
     batches = iter(dataloader)
     while train_state.step < a.steps:
         train_state.step += 1
