@@ -1,10 +1,10 @@
 """Checkpointer: the trainer-facing API (save / restore / wait / close).
 
 save(step, state) snapshots the state into a pooled CPU buffer and returns; a background
-thread hashes it, begins the checkpoint, streams the shard, votes and waits for the
-commit. Saves are processed in order, one at a time, so a checkpoint's parent is always
-the previous commit (or the checkpoint restored from). A failed save aborts its
-checkpoint and leaves last-good where it was.
+thread (trainer/worker.py) hashes it, begins the checkpoint, streams the shard, votes and
+waits for the commit. Saves are processed in order, one at a time, so a checkpoint's
+parent is always the previous commit (or the checkpoint restored from). A failed save
+aborts its checkpoint and leaves last-good where it was.
 
 The service may be away for a while (a restart, a network blip): every call retries
 transient failures (retry.py), and training never waits for the service. While it is
@@ -30,7 +30,6 @@ import os
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 from lastgood.commit.session import SaveSession
 from lastgood.common import joblog
@@ -45,22 +44,17 @@ from lastgood.remote.retry import RetryPolicy
 from lastgood.restore import replicas
 from lastgood.restore.restorer import Restorer
 from lastgood.state import distributed, split
-from lastgood.state.staging import Snapshot, StagingPool, snapshot
+from lastgood.state.staging import StagingPool, snapshot
 from lastgood.state.trainstate import TrainState
 from lastgood.trainer import launch as _launch
 from lastgood.trainer.uploads import SaveRecord, UploadQueue
+from lastgood.trainer.worker import SaveResult, UploadWorker
 from lastgood.wire import names, tiers
-from lastgood.wire.format import file_names, shard_file_name
+from lastgood.wire.format import shard_file_name
 
 log = logging.getLogger("lastgood")
 
-@dataclass
-class SaveResult:
-    step: int
-    checkpoint_id: int
-
-
-class Checkpointer:
+class Checkpointer(UploadWorker):
     def __init__(self, url: str | None = None, run: str | None = None, *, attempt: str | None = None,
                  token: str | None = None, staging_buffers: int = 2, commit_timeout: float | None = None,
                  retry: RetryPolicy | None = None, require_final: bool = True, new_run: bool | None = None,
@@ -296,92 +290,6 @@ class Checkpointer:
     def stats(self) -> dict:
         """Counters of this rank's saves: saves_committed, saves_given_up."""
         return dict(self._record.counts)
-
-    def _given_up(self, step: int, why: str) -> None:
-        joblog.incident(log, logging.WARNING, "lastgood: run %s: save of step %s given up, training goes on: %s",
-                        self.run, step, why)
-        self._gave_up_since_commit = True
-        self._record.give_up(step, why)
-
-    def _run(self) -> None:
-        while True:
-            snap = self._jobs.get()
-            committed = False
-            try:
-                if snap is None:
-                    return
-                if self._fenced is None:  # a fenced launch uploads nothing more
-                    with self.transport.stoppable(self._jobs.stop_asked):
-                        if self._upload(snap) is False:  # a memory save given up: an event said so
-                            continue
-                        committed = True
-                        self._gave_up_since_commit = False
-                        self._record.commit(snap.step, snap.seq)
-                        self._report_given_up()
-            except BaseException as e:  # noqa: BLE001 - every failure is reported by wait()
-                fenced = self._as_fenced(e)
-                if fenced is not None:
-                    log.error("lastgood: %s", fenced)
-                    self._fenced = self._fenced or fenced
-                else:
-                    self._last_error = e
-                    self._given_up(snap.step, str(e))
-            finally:
-                if snap is not None:
-                    self._pool.release(snap.buffer)
-                self._jobs.task_done(committed)
-
-    def _report_given_up(self) -> None:
-        """The service answers again: tell it which saves were given up meanwhile."""
-        items = self._record.take_unreported()
-        if not items:
-            return
-        try:
-            self.transport.record_event(self.run, "save_given_up", {
-                "rank": self.rank, "count": len(items), "steps": [s for s, _ in items], "reason": items[-1][1]})
-        except ServiceError as e:
-            joblog.incident(log, logging.WARNING, "lastgood: could not record the given-up saves: %s", e)
-            self._record.put_back(items)
-
-    def _upload(self, snap: Snapshot) -> bool | None:
-        if self._jobs.troubled:
-            # the service was away at the last try: wait for it (retrying, until a newer save
-            # wants this buffer) before writing a whole shard to the spool for nothing
-            self.transport.service_info()
-        self._session.settle(self._committed_after_all)
-        # while saves are given up or failing (an outage), the ranks converge on a step
-        converging = lambda: self._jobs.troubled or self._gave_up_since_commit  # noqa: E731
-        if converging():
-            self._session.converge(snap.step, snap.attempt)
-        if getattr(snap, "tier", None) == tiers.Tier.MEMORY:
-            cid = self.memory.save(self._session, snap.step, self.world_size, snap.attempt,
-                                   list(zip(file_names(self.file_name, len(snap.views())), snap.views())))
-            return cid is not None
-        up = self._session.checkpoint(snap.step)
-        # on the service's host the shard is handed over as a file, hashed as it is written;
-        # written before begin, so that a long write never runs into the checkpoint's lease
-        # a large state as several files, written, hashed and handed over concurrently (state/split.py)
-        views = snap.views()
-        up.add_all(list(zip(file_names(self.file_name, len(views)), views)))
-        up.begin(self.world_size, snap.attempt)
-        up.commit(converging=converging)
-        self.last_saved = SaveResult(snap.step, up.checkpoint_id)
-
-    def _committed_after_all(self, step: int, cid: int) -> None:
-        """A save whose outcome this rank missed did commit, with its bytes."""
-        self.last_saved = SaveResult(step, cid)
-        self._record.commit(step)
-
-    def _as_fenced(self, e: BaseException) -> Fenced | None:
-        """Fenced, if the service refused a write of this save because a newer launch registered."""
-        while e is not None:
-            if isinstance(e, Fenced) and not e.coded:  # said here already
-                return e
-            if isinstance(e, Fenced):  # the service's refusal: say what it means for this job
-                return Fenced(f"run {self.run!r}: this launch (attempt {self.launch}, generation {self.generation}) "
-                              f"is fenced by a newer launch of the job; stop training. {e}")
-            e = e.__cause__
-        return None
 
     def wait(self) -> None:
         """Block until every save so far has committed or been given up (uploads retry up to
