@@ -55,6 +55,11 @@ def require_netns() -> None:
         pytest.skip(why)
 
 
+def mac_of(ip: str) -> str:
+    """A locally administered MAC that follows the IPv4 address."""
+    return "02:00:" + ":".join(f"{int(b):02x}" for b in ip.split("."))
+
+
 class Node:
     """One namespace: its veth address, its shm root, the processes started in it."""
 
@@ -76,6 +81,9 @@ class Node:
         _ip("link", "set", f"{self.veth}p", "netns", self.ns)
         _ip("-n", self.ns, "link", "set", f"{self.veth}p", "name", "eth0")
         _ip("link", "set", self.veth, "master", self.fabric.bridge, "up")
+        # the MAC follows the address: a spare that takes a lost node's address is reached at
+        # once by peers whose neighbour cache still holds the lost node's entry
+        _ip("-n", self.ns, "link", "set", "eth0", "address", mac_of(self.ip))
         _ip("-n", self.ns, "addr", "add", f"{self.ip}/24", "dev", "eth0")
         _ip("-n", self.ns, "link", "set", "eth0", "up")
         _ip("-n", self.ns, "link", "set", "lo", "up")
@@ -161,6 +169,9 @@ class Fabric:
     def open(self) -> "Fabric":
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
+            # a fixed MAC: a bridge otherwise takes its lowest port's, and a node joining
+            # would change the gateway's address under the nodes' neighbour caches
+            _ip("link", "set", self.bridge, "address", mac_of(self.gateway))
             _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
             _ip("link", "set", self.bridge, "up")
             self._start_service()

@@ -7,7 +7,6 @@ namespace and shm root."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import grpc
@@ -90,7 +89,7 @@ def cat(fabric):  # noqa: F811
     c.close()
 
 
-def test_a_memory_checkpoint_commits_across_two_nodes_and_survives_the_loss_of_one(fabric, cat, run_name):  # noqa: F811
+def test_a_memory_checkpoint_across_two_nodes_survives_one_node_lost_and_not_both(fabric, cat, run_name):  # noqa: F811
     a = fabric.node("node-a").start_agent()
     b = fabric.node("node-b").start_agent()
     cid, saved = _memory_checkpoint(cat, a, run_name, 1, seed=1)
@@ -104,24 +103,39 @@ def test_a_memory_checkpoint_commits_across_two_nodes_and_survives_the_loss_of_o
     rc, got = _read(b, [holders["node-a"], holders["node-b"]], run_name, cid, saved)
     assert rc == 0, got
     assert got["source"] == b.agent_address and got["xxh3_128"] == saved["xxh3_128"]
-
-
-def test_a_node_and_its_partner_lost_leave_no_good_copy(fabric, cat, run_name):  # noqa: F811
-    a = fabric.node("node-a").start_agent()
-    b = fabric.node("node-b").start_agent()
-    spare = fabric.node("node-c")
-    cid, saved = _memory_checkpoint(cat, a, run_name, 2, seed=2)
-    holders = cat.holders(cid)
-    a.kill()
-    # control: with the partner alive the spare reads its copy
-    rc, got = _read(spare, [holders["node-a"], holders["node-b"]], run_name, cid, saved)
-    assert rc == 0 and got["source"] == b.agent_address, got
+    # the partner lost too: read_verified (from a spare node) raises CorruptCheckpoint naming
+    # every copy tried, which is where the restorer turns to the newest good ancestor (the
+    # durable tier); the read above is its control
     b.kill()
-    # both copies gone: read_verified raises CorruptCheckpoint naming every copy tried, which is
-    # where the restorer turns to the newest good ancestor (the durable tier)
-    rc, got = _read(spare, [holders["node-a"], holders["node-b"]], run_name, cid, saved)
+    rc, got = _read(fabric.node("node-c"), [holders["node-a"], holders["node-b"]], run_name, cid, saved)
     assert rc == 3 and got["error"] == "CorruptCheckpoint", got
     assert holders["node-a"] in got["detail"] and holders["node-b"] in got["detail"]
+
+
+def test_a_spare_node_takes_the_lost_ones_place_and_partners_new_checkpoints(fabric, cat, run_name):  # noqa: F811
+    a = fabric.node("node-a").start_agent()
+    b = fabric.node("node-b").start_agent()
+    cid, _ = _memory_checkpoint(cat, b, run_name, 1, seed=3)
+    assert set(cat.holders(cid)) == {"node-a", "node-b"}
+    lost = a.agent_id
+    a.kill()
+    # the spare is a fresh namespace; it takes the lost node's label and address, so its
+    # registration replaces the dead agent's in the placement
+    spare = fabric.node("node-a", replaces=a).start_agent()
+    assert spare.agent_id != lost
+    listed = {x["agent_id"] for x in cat.http.get("/api/v1/agents").json()["agents"]}
+    assert spare.agent_id in listed and b.agent_id in listed
+    try:
+        cid2, saved2 = _memory_checkpoint(cat, b, run_name, 2, seed=4)
+    except AssertionError:
+        st = lambda n: httpx.get(f"http://{n.agent_address}{tiers.AGENT_STATUS_PATH}", timeout=10).json()  # noqa: E731
+        raise AssertionError((st(b)["events"], st(spare)["events"], st(spare)["segments"],
+                              cat.http.get("/api/v1/agents").json())) from None
+    assert cat.holders(cid2) == {"node-a": spare.agent_address, "node-b": b.agent_address}
+    assert (spare.shm_root / run_name / str(cid2) / "0" / "model.lgs").is_file()
+    b.kill()
+    rc, got = _read(spare, [b.agent_address, spare.agent_address], run_name, cid2, saved2)
+    assert rc == 0 and got["source"] == spare.agent_address, got
 
 
 def fabric_namespaces() -> set[str]:
