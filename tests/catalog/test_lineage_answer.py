@@ -27,7 +27,7 @@ def reference_answer(s, run_name: str, limit: int, offset: int) -> bytes:
     stats = s.get(RunStats, run.id)
     total = sum(stats.by_status().values()) if stats is not None else 0
     top = s.scalar(select(func.max(Checkpoint.branch)).where(Checkpoint.run_id == run.id))
-    page = s.execute(select(Checkpoint.id, Checkpoint.step, Checkpoint.status, Checkpoint.parent_id,
+    page = s.execute(select(Checkpoint.id, Checkpoint.step, Checkpoint.status, Checkpoint.tier, Checkpoint.parent_id,
                             Checkpoint.branch, Checkpoint.bytes, Checkpoint.world_size, Checkpoint.attempt,
                             Checkpoint.created_at, Checkpoint.committed_at)
                      .where(Checkpoint.run_id == run.id).order_by(Checkpoint.id).limit(limit).offset(offset)).all()
@@ -44,9 +44,9 @@ def reference_answer(s, run_name: str, limit: int, offset: int) -> bytes:
         return None if a is None or b is None else round((b - a).total_seconds(), 6)
 
     nodes, edges = [], []
-    for cid, step, status, parent, branch, nbytes, world, attempt, created, committed in page:
+    for cid, step, status, tier, parent, branch, nbytes, world, attempt, created, committed in page:
         nodes.append({
-            "id": cid, "step": step, "status": status, "parent_id": parent, "branch": branch,
+            "id": cid, "step": step, "status": status, "tier": tier, "parent_id": parent, "branch": branch,
             "tags": tags.get(cid, []), "bytes": nbytes, "world_size": world, "attempt": attempt,
             "last_good": good == cid,
             "created_at": created.isoformat(), "committed_at": committed.isoformat() if committed else None,

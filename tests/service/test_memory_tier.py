@@ -215,3 +215,13 @@ def test_gc_keeps_the_default_number_of_memory_checkpoints(svc, cl, run_name):
     deleted = _gc(svc, run_name, "latest:1,last-good,branch-heads")  # no memory rule: tiers.DEFAULT_MEMORY_KEEP
     assert tiers.DEFAULT_MEMORY_KEEP == 2
     assert deleted == [mems[0]]  # latest:1 counts durable checkpoints: the durable one stays too
+
+
+def test_the_lineage_names_each_checkpoint_s_tier(svc, cl, run_name):
+    durable, _ = cl.save(run_name, 1)
+    mem = _memory_chain(svc, cl, run_name, durable, [2])[0]
+    r = http(svc).get(f"/api/v1/runs/{run_name}/lineage")
+    assert r.status_code == 200, r.text
+    nodes = {n["id"]: n for n in r.json()["nodes"]}
+    assert nodes[durable]["tier"] == "durable"  # control: a durable save is named durable
+    assert nodes[mem]["tier"] == "memory" and nodes[mem]["parent_id"] == durable and nodes[mem]["last_good"]

@@ -113,6 +113,13 @@ def test_real_answers_hold_to_the_declared_schemas(svc, doc, run_name):
         "application/json"]["schema"]
     with pytest.raises(jsonschema.ValidationError, match="ranks"):
         jsonschema.validate(body, {**schema, "components": doc["components"]})
+    # a lineage node names its tier (docs/memory-tier.md): an answer without it fails the schema
+    page = h.get(r + "/lineage").json()
+    del page["nodes"][0]["tier"]
+    schema = doc["paths"]["/api/v1/runs/{run}/lineage"]["get"]["responses"]["200"]["content"][
+        "application/json"]["schema"]
+    with pytest.raises(jsonschema.ValidationError, match="tier"):
+        jsonschema.validate(page, {**schema, "components": doc["components"]})
     # a file's bytes are declared as bytes, and come as bytes
     download = h.get(f"{k}/ranks/0/files/{file_name}")
     assert download.status_code == 200 and download.content

@@ -98,6 +98,7 @@ def test_the_legend_has_the_graphs_glyph_for_every_marker():
     kinds = set(re.findall(r"'(\w+)'", re.search(r"MARKER_KINDS = new Set\(\[(.*?)\]\)", graph).group(1)))
     legend = set(re.findall(r'data-marker="(\w+)"', (STATIC / "index.html").read_text()))
     css = (STATIC / "app.css").read_text()
+    style = (STATIC / "graph-style.js").read_text()  # the graph's cytoscape style
     assert kinds == legend, (kinds, legend)
     for k in kinds:
-        assert f"node.m-{k}'" in graph and f".swatch.m-{k} " in css, k
+        assert f"node.m-{k}'" in style and f".swatch.m-{k} " in css, k

@@ -215,6 +215,7 @@ class LineageNode(Answer):
     id: int
     step: int
     status: str
+    tier: str = Field(description="durable or memory (docs/memory-tier.md)")
     parent_id: int | None
     branch: int
     tags: list[Any]

@@ -521,6 +521,7 @@ function start() {
     value: Object.freeze({
       snapshot: () => (state.model ? JSON.parse(JSON.stringify(state.model.snapshot)) : null),
       renderedPosition: (key) => graph.renderedPosition(key),
+      shape: (key) => graph.shape(key),
       version: () => graph.version,
       doomed: () => graph.doomedKeys(),
     }),

@@ -65,7 +65,7 @@ def tags_by_checkpoint(s: Session, run: Run, ids: list[int] | None = None,
 # a lineage node's columns, read as plain rows: a page of 1,000 ORM objects costs more
 # (identity map, attribute access) than the query itself; its times read raw (RAW_UTC:
 # UTCDateTime's Python call a value would be a quarter of the page's CPU)
-_NODE_COLUMNS = (Checkpoint.id, Checkpoint.step, Checkpoint.status, Checkpoint.parent_id, Checkpoint.branch,
+_NODE_COLUMNS = (Checkpoint.id, Checkpoint.step, Checkpoint.status, Checkpoint.tier, Checkpoint.parent_id, Checkpoint.branch,
                  Checkpoint.bytes, Checkpoint.world_size, Checkpoint.attempt,
                  type_coerce(Checkpoint.created_at, RAW_UTC), type_coerce(Checkpoint.committed_at, RAW_UTC),
                  # its last rank's vote, by the votes' key: half the time of a join grouped by
@@ -77,7 +77,7 @@ _NODE_COLUMNS = (Checkpoint.id, Checkpoint.step, Checkpoint.status, Checkpoint.p
 # the page's text below is built from its pieces, so it is byte for byte what the route
 # renders from a dict a node (tests/catalog/test_lineage_answer.py holds that answer)
 _json = json.JSONEncoder(ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")).encode
-_NODE = ('{{"id":{},"step":{},"status":{},"parent_id":{},"branch":{},"tags":{},"bytes":{},"world_size":{},'
+_NODE = ('{{"id":{},"step":{},"status":{},"tier":{},"parent_id":{},"branch":{},"tags":{},"bytes":{},"world_size":{},'
          '"attempt":{},"last_good":{},"created_at":"{}","committed_at":{},"save_seconds":{},"commit_seconds":{}}}')
 _EDGE = '{{"from":{},"to":{}}}'
 
@@ -121,13 +121,15 @@ def lineage_json(s: Session, run: Run, limit: int, offset: int) -> bytes:
         rows = s.connection().execute(select(*_NODE_COLUMNS)
                                       .where(Checkpoint.run_id == run.id, Checkpoint.id.between(*span))
                                       .order_by(Checkpoint.id).limit(limit))
-        for cid, step, status, parent, branch, nbytes, world, attempt, created, committed, voted in rows:
+        for cid, step, status, tier, parent, branch, nbytes, world, attempt, created, committed, voted in rows:
             if (st := texts.get(status)) is None:
                 st = texts[status] = _json(status)
+            if (tr := texts.get(tier)) is None:
+                tr = texts[tier] = _json(tier)
             if (at := texts.get((attempt,))) is None:
                 at = texts[(attempt,)] = _json(attempt)
             nodes.append(_NODE.format(
-                cid, step, st, "null" if parent is None else parent, branch, tags.get(cid, "[]"), nbytes, world,
+                cid, step, st, tr, "null" if parent is None else parent, branch, tags.get(cid, "[]"), nbytes, world,
                 at, "true" if good == cid else "false", iso_utc(created),
                 '"%s"' % iso_utc(committed) if committed else "null",
                 # save: begin to commit; commit: the last rank's vote to the commit transaction
