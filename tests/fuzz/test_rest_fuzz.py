@@ -49,8 +49,9 @@ CONFORMANCE = [checks.positive_data_acceptance, checks.status_code_conformance, 
 # objects); 422: an integral float (1.0) for
 # a strict integer, which JSON Schema's "integer" admits and the heartbeat refuses, and a value
 # the generator rounded past the id bound (names.MAX_ID, 2^62: beyond a float's exact integers)
+# (the world size's bound is the deployment's setting, LASTGOOD_MAX_WORLD_SIZE, not the schema's)
 BEYOND_THE_SCHEMA = {400: re.compile(r"rank \d+ is outside world size|was never registered|retention policy|retention:"
-                                     r"| is named twice"),
+                                     r"| is named twice|world size must be 1\.\.\d+, got"),
                      422: re.compile(r"body\.\w+: Input should be a valid integer(?!,)"
                                      rf"|body\.[\w.]+: Input should be less than or equal to {names.MAX_ID}\b")}
 
