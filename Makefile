@@ -6,6 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 SERVICE_STAMP := $(VENV)/.installed-service
 DEV_STAMP := $(VENV)/.installed-dev
+DS_OPS_STAMP := $(VENV)/.built-deepspeed-ops
 LOCALSTACK_VENV := .venv-localstack
 LOCALSTACK_STAMP := $(LOCALSTACK_VENV)/.installed
 
@@ -23,6 +24,11 @@ $(SERVICE_STAMP): $(BIN)/python client/pyproject.toml service/pyproject.toml
 # plus torch (the CPU wheel pinned in requirements-dev.txt) and the test tools
 $(DEV_STAMP): $(SERVICE_STAMP) requirements-dev.txt
 	$(BIN)/pip install -q -r requirements-dev.txt -e 'client[torch,data]'
+	touch $@
+
+# DeepSpeed's CPU ops, compiled once here rather than inside a test's ranks (tests/deepspeed_ops.py)
+$(DS_OPS_STAMP): $(DEV_STAMP) tests/deepspeed_ops.py
+	$(BIN)/python -m tests.deepspeed_ops
 	touch $@
 
 # LocalStack's S3, which verifies part checksums, for the direct-upload tests (tests/localstack.py):
@@ -43,7 +49,7 @@ run: $(SERVICE_STAMP)
 # rendezvous, services and timeouts, and one at a time took twice as long. The slowest 30 of
 # each pass close it: where the suite's time goes
 FAST := not multiproc and not ui and not slow and not bench
-test: $(DEV_STAMP) $(LOCALSTACK_STAMP)
+test: $(DS_OPS_STAMP) $(LOCALSTACK_STAMP)
 	$(BIN)/python -m pytest -n 2 -m "$(FAST)"
 	$(BIN)/python -m pytest -n 2 -m "not ($(FAST)) and not multiproc" --durations=30
 	$(BIN)/python -m pytest -n 2 --dist loadfile -m multiproc --durations=30

@@ -14,6 +14,9 @@ import httpx
 import pytest
 
 from lastgood_service.launcher import ServiceProcess, free_port  # noqa: F401 - free_port is used by the tests
+from tests import deepspeed_ops
+
+deepspeed_ops.use()  # every DeepSpeed process of a test loads the ops built at install
 
 pytest_plugins = ["tests.pg", "tests.s3", "tests.localstack", "tests.slurm"]  # real PostgreSQL, S3 (moto; LocalStack), Slurm
 

@@ -1,7 +1,8 @@
-"""Plain DDP, built as the README's snippet builds it, resumes bit-identically on three and
-four ranks: the snippet as printed (placeholders filled, a save every 4 steps), rank 1
-SIGKILLed after step 10 and the job relaunched, ends with the weights and Adam state of a
-run that was never interrupted. Control: with LASTGOOD_DDP_BUCKETS=0 (lastgood neither
+"""Plain DDP, built as the README's snippet builds it, resumes bit-identically on three
+ranks (an odd world size; four ranks left `make test` to keep the suite in its time): the
+snippet as printed (placeholders filled, a save every 4 steps), rank 1 SIGKILLed after step
+10 and the job relaunched, ends with the weights and Adam state of a run that was never
+interrupted. Control: with LASTGOOD_DDP_BUCKETS=0 (lastgood neither
 saves DDP's gradient-bucket layout nor resumes in it) the same resume ends elsewhere.
 docs/training.md, "DDP's gradient buckets"; client/lastgood/state/ddp_buckets.py."""
 
@@ -70,7 +71,7 @@ def _launch(tmp_path, url: str, run: str, nproc: int, steps: int = STEPS, **env)
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    """A service of the module's own with a 30 s lease: 3 and 4 ranks on two loaded cores may
+    """A service of the module's own with a 30 s lease: 3 ranks on two loaded cores may
     take longer than the shared service's 3 s between a begin and its vote."""
     svc = ServiceProc(tmp_path_factory.mktemp("ddp-buckets"), {**FAST, "LASTGOOD_LEASE_SECONDS": "30"}).start()
     yield svc
@@ -78,7 +79,7 @@ def service(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [3, 4])
+@pytest.mark.parametrize("nproc", [3])
 def test_plain_ddp_resumes_bit_identically_and_not_without_its_saved_bucket_layout(service, run_name, tmp_path,
                                                                                     nproc):
     code, reference, out = _launch(tmp_path, service.url, f"{run_name}-ref", nproc)
