@@ -13,6 +13,15 @@ from tests.conftest import ROOT, free_port
 TRAIN = ROOT / "examples/gpt/train.py"
 
 
+def inherited_env() -> dict[str, str]:
+    """This process's environment for ranks, less PYTHONUNBUFFERED: unbuffered, print() writes
+    its text and its newline in separate syscalls, so two ranks' lines (or a rank's line and a
+    log record from its own background thread) interleave mid-line and a test parsing lines
+    misses them (seen in CI: "RESULTRESULT {..}{..}"); buffered, a flush=True print reaches
+    the output in one write."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+
+
 def _command(script: Path, args: list[str], nproc: int, env: dict | None,
              launcher: list[str] | None) -> tuple[list[str], dict]:
     launch = launcher if launcher is not None else [f"--master-port={free_port()}"]
@@ -20,7 +29,7 @@ def _command(script: Path, args: list[str], nproc: int, env: dict | None,
     # faulthandler: a rank that aborts in native code (a rare SIGABRT, "terminate called
     # without an active exception", seen twice in the FSDP 4-rank save) prints every
     # thread's Python stack into the output that why() shows
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "GRPC_VERBOSITY": "ERROR", "PYTHONFAULTHANDLER": "1",
+    full_env = {**inherited_env(), "OMP_NUM_THREADS": "1", "GRPC_VERBOSITY": "ERROR", "PYTHONFAULTHANDLER": "1",
                 **(env or {})}
     return cmd, full_env
 

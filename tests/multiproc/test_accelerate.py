@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from .launch import _command, why
+from .launch import _command, inherited_env, why
 
 SCRIPT = Path(__file__).parent / "accelerate_train.py"
 
@@ -87,13 +87,11 @@ def test_a_killed_accelerate_run_resumes_bit_identical(service, run_name, tmp_pa
 def test_the_accelerate_example_runs_as_shown_and_resumes(service, tmp_path):
     """docs/integrations/accelerate.md's program as printed; then again with more batches,
     loading the run's last-good."""
-    import os
-
     from tests.client.test_doc_examples import marked_blocks
 
     blocks = marked_blocks("docs/integrations/accelerate.md")
     assert len(blocks) == 1 and "total = 24" in blocks[0] and "accelerator.load_state(resume)" in blocks[0]
-    env = {**os.environ, "LASTGOOD_URL": service.url, "OMP_NUM_THREADS": "1"}
+    env = {**inherited_env(), "LASTGOOD_URL": service.url, "OMP_NUM_THREADS": "1"}
     env.pop("LASTGOOD_RUN", None)
     outs = []
     for i, text in enumerate([blocks[0], blocks[0].replace("total = 24", "total = 36")]):

@@ -14,15 +14,13 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from .launch import _command, why
+from .launch import _command, inherited_env, why
 
 SCRIPT = Path(__file__).parent / "hf_train.py"
 
 
 def _start(args: list[str]) -> subprocess.Popen:
-    import os
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**inherited_env(), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, str(SCRIPT), *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
@@ -80,13 +78,11 @@ def test_a_killed_hf_run_resumes_bit_identical_and_writes_no_pickle(service, run
 def test_the_hf_example_runs_as_shown_and_resumes(service, tmp_path):
     """docs/integrations/hf.md's program as printed; then again with more steps, resuming
     from the run's last-good."""
-    import os
-
     from tests.client.test_doc_examples import marked_blocks
 
     blocks = marked_blocks("docs/integrations/hf.md")
     assert len(blocks) == 1 and "max_steps=20" in blocks[0] and "resume_from_checkpoint=resume" in blocks[0]
-    env = {**os.environ, "LASTGOOD_URL": service.url, "OMP_NUM_THREADS": "1"}
+    env = {**inherited_env(), "LASTGOOD_URL": service.url, "OMP_NUM_THREADS": "1"}
     env.pop("LASTGOOD_RUN", None)
     outs = []
     for i, text in enumerate([blocks[0], blocks[0].replace("max_steps=20", "max_steps=30")]):

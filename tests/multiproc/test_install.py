@@ -8,7 +8,6 @@ from its own wheel, and a second launch resumes from last-good."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 
 from lastgood_service.launcher import free_port
 from tests.conftest import ROOT
+from tests.multiproc.launch import inherited_env
 from tests.multiproc.readme import readme_snippet
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # two wheels built, a venv, torch installed
@@ -66,7 +66,7 @@ def test_wheels_install_into_a_fresh_environment_and_run_the_readme_snippet(tmp_
     env_dir = tmp_path / "env"
     venv.create(env_dir, with_pip=True)
     bin_ = env_dir / "bin"
-    clean = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    clean = {k: v for k, v in inherited_env().items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
 
     def run(*cmd, **kw):
         return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=240, cwd=tmp_path,

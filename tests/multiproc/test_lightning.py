@@ -7,7 +7,6 @@ namespaces in hparams come back as such; other values are refused with the key n
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from .launch import _command, why
+from .launch import _command, inherited_env, why
 
 HERE = Path(__file__).parent
 SCRIPT = HERE / "lightning_train.py"
@@ -88,7 +87,7 @@ def test_the_lightning_example_runs_as_shown_and_resumes(service, tmp_path):
 
     blocks = marked_blocks("docs/integrations/lightning.md")
     assert len(blocks) == 1 and "max_steps=40" in blocks[0] and "ckpt_path=resume" in blocks[0]
-    env = {**os.environ, "LASTGOOD_URL": service.url, "OMP_NUM_THREADS": "1"}
+    env = {**inherited_env(), "LASTGOOD_URL": service.url, "OMP_NUM_THREADS": "1"}
     env.pop("LASTGOOD_RUN", None)
     runs = []
     for i, text in enumerate([blocks[0], blocks[0].replace("max_steps=40", "max_steps=60")

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, free_port
-from tests.multiproc.launch import TRAIN, train, why
+from tests.multiproc.launch import TRAIN, inherited_env, train, why
 
 sys.path.insert(0, str(ROOT / "examples/gpt"))
 from compare import compare  # noqa: E402
@@ -66,7 +66,7 @@ def _launch(service, run: str, out: Path, log: Path, env: dict) -> subprocess.Po
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
            f"--log-dir={log}", "--redirects=3", str(TRAIN), "--url", service.url, "--run-name", run,
            "--out", str(out)]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "GRPC_VERBOSITY": "ERROR", "PYTHONFAULTHANDLER": "1", **env}
+    full_env = {**inherited_env(), "OMP_NUM_THREADS": "1", "GRPC_VERBOSITY": "ERROR", "PYTHONFAULTHANDLER": "1", **env}
     with open(log.with_suffix(".agent.log"), "w") as agent_log:
         return subprocess.Popen(cmd, env=full_env, cwd=ROOT, stdout=agent_log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
