@@ -159,6 +159,9 @@ class Settings(BaseSettings):
     hang_timeout: float | None = Field(None, gt=0, description="a fixed hang timeout in seconds instead of the "
                                        "computed one (a request's ?hang_timeout= wins)")
     hang_factor: float = Field(5.0, gt=1, description="computed hang timeout: this times the slowest recent step")
+    agent_ttl_seconds: float = Field(30.0, gt=0, le=24 * 3600, description="a memory-tier node agent not heard "
+                                     "from (registration, a copy report, its live list) for this long is left out "
+                                     "of the placement list; its next call puts it back")
     hang_floor_seconds: float = Field(60.0, gt=0, description="the computed hang timeout is never shorter")
     hang_first_step_seconds: float = Field(600.0, gt=0, description="hang timeout of a rank with no step time yet "
                                            "(start-up, compilation, the first step after a restore)")

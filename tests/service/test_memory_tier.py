@@ -5,6 +5,8 @@ the agents' REST calls are made here with plain HTTP, as an agent makes them."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -62,6 +64,33 @@ def test_register_lists_and_a_second_registration_retires_the_first(svc):
                  {"host": "n", "address": "h:99999"}, {"host": "n", "rack": "a b", "address": "h:1"}):
         json_error(http(svc).post("/api/v1/agents", json=body), (400, 422))
     assert len(http(svc).get("/api/v1/agents").json()["agents"]) == len(listed)
+
+
+def listed(svc) -> set[int]:
+    return {x["agent_id"] for x in http(svc).get("/api/v1/agents").json()["agents"]}
+
+
+def live(svc, agent: dict):
+    r = http(svc).get(f"/api/v1/agents/{agent['agent_id']}/live", headers={tiers.AGENT_KEY_HEADER: agent["key"]})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("ttl", [2.0, 3600.0], ids=["ttl", "control-long-ttl"])
+def test_an_agent_not_heard_from_leaves_the_placement_list_until_its_next_call(make_service, ttl):
+    """A dead node's agent stops asking for its live list; once LASTGOOD_AGENT_TTL_SECONDS have
+    passed no rank's placement sees it (on main it was listed forever, and a ring could pick a
+    dead partner). With a TTL longer than the test (the control) it stays listed."""
+    svc = make_service(LASTGOOD_AGENT_TTL_SECONDS=str(ttl))
+    alive, dead = register(svc, "node-alive"), register(svc, "node-dead")
+    assert listed(svc) == {alive["agent_id"], dead["agent_id"]}
+    end = time.monotonic() + 3.0
+    while time.monotonic() < end:  # the live one beats as an agent does (every --live-every)
+        live(svc, alive)
+        time.sleep(0.4)
+    if ttl < 3:
+        assert listed(svc) == {alive["agent_id"]}
+        live(svc, dead)  # back: its call marks it seen again
+    assert listed(svc) == {alive["agent_id"], dead["agent_id"]}
 
 
 def test_commits_with_two_hosts_reports_and_not_with_one(svc, cl, run_name):

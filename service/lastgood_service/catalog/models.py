@@ -191,6 +191,9 @@ class Agent(Base):
     key_digest: Mapped[str] = mapped_column(String(64))
     registered_at: Mapped[dt.datetime] = mapped_column(UTCDateTime())
     retired_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # its last registration, copy report or live list: the placement list leaves out an
+    # agent not seen for the settings' agent_ttl_seconds (a dead node is no partner)
+    seen_at: Mapped[dt.datetime | None] = mapped_column(UTCDateTime(), nullable=True)
 
 
 class Copy(Base):

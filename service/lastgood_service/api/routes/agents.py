@@ -44,17 +44,22 @@ class CopyReport(BaseModel):
     files: list[HeldFile] = Field(max_length=MAX_MEMORY_FILES)
 
 
+def _agents(commits) -> Agents:
+    return Agents(commits.sessions, commits.settings.agent_ttl_seconds, commits.clock)
+
+
 @router.post("/api/v1/agents", responses=answers(400, 413))
 def register_agent(body: Place, commits: CommitsDep):
     """Register a node agent: its id and key (shown once). A registration again of the same
     host and address retires the older one."""
-    return Agents(commits.sessions).register(body.host, body.rack, body.switch, body.address)
+    return _agents(commits).register(body.host, body.rack, body.switch, body.address)
 
 
 @router.get("/api/v1/agents", responses=answers(params=False))
 def list_agents(commits: CommitsDep):
-    """The agents that count (not retired): what placement (tiers.partners) is computed over."""
-    return Agents(commits.sessions).list()
+    """The agents that count (not retired, heard from within LASTGOOD_AGENT_TTL_SECONDS): what
+    placement (tiers.partners) is computed over."""
+    return _agents(commits).list()
 
 
 @router.get("/api/v1/agents/{agent_id}/live", responses=answers(403))

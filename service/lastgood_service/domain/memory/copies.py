@@ -57,10 +57,10 @@ class Copies:
                 raise Conflict(f"checkpoint {ck.id} is durable: its files are in the store, agents report "
                                f"copies of memory checkpoints only")
             c.check_rank(ck, rank)
-            agent = agents.authenticate(s, agent_id, key)
+            now = c.clock()
+            agent = agents.authenticate(s, agent_id, key, now)
             if ck.status not in (PENDING, COMMITTED):  # decided otherwise: nothing to record
                 return {"status": ck.status}
-            now = c.clock()
             mine = {cp.file_name: cp for cp in s.scalars(select(Copy).where(
                 Copy.checkpoint_id == ck.id, Copy.rank == rank, Copy.agent_id == agent.id))}
             for f in files:
@@ -122,7 +122,7 @@ class Copies:
         receive or report a copy) and those COMMITTED it reported a copy of; it frees the rest."""
         c = self.commits
         with c.sessions() as s, s.begin():
-            agent = agents.authenticate(s, agent_id, key)
+            agent = agents.authenticate(s, agent_id, key, c.clock())
             held = select(Copy.checkpoint_id).where(Copy.agent_id == agent.id)
             rows = s.execute(select(Checkpoint.id, Checkpoint.run_id).where(
                 Checkpoint.tier == MEMORY,
