@@ -79,10 +79,11 @@ class Agents:
             return {"agents": [view(a) for a in rows]}
 
 
-def authenticate(s, agent_id: int, key: str | None, now: dt.datetime) -> Agent:
+def authenticate(s, agent_id: int, key: str | None, now: dt.datetime, ttl_seconds: float) -> Agent:
     """The agent `agent_id`, if `key` is its key and it is not retired, marked seen at `now`
-    (with the caller's transaction); PermissionDenied otherwise (the caller records the
-    refusal in a transaction of its own)."""
+    (with the caller's transaction) once a quarter of the TTL has passed since it last was,
+    so an agent's live poll (every few seconds) is mostly a read, not a catalog write;
+    PermissionDenied otherwise (the caller records the refusal in a transaction of its own)."""
     well_formed = isinstance(key, str) and len(key) == tiers.AGENT_KEY_HEX and key.isascii() and key.isalnum()
     a = s.get(Agent, agent_id) if 0 < agent_id <= 2**62 else None
     if a is None or not well_formed or not tiers.key_matches(key, a.key_digest):
@@ -90,5 +91,6 @@ def authenticate(s, agent_id: int, key: str | None, now: dt.datetime) -> Agent:
     if a.retired_at is not None:
         raise PermissionDenied(f"agent {agent_id} was retired by a later registration of {a.host} at "
                                f"{a.address}: register again")
-    a.seen_at = now
+    if a.seen_at is None or now - a.seen_at >= dt.timedelta(seconds=ttl_seconds / 4):
+        a.seen_at = now
     return a

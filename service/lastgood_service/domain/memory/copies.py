@@ -58,7 +58,7 @@ class Copies:
                                f"copies of memory checkpoints only")
             c.check_rank(ck, rank)
             now = c.clock()
-            agent = agents.authenticate(s, agent_id, key, now)
+            agent = agents.authenticate(s, agent_id, key, now, c.settings.agent_ttl_seconds)
             if ck.status not in (PENDING, COMMITTED):  # decided otherwise: nothing to record
                 return {"status": ck.status}
             mine = {cp.file_name: cp for cp in s.scalars(select(Copy).where(
@@ -122,7 +122,7 @@ class Copies:
         receive or report a copy) and those COMMITTED it reported a copy of; it frees the rest."""
         c = self.commits
         with c.sessions() as s, s.begin():
-            agent = agents.authenticate(s, agent_id, key, c.clock())
+            agent = agents.authenticate(s, agent_id, key, c.clock(), c.settings.agent_ttl_seconds)
             held = select(Copy.checkpoint_id).where(Copy.agent_id == agent.id)
             rows = s.execute(select(Checkpoint.id, Checkpoint.run_id).where(
                 Checkpoint.tier == MEMORY,
