@@ -12,7 +12,7 @@ the two together). The formulas are the design's:
                        on its own node and on `replicas` partners; docs/memory-tier.md)
   stall per save     = state per GPU / D2H bandwidth (save() returns once the snapshot is in
                        host memory; replication and the store run behind it)
-  memory interval    = Young/Daly sqrt(2 C M) (lastgood.common.interval), C the stall, M the
+  memory interval    = Young's sqrt(2 C M) (lastgood.common.interval.young), C the stall, M the
                        job's MTBF, never shorter than one replication of the node's state
   durable interval   = an input (DURABLE_INTERVAL_S): what the store's cost and bandwidth allow
   lost per failure   = interval / 2 (work since the last checkpoint, on average) + restore time
@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
+
+from lastgood.common.interval import young
 
 GB = 1e9
 
@@ -54,10 +55,6 @@ SCALES = (
 )
 
 
-def young_daly(cost_s: float, mtbf_s: float) -> float:
-    return math.sqrt(2.0 * cost_s * mtbf_s)
-
-
 def model(gpus: int, params: float, mtbf_h: float) -> dict:
     nodes = gpus // GPUS_PER_NODE
     state = params * BYTES_PER_PARAM
@@ -66,7 +63,7 @@ def model(gpus: int, params: float, mtbf_h: float) -> dict:
     stall = per_gpu / (D2H_GBPS * GB)
     repl_bps = LINK_GBPS * GB * REPLICATION_SHARE
     replicate_s = REPLICAS * per_node / repl_bps
-    memory_interval = max(young_daly(stall, mtbf), replicate_s)
+    memory_interval = max(young(stall, mtbf), replicate_s)
     durable_interval = DURABLE_INTERVAL_S
     restore = {"own node": per_node / (H2D_GBPS * GB * GPUS_PER_NODE),
                "partner": per_node / (LINK_GBPS * GB),
@@ -75,6 +72,7 @@ def model(gpus: int, params: float, mtbf_h: float) -> dict:
     # for the slowest, the partner path
     lost_memory = memory_interval / 2 + restore["partner"]
     lost_durable = durable_interval / 2 + restore["store"]
+    per_day = 24 / mtbf_h  # failures a day
     return {
         "gpus": gpus, "nodes": nodes, "params": params, "mtbf_h": mtbf_h,
         "state_gb": state / GB, "state_per_node_gb": per_node / GB,
@@ -86,9 +84,9 @@ def model(gpus: int, params: float, mtbf_h: float) -> dict:
         "restore_s": restore,
         "lost_per_failure_s": {"memory tier": lost_memory, "durable tier alone": lost_durable},
         "lost_ratio": lost_durable / lost_memory,
-        "failures_per_day": 24 / mtbf_h,
-        "lost_gpu_hours_per_day": {"memory tier": lost_memory * gpus / 3600 * 24 / mtbf_h,
-                                   "durable tier alone": lost_durable * gpus / 3600 * 24 / mtbf_h},
+        "failures_per_day": per_day,
+        "lost_gpu_hours_per_day": {"memory tier": lost_memory * gpus / 3600 * per_day,
+                                   "durable tier alone": lost_durable * gpus / 3600 * per_day},
     }
 
 
