@@ -12,7 +12,7 @@ the two together). The formulas are the design's:
                        on its own node and on `replicas` partners; docs/memory-tier.md)
   stall per save     = state per GPU / D2H bandwidth (save() returns once the snapshot is in
                        host memory; replication and the store run behind it)
-  memory interval    = Young's sqrt(2 C M) (lastgood.common.interval.young), C the stall, M the
+  memory interval    = Daly's optimum (lastgood.common.interval.daly, the rule of the service's auto interval), C the stall, M the
                        job's MTBF, never shorter than one replication of the node's state
   durable interval   = an input (DURABLE_INTERVAL_S): what the store's cost and bandwidth allow
   lost per failure   = interval / 2 (work since the last checkpoint, on average) + restore time
@@ -28,7 +28,7 @@ import argparse
 import json
 from pathlib import Path
 
-from lastgood.common.interval import young
+from lastgood.common.interval import daly
 
 GB = 1e9
 
@@ -63,7 +63,7 @@ def model(gpus: int, params: float, mtbf_h: float) -> dict:
     stall = per_gpu / (D2H_GBPS * GB)
     repl_bps = LINK_GBPS * GB * REPLICATION_SHARE
     replicate_s = REPLICAS * per_node / repl_bps
-    memory_interval = max(young(stall, mtbf), replicate_s)
+    memory_interval = max(daly(stall, mtbf), replicate_s)
     durable_interval = DURABLE_INTERVAL_S
     restore = {"own node": per_node / (H2D_GBPS * GB * GPUS_PER_NODE),
                "partner": per_node / (LINK_GBPS * GB),
