@@ -166,3 +166,34 @@ def test_the_service_refuses_to_verify_a_memory_checkpoint_with_409(nodes, run_n
     r = httpx.post(f"{svc.url}/api/v1/checkpoints/{cid}/verify", timeout=10)
     assert r.status_code == 409 and "memory checkpoint" in r.text, (r.status_code, r.text[:300])
     assert _checkpoint(svc, cid)["status"] == "COMMITTED"  # changed nothing
+
+
+@pytest.mark.slow
+def test_fsdp2_memory_checkpoint_restores_at_another_world_size_from_the_agents(nodes, run_name, tmp_path):
+    """(d) of the issue: an FSDP2 model with AdamW saved by 2 ranks, step 2 a memory
+    checkpoint, restored on 1 and on 3 ranks from the agents' copies (every old rank's file
+    read whole, verified), every full tensor identical and no sample repeated or skipped.
+    Both copies of old rank 1's file damaged: every rank falls back to the durable step 1."""
+    from tests.multiproc.launch import torchrun, why
+    from tests.multiproc.test_reshard import SCRIPT, assert_round_trip, read
+
+    svc, a, b = nodes
+    agents = ["--agents", f"{a.address},{b.address}"]
+    saved = torchrun(SCRIPT, ["save", svc.url, run_name, str(tmp_path / "save"), *agents], nproc=2, timeout=240)
+    assert saved.returncode == 0, why(saved)
+    lg = httpx.get(f"{svc.url}/api/v1/runs/{run_name}/last-good", timeout=10).json()
+    assert (lg["step"], lg["tier"], lg["world_size"]) == (2, "memory", 2)
+    for after in (1, 3):
+        out = tmp_path / f"on{after}"
+        res = torchrun(SCRIPT, ["restore", svc.url, run_name, str(out), "2", *agents], nproc=after, timeout=240)
+        assert res.returncode == 0, why(res)
+        assert_round_trip(tmp_path / "save", out, 2, after)
+        for rank in range(after):
+            reads = read(out, rank)["reads"]
+            assert reads["saved_world_size"] == 2 and reads["memory_copies"], reads
+            assert set(reads["memory_copies"]) <= {a.address, b.address}
+    _flip_rank(a.root, run_name, lg["id"], 1)
+    _flip_rank(b.root, run_name, lg["id"], 1)
+    res = torchrun(SCRIPT, ["restore", svc.url, run_name, str(tmp_path / "fallback"), "1", *agents], nproc=1,
+                   timeout=240)
+    assert res.returncode == 0, why(res)

@@ -6,6 +6,9 @@
                                default 2), then finish the epoch; STEP 0: expect NoUsableCheckpoint
                                and print the size of the optimizer's state
 
+`--agents A0,A1,..` (either phase): the memory tier (docs/memory-tier.md): step 2 is saved as
+a memory checkpoint into rank r's agent A(r mod n), and restore reads it from the agents.
+
 Both write OUT/full-<phase>.safetensors (rank 0: every full tensor, weights and Adam
 moments, gathered with full_state_dict) and OUT/ids-<phase>-rank<R>.json (samples seen);
 restore also OUT/read-rank<R>.json: the shard bytes and ranged requests its transport
@@ -77,14 +80,18 @@ def local_bytes(model, opt) -> int:
 
 
 def main() -> None:
-    phase, url, run, out = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4])
+    argv = list(sys.argv)
+    agents = argv.pop(argv.index("--agents") + 1).split(",") if "--agents" in argv else []
+    argv = [a for a in argv if a != "--agents"]
+    phase, url, run, out = argv[1], argv[2], argv[3], Path(argv[4])
     out.mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model, opt, sampler, loader = build(seed=0 if phase == "save" else 1)
     state = lastgood.TrainState(model=model, optimizer=opt, loader=loader)
     seen = []
-    with lastgood.Checkpointer(url, run=run) as ckpt:
+    tier = {"memory": lastgood.Interval(every_steps=2), "agent": agents[rank % len(agents)]} if agents else {}
+    with lastgood.Checkpointer(url, run=run, **tier) as ckpt:
         if phase == "save":
             sampler.set_epoch(0)
             for step, (ids, x) in zip(range(3), loader):
@@ -95,10 +102,12 @@ def main() -> None:
                 seen += ids.tolist()
                 if step == 1:
                     ckpt.save(1, state)  # the ancestor a damaged step 2 falls back to
-            ckpt.save(2, state)
+            ckpt.save(2, state, tier="memory" if agents else None)
             ckpt.wait()
+            if agents:
+                assert ckpt.memory.stats["memory_committed"] == 1, ckpt.memory.stats
         else:
-            want = int(sys.argv[5]) if len(sys.argv) > 5 else 2
+            want = int(argv[5]) if len(argv) > 5 else 2
             if want == 0:  # every checkpoint damaged: nothing restored, nothing changed
                 try:
                     ckpt.restore(state)

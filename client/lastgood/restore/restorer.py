@@ -182,6 +182,12 @@ class Restorer:
                                       "requests": self.transport.range_requests - before[1]}
                 log.info("lastgood: rank %s read checkpoint %s by ranges: %s", self.rank, cid, self.reads)
                 return manifest, files, source, []
+        return self._fetch_whole(self.transport, manifest)
+
+    def _fetch_whole(self, source, manifest: Manifest):
+        """Whole files through `source` (the transport, or a memory checkpoint's agents):
+        at the saving world size this rank's own, else every old rank's."""
+        old_world = manifest.world_size
         ranks = [self.rank] if old_world == self.world_size else list(range(old_world))
         files, held = [], []
         try:
@@ -190,9 +196,9 @@ class Restorer:
                 # concurrently; at the saving world size into a staging buffer, else an uninitialised one
                 alloc = (lambda n: _held(held, self.pool.acquire(n))) if len(ranks) == 1 else (
                     lambda n: aligned_empty(n))
-                files.append(fetch_rank(self.transport, manifest, r, shard_file_name(r), alloc)[0])
+                files.append(fetch_rank(source, manifest, r, shard_file_name(r), alloc)[0])
             # replicated tensors written once, by other ranks: found in their files (replicas.py)
-            files = replicas.complete(self.transport, manifest, files, min(self.rank, old_world - 1))
+            files = replicas.complete(source, manifest, files, min(self.rank, old_world - 1))
         except BaseException:
             for buf in held:
                 self.pool.release(buf)
@@ -200,24 +206,17 @@ class Restorer:
         return manifest, files, min(self.rank, old_world - 1), held
 
     def _fetch_memory(self, manifest: Manifest):
-        """A memory checkpoint's files of this rank, each from the first agent whose copy hashes
-        to the manifest's digest, own agent first (datapath/memory.py); no good copy left is
-        CorruptCheckpoint, and every rank falls back to the newest good ancestor."""
-        if manifest.world_size != self.world_size:
-            raise CorruptCheckpoint(f"memory checkpoint {manifest.checkpoint_id} was saved by {manifest.world_size} "
-                                    f"ranks; restoring it on {self.world_size} is not built: its durable ancestor serves")
+        """A memory checkpoint's files, each from the first agent whose copy hashes to the
+        manifest's digest, own agent first (datapath/memory.py); no good copy left is
+        CorruptCheckpoint, and every rank falls back to the newest good ancestor. At another
+        world size every old rank's file is read whole from the agents: a memory file has
+        no range digests (the service never reads its bytes), so no range plan is made."""
         reader = MemoryReader(self.transport, self.run, manifest, self.agent)
-        held: list = []
-        try:
-            got = fetch_rank(reader, manifest, self.rank, shard_file_name(self.rank),
-                             lambda n: _held(held, self.pool.acquire(n)))[0]
-            files = replicas.complete(reader, manifest, [got], self.rank)
-        except BaseException:
-            for buf in held:
-                self.pool.release(buf)
-            raise
+        got = self._fetch_whole(reader, manifest)
         self.reads = {"memory_copies": sorted(set(reader.sources.values()))}
-        return manifest, files, self.rank, held
+        if manifest.world_size != self.world_size:
+            self.reads["saved_world_size"] = manifest.world_size
+        return got
 
     def _give_back(self, state: TrainState, held: list) -> None:
         """Return restore buffers to the staging pool, where the next save overwrites them.
