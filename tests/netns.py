@@ -72,6 +72,7 @@ class Node:
         self.procs: list[subprocess.Popen] = []
         self.agent_address = f"{self.ip}:{AGENT_PORT}"
         self.agent_id: int | None = None
+        self.agent_pid: int | None = None
         self.alive = False
 
     def create(self) -> "Node":
@@ -117,12 +118,27 @@ class Node:
         assert line, f"the agent of {self.label} did not start: {proc.stderr.read()[-2000:]}"
         started = json.loads(line)
         assert started["address"] == self.agent_address, started
-        self.agent_id = started["agent_id"]
+        self.agent_id, self.agent_pid = started["agent_id"], proc.pid  # `ip netns exec` execs the agent
         return self
 
     def pids(self) -> list[int]:
         got = _ip("netns", "pids", self.ns, check=False)
         return [int(p) for p in got.stdout.split()]
+
+    def kill_job(self) -> None:
+        """The node's training processes are killed (a torchrun group killed, a job preempted):
+        SIGKILL every process of the namespace but its agent, which keeps its segments."""
+        for _ in range(50):
+            pids = [p for p in self.pids() if p != self.agent_pid]
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.02)
+        raise AssertionError(f"{self.label}: processes still alive after SIGKILL: {pids}")
 
     def kill(self) -> None:
         """The node fails: SIGKILL every process of the namespace (the agent included), then
