@@ -197,3 +197,16 @@ def test_fsdp2_memory_checkpoint_restores_at_another_world_size_from_the_agents(
     res = torchrun(SCRIPT, ["restore", svc.url, run_name, str(tmp_path / "fallback"), "1", *agents], nproc=1,
                    timeout=240)
     assert res.returncode == 0, why(res)
+
+
+def test_a_reader_without_a_memory_interval_reads_the_agent_it_names_first(nodes, run_name):
+    """Checkpointer(read_only=True, agent=B) restores a memory checkpoint from B's copy: the
+    `agent` it is given is its own node's, whether or not it saves a memory tier (it was
+    ignored without `memory=`, and the service's order read A's copy)."""
+    svc, a, b = nodes
+    _, _, _, memory = _save_durable_then_memory(svc, a, run_name)
+    fresh = _model(99)
+    with lastgood.Checkpointer(svc.url, run=run_name, read_only=True, agent=b.address) as ck:
+        assert ck.restore(lastgood.TrainState(model=fresh)) == 2
+        assert ck.restore_reads == {"memory_copies": [b.address]}, ck.restore_reads
+    assert _same(fresh, memory)

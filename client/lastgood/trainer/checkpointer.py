@@ -161,6 +161,8 @@ class Checkpointer(UploadWorker):
         self.memory, self._memory_decider = memtier.start(self.transport, self.run, self.rank, memory, agent, replicas)
         if self.memory is not None:
             self._restorer.agent = self.memory.agent
+        elif agent:  # a restore-only Checkpointer names the agent it reads first, memory interval or not
+            self._restorer.agent = agent
 
     def step(self, step: int) -> None:
         """Record that training reached `step` (a timestamp, no I/O): the heartbeat thread
