@@ -138,22 +138,26 @@ class Segments:
             held.complete = True
         return out
 
-    def receive(self, run: str, checkpoint_id: int, rank: int, name: str, size: int, read) -> dict:
-        """A partner's copy: `size` bytes from read(n), written and hashed as they arrive."""
+    def receive(self, run: str, checkpoint_id: int, rank: int, name: str, size: int, readinto) -> dict:
+        """A partner's copy: `size` bytes from readinto(buffer), written and hashed as they
+        arrive, through one reused buffer."""
         self.reserve(run, checkpoint_id, rank, size)
         p = self.path(run, checkpoint_id, rank, name)
         h = StreamHasher()
         tmp = p.with_name(p.name + ".part")
+        buf = memoryview(bytearray(min(CHUNK, size) or 1))
         try:
-            with open(tmp, "wb") as f:
+            with open(tmp, "wb", buffering=0) as f:
                 left = size
                 while left:
-                    chunk = read(min(CHUNK, left))
-                    if not chunk:
+                    n = readinto(buf[:min(len(buf), left)])
+                    if not n:
                         raise ConnectionError(f"the copy of {name} ended after {size - left} of {size} bytes")
-                    f.write(chunk)
+                    chunk = buf[:n]
                     h.update(chunk)
-                    left -= len(chunk)
+                    while chunk:  # an unbuffered write may take less than it is given
+                        chunk = chunk[f.write(chunk):]
+                    left -= n
             os.replace(tmp, p)
         except BaseException:
             tmp.unlink(missing_ok=True)

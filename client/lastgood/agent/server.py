@@ -146,6 +146,7 @@ class Agent:
                 "budget": self.segments.budget, "held_bytes": self.segments.held_bytes(),
                 "segments": self.segments.listing(), "freed": [list(k) for k in self.segments.freed],
                 "replicated_bytes": self.replicator.sent_bytes, "replication_jobs_done": self.replicator.done,
+                "replication_seconds": round(self.replicator.sent_seconds, 6),
                 "events": list(self.events)}
 
 
@@ -242,7 +243,7 @@ def _handler(agent: Agent):
             size = int(self.headers.get("Content-Length") or -1)
             if size < 0:
                 raise BadRequest("Content-Length is required")
-            got = agent.segments.receive(*key, size, self.rfile.read)
+            got = agent.segments.receive(*key, size, self.rfile.readinto)
             agent.received(key[0], key[1], key[2], got)
             claimed = self.headers.get(tiers.AGENT_DIGEST_HEADER, "")
             if is_valid_hex(claimed) and claimed != got["xxh3_128"]:

@@ -78,9 +78,11 @@ class AgentClient:
 
 
 def read_range(address: str, run: str, checkpoint_id: int, rank: int, name: str, start: int, length: int,
-               timeout: float = 30.0) -> bytearray:
-    """`length` bytes of a held file from `start`, from the agent at `address` (no check),
-    read into one buffer."""
+               timeout: float = 30.0, into=None):
+    """`length` bytes of a held file from `start`, from the agent at `address` (no check):
+    received straight into `into` (a writable buffer of at least `length` bytes: the
+    restore's staging buffer, so no second copy) and a view of them returned, else into a
+    new bytearray."""
     from urllib.parse import quote
 
     host, port = _split(address)
@@ -91,26 +93,29 @@ def read_range(address: str, run: str, checkpoint_id: int, rank: int, name: str,
         resp = conn.getresponse()
         if resp.status != 206:
             raise LookupError(f"{address}: {resp.status} {resp.read(200)!r}")
-        body = bytearray(length)
-        view, got = memoryview(body), 0
+        body = bytearray(length) if into is None else into
+        view, got = memoryview(body).cast("B")[:length], 0
+        if view.nbytes < length:
+            raise ValueError(f"a buffer of {view.nbytes} bytes cannot take {length}")
         while got < length:
             n = resp.readinto(view[got:])
             if not n:
                 raise ConnectionError(f"{address}: {got} of {length} bytes")
             got += n
-        return body
+        return body if into is None else view
     finally:
         conn.close()
 
 
 def read_verified(copies: list[str], run: str, checkpoint_id: int, rank: int, name: str, size: int,
-                  digest: str, timeout: float = 30.0) -> tuple[bytearray, str]:
+                  digest: str, timeout: float = 30.0, into=None) -> tuple[object, str]:
     """The file's bytes from the first copy whose bytes hash to `digest`, and that copy's
-    address. A copy is read whole (a file of a memory checkpoint is one range of one rank)."""
+    address. A copy is read whole (a file of a memory checkpoint is one range of one rank),
+    into `into` when given (each copy tried overwrites it; the view returned is of it)."""
     tried = []
     for address in copies:
         try:
-            data = read_range(address, run, checkpoint_id, rank, name, 0, size, timeout) if size else bytearray()
+            data = read_range(address, run, checkpoint_id, rank, name, 0, size, timeout, into) if size else bytearray()
         except (OSError, LookupError, ValueError, http.client.HTTPException) as e:
             tried.append(f"{address}: {e}")
             continue

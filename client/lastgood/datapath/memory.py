@@ -82,12 +82,9 @@ class MemoryReader:
         if entry is None:
             raise CorruptCheckpoint(f"checkpoint {checkpoint_id} has no file {file_name} for rank {rank}")
         data, source = read_verified(self.order.get((rank, file_name), []), self.run, checkpoint_id, rank,
-                                     file_name, size, entry.xxh3_128)
+                                     file_name, size, entry.xxh3_128, into=into)
         self.sources[(rank, file_name)] = source
-        if into is None:
-            return memoryview(data), entry.xxh3_128
-        into[:size] = data
-        return into[:size], entry.xxh3_128
+        return memoryview(data), entry.xxh3_128
 
     def read_range(self, checkpoint_id: int, rank: int, file_name: str, offset: int, into) -> None:
         """Bytes the caller verifies by their range digests (restore/replicas.py), from the
@@ -96,7 +93,7 @@ class MemoryReader:
         tried = []
         for address in self.order.get((rank, file_name), []):
             try:
-                view[:] = agents.read_range(address, self.run, checkpoint_id, rank, file_name, offset, view.nbytes)
+                agents.read_range(address, self.run, checkpoint_id, rank, file_name, offset, view.nbytes, into=view)
                 return
             except (OSError, LookupError, ValueError) as e:
                 tried.append(f"{address}: {e}")
