@@ -7,6 +7,15 @@ else the oldest checkpoints (lowest id first, across runs) are freed, except the
 checkpoint of each run that the agent holds complete (the restore point while the new one is
 not committed); if that is still not enough the new segment is refused (BudgetExceeded) and
 nothing held is touched beyond what was freed.
+
+Recycling: the files of a checkpoint freed by the live list are not deleted but kept in a pool
+(<root>/.free, a name no run can have), and a new segment takes them: a reservation that names
+its files gets a pooled file renamed to each name (the best fit by size), and the writer
+overwrites it in place and truncates it to its size. A tmpfs page that is written again costs a
+copy; a new one costs an allocation and a zero-fill first (on this project's VM, memory freed a
+while ago is handed back to the host and comes back slowly: docs/performance.md). The pool counts
+against the budget and is the first thing given up for room; without a budget it keeps at most
+twice the bytes of the checkpoint freed last. An agent starts with an empty pool.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lastgood.common.durable import open_for_overwrite, write_all
 from lastgood.wire import names
 from lastgood.wire.hashing import StreamHasher
 
@@ -55,6 +65,9 @@ def check_key(run: str, checkpoint_id: int, rank: int, name: str | None = None) 
         names.check_file_name(name)
 
 
+POOL = ".free"  # the recycled files' folder under the root: a run name starts with a letter or digit
+
+
 class Segments:
     def __init__(self, root: Path | str, budget: int | None = None) -> None:
         self.root = Path(root)
@@ -63,6 +76,12 @@ class Segments:
         self._held: dict[tuple[str, int], Held] = {}
         self._lock = threading.Lock()
         self.freed: list[tuple[str, int]] = []   # what the budget or the live list freed, in order
+        self._pool_dir = self.root / POOL
+        shutil.rmtree(self._pool_dir, ignore_errors=True)  # an earlier agent's: not this one's bytes
+        self._pool_dir.mkdir()
+        self._pool: list[tuple[int, Path]] = []  # (size, path) of each recycled file
+        self._pool_seq = 0
+        self.recycled = 0  # files a new segment took from the pool
 
     # ---------------------------------------------------------------- layout
     def directory(self, run: str, checkpoint_id: int, rank: int) -> Path:
@@ -78,25 +97,72 @@ class Segments:
         with self._lock:
             return sum(h.nbytes for h in self._held.values())
 
-    def reserve(self, run: str, checkpoint_id: int, rank: int, nbytes: int) -> Path:
-        """Make room for `nbytes` more of (run, checkpoint_id) and create its rank directory."""
+    def pooled_bytes(self) -> int:
+        with self._lock:
+            return sum(n for n, _ in self._pool)
+
+    def reserve(self, run: str, checkpoint_id: int, rank: int, nbytes: int,
+                files: list[tuple[str, int]] | None = None) -> Path:
+        """Make room for `nbytes` more of (run, checkpoint_id) and create its rank directory;
+        each of `files` ((name, size), what will be written there) that the pool can serve
+        is placed there as a recycled file, to be overwritten in place and truncated."""
         if not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"bytes must be a non-negative integer, got {nbytes!r}")
         d = self.directory(run, checkpoint_id, rank)
+        wanted = [(self.path(run, checkpoint_id, rank, n).name, size) for n, size in files or []]
         with self._lock:
             held = self._held.get((run, checkpoint_id))
             have = held.nbytes if held else 0
-            self._admit(run, checkpoint_id, nbytes)
+            taken = [(name, got) for name, size in wanted if (got := self._take(size)) is not None]
+            try:
+                self._admit(run, checkpoint_id, nbytes)
+            except BudgetExceeded:
+                self._pool.extend(got for _, got in taken)
+                raise
             if held is None:
                 held = self._held[(run, checkpoint_id)] = Held(run, checkpoint_id)
             held.reserved = have + nbytes
         d.mkdir(parents=True, exist_ok=True)
+        for name, (_, path) in taken:
+            os.replace(path, d / name)
+        self.recycled += len(taken)
         return d
+
+    def _take(self, size: int) -> tuple[int, Path] | None:
+        """The pooled file that best fits `size` bytes: the smallest as large, else the largest."""
+        if not self._pool or size <= 0:
+            return None
+        fits = [f for f in self._pool if f[0] >= size]
+        best = min(fits) if fits else max(self._pool)
+        self._pool.remove(best)
+        return best
+
+    def _recycle(self, held: Held) -> None:
+        """A freed checkpoint's files into the pool, then the pool trimmed to its limit."""
+        d = self.root / held.run / str(held.checkpoint_id)
+        for (rank, name), (size, _) in held.files.items():
+            self._pool_seq += 1
+            dest = self._pool_dir / str(self._pool_seq)
+            try:
+                os.replace(d / str(rank) / name, dest)
+            except OSError:
+                continue
+            self._pool.append((size, dest))
+        limit = (self.budget - sum(h.nbytes for h in self._held.values()) if self.budget is not None
+                 else 2 * held.nbytes)
+        self._trim(limit)
+
+    def _trim(self, limit: int) -> None:
+        """Unlink pooled files, oldest first, until the pool holds at most `limit` bytes."""
+        while self._pool and sum(n for n, _ in self._pool) > max(limit, 0):
+            _, path = self._pool.pop(0)
+            path.unlink(missing_ok=True)
 
     def _admit(self, run: str, checkpoint_id: int, nbytes: int) -> None:
         if self.budget is None:
             return
         total = sum(h.nbytes for h in self._held.values())
+        self._trim(self.budget - total - nbytes)  # the pool is the first thing given up for room
         if total + nbytes <= self.budget:
             return
         newest_complete = {}
@@ -127,9 +193,10 @@ class Segments:
             if not p.is_file():
                 raise SegmentMissing(f"{run}/{checkpoint_id}/{rank}/{name} is not in the agent's segment")
             h = StreamHasher()
-            with open(p, "rb") as f:
-                while chunk := f.read(CHUNK):
-                    h.update(chunk)
+            buf = memoryview(bytearray(CHUNK))
+            with open(p, "rb", buffering=0) as f:
+                while n := f.readinto(buf):
+                    h.update(buf[:n])
             entries[(rank, name)] = (h.size, h.hexdigest())
             out.append({"name": name, "size": h.size, "xxh3_128": h.hexdigest()})
         with self._lock:
@@ -141,23 +208,22 @@ class Segments:
     def receive(self, run: str, checkpoint_id: int, rank: int, name: str, size: int, readinto) -> dict:
         """A partner's copy: `size` bytes from readinto(buffer), written and hashed as they
         arrive, through one reused buffer."""
-        self.reserve(run, checkpoint_id, rank, size)
         p = self.path(run, checkpoint_id, rank, name)
-        h = StreamHasher()
         tmp = p.with_name(p.name + ".part")
+        self.reserve(run, checkpoint_id, rank, size, files=[(tmp.name, size)])
+        h = StreamHasher()
         buf = memoryview(bytearray(min(CHUNK, size) or 1))
         try:
-            with open(tmp, "wb", buffering=0) as f:
+            with open_for_overwrite(tmp) as f:
                 left = size
                 while left:
                     n = readinto(buf[:min(len(buf), left)])
                     if not n:
                         raise ConnectionError(f"the copy of {name} ended after {size - left} of {size} bytes")
-                    chunk = buf[:n]
-                    h.update(chunk)
-                    while chunk:  # an unbuffered write may take less than it is given
-                        chunk = chunk[f.write(chunk):]
+                    h.update(buf[:n])
+                    write_all(f.fileno(), buf[:n])
                     left -= n
+                f.truncate(size)
             os.replace(tmp, p)
         except BaseException:
             tmp.unlink(missing_ok=True)
@@ -194,7 +260,11 @@ class Segments:
             return set(self._held)
 
     def free(self, run: str, checkpoint_id: int) -> None:
+        """No longer live (the service's list): its files go to the pool for the next segments."""
         with self._lock:
+            held = self._held.get((run, checkpoint_id))
+            if held is not None:
+                self._recycle(held)
             self._drop(run, checkpoint_id)
 
     def _drop(self, run: str, checkpoint_id: int) -> None:

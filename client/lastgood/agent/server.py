@@ -144,6 +144,7 @@ class Agent:
         return {"host": self.host, "address": self.address,
                 "agent_id": self.service.agent_id if self.service else None,
                 "budget": self.segments.budget, "held_bytes": self.segments.held_bytes(),
+                "pooled_bytes": self.segments.pooled_bytes(), "recycled_files": self.segments.recycled,
                 "segments": self.segments.listing(), "freed": [list(k) for k in self.segments.freed],
                 "replicated_bytes": self.replicator.sent_bytes, "replication_jobs_done": self.replicator.done,
                 "replication_seconds": round(self.replicator.sent_seconds, 6),
@@ -271,7 +272,13 @@ def _handler(agent: Agent):
 
         def _reserve(self) -> None:
             b = self._json()
-            d = agent.segments.reserve(b["run"], b["checkpoint_id"], b["rank"], b["bytes"])
+            files = b.get("files") or []
+            if not isinstance(files, list) or not all(
+                    isinstance(f, dict) and isinstance(f.get("name"), str) and isinstance(f.get("size"), int)
+                    and not isinstance(f.get("size"), bool) and f["size"] >= 0 for f in files):
+                raise BadRequest("files must be a list of {name, size} (a non-negative integer)")
+            d = agent.segments.reserve(b["run"], b["checkpoint_id"], b["rank"], b["bytes"],
+                                       [(f["name"], f["size"]) for f in files])
             self._answer(200, {"directory": str(d)})
 
     return Handler

@@ -39,6 +39,16 @@ def write_all(fd: int, data) -> int:
     return done
 
 
+def open_for_overwrite(path):
+    """`path` opened unbuffered for writing from its start: an existing file (a recycled
+    segment of the memory tier) is overwritten in place, its pages kept, and the writer
+    truncates it to its size; else a new file is created."""
+    try:
+        return open(path, "r+b", buffering=0)
+    except FileNotFoundError:
+        return open(path, "wb", buffering=0)
+
+
 def _sync_file_range():
     try:
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range

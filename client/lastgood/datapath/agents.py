@@ -64,10 +64,14 @@ class AgentClient:
             raise AgentRefused(resp.status, str(got.get("detail", got))[:500])
         return got
 
-    def reserve(self, run: str, checkpoint_id: int, rank: int, nbytes: int) -> str:
-        """The directory the rank writes its files into, with room for `nbytes` made."""
-        return self._post(tiers.AGENT_RESERVE_PATH, {"run": run, "checkpoint_id": checkpoint_id,
-                                                     "rank": rank, "bytes": nbytes})["directory"]
+    def reserve(self, run: str, checkpoint_id: int, rank: int, nbytes: int,
+                files: list[tuple[str, int]] | None = None) -> str:
+        """The directory the rank writes its files into, with room for `nbytes` made; each of
+        `files` ((name, size)) may already be there, a recycled segment file to overwrite in
+        place and truncate (agent/segments.py)."""
+        return self._post(tiers.AGENT_RESERVE_PATH, {"run": run, "checkpoint_id": checkpoint_id, "rank": rank,
+                                                     "bytes": nbytes,
+                                                     "files": [{"name": n, "size": s} for n, s in files or []]})["directory"]
 
     def ready(self, run: str, checkpoint_id: int, rank: int, files: list[str],
               replicas: int = tiers.DEFAULT_REPLICAS) -> list[dict]:

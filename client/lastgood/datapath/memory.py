@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 
+from lastgood.common.durable import open_for_overwrite, write_all
 from lastgood.datapath import agents
 from lastgood.datapath.agents import AgentClient, AgentRefused, read_verified
 from lastgood.errors import CorruptCheckpoint
@@ -42,16 +43,19 @@ class MemoryPath:
         the vote's (name, size, xxh3-128) of each. AgentRefused when the agent is away or
         refuses (budget: 507; too few partners: 409)."""
         views = [(n, memoryview(d).cast("B")) for n, d in files]
-        directory = self.agent.reserve(run, checkpoint_id, rank, sum(v.nbytes for _, v in views))
+        directory = self.agent.reserve(run, checkpoint_id, rank, sum(v.nbytes for _, v in views),
+                                       [(n, v.nbytes) for n, v in views])
         declared = []
         for name, view in views:
             hasher = StreamHasher()
             try:
-                with open(os.path.join(directory, name), "wb", buffering=0) as f:
+                # a file the agent recycled is overwritten in place: its pages are kept
+                with open_for_overwrite(os.path.join(directory, name)) as f:
                     for at in range(0, view.nbytes, PIECE):
                         piece = view[at:at + PIECE]
                         hasher.update(piece)
-                        f.write(piece)
+                        write_all(f.fileno(), piece)  # in the page cache's fast pieces (common/durable.py)
+                    f.truncate(view.nbytes)
             except OSError as e:  # the segment is not writable from here: the memory save is given up
                 raise AgentRefused(0, f"writing {name} into {directory}: {e}") from None
             declared.append((name, view.nbytes, hasher.hexdigest()))
