@@ -124,6 +124,7 @@ class Service:
             except OSError as e:
                 log.warning("no spool (same-host hand-over off; clients stream): %s", e)
         self._stop = threading.Event()
+        self._gc_lock = threading.Lock()  # the scheduled and the memory tier's passes, one at a time
         self.grpc_server = None
         self.grpc_port = None
 
@@ -140,6 +141,8 @@ class Service:
         threading.Thread(target=Reaper(self).run, args=(self._stop,), name="lease-reaper", daemon=True).start()
         if s.gc_interval > 0:
             threading.Thread(target=self._gc_loop, name="gc", daemon=True).start()
+        if s.memory_gc_seconds > 0:
+            threading.Thread(target=self._memory_gc_loop, name="memory-gc", daemon=True).start()
         if s.health_interval > 0:
             threading.Thread(target=self._health_loop, name="health", daemon=True).start()
 
@@ -162,11 +165,33 @@ class Service:
     def _gc_loop(self) -> None:
         while not self._stop.wait(self.settings.gc_interval):
             try:
-                self.gc.run_pass()
+                with self._gc_lock:
+                    self.gc.run_pass()
             except Exception:
                 log.exception("scheduled GC pass failed; will retry")
             if self.settings.malloc_trim:  # the pass's peak back to the system (alloc.py)
                 alloc.trim()
+
+    def _memory_gc_loop(self) -> None:
+        """GC's incremental pass within `memory_gc_seconds` of a memory commit (at most one
+        pass per period, however many commits): the runs with something new are planned,
+        and the memory checkpoints their retention no longer keeps are deleted, so the
+        agents' live lists (domain/memory/copies.py) stop naming them and their segments are
+        freed. A memory checkpoint every few seconds would otherwise fill node memory until
+        the scheduled pass, or until each agent's budget forced it out."""
+        period = self.settings.memory_gc_seconds
+        while not self._stop.is_set():
+            if not self.commits.memory_committed.wait(1.0):
+                continue
+            if self._stop.wait(period):  # the commits of the next period ride on this pass
+                return
+            self.commits.memory_committed.clear()
+            try:
+                with self._gc_lock:
+                    self.gc.incremental_pass()
+            except Exception:
+                log.exception("memory GC pass failed; will retry after the next memory commit")
+                self.commits.memory_committed.set()
 
     def _health_loop(self) -> None:
         while not self._stop.wait(self.settings.health_interval):

@@ -151,6 +151,10 @@ class Settings(BaseSettings):
                            description="what GC keeps: latest:N, every:N (steps), tagged, last-good, branch-heads "
                                        "(domain/runs/retention.py owns the syntax; main.py refuses a bad one at start)")
     gc_interval: float = Field(3600.0, ge=0, description="seconds between scheduled GC passes; 0 turns them off")
+    memory_gc_seconds: float = Field(5.0, ge=0, description="after a memory checkpoint commits, GC's incremental "
+                                     "pass runs within this many seconds, so memory checkpoints beyond the run's "
+                                     "memory:latest:N leave the agents' live lists (their segments are freed) "
+                                     "without waiting for the scheduled pass; 0 leaves them to it")
     gc_grace_seconds: float = Field(3600.0, ge=0,
                                     description="ABANDONED and CORRUPT checkpoints are kept at least this long")
     # run health (domain/health/heartbeats.py, docs/health.md)

@@ -19,7 +19,7 @@ import lastgood
 from lastgood.common.interval import Interval
 
 from ..conftest import FAST, ServiceProc
-from .test_agent import AgentProc, _free_port
+from .test_agent import AgentProc, _free_port, _wait
 
 
 @pytest.fixture(scope="module")
@@ -210,3 +210,48 @@ def test_a_reader_without_a_memory_interval_reads_the_agent_it_names_first(nodes
         assert ck.restore(lastgood.TrainState(model=fresh)) == 2
         assert ck.restore_reads == {"memory_copies": [b.address]}, ck.restore_reads
     assert _same(fresh, memory)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("memory_gc", ["0.3", "0"], ids=["prompt", "control-off"])
+def test_memory_checkpoints_beyond_the_retention_leave_the_agents_within_seconds(tmp_path, run_name, memory_gc):
+    """Six memory saves: with LASTGOOD_MEMORY_GC_SECONDS the memory checkpoints beyond
+    memory:latest:2 are deleted from the catalog within seconds of the commits and both
+    agents free their segments (into their pools), well before the hourly GC pass. Control,
+    0: they stay committed and held, as before, until the scheduled pass."""
+    from lastgood.wire import tiers
+
+    svc = ServiceProc(tmp_path / "svc", {**FAST, "LASTGOOD_MEMORY_GC_SECONDS": memory_gc}).start()
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    try:
+        with tempfile.TemporaryDirectory(prefix="lastgood-memgc-", dir=base) as d:
+            a = AgentProc("node-a", _free_port(), Path(d) / "a", {}, "--live-every", "0.3", url=svc.url)
+            b = AgentProc("node-b", _free_port(), Path(d) / "b", {}, "--live-every", "0.3", url=svc.url)
+            try:
+                with lastgood.Checkpointer(svc.url, run=run_name, memory=Interval(every_steps=1), agent=a.address) as ck:
+                    for step in range(1, 7):
+                        ck.save(step, lastgood.TrainState(model=_model(step)), tier="memory")
+                        ck.wait()
+                    assert ck.memory.stats["memory_committed"] == 6
+
+                def committed() -> list[int]:
+                    items = httpx.get(f"{svc.url}/api/v1/runs/{run_name}/checkpoints", timeout=10).json()["items"]
+                    return sorted(c["step"] for c in items if c["status"] == "COMMITTED")
+
+                def held(agent) -> int:
+                    return len(agent.status()["segments"])
+
+                want = tiers.DEFAULT_MEMORY_KEEP
+                if memory_gc != "0":
+                    _wait(lambda: committed() == [5, 6] and held(a) == want and held(b) == want, timeout=30)
+                    assert a.status()["pooled_bytes"] > 0 and b.status()["pooled_bytes"] > 0
+                else:
+                    import time
+
+                    time.sleep(3)  # ten live polls and ten would-be memory GC periods
+                    assert committed() == [1, 2, 3, 4, 5, 6] and held(a) == 6 and held(b) == 6
+            finally:
+                a.stop()
+                b.stop()
+    finally:
+        svc.stop()

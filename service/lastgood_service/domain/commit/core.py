@@ -48,6 +48,9 @@ class CommitCore:
         self.store = blobs
         self.blobs = MeteredBlobStore(blobs, self.metrics)
         self._changed = threading.Condition()
+        # set when a memory checkpoint commits: the composition root (main.py) then runs GC's
+        # incremental pass, so the memory retention frees agents' segments within seconds
+        self.memory_committed = threading.Event()
         # told of every change _notify announces, with what was decided if known (domain/commit/outcomes.py)
         self.listeners: list[Callable[[dict[int, str] | None], None]] = []
         # told of the checkpoints that ended without a commit (an abort, a lease expiry), after

@@ -31,7 +31,8 @@ from lastgood.wire.hashing import hash_bytes
 from lastgood.wire.manifest import FileEntry, Manifest
 
 from ...catalog import txtimer
-from ...catalog.models import (ABANDONED, COMMITTED, CORRUPT, DECLARED, DURABLE, PENDING, VERIFIED, Checkpoint, Run,
+from ...catalog.models import (ABANDONED, COMMITTED, CORRUPT, DECLARED, DURABLE, MEMORY, PENDING, VERIFIED, Checkpoint,
+                               Run,
                                Shard, Vote)
 from ...failpoints import Failpoint, reach
 from .. import keys
@@ -278,6 +279,7 @@ class CommitProtocol(CommitPut):
             self._failpoint(Failpoint.HOLD_MANIFEST)  # testing only: a slow manifest write, held by the test
             self.blobs.put_bytes(key, body)
         self._failpoint(Failpoint.CRASH_AFTER_MANIFEST)
+        memory = False
         with self.sessions() as s, s.begin():
             # the run's row first: a launch registering now (domain/runs/fencing.py) is ordered
             # strictly before or after this commit, never interleaved with it
@@ -297,6 +299,7 @@ class CommitProtocol(CommitPut):
                 add_event(s, "commit", ck.run_id, ck.id, step=ck.step, bytes=ck.bytes, last_good=moved,
                           recovered=recovering)
                 save_s, commit_s = (now - ck.created_at).total_seconds(), (now - last_vote).total_seconds()
+                memory = ck.tier == MEMORY
         if won:
             log.info("committed checkpoint %s (%s step %s)", checkpoint_id, manifest.run, manifest.step,
                      extra={"run": manifest.run, "checkpoint_id": checkpoint_id, "step": manifest.step})
@@ -304,4 +307,6 @@ class CommitProtocol(CommitPut):
             self.metrics.save_seconds.observe(save_s)
             self.metrics.commit_seconds.observe(commit_s)
             self._notify({checkpoint_id: COMMITTED})  # after the transaction: COMMITTED is durable
+            if memory:
+                self.memory_committed.set()
         return won

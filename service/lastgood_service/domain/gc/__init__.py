@@ -60,3 +60,9 @@ class GarbageCollector(GCPlanning, GCExecution):
                           "transactions": len(holds), "longest_transaction_seconds": max(holds, default=0.0),
                           "events_pruned": result["events_pruned"]}
         return self.last_pass
+
+    def incremental_pass(self) -> dict:
+        """Plan and delete in the runs where something changed since the last executed pass
+        (the memory tier's prompt retention, main.py), without counting as a scheduled pass:
+        the scheduled passes' rhythm of full passes stays as it is."""
+        return {"deleted": len(self.execute(self.plan(full=False))["deleted"])}
