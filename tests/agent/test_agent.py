@@ -250,3 +250,39 @@ def test_supervise_with_a_memory_budget_runs_the_agent_and_hands_its_address_to_
     got = json.loads(out.read_text())
     assert got["held"] == [{"name": "f", "size": 5, "xxh3_128": hash_bytes(b"hello")}] and got["read"] == "ell"
     assert (shm / "a" / "r" / "1" / "0" / "f").read_bytes() == b"hello"   # it outlives the job's process
+
+
+def test_a_copy_whose_node_drops_the_connection_is_passed_over_within_the_connect_timeout(two_nodes):
+    """A node that is gone may drop the SYN (here: a listener whose accept queue is full, so
+    the kernel drops every new SYN). A restore's read moves to the next copy once
+    tiers.AGENT_CONNECT_TIMEOUT has passed, not after its whole read timeout (which it did:
+    the connection's one timeout covered the connect too: 8 s here)."""
+    import socket
+
+    from lastgood.datapath.agents import AgentClient, read_verified
+    from lastgood.errors import CorruptCheckpoint
+
+    a, _ = two_nodes
+    connect = getattr(tiers, "AGENT_CONNECT_TIMEOUT", 2.0)  # (getattr: the control runs on code without it)
+    data = os.urandom(1 << 16)
+    own = AgentClient(a.address)
+    (Path(own.reserve("r", 7, 0, len(data))) / "w.lgs").write_bytes(data)
+    own.ready("r", 7, 0, ["w.lgs"])
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(0)
+    filler = socket.create_connection(hole.getsockname(), timeout=5)  # the accept queue is full now
+    try:
+        dead = "%s:%d" % hole.getsockname()
+        read_timeout = 3 * connect + 2
+        t0 = time.monotonic()
+        got, source = read_verified([dead, a.address], "r", 7, 0, "w.lgs", len(data), hash_bytes(data),
+                                    timeout=read_timeout)
+        took = time.monotonic() - t0
+        assert got == data and source == a.address
+        assert connect * 0.9 <= took < read_timeout - 2, took
+        with pytest.raises(CorruptCheckpoint, match=f"within {connect} s"):
+            read_verified([dead], "r", 7, 0, "w.lgs", len(data), hash_bytes(data), timeout=read_timeout)
+    finally:
+        filler.close()
+        hole.close()

@@ -1,7 +1,7 @@
 """The agent's segment pool (lastgood/agent/segments.py, "Recycling"): a freed checkpoint's
 files are kept and a new segment that names its files takes them, so its bytes land in pages
 already allocated (the same inode, overwritten in place and truncated); the pool counts against
-the budget and is given up first; without a budget it keeps at most twice the bytes freed last.
+the budget and is given up first, and it keeps at most the bytes freed last.
 On a real tmpfs (/dev/shm) where there is one."""
 
 from __future__ import annotations
@@ -70,13 +70,14 @@ def test_the_pool_counts_against_the_budget_and_goes_first(root):
         seg.reserve("run", 4, 0, 3 * N)
 
 
-def test_without_a_budget_the_pool_keeps_twice_the_bytes_freed_last(root):
-    seg = Segments(root)
+@pytest.mark.parametrize("budget", [None, 100 * N])
+def test_the_pool_keeps_the_bytes_freed_last(root, budget):
+    seg = Segments(root, budget=budget)
     for cid in range(1, 5):
         _save(seg, cid, bytes([cid]) * N, files=False)
     for cid in range(1, 4):
         seg.free("run", cid)
-    assert seg.pooled_bytes() == 2 * N and len(list((root / POOL).iterdir())) == 2
+    assert seg.pooled_bytes() == N and len(list((root / POOL).iterdir())) == 1
 
 
 def test_a_new_agent_empties_what_an_earlier_one_left_in_the_pool(root):

@@ -5,7 +5,6 @@ checkpoint does not commit (its copy is never reported)."""
 
 from __future__ import annotations
 
-import http.client
 import logging
 import queue
 import threading
@@ -13,6 +12,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 
+from lastgood.datapath.agents import connect
 from lastgood.wire.tiers import AGENT_DIGEST_HEADER, AGENT_SEGMENTS_PATH
 
 from .segments import CHUNK, Segments
@@ -91,8 +91,7 @@ class Replicator:
             self.q.task_done()
 
     def _send(self, job: Job, partner: str, f: dict) -> None:
-        host, _, port = partner.rpartition(":")
-        conn = http.client.HTTPConnection(host, int(port), timeout=self.timeout)
+        conn = connect(partner, self.timeout)  # a partner that is gone fails within the connect timeout
         start = time.perf_counter()
         try:
             conn.putrequest("PUT", segment_path(job.run, job.checkpoint_id, job.rank, f["name"]))

@@ -14,8 +14,9 @@ its files gets a pooled file renamed to each name (the best fit by size), and th
 overwrites it in place and truncates it to its size. A tmpfs page that is written again costs a
 copy; a new one costs an allocation and a zero-fill first (on this project's VM, memory freed a
 while ago is handed back to the host and comes back slowly: docs/performance.md). The pool counts
-against the budget and is the first thing given up for room; without a budget it keeps at most
-twice the bytes of the checkpoint freed last. An agent starts with an empty pool.
+against the budget and is the first thing given up for room, and it keeps at most the bytes of
+the checkpoint freed last (what the next one takes: so held and pooled together stay within
+the node's formula, docs/memory-tier.md). An agent starts with an empty pool.
 """
 
 from __future__ import annotations
@@ -148,8 +149,9 @@ class Segments:
             except OSError:
                 continue
             self._pool.append((size, dest))
-        limit = (self.budget - sum(h.nbytes for h in self._held.values()) if self.budget is not None
-                 else 2 * held.nbytes)
+        limit = held.nbytes  # what the next checkpoint takes; within the budget with what is held
+        if self.budget is not None:
+            limit = min(limit, self.budget - sum(h.nbytes for h in self._held.values()))
         self._trim(limit)
 
     def _trim(self, limit: int) -> None:

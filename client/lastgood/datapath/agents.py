@@ -32,6 +32,25 @@ class AgentRefused(Exception):
         self.status = status
 
 
+def connect(address: str, timeout: float) -> http.client.HTTPConnection:
+    """An open connection to the agent at `address`: it must open within
+    tiers.AGENT_CONNECT_TIMEOUT (a node that is gone may drop the SYN), then each read and
+    write may take up to `timeout`."""
+    host, port = _split(address)
+    conn = http.client.HTTPConnection(host, port, timeout=min(timeout, tiers.AGENT_CONNECT_TIMEOUT))
+    try:
+        conn.connect()
+    except TimeoutError:
+        conn.close()
+        raise TimeoutError(f"no connection to the agent at {address} within "
+                           f"{min(timeout, tiers.AGENT_CONNECT_TIMEOUT)} s") from None
+    except BaseException:
+        conn.close()
+        raise
+    conn.sock.settimeout(timeout)
+    return conn
+
+
 def _split(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -45,8 +64,10 @@ class AgentClient:
     timeout: float = 30.0
 
     def _post(self, path: str, body: dict) -> dict:
-        host, port = _split(self.address)
-        conn = http.client.HTTPConnection(host, port, timeout=self.timeout)
+        try:
+            conn = connect(self.address, self.timeout)
+        except OSError as e:
+            raise AgentRefused(0, f"no answer from the agent at {self.address}: {e}") from None
         try:
             data = json.dumps(body).encode()
             conn.request("POST", path, data, {"Content-Type": "application/json"})
@@ -89,8 +110,7 @@ def read_range(address: str, run: str, checkpoint_id: int, rank: int, name: str,
     new bytearray."""
     from urllib.parse import quote
 
-    host, port = _split(address)
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    conn = connect(address, timeout)
     try:
         conn.request("GET", f"{tiers.AGENT_SEGMENTS_PATH}/{quote(run, safe='')}/{checkpoint_id}/{rank}/"
                             f"{quote(name, safe='')}", headers={"Range": f"bytes={start}-{start + length - 1}"})

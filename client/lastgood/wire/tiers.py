@@ -32,6 +32,11 @@ LAST_GOOD_DURABLE_TAG = "last-good-durable"  # system tag: the run's newest comm
 AGENT_KEY_HEADER = "X-Lastgood-Agent-Key"  # an agent's secret; the service keeps its SHA-256
 AGENT_KEY_HEX = 64
 SHM_ROOT = "/dev/shm/lastgood"  # <root>/<run>/<checkpoint id>/<rank>/<file> on every node
+# How long a connection to an agent may take to open. On a cluster's network a live agent
+# answers in well under a millisecond; a node that is gone may drop the SYN (a blackhole, or
+# an address nobody holds any more), which would otherwise hold a restore's copy, or a
+# partner's replication, for the whole read timeout before the next copy is tried.
+AGENT_CONNECT_TIMEOUT = 2.0
 
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
