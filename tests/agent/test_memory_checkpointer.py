@@ -255,3 +255,41 @@ def test_memory_checkpoints_beyond_the_retention_leave_the_agents_within_seconds
                 b.stop()
     finally:
         svc.stop()
+
+
+@pytest.mark.slow
+def test_a_partner_that_cannot_be_reached_gives_the_memory_save_up_at_once(tmp_path, run_name):
+    """Agent A's only partner (B, registered) is gone: A's copy to it fails, the rank asks
+    its agent while it waits, and the memory save is given up within seconds with the reason,
+    not after the commit timeout (45 s here), which held the save thread and every durable
+    save queued behind it; the durable save after it commits."""
+    import time
+
+    # a lease of a production's order: the checkpoint is not abandoned by its lease meanwhile
+    svc = ServiceProc(tmp_path / "svc", {**FAST, "LASTGOOD_LEASE_SECONDS": "120"}).start()
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    try:
+        with tempfile.TemporaryDirectory(prefix="lastgood-partner-", dir=base) as d:
+            a = AgentProc("node-a", _free_port(), Path(d) / "a", {}, "--live-every", "0.3", url=svc.url)
+            b = AgentProc("node-b", _free_port(), Path(d) / "b", {}, "--live-every", "0.3", url=svc.url)
+            b.proc.kill()  # gone, but still listed within the agents' TTL: A's partner
+            b.proc.wait(10)
+            try:
+                with lastgood.Checkpointer(svc.url, run=run_name, memory=Interval(every_steps=2), agent=a.address,
+                                           commit_timeout=45) as ck:
+                    t0 = time.monotonic()
+                    ck.save(2, lastgood.TrainState(model=_model(2)), tier="memory")
+                    ck.save(3, lastgood.TrainState(model=_model(3)))
+                    ck.wait()
+                    took = time.monotonic() - t0
+                    assert ck.memory.stats == {"memory_committed": 0, "memory_given_up": 1}
+                    assert ck.last_saved.step == 3
+                assert took < 20, took
+                events = httpx.get(f"{svc.url}/api/v1/runs/{run_name}/events", params={"kind": "memory_given_up"},
+                                   timeout=10).json()["items"]
+                assert len(events) == 1 and "partner" in events[0]["data"]["reason"], events
+                assert b.address in events[0]["data"]["reason"]
+            finally:
+                a.stop()
+    finally:
+        svc.stop()

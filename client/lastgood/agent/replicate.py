@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import OrderedDict
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from lastgood.wire.tiers import AGENT_DIGEST_HEADER, AGENT_SEGMENTS_PATH
 from .segments import CHUNK, Segments
 
 log = logging.getLogger("lastgood.agent")
+MAX_STATES = 4096  # the replication states kept for ranks to ask about (the newest jobs')
 
 
 class TokenBucket:
@@ -66,6 +68,11 @@ class Replicator:
         self.sent_bytes = 0
         self.sent_seconds = 0.0  # time spent in sends that the partner acknowledged (throughput = bytes / this)
         self.done = 0
+        # (run, checkpoint id, rank) -> how its replication stands: {"state": queued | sent | failed,
+        # "partner", "detail"} for the newest MAX_STATES jobs; a rank waiting on its memory
+        # commit asks (AGENT_REPLICATION_PATH) and gives the save up at once when a partner failed
+        self.states: OrderedDict[tuple[str, int, int], dict] = OrderedDict()
+        self._states_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="lastgood-agent-replicate", daemon=True)
 
     def start(self) -> None:
@@ -75,10 +82,24 @@ class Replicator:
         self.q.put(None)
 
     def submit(self, job: Job) -> None:
+        self._set(job, {"state": "queued"})
         self.q.put(job)
+
+    def state(self, run: str, checkpoint_id: int, rank: int) -> dict | None:
+        with self._states_lock:
+            got = self.states.get((run, checkpoint_id, rank))
+            return dict(got) if got is not None else None
+
+    def _set(self, job: Job, state: dict) -> None:
+        with self._states_lock:
+            self.states[(job.run, job.checkpoint_id, job.rank)] = state
+            self.states.move_to_end((job.run, job.checkpoint_id, job.rank))
+            while len(self.states) > MAX_STATES:
+                self.states.popitem(last=False)
 
     def _loop(self) -> None:
         while (job := self.q.get()) is not None:
+            failed = None
             for partner in job.partners:
                 for f in job.files:
                     try:
@@ -86,7 +107,9 @@ class Replicator:
                     except Exception as e:  # noqa: BLE001 - any failure is the partner's event, never the agent's end
                         self.on_event("partner_unreachable", run=job.run, checkpoint_id=job.checkpoint_id,
                                       rank=job.rank, partner=partner, file=f["name"], detail=str(e)[:300])
+                        failed = failed or {"state": "failed", "partner": partner, "detail": str(e)[:300]}
                         break
+            self._set(job, failed or {"state": "sent"})
             self.done += 1
             self.q.task_done()
 

@@ -211,7 +211,20 @@ def _handler(agent: Agent):
                 return self._answer(200, agent.status())
             if path.startswith(tiers.AGENT_SEGMENTS_PATH + "/"):
                 return self._guarded(self._read)
+            if path.startswith(tiers.AGENT_REPLICATION_PATH + "/"):
+                return self._guarded(self._replication)
             self._answer(404, {"error": "no_route", "detail": path[:200]})
+
+        def _replication(self) -> None:
+            parts = urllib.parse.urlsplit(self.path).path[len(tiers.AGENT_REPLICATION_PATH) + 1:].split("/")
+            if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+                raise BadRequest("the path is /<run>/<checkpoint id>/<rank>")
+            run, cid, rank = urllib.parse.unquote(parts[0]), int(parts[1]), int(parts[2])
+            check_key(run, cid, rank)
+            got = agent.replicator.state(run, cid, rank)
+            if got is None:
+                raise SegmentMissing(f"no replication of {run}/{cid}/{rank} is known here")
+            self._answer(200, got)
 
         def _read(self) -> None:
             key = self._segment()

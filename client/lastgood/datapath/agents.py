@@ -85,6 +85,26 @@ class AgentClient:
             raise AgentRefused(resp.status, str(got.get("detail", got))[:500])
         return got
 
+    def replication(self, run: str, checkpoint_id: int, rank: int) -> dict | None:
+        """How the agent's replication of this rank's files stands ({"state": queued | sent |
+        failed, "partner", "detail"}), or None when the agent does not say (it knows no such
+        job, or predates the route)."""
+        from urllib.parse import quote
+
+        try:
+            conn = connect(self.address, self.timeout)
+        except OSError:
+            return None
+        try:
+            conn.request("GET", f"{tiers.AGENT_REPLICATION_PATH}/{quote(run, safe='')}/{checkpoint_id}/{rank}")
+            resp = conn.getresponse()
+            raw = resp.read()
+            return json.loads(raw) if resp.status == 200 else None
+        except (OSError, ValueError, http.client.HTTPException):
+            return None
+        finally:
+            conn.close()
+
     def reserve(self, run: str, checkpoint_id: int, rank: int, nbytes: int,
                 files: list[tuple[str, int]] | None = None) -> str:
         """The directory the rank writes its files into, with room for `nbytes` made; each of

@@ -62,6 +62,14 @@ class MemoryPath:
         self.agent.ready(run, checkpoint_id, rank, [n for n, _ in views], self.replicas)
         return declared
 
+    def replication_failed(self, run: str, checkpoint_id: int, rank: int) -> str | None:
+        """Why the agent's replication of these files failed (a partner unreachable), or None
+        while it is queued, done, or the agent does not say."""
+        got = self.agent.replication(run, checkpoint_id, rank)
+        if got and got.get("state") == "failed":
+            return f"the copy to partner {got.get('partner')} failed: {got.get('detail')}"
+        return None
+
 
 def copy_order(copies: dict, own: str | None) -> dict[tuple[int, str], list[str]]:
     """(rank, file) -> the addresses of its verified copies (GET .../copies), own agent first."""

@@ -4,8 +4,9 @@ with its files declared; the agent hashes it and replicates it, and the service 
 once the agents' copy reports verify every file.
 
 A memory save never fails the job: an agent that is away or refuses (its budget: 507; too
-few partners: 409), a service that refuses the begin, or a checkpoint that does not commit
-within the commit timeout (a partner unreachable) gives the memory save up, with a
+few partners: 409), a service that refuses the begin, a partner the agent could not reach
+(asked of the agent while the rank waits), or a checkpoint that does not commit
+within the commit timeout gives the memory save up, with a
 `memory_given_up` event, and training and the durable saves go on. A memory checkpoint that
 commits becomes the parent of the next save, as a durable one does: one lineage for both tiers.
 """
@@ -28,6 +29,7 @@ from lastgood.wire import tiers
 from lastgood.wire.vocab import Status
 
 log = logging.getLogger("lastgood")
+AGENT_POLL_SECONDS = 1.0  # while a memory commit is awaited, the own agent is asked this often how replication stands
 
 
 class MemoryGivenUp(Exception):
@@ -84,12 +86,18 @@ class MemoryTier:
         return cid
 
     def _wait(self, cid: int, step: int, deadline: float) -> None:
+        """Until the outcome; the own agent is asked between polls, and a partner it could not
+        reach gives the save up at once, not at the commit timeout (which would hold the
+        save thread, and every durable save behind it, that long)."""
         while True:
-            out = self.transport.outcome(cid, wait=max(0.01, min(10.0, deadline - time.monotonic())))
+            out = self.transport.outcome(cid, wait=max(0.01, min(AGENT_POLL_SECONDS, deadline - time.monotonic())))
             if out["status"] == Status.COMMITTED:
                 return
             if out["status"] != Status.PENDING:
                 raise MemoryGivenUp(f"memory checkpoint {cid} (step {step}) is {out['status']}")
+            failed = self.path.replication_failed(self.run, cid, self.rank)
+            if failed:
+                raise MemoryGivenUp(f"memory checkpoint {cid} (step {step}) cannot commit: {failed}")
             if time.monotonic() > deadline:
                 raise MemoryGivenUp(f"memory checkpoint {cid} (step {step}) not committed in time (its copies "
                                     f"were not all reported; ranks not voted: {out.get('missing_ranks')})")
