@@ -125,36 +125,34 @@ class Node:
         got = _ip("netns", "pids", self.ns, check=False)
         return [int(p) for p in got.stdout.split()]
 
-    def kill_job(self) -> None:
-        """The node's training processes are killed (a torchrun group killed, a job preempted):
-        SIGKILL every process of the namespace but its agent, which keeps its segments."""
+    def _sigkill_all(self, spare: int | None = None) -> list[int]:
+        """SIGKILL every process of the namespace but `spare`, until none is left (a process
+        may fork while we kill); what is still alive after 50 rounds."""
+        pids: list[int] = []
         for _ in range(50):
-            pids = [p for p in self.pids() if p != self.agent_pid]
+            pids = [p for p in self.pids() if p != spare]
             if not pids:
-                return
+                return []
             for pid in pids:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
             time.sleep(0.02)
-        raise AssertionError(f"{self.label}: processes still alive after SIGKILL: {pids}")
+        return pids
+
+    def kill_job(self) -> None:
+        """The node's training processes are killed (a torchrun group killed, a job preempted):
+        SIGKILL every process of the namespace but its agent, which keeps its segments."""
+        left = self._sigkill_all(spare=self.agent_pid)
+        assert not left, f"{self.label}: processes still alive after SIGKILL: {left}"
 
     def kill(self) -> None:
         """The node fails: SIGKILL every process of the namespace (the agent included), then
         the namespace (its veth goes with it) and its shm root are gone."""
         if not self.alive:
             return
-        for _ in range(50):   # a process may fork while we kill: until none is left
-            pids = self.pids()
-            if not pids:
-                break
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.02)
+        self._sigkill_all()
         for proc in self.procs:
             try:
                 proc.kill()
