@@ -141,7 +141,7 @@ class Service:
         threading.Thread(target=Reaper(self).run, args=(self._stop,), name="lease-reaper", daemon=True).start()
         if s.gc_interval > 0:
             threading.Thread(target=self._gc_loop, name="gc", daemon=True).start()
-        if s.memory_gc_seconds > 0:
+        if s.memory_gc_seconds > 0 and s.gc_interval > 0:  # GC turned off is off for the memory tier too
             threading.Thread(target=self._memory_gc_loop, name="memory-gc", daemon=True).start()
         if s.health_interval > 0:
             threading.Thread(target=self._health_loop, name="health", daemon=True).start()

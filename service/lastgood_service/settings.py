@@ -154,7 +154,7 @@ class Settings(BaseSettings):
     memory_gc_seconds: float = Field(5.0, ge=0, description="after a memory checkpoint commits, GC's incremental "
                                      "pass runs within this many seconds, so memory checkpoints beyond the run's "
                                      "memory:latest:N leave the agents' live lists (their segments are freed) "
-                                     "without waiting for the scheduled pass; 0 leaves them to it")
+                                     "without waiting for the scheduled pass; 0 leaves them to it (as does gc_interval 0: no GC)")
     gc_grace_seconds: float = Field(3600.0, ge=0,
                                     description="ABANDONED and CORRUPT checkpoints are kept at least this long")
     # run health (domain/health/heartbeats.py, docs/health.md)

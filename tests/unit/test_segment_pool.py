@@ -86,3 +86,34 @@ def test_a_new_agent_empties_what_an_earlier_one_left_in_the_pool(root):
     seg.free("run", 1)
     assert any((root / POOL).iterdir())
     assert Segments(root).pooled_bytes() == 0 and not any((root / POOL).iterdir())
+
+
+def test_a_budget_of_exactly_what_is_held_still_pools_the_freed_checkpoint(root):
+    """The freed checkpoint's own bytes are not counted as held when its pool share is set."""
+    seg = Segments(root, budget=2 * N)
+    _save(seg, 1, b"a" * N)
+    _save(seg, 2, b"b" * N)
+    seg.free("run", 1)
+    assert seg.pooled_bytes() == N
+
+
+def test_a_file_open_for_reading_when_freed_is_not_recycled_under_its_reader(root):
+    """A partner's copy or a ranged read in flight keeps the bytes it opened: the file is
+    unlinked, not pooled, so the next checkpoint cannot overwrite it in place."""
+    seg = Segments(root)
+    _save(seg, 1, b"a" * N)
+    with seg.open("run", 1, 0, "rank00000.safetensors") as reader:
+        seg.free("run", 1)
+        assert seg.pooled_bytes() == 0
+        _save(seg, 2, b"c" * N)
+        assert reader.read() == b"a" * N
+    assert seg.recycled == 0
+
+
+def test_a_recycled_file_is_cut_to_its_new_size_when_placed(root):
+    """Before the writer writes a byte: a writer that dies leaves nothing beyond its reservation."""
+    seg = Segments(root)
+    _save(seg, 1, b"a" * N)
+    seg.free("run", 1)
+    d = seg.reserve("run", 2, 0, 10, [("rank00000.safetensors", 10)])
+    assert (d / "rank00000.safetensors").stat().st_size == 10 and seg.recycled == 1

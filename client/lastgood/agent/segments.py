@@ -21,6 +21,7 @@ the node's formula, docs/memory-tier.md). An agent starts with an empty pool.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -83,6 +84,7 @@ class Segments:
         self._pool: list[tuple[int, Path]] = []  # (size, path) of each recycled file
         self._pool_seq = 0
         self.recycled = 0  # files a new segment took from the pool
+        self._readers: dict[tuple[str, int, int, str], int] = {}  # open reads of each held file
 
     # ---------------------------------------------------------------- layout
     def directory(self, run: str, checkpoint_id: int, rank: int) -> Path:
@@ -106,7 +108,7 @@ class Segments:
                 files: list[tuple[str, int]] | None = None) -> Path:
         """Make room for `nbytes` more of (run, checkpoint_id) and create its rank directory;
         each of `files` ((name, size), what will be written there) that the pool can serve
-        is placed there as a recycled file, to be overwritten in place and truncated."""
+        is placed there as a recycled file, cut to its size, to be overwritten in place."""
         if not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"bytes must be a non-negative integer, got {nbytes!r}")
         d = self.directory(run, checkpoint_id, rank)
@@ -114,20 +116,38 @@ class Segments:
         with self._lock:
             held = self._held.get((run, checkpoint_id))
             have = held.nbytes if held else 0
-            taken = [(name, got) for name, size in wanted if (got := self._take(size)) is not None]
+            taken = [(name, size, got) for name, size in wanted if (got := self._take(size)) is not None]
             try:
                 self._admit(run, checkpoint_id, nbytes)
             except BudgetExceeded:
-                self._pool.extend(got for _, got in taken)
+                self._pool.extend(got for _, _, got in taken)
                 raise
             if held is None:
                 held = self._held[(run, checkpoint_id)] = Held(run, checkpoint_id)
             held.reserved = have + nbytes
         d.mkdir(parents=True, exist_ok=True)
-        for name, (_, path) in taken:
-            os.replace(path, d / name)
-        self.recycled += len(taken)
+        self._place([(d / name, size, got[1]) for name, size, got in taken])
         return d
+
+    def _place(self, moves: list[tuple[Path, int, Path]]) -> None:
+        """Pooled files to their new paths, each cut to its new size at once (so a writer that
+        dies before its own truncate leaves no bytes beyond the reservation); a move that fails
+        unlinks the pooled file rather than leaving it uncounted in the pool's folder."""
+        for dest, size, path in moves:
+            try:
+                os.replace(path, dest)
+                os.truncate(dest, size)
+            except OSError:
+                path.unlink(missing_ok=True)
+                continue
+            self.recycled += 1
+
+    def take_for(self, path: Path, size: int) -> None:
+        """A pooled file, if any, placed at `path` (a partner's copy being received there)."""
+        with self._lock:
+            got = self._take(size)
+        if got is not None:
+            self._place([(path, size, got[1])])
 
     def _take(self, size: int) -> tuple[int, Path] | None:
         """The pooled file that best fits `size` bytes: the smallest as large, else the largest."""
@@ -139,9 +159,14 @@ class Segments:
         return best
 
     def _recycle(self, held: Held) -> None:
-        """A freed checkpoint's files into the pool, then the pool trimmed to its limit."""
+        """A freed checkpoint's files into the pool, then the pool trimmed to its limit. A
+        file still open for reading (a partner's copy or a ranged read in flight) is not
+        pooled: a new checkpoint overwriting it in place would change the bytes under that
+        reader; it is unlinked with its folder, and the reader keeps its bytes."""
         d = self.root / held.run / str(held.checkpoint_id)
         for (rank, name), (size, _) in held.files.items():
+            if self._readers.get((held.run, held.checkpoint_id, rank, name)):
+                continue
             self._pool_seq += 1
             dest = self._pool_dir / str(self._pool_seq)
             try:
@@ -149,9 +174,9 @@ class Segments:
             except OSError:
                 continue
             self._pool.append((size, dest))
-        limit = held.nbytes  # what the next checkpoint takes; within the budget with what is held
+        limit = held.nbytes  # what the next checkpoint takes; within the budget with what else is held
         if self.budget is not None:
-            limit = min(limit, self.budget - sum(h.nbytes for h in self._held.values()))
+            limit = min(limit, self.budget - sum(h.nbytes for h in self._held.values() if h is not held))
         self._trim(limit)
 
     def _trim(self, limit: int) -> None:
@@ -212,7 +237,8 @@ class Segments:
         arrive, through one reused buffer."""
         p = self.path(run, checkpoint_id, rank, name)
         tmp = p.with_name(p.name + ".part")
-        self.reserve(run, checkpoint_id, rank, size, files=[(tmp.name, size)])
+        self.reserve(run, checkpoint_id, rank, size)
+        self.take_for(tmp, size)
         h = StreamHasher()
         buf = memoryview(bytearray(min(CHUNK, size) or 1))
         try:
@@ -243,12 +269,26 @@ class Segments:
                 raise SegmentMissing(f"{run}/{checkpoint_id}/{rank}/{name} is not held here")
             return held.files[(rank, name)]
 
+    @contextlib.contextmanager
     def open(self, run: str, checkpoint_id: int, rank: int, name: str):
-        self.digest(run, checkpoint_id, rank, name)
+        """A held file open for reading; while it is, freeing its checkpoint unlinks the file
+        instead of pooling it (_recycle)."""
+        key = (run, checkpoint_id, rank, name)
+        with self._lock:
+            self._readers[key] = self._readers.get(key, 0) + 1
         try:
-            return open(self.path(run, checkpoint_id, rank, name), "rb")
-        except FileNotFoundError:
-            raise SegmentMissing(f"{run}/{checkpoint_id}/{rank}/{name} is gone from the segment") from None
+            self.digest(run, checkpoint_id, rank, name)
+            try:
+                f = open(self.path(run, checkpoint_id, rank, name), "rb")
+            except FileNotFoundError:
+                raise SegmentMissing(f"{run}/{checkpoint_id}/{rank}/{name} is gone from the segment") from None
+            with f:
+                yield f
+        finally:
+            with self._lock:
+                self._readers[key] -= 1
+                if not self._readers[key]:
+                    del self._readers[key]
 
     def listing(self) -> list[dict]:
         with self._lock:

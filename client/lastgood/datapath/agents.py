@@ -85,14 +85,14 @@ class AgentClient:
             raise AgentRefused(resp.status, str(got.get("detail", got))[:500])
         return got
 
-    def replication(self, run: str, checkpoint_id: int, rank: int) -> dict | None:
+    def replication(self, run: str, checkpoint_id: int, rank: int, timeout: float | None = None) -> dict | None:
         """How the agent's replication of this rank's files stands ({"state": queued | sent |
         failed, "partner", "detail"}), or None when the agent does not say (it knows no such
-        job, or predates the route)."""
+        job, predates the route, or does not answer within `timeout`)."""
         from urllib.parse import quote
 
         try:
-            conn = connect(self.address, self.timeout)
+            conn = connect(self.address, self.timeout if timeout is None else timeout)
         except OSError:
             return None
         try:
@@ -156,6 +156,8 @@ def read_verified(copies: list[str], run: str, checkpoint_id: int, rank: int, na
     """The file's bytes from the first copy whose bytes hash to `digest`, and that copy's
     address. A copy is read whole (a file of a memory checkpoint is one range of one rank),
     into `into` when given (each copy tried overwrites it; the view returned is of it)."""
+    if into is not None and memoryview(into).nbytes < size:  # the caller's mistake, not a bad copy
+        raise ValueError(f"a buffer of {memoryview(into).nbytes} bytes cannot take {name}'s {size}")
     tried = []
     for address in copies:
         try:

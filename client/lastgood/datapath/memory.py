@@ -62,10 +62,10 @@ class MemoryPath:
         self.agent.ready(run, checkpoint_id, rank, [n for n, _ in views], self.replicas)
         return declared
 
-    def replication_failed(self, run: str, checkpoint_id: int, rank: int) -> str | None:
+    def replication_failed(self, run: str, checkpoint_id: int, rank: int, timeout: float) -> str | None:
         """Why the agent's replication of these files failed (a partner unreachable), or None
-        while it is queued, done, or the agent does not say."""
-        got = self.agent.replication(run, checkpoint_id, rank)
+        while it is queued, done, or the agent does not say within `timeout`."""
+        got = self.agent.replication(run, checkpoint_id, rank, timeout)
         if got and got.get("state") == "failed":
             return f"the copy to partner {got.get('partner')} failed: {got.get('detail')}"
         return None

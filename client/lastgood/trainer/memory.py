@@ -95,9 +95,12 @@ class MemoryTier:
                 return
             if out["status"] != Status.PENDING:
                 raise MemoryGivenUp(f"memory checkpoint {cid} (step {step}) is {out['status']}")
-            failed = self.path.replication_failed(self.run, cid, self.rank)
-            if failed:
+            failed = self.path.replication_failed(self.run, cid, self.rank, timeout=AGENT_POLL_SECONDS)
+            # committed meanwhile (a copy that made it before the failure was reported)? then it stands
+            if failed and self.transport.outcome(cid, wait=0.0)["status"] != Status.COMMITTED:
                 raise MemoryGivenUp(f"memory checkpoint {cid} (step {step}) cannot commit: {failed}")
+            if failed:
+                return
             if time.monotonic() > deadline:
                 raise MemoryGivenUp(f"memory checkpoint {cid} (step {step}) not committed in time (its copies "
                                     f"were not all reported; ranks not voted: {out.get('missing_ranks')})")
