@@ -293,3 +293,51 @@ def test_a_partner_that_cannot_be_reached_gives_the_memory_save_up_at_once(tmp_p
                 a.stop()
     finally:
         svc.stop()
+
+
+@pytest.mark.slow
+def test_a_service_outage_gives_memory_saves_up_and_the_agents_keep_the_last_committed(tmp_path, run_name):
+    """Memory checkpoints need the catalog to commit, as durable ones do (docs/memory-tier.md,
+    failure semantics): while the service is down a memory save is given up (its begin fails
+    once the retries are spent) and training goes on; the agents, whose live polls fail, free
+    nothing, so the last committed memory checkpoint stays in both nodes' memory; once the
+    service is back the next memory save commits, and a restore reads it. The save before the
+    outage, which commits, is the control that the given-up save is the outage's doing."""
+    import time
+
+    from lastgood.remote.retry import RetryPolicy
+
+    svc = ServiceProc(tmp_path / "svc", dict(FAST)).start()
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    try:
+        with tempfile.TemporaryDirectory(prefix="lastgood-outage-", dir=base) as d:
+            a = AgentProc("node-a", _free_port(), Path(d) / "a", {}, "--live-every", "0.3", url=svc.url)
+            b = AgentProc("node-b", _free_port(), Path(d) / "b", {}, "--live-every", "0.3", url=svc.url)
+            held = lambda agent: {s["checkpoint_id"] for s in agent.status()["segments"]}  # noqa: E731
+            try:
+                with lastgood.Checkpointer(svc.url, run=run_name, memory=Interval(every_steps=1), agent=a.address,
+                                           retry=RetryPolicy(deadline=3.0), heartbeat_seconds=0) as ck:
+                    ck.save(1, lastgood.TrainState(model=_model(1)), tier="memory")
+                    ck.wait()
+                    assert ck.memory.stats == {"memory_committed": 1, "memory_given_up": 0}
+                    first = ck.parent_id
+                    _wait(lambda: first in held(a) and first in held(b))
+                    svc.stop()
+                    ck.save(2, lastgood.TrainState(model=_model(2)), tier="memory")
+                    ck.wait()
+                    assert ck.memory.stats == {"memory_committed": 1, "memory_given_up": 1}
+                    time.sleep(1.5)  # several failed live polls on each agent
+                    assert first in held(a) and first in held(b)
+                    svc.start(keep_ports=True)
+                    ck.save(3, lastgood.TrainState(model=_model(3)), tier="memory")
+                    ck.wait()
+                    assert ck.memory.stats == {"memory_committed": 2, "memory_given_up": 1}
+                fresh = _model(99)
+                with lastgood.Checkpointer(svc.url, run=run_name, read_only=True, agent=a.address) as reader:
+                    assert reader.restore(lastgood.TrainState(model=fresh)) == 3
+                assert _same(fresh, _model(3))
+            finally:
+                a.stop()
+                b.stop()
+    finally:
+        svc.stop()
