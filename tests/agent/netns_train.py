@@ -89,4 +89,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(Path(__file__).parents[1] / "multiproc"))
+    from rank_exit import run  # leave without interpreter finalization (gloo's worker threads: see there)
+
+    run(main)
