@@ -83,3 +83,21 @@ def test_retries_transient_failures_until_the_deadline_and_refusals_never():
     assert len(calls) == 1
     with pytest.raises(GaveUp):  # a caller that no longer needs the answer stops the retries
         RetryPolicy(deadline=30, initial=0.01).call(down, "down", stop=lambda: True)
+
+
+def test_the_jitter_never_draws_from_the_trainings_python_rng():
+    """A retry's backoff must not consume the global `random` stream: the training's Python RNG
+    is part of the checkpoint (state/rng.py), and a transient failure retried under load on a
+    background thread would move it, so a resumed run's python RNG differed from an
+    uninterrupted one (seen in a fresh-clone CI run: test_mission[plain], "final python_rng
+    differs"). The jitter has a generator of its own."""
+    import random
+
+    from lastgood.remote.retry import RetryPolicy
+
+    random.seed(1234)
+    before = random.getstate()
+    delays = RetryPolicy(initial=0.1, max_delay=2.0).delays()
+    drawn = [next(delays) for _ in range(20)]
+    assert random.getstate() == before
+    assert len(set(drawn)) == 20  # still jittered

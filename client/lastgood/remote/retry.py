@@ -27,6 +27,9 @@ from lastgood.errors import GaveUp, ServiceError
 
 log = logging.getLogger("lastgood")
 T = TypeVar("T")
+# The jitter's own generator: the global `random` stream belongs to the training, whose Python
+# RNG is part of every checkpoint (state/rng.py); a retry on a background thread must not move it
+_JITTER = random.Random()
 
 __all__ = ["GaveUp", "NO_RETRY", "RetryPolicy", "is_transient"]
 
@@ -57,7 +60,7 @@ class RetryPolicy:
         """Backoffs: capped exponential with full jitter (uniform in [0, cap])."""
         cap = self.initial
         while True:
-            yield random.uniform(0, cap)
+            yield _JITTER.uniform(0, cap)
             cap = min(cap * self.multiplier, self.max_delay)
 
     def call(self, fn: Callable[[], T], what: str, *, deadline: float | None = None,
