@@ -29,7 +29,10 @@ from lastgood.wire import tiers
 from lastgood.wire.vocab import Status
 
 log = logging.getLogger("lastgood")
-AGENT_POLL_SECONDS = 1.0  # while a memory commit is awaited, the own agent is asked this often how replication stands
+# While a memory commit is awaited the own agent is asked how replication stands between the
+# outcome polls, which start at this and double up to 10 s: a partner that cannot be reached
+# shows within seconds, and a long wait costs the service no more polls than before
+AGENT_POLL_SECONDS = 1.0
 
 
 class MemoryGivenUp(Exception):
@@ -89,8 +92,10 @@ class MemoryTier:
         """Until the outcome; the own agent is asked between polls, and a partner it could not
         reach gives the save up at once, not at the commit timeout (which would hold the
         save thread, and every durable save behind it, that long)."""
+        poll = AGENT_POLL_SECONDS
         while True:
-            out = self.transport.outcome(cid, wait=max(0.01, min(AGENT_POLL_SECONDS, deadline - time.monotonic())))
+            out = self.transport.outcome(cid, wait=max(0.01, min(poll, deadline - time.monotonic())))
+            poll = min(2 * poll, 10.0)
             if out["status"] == Status.COMMITTED:
                 return
             if out["status"] != Status.PENDING:
