@@ -190,7 +190,7 @@ class Service:
                 with self._gc_lock:
                     self.gc.incremental_pass()
             except Exception:
-                log.exception("memory GC pass failed; will retry after the next memory commit")
+                log.exception("memory GC pass failed; will retry in %s s", period)
                 self.commits.memory_committed.set()
 
     def _health_loop(self) -> None:

@@ -182,14 +182,18 @@ def _handler(agent: Agent):
                 raise BadRequest("the body must be a JSON object")
             return body
 
-        def _segment(self) -> tuple[str, int, int, str]:
-            parts = urllib.parse.urlsplit(self.path).path[len(tiers.AGENT_SEGMENTS_PATH) + 1:].split("/")
-            if len(parts) != 4 or not parts[1].isdigit() or not parts[2].isdigit():
-                raise BadRequest(f"{tiers.AGENT_SEGMENTS_PATH}/<run>/<checkpoint id>/<rank>/<file> expected")
-            run, name = urllib.parse.unquote(parts[0]), urllib.parse.unquote(parts[3])
-            key = (run, int(parts[1]), int(parts[2]), name)
+        def _key(self, prefix: str, with_file: bool) -> tuple:
+            """(run, checkpoint id, rank[, file]) from `prefix`/<run>/<checkpoint id>/<rank>[/<file>], checked."""
+            parts = urllib.parse.urlsplit(self.path).path[len(prefix) + 1:].split("/")
+            if len(parts) != 3 + with_file or not parts[1].isdigit() or not parts[2].isdigit():
+                raise BadRequest(f"{prefix}/<run>/<checkpoint id>/<rank>{'/<file>' if with_file else ''} expected")
+            key = (urllib.parse.unquote(parts[0]), int(parts[1]), int(parts[2]),
+                   *([urllib.parse.unquote(parts[3])] if with_file else []))
             check_key(*key)
             return key
+
+        def _segment(self) -> tuple[str, int, int, str]:
+            return self._key(tiers.AGENT_SEGMENTS_PATH, True)
 
         def _guarded(self, fn) -> None:
             try:
@@ -216,11 +220,7 @@ def _handler(agent: Agent):
             self._answer(404, {"error": "no_route", "detail": path[:200]})
 
         def _replication(self) -> None:
-            parts = urllib.parse.urlsplit(self.path).path[len(tiers.AGENT_REPLICATION_PATH) + 1:].split("/")
-            if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
-                raise BadRequest("the path is /<run>/<checkpoint id>/<rank>")
-            run, cid, rank = urllib.parse.unquote(parts[0]), int(parts[1]), int(parts[2])
-            check_key(run, cid, rank)
+            run, cid, rank = self._key(tiers.AGENT_REPLICATION_PATH, False)
             got = agent.replicator.state(run, cid, rank)
             if got is None:
                 raise SegmentMissing(f"no replication of {run}/{cid}/{rank} is known here")
