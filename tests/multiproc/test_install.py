@@ -8,6 +8,7 @@ from its own wheel, and a second launch resumes from last-good."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -45,8 +46,12 @@ def train_one_step(batch):
 
 
 def snippet(url: str) -> str:
-    return readme_snippet(PRELUDE, {r'"http://127\.0\.0\.1:8000"': repr(url)}) + \
-        'print("RESULT", __import__("json").dumps({"start": start, "rank": dist.get_rank()}), flush=True)\n'
+    # the result in one write(2) of under PIPE_BUF bytes: the two ranks share torchrun's stdout
+    # pipe, and a line print() sent in pieces was seen interleaved with the other rank's
+    # ("RESULT RESULT {...}")
+    report = ('__import__("os").write(1, ("RESULT " + __import__("json").dumps('
+              '{"start": start, "rank": dist.get_rank()}) + "\\n").encode())\n')
+    return readme_snippet(PRELUDE, {r'"http://127\.0\.0\.1:8000"': repr(url)}) + report
 
 
 def pip(env_dir, *args: str) -> None:
@@ -111,8 +116,8 @@ def test_wheels_install_into_a_fresh_environment_and_run_the_readme_snippet(tmp_
             job = run(bin_ / "torchrun", "--nproc-per-node=2", f"--master-port={free_port()}", script,
                       env={"STEPS": steps, "OMP_NUM_THREADS": "1"})
             assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
-            results.append([json.loads(line.split(" ", 1)[1]) for line in job.stdout.splitlines()
-                            if line.startswith("RESULT ")])
+            results.append(sorted((json.loads(m) for m in re.findall(r"RESULT (\{[^{}]*\})", job.stdout)),
+                                  key=lambda r: r["rank"]))
         assert [r["start"] for r in results[0]] == [None, None]
         assert [r["start"] for r in results[1]] == [100, 100]
         listing = run(bin_ / "lastgood", "--url", url, "--json", "ls", "gpt-small")
