@@ -238,3 +238,39 @@ def test_a_rank_waiting_for_its_last_save_reports_saving_not_train(make_service,
     assert not waiter.is_alive() and ckpt.last_saved is not None
     assert ckpt.heartbeat.body()["phase"] == TRAIN  # training may go on after wait()
     ckpt.close()
+
+
+@pytest.mark.parametrize("gap", [None, 0.0], ids=["coalesced", "control-every-change"])
+def test_a_burst_of_short_saves_is_a_few_beats_and_a_long_save_is_seen_within_the_gap(hsvc, run_name, monkeypatch,
+                                                                                     gap):
+    """Each save is up to four phase changes (save() and wait() each enter and leave `saving`):
+    beaten at once every time, saves every few milliseconds were a beat each. A phase change is
+    beaten at once, but no sooner than PHASE_BEAT_GAP after the previous beat, with the phase
+    current then. Control: with no gap, every change is a beat."""
+    from lastgood.remote import heartbeat
+
+    if gap is not None:
+        monkeypatch.setattr(heartbeat, "PHASE_BEAT_GAP", gap)
+    gen = httpx.post(f"{hsvc.url}/api/v1/runs/{run_name}/launches", json={"attempt": "burst", "world_size": 1})
+    hb = Heartbeat(hsvc.url, run_name, 0, 1, attempt="burst", generation=gen.json()["generation"], period=10.0).start()
+    try:
+        time.sleep(0.3)  # the first beat is out
+        t0 = time.monotonic()
+        for i in range(50):  # 50 saves of 10 ms each, over half a second
+            hb.phase(SAVING)
+            time.sleep(0.005)
+            hb.phase(TRAIN)
+            time.sleep(0.005)
+        burst = time.monotonic() - t0
+        hb.phase(SAVING)  # then a long save
+        h = wait_for(hsvc, run_name, lambda h: h.get("ranks") and h["ranks"][0]["phase"] == "saving", timeout=10)
+        seen = time.monotonic() - t0 - burst
+        beats = hb.beats
+    finally:
+        hb.stop()
+    assert h["ranks"][0]["state"] == "ok"
+    if gap is None:
+        assert beats <= 4, beats  # the first, then one a second at most
+        assert seen < heartbeat.PHASE_BEAT_GAP + 1.0, seen  # the long save is reported within the gap
+    else:
+        assert beats >= 40, beats  # every change its own beat (coalesced only while one is on the wire)

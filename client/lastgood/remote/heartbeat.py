@@ -7,7 +7,7 @@ saves -- the steps between two saves over the time between them -- so it is judg
 its real pace, not the first-step allowance; its longest "step" is the time between two
 saves, as its progress is seen only then. A daemon thread of the Checkpointer sends the
 latest of it every period (`LASTGOOD_HEARTBEAT_SECONDS`, default 10 s; 0 turns beats off)
-and at once when the phase changes, as
+and when the phase changes (at once, or a second after the previous beat: PHASE_BEAT_GAP), as
 
     POST /api/v1/runs/{run}/heartbeats
     {"rank", "world_size", "step", "step_seconds", "phase", "attempt", "generation",
@@ -36,6 +36,12 @@ log = logging.getLogger("lastgood")
 TRAIN, SAVING, RESTORING, IDLE = Phase.TRAIN, Phase.SAVING, Phase.RESTORING, Phase.IDLE
 PHASES = tuple(Phase)
 INTERVAL_REFRESH_BEATS = 6  # rank 0 asks for the run's auto interval every this many beats
+# A phase change is beaten at once, but never sooner than this after the previous beat (or the
+# period, if shorter): then at that moment, with the phase current then. A save takes two
+# phase changes and its wait() two more; saves every few tens of milliseconds (a small state,
+# the memory tier) were a beat each at the service (~10 % of its CPU, bench/tiny_save.py). A
+# save long enough to need the save allowance is still reported within a second.
+PHASE_BEAT_GAP = 1.0
 
 
 class Heartbeat:
@@ -126,14 +132,19 @@ class Heartbeat:
         self._thread = None
 
     def _loop(self) -> None:
+        gap = min(PHASE_BEAT_GAP, self.period)
         while True:
             stopping = self._stop.is_set()
+            sent = time.monotonic()
             self.beat()
             if stopping:
                 return
             if self.want_interval and self.beats % INTERVAL_REFRESH_BEATS == 1:
                 self.refresh_interval()
             self._wake.wait(self.period)
+            # woken by a phase change: no sooner than `gap` after the last beat (phase changes
+            # within it are one beat); a stop is beaten at once
+            self._stop.wait(sent + gap - time.monotonic())
             self._wake.clear()
 
     def body(self) -> dict:
