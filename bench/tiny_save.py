@@ -6,7 +6,13 @@
 One 64x64 Linear with its AdamW state (~50 KiB), saved A B C A B C ... `--reps` times
 (each rep in another order: bench.common.order_of), on the same disk, in one process:
 
-  checkpointer   lastgood.Checkpointer: save(step, state); wait() (hashed, fsync'd, committed)
+  checkpointer   lastgood.Checkpointer: save(step, state); wait() (hashed, fsync'd, committed); its
+                 files travel with its vote (CommitRank.inline_files): begin and vote, two calls
+  checkpointer_handed_over  the same, its files handed over by its data path first (PutShard
+                 through the spool), as against a service with LASTGOOD_INLINE_BYTES=0: the
+                 call the vote saves, measured in the same run
+  checkpointer_every_beat  the same as checkpointer, its heartbeat thread beating at every phase
+                 change (PHASE_BEAT_GAP 0, as before the gap): what the coalesced beats save
   lastgood_dcp   dcp.save(state, storage_writer=lastgood.dcp.StorageWriter(...)) (the same commit)
   dcp            dcp.save(state, storage_writer=FileSystemWriter(dir, sync_files=True))
   floor          what durability alone costs on this disk: FLOOR_FILES small files written and
@@ -28,6 +34,7 @@ store are on the disk /tmp is on, as DCP's directory is.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sqlite3
@@ -41,7 +48,7 @@ from pathlib import Path
 from bench.common import ROOT, Service, machine, order_of, write_results
 from bench.one_size import SERVICE_ENV
 
-CASES = ("checkpointer", "lastgood_dcp", "dcp", "floor", "floor_lastgood")
+CASES = ("checkpointer", "checkpointer_handed_over", "checkpointer_every_beat", "lastgood_dcp", "dcp", "floor", "floor_lastgood")
 FLOOR_FILES = 2  # the shard and the manifest (DCP writes two too: its data file and .metadata)
 
 
@@ -167,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import lastgood
     import lastgood.dcp as lgdcp
+    from lastgood.remote import heartbeat
+
+    gap = heartbeat.PHASE_BEAT_GAP
 
     model, opt = build_state()
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
@@ -176,12 +186,20 @@ def main(argv: list[str] | None = None) -> int:
     run = f"tiny-{uuid.uuid4().hex[:6]}"
     state = lastgood.TrainState(model=model, optimizer=opt)
     ckpt = lastgood.Checkpointer(svc.url, run=run, attempt=uuid.uuid4().hex[:16])
+    handed = lastgood.Checkpointer(svc.url, run=f"{run}-handed", attempt=uuid.uuid4().hex[:16])
+    handed.transport.info = dataclasses.replace(handed.transport.info, inline_bytes=0)
+    heartbeat.PHASE_BEAT_GAP = 0.0  # read once, as its beating thread starts
+    beating = lastgood.Checkpointer(svc.url, run=f"{run}-beating", attempt=uuid.uuid4().hex[:16])
+    time.sleep(0.2)
+    heartbeat.PHASE_BEAT_GAP = gap
     dcp_run = f"{run}-dcp"
     writer = lgdcp.StorageWriter(svc.url, run=dcp_run)
     floor, floor_lastgood = Floor(work, nbytes), Floor(work, nbytes, like_lastgood=True)
     calls = Calls()
     calls.watch(ckpt.transport, "checkpointer")
     calls.watch(writer.transport, "lastgood_dcp")
+    calls.watch(handed.transport, "checkpointer_handed_over")
+    calls.watch(beating.transport, "checkpointer_every_beat")
     step = [0]
 
     def sd():
@@ -192,6 +210,20 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         ckpt.save(step[0], state)
         ckpt.wait()
+        return time.perf_counter() - t0
+
+    def checkpointer_handed_over() -> float:
+        step[0] += 1
+        t0 = time.perf_counter()
+        handed.save(step[0], state)
+        handed.wait()
+        return time.perf_counter() - t0
+
+    def checkpointer_every_beat() -> float:
+        step[0] += 1
+        t0 = time.perf_counter()
+        beating.save(step[0], state)
+        beating.wait()
         return time.perf_counter() - t0
 
     def lastgood_dcp() -> float:
@@ -210,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work / "dcp", ignore_errors=True)
         return took
 
-    cases = {"checkpointer": checkpointer, "lastgood_dcp": lastgood_dcp, "dcp": stock_dcp, "floor": floor,
+    cases = {"checkpointer": checkpointer, "checkpointer_handed_over": checkpointer_handed_over,
+             "checkpointer_every_beat": checkpointer_every_beat,
+             "lastgood_dcp": lastgood_dcp, "dcp": stock_dcp, "floor": floor,
              "floor_lastgood": floor_lastgood}
     times: dict[str, list[float]] = {c: [] for c in CASES}
     try:
@@ -225,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"rep {i + 1}: " + ", ".join(f"{c} {times[c][-1] * 1e3:.1f} ms" for c in CASES), flush=True)
     finally:
         ckpt.close()
+        handed.close()
+        beating.close()
         if writer._transport is not None:
             writer.transport.close()
         svc.stop()
@@ -241,18 +277,25 @@ def main(argv: list[str] | None = None) -> int:
             entry["vs_dcp_reps"] = [x / d for x, d in zip(xs, times["dcp"])]
             entry["vs_dcp"] = statistics.median(xs) / statistics.median(times["dcp"])
             entry["vs_dcp_median_of_reps"] = statistics.median(entry["vs_dcp_reps"])
-        if c in ("checkpointer", "lastgood_dcp"):
+        if c == "checkpointer":  # the files with the vote against handed over first, rep by rep
+            entry["vs_handed_over_reps"] = [x / h for x, h in zip(xs, times["checkpointer_handed_over"])]
+            entry["vs_handed_over"] = statistics.median(entry["vs_handed_over_reps"])
+            entry["vs_every_beat_reps"] = [x / h for x, h in zip(xs, times["checkpointer_every_beat"])]
+            entry["vs_every_beat"] = statistics.median(entry["vs_every_beat_reps"])
+        if c.startswith("checkpointer") or c == "lastgood_dcp":
             entry["calls"] = calls.summary(c, len(xs))
         if c != "floor":
             entry["vs_floor"] = statistics.median(xs) / statistics.median(times["floor"])
-        if c in ("checkpointer", "lastgood_dcp"):
+        if c.startswith("checkpointer") or c == "lastgood_dcp":
             entry["vs_floor_lastgood"] = statistics.median(xs) / statistics.median(times["floor_lastgood"])
         out["cases"][c] = entry
-        print(f"{c:>13}: median {entry['median_ms']:.1f} ms"
+        print(f"{c:>24}: median {entry['median_ms']:.1f} ms"
               + (f", {entry['vs_dcp']:.2f}x DCP" if "vs_dcp" in entry else "")
-              + (f", {entry['vs_floor']:.2f}x the floor" if "vs_floor" in entry else ""))
+              + (f", {entry['vs_floor']:.2f}x the floor" if "vs_floor" in entry else "")
+              + (f", {entry['vs_handed_over']:.2f}x handed over, {entry['vs_every_beat']:.2f}x beating every change "
+                 f"(medians of reps)" if "vs_handed_over" in entry else ""))
         for name, cl in entry.get("calls", {}).items():
-            print(f"{'':>15}{name}: {cl['per_save']:.1f} a save, {cl['median_ms']:.1f} ms")
+            print(f"{'':>26}{name}: {cl['per_save']:.1f} a save, {cl['median_ms']:.1f} ms")
     write_results(args.out, args.name, out)
     return 0
 

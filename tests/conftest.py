@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -77,6 +77,13 @@ def make_service(tmp_path):
     yield make
     for svc in started:
         svc.stop()
+
+
+def through_its_data_path(transport) -> None:
+    """The client as against a service that takes no file with a vote (LASTGOOD_INLINE_BYTES=0):
+    for tests of a data path (the spool, the streams) whose files are small enough to travel
+    with the vote otherwise (CommitRank.inline_files)."""
+    transport.info = replace(transport.info, inline_bytes=0)
 
 
 @pytest.fixture

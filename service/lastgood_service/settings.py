@@ -18,6 +18,7 @@ from lastgood.wire.s3parts import MAX_PART_SIZE, MIN_PART_SIZE  # S3's bounds, o
 from .failpoints import Failpoint
 
 MiB = 1024 * 1024
+INLINE_BYTES = 1 * MiB  # a vote's files: the default of inline_bytes
 
 
 def _default_migrations_dir() -> Path:
@@ -61,6 +62,10 @@ class Settings(BaseSettings):
 
     max_shard_bytes: int = Field(256 * 1024**3, gt=0, description="largest shard file accepted")
     max_chunk_bytes: int = Field(DEFAULT_CHUNK_BYTES, gt=0, description="largest chunk in one PutShard message")
+    inline_bytes: int | None = Field(None, ge=0, description="the most bytes of small files one vote may carry "
+                                     "(CommitRank.inline_files: a small state's files sent with its vote, one round "
+                                     "trip fewer than a PutShard each); at most max_chunk_bytes, the largest message "
+                                     "taken; unset: 1 MiB or max_chunk_bytes if smaller; 0: none, every file is streamed")
     max_world_size: int = Field(65536, gt=0, le=2**31 - 1, description="largest world size a begin or a launch's "
                                 "registration names; a heartbeat's rank is bounded by its launch's world size")
     max_tags_per_checkpoint: int = Field(64, ge=1, le=100_000, description="tags and aliases one checkpoint may "
@@ -205,6 +210,15 @@ class Settings(BaseSettings):
             raise ValueError(f"grpc_max_streams={self.grpc_max_streams} with grpc_workers={self.grpc_workers} "
                              f"would leave no worker for unary RPCs; at most "
                              f"{self.grpc_workers - self.grpc_workers // 4 - 1}")
+        return self
+
+    @model_validator(mode="after")
+    def _inline_fits_a_message(self) -> "Settings":
+        if self.inline_bytes is None:
+            self.inline_bytes = min(INLINE_BYTES, self.max_chunk_bytes)
+        elif self.inline_bytes > self.max_chunk_bytes:  # a gRPC message is at most a chunk and its framing
+            raise ValueError(f"inline_bytes={self.inline_bytes} exceeds max_chunk_bytes={self.max_chunk_bytes}, "
+                             f"the largest message the service takes")
         return self
 
     @field_validator("failpoint")

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 import lastgood
 from lastgood import dcp as lgdcp
 from tests.service.helpers import ckpt_dir
+from tests.conftest import through_its_data_path
 
 
 def state(seed: int = 0) -> dict:
@@ -93,6 +94,7 @@ def test_a_dcp_save_hands_its_files_over_through_the_spool(service, run_name, sp
     writer = lgdcp.StorageWriter(service.url, run=run_name)
     assert writer.transport.spool is not None and writer.transport.spool["follow"]
     writer.transport.spool["follow"] = follow
+    through_its_data_path(writer.transport)
     dcp.save(state(), storage_writer=writer, checkpoint_id="5", planner=lgdcp.SavePlanner())
     lg = assert_loads_back(service.url, run_name)
     blobs = {p.stat().st_ino for p in (ckpt_dir(service, lg["id"]) / "r0").iterdir()
@@ -140,6 +142,7 @@ def test_a_dcp_file_written_longer_than_the_lease_still_commits(make_service, ru
     # files handed over once written (a followed file renews the lease with every piece the
     # service reads: tests/service/test_spool_follow.py)
     writer.transport.spool["follow"] = False
+    through_its_data_path(writer.transport)  # the small shard through the spool, not with the vote
     real = writer.transport.spool_write
 
     def slow(data, hasher=None):  # a shard takes 5 s to write, longer than the lease (DCP's metadata not)

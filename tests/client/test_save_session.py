@@ -13,6 +13,7 @@ from lastgood.wire.hashing import hash_bytes
 from lastgood.commit.session import SaveSession
 from lastgood.datapath.paths import SpoolPath, StreamPath
 from lastgood.datapath.transport import Transport
+from tests.conftest import through_its_data_path
 
 
 @pytest.fixture
@@ -26,11 +27,14 @@ def spool_files(t: Transport) -> list[str]:
     return sorted(n for n in os.listdir(t.spool["dir"]) if not n.startswith("."))
 
 
-@pytest.mark.parametrize("path, follow", [(StreamPath, False), (SpoolPath, False), (SpoolPath, True)],
-                         ids=["stream", "spool-written-whole", "spool-followed"])
-def test_a_rank_saves_several_files_in_one_checkpoint(transport, run_name, path, follow):
+@pytest.mark.parametrize("path, follow, carried", [(StreamPath, False, True), (StreamPath, False, False),
+                                                   (SpoolPath, False, False), (SpoolPath, True, False)],
+                         ids=["with-the-vote", "stream", "spool-written-whole", "spool-followed"])
+def test_a_rank_saves_several_files_in_one_checkpoint(transport, run_name, path, follow, carried):
     files = {f"part{i}.bin": os.urandom(1000 + 7 * i) for i in range(3)}
     transport.spool["follow"] = follow
+    if not carried:
+        through_its_data_path(transport)
     session = SaveSession(transport, run_name, 0, commit_timeout=60, path=path(transport))
     up = session.checkpoint(1)
     for name, data in files.items():
@@ -50,6 +54,7 @@ def test_a_rank_saves_several_files_in_one_checkpoint(transport, run_name, path,
 
 def test_what_a_path_prepared_is_discarded_when_begin_is_refused(transport, run_name):
     transport.spool["follow"] = False  # written into the spool before begin
+    through_its_data_path(transport)
     session = SaveSession(transport, run_name, 0, commit_timeout=60, path=SpoolPath(transport))
     up = session.checkpoint(1)
     up.add("a.bin", b"x" * 4096)

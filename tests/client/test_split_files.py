@@ -13,6 +13,7 @@ import lastgood
 from lastgood.common import parallel
 from lastgood.state import split
 from tests.service.helpers import ckpt_dir
+from tests.conftest import through_its_data_path
 from lastgood_service.domain import keys
 
 FILE_BYTES = "16K"  # a ~100 KiB state: several files
@@ -177,6 +178,7 @@ def test_streamed_files_of_a_rank_use_at_most_two_streams(service, run_name, mon
     monkeypatch.setattr(parallel, "run_all", run_all)
     model, opt = _training(0)
     with lastgood.Checkpointer(service.url, run=run_name) as ckpt:
+        through_its_data_path(ckpt.transport)
         ckpt.save(1, lastgood.TrainState(model=model, optimizer=opt))
         ckpt.wait()
     sends = [w for n, w, prepare in calls if n >= 3 and not prepare]  # the hand-over of several files

@@ -17,6 +17,7 @@ from lastgood.wire import names
 from lastgood.wire.hashing import hash_bytes
 from lastgood.datapath.transport import Transport
 from lastgood.wire.v1 import lastgood_pb2 as pb
+from tests.conftest import through_its_data_path
 
 from .helpers import (Client, assert_unchanged, make_shard, rpc_error, shard_blob, shard_name, snapshot)
 
@@ -74,6 +75,7 @@ def test_the_checkpointer_hands_its_shard_over_and_the_blob_is_that_file(svc, ru
     with lastgood.Checkpointer(svc.url, run=run_name + "-ck") as ckpt:
         assert ckpt.transport.spool is not None and ckpt.transport.spool["follow"]
         ckpt.transport.spool["follow"] = follow
+        through_its_data_path(ckpt.transport)
         ckpt.save(3, lastgood.TrainState(model=model))
         ckpt.wait()
         cid = ckpt.last_saved.checkpoint_id

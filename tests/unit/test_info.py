@@ -14,7 +14,7 @@ from lastgood.wire.vocab import Verification
 
 SENT = {"service": "lastgood", "version": "0.1.0", "grpc_target": "127.0.0.1:50051", "max_chunk_bytes": 4194304,
         "max_shard_bytes": 1 << 38, "lease_seconds": 60, "verification": "peer", "range_block_bytes": 1048576,
-        "max_request_bytes": 1048576, "spool": {"dir": "/d/spool", "id": "ab" * 16, "follow": True},
+        "max_request_bytes": 1048576, "inline_bytes": 1048576, "spool": {"dir": "/d/spool", "id": "ab" * 16, "follow": True},
         "direct_fs": None, "direct_s3": {"part_size": 8 << 20, "max_parts": 10000, "checksum": "crc32",
                                          "grant_seconds": 3600}}
 

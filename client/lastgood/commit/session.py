@@ -35,7 +35,7 @@ from lastgood.wire.hashing import hash_bytes
 from lastgood.common import parallel
 from lastgood.common.joblog import incident
 from lastgood.datapath.choose import default_path
-from lastgood.datapath.paths import DataPath, Prepared, StreamPath
+from lastgood.datapath.paths import DataPath, Prepared, StreamPath, carried
 
 log = logging.getLogger("lastgood")
 _SENT = memoryview(b"")  # what a sent file's handle holds instead of its bytes
@@ -148,7 +148,8 @@ class Upload:
         self.session, self.transport = session, session.transport
         self.step, self.rank, self.path = step, rank, path
         self.files: list[Prepared] = []
-        self._sent = 0  # files[:_sent] are the service's
+        self._sent = 0  # files[:_sent] are the service's, or (_carried) travel with the vote
+        self._carried: list[Prepared] = []
         self.checkpoint_id: int | None = None
         self.attempt: str | None = None
 
@@ -227,6 +228,9 @@ class Upload:
             handle.data = _SENT  # the service has it: the writer's buffer is not held past the save
 
         todo = self.files[self._sent:]
+        # small files go with the vote (paths.INLINE): a tiny state's save is begin and vote alone
+        self._carried += carried(todo, self.transport.info.inline_bytes - sum(h.data.nbytes for h in self._carried))
+        todo = [h for h in todo if all(h is not c for c in self._carried)]
         streamed = isinstance(self.path, StreamPath) and any(h.token is None for h in todo)  # not a hand-over by name
         parallel.run_all([lambda h=h: send(h) for h in todo], workers=parallel.STREAM_WORKERS if streamed else parallel.WORKERS,
                       transport=self.transport)
@@ -252,7 +256,11 @@ class Upload:
         deadline = time.monotonic() + self.session.commit_timeout
         # vote without waiting, then wait for the outcome where a waiting rank costs the
         # service no thread (a long-poll on its event loop: docs/control-plane.md)
-        res = self.transport.commit_rank(cid, self.rank, names, wait=0.0)
+        res = self.transport.commit_rank(cid, self.rank, names, wait=0.0,
+                                         inline=[(h.name, h.digest, h.data) for h in self._carried])
+        for h in self._carried:
+            h.data = _SENT  # the service has it (recorded before the vote)
+        self._carried = []
         status, missing = res.status, list(res.missing_ranks)
         if res.status == Status.PENDING and peer.wanted(self.transport):  # peer.py: read back another rank's files
             from lastgood.datapath import directfs

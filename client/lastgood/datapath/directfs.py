@@ -34,7 +34,7 @@ from lastgood.wire import names, ranges
 from lastgood.wire.vocab import Verification
 from lastgood.wire.hashing import StreamHasher, hash_bytes
 from lastgood.datapath import handover
-from lastgood.datapath.paths import Prepared, StreamPath
+from lastgood.datapath.paths import INLINE, Prepared, StreamPath
 
 log = logging.getLogger("lastgood")
 
@@ -168,7 +168,7 @@ class DirectFSPath(StreamPath):
         return Prepared(name, data, digest, expected_bytes=0, token=handle)
 
     def send(self, checkpoint_id: int, rank: int, handle: Prepared) -> None:
-        if handle.token is None:
+        if handle.token is None or handle.token is INLINE:  # not written here (streamed, or small)
             return super().send(checkpoint_id, rank, handle)
         try:  # a hand-over that fails for any reason is streamed (Transport.put_shard)
             self.direct.hand_over(checkpoint_id, rank, handle.name, handle.data, handle.digest, handle.token)
@@ -177,6 +177,6 @@ class DirectFSPath(StreamPath):
         handle.token = None
 
     def discard(self, handle: Prepared) -> None:
-        if handle.token is not None:
+        if handle.token is not None and handle.token is not INLINE:
             self.direct.discard(handle.token)
         handle.token = None

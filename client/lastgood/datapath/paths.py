@@ -72,6 +72,20 @@ class Prepared:
 
 
 FOLLOW = "follow"  # a SpoolPath handle's token: the file is written while the service follows it
+# a handle's token: a file small enough (Info.inline_bytes) to travel with the vote, its bytes in
+# CommitRank.inline_files (one call fewer for a small state); `send` streams it if it does not fit
+INLINE = "inline"
+
+
+def carried(handles: list[Prepared], budget: int) -> list[Prepared]:
+    """Of `handles`, those the vote carries (token INLINE), in order, while their bytes fit
+    `budget` in all (the service's inline_bytes); the rest are sent as any file is."""
+    out = []
+    for h in handles:
+        if h.token is INLINE and h.data.nbytes <= budget:
+            out.append(h)
+            budget -= h.data.nbytes
+    return out
 
 
 @runtime_checkable
@@ -100,10 +114,16 @@ class StreamPath:
 
     def prepare(self, name: str, data) -> Prepared:
         data = memoryview(data).cast("B")
-        return Prepared(name, data, hash_bytes(data), expected_bytes=data.nbytes)
+        return Prepared(name, data, hash_bytes(data), expected_bytes=data.nbytes,
+                        token=INLINE if self._small(data) else None)
+
+    def _small(self, data: memoryview) -> bool:
+        """Small enough to travel with the vote (the service's GET /api/v1/info: inline_bytes)."""
+        return data.nbytes <= self.transport.info.inline_bytes
 
     def send(self, checkpoint_id: int, rank: int, handle: Prepared) -> None:
         self.transport.put_shard(checkpoint_id, rank, handle.name, handle.data, handle.digest)
+        handle.token = None
 
     def discard(self, handle: Prepared) -> None:
         pass
@@ -124,6 +144,8 @@ class SpoolPath(StreamPath):
 
     def prepare(self, name: str, data) -> Prepared:
         data = memoryview(data).cast("B")
+        if self._small(data):  # no spool file: its bytes go with the vote (or are streamed)
+            return super().prepare(name, data)
         if (self.transport.spool or {}).get("follow"):  # written in send(), behind the checkpoint's begin
             # its bytes are still to be written on the service's disk: begin checks there is room
             return Prepared(name, data, None, expected_bytes=data.nbytes, token=FOLLOW)
@@ -137,6 +159,8 @@ class SpoolPath(StreamPath):
         return Prepared(name, data, digest, expected_bytes=0, token=(spooled, self.transport.spool))
 
     def send(self, checkpoint_id: int, rank: int, handle: Prepared) -> None:
+        if handle.token is None or handle.token is INLINE:  # bytes in memory only: streamed
+            return super().send(checkpoint_id, rank, handle)
         if handle.token is FOLLOW:  # written now, read by the service as it is written
             handle.digest = self.transport.put_followed(checkpoint_id, rank, handle.name, handle.data)
             handle.token = None
@@ -150,6 +174,6 @@ class SpoolPath(StreamPath):
         handle.token = None
 
     def discard(self, handle: Prepared) -> None:
-        if handle.token is not None and handle.token is not FOLLOW:  # a followed file is not written yet
+        if handle.token not in (None, FOLLOW, INLINE):  # a followed file is not written yet, a small one never
             self.transport.spool_discard(*handle.token)
         handle.token = None

@@ -293,14 +293,19 @@ class Transport(RestClient):
                            None, timeout=max(self.timeout, 3600.0))
 
     def commit_rank(self, checkpoint_id: int, rank: int, files: list[str], wait: float,
-                    memory_files: list[tuple[str, int, str]] = ()) -> pb.CommitRankResponse:
-        """`memory_files`: a memory checkpoint's vote, (name, size, xxh3-128) of each file."""
+                    memory_files: list[tuple[str, int, str]] = (),
+                    inline: list[tuple[str, str, memoryview]] = ()) -> pb.CommitRankResponse:
+        """`memory_files`: a memory checkpoint's vote, (name, size, xxh3-128) of each file.
+        `inline`: (name, xxh3-128, bytes) of small files the vote carries (Info.inline_bytes
+        in all), recorded by the service before the vote; a retried call sends them again
+        and finds them present."""
         # the commitment of this process's secret for the rank: only this rank can then ask for and
         # report its peer checks (lastgood/wire/peerkey.py); sent whatever the mode, it costs nothing
         key = peerkey.commitment(peerkey.rank_secret(checkpoint_id, rank))
         return self._unary("CommitRank", self._stub.CommitRank, pb.CommitRankRequest(
             checkpoint_id=checkpoint_id, rank=rank, files=files, wait_seconds=wait, peer_key=key,
-            memory_files=[pb.MemoryFile(name=n, size=z, xxh3_128=d) for n, z, d in memory_files]),
+            memory_files=[pb.MemoryFile(name=n, size=z, xxh3_128=d) for n, z, d in memory_files],
+            inline_files=[pb.InlineFile(name=n, xxh3_128=d, data=bytes(b)) for n, d, b in inline]),
             timeout=wait + self.timeout)
 
     def abort(self, checkpoint_id: int, reason: str, rank: int) -> None:

@@ -70,6 +70,7 @@ class Info:
     verification: Verification = Verification.SERVICE
     range_block_bytes: int | None = None    # writers that upload directly declare digests by it
     max_request_bytes: int | None = None    # a hand-over that would not fit drops its digests
+    inline_bytes: int = 0                   # small files' bytes one vote may carry (0: none: stream them)
     spool: SpoolOffer | None = None
     direct_fs: DirectFSOffer | None = None
     direct_s3: DirectS3Offer | None = None
@@ -114,6 +115,7 @@ class Info:
             verification=Verification(mode),
             range_block_bytes=_typed(args, "range_block_bytes", int),
             max_request_bytes=_typed(args, "max_request_bytes", int),
+            inline_bytes=_typed(args, "inline_bytes", int, cls.inline_bytes),
             **offers,
             extra=extra,
         )

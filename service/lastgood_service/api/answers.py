@@ -39,6 +39,7 @@ class InfoAnswer(Answer):
     max_chunk_bytes: int
     max_shard_bytes: int
     max_request_bytes: int
+    inline_bytes: int = Field(description="the most bytes of small files one vote may carry (0: none)")
     lease_seconds: float
     verification: str = Field(description="service, store or peer (docs/dataplane.md)")
     range_block_bytes: int

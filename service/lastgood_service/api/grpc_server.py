@@ -263,7 +263,7 @@ class Servicer(pb_grpc.CheckpointsServicer):
         try:
             res = self.commits.vote(request.checkpoint_id, request.rank, list(request.files),
                                     wait if waiting or not math.isfinite(wait) else 0.0,  # NaN: refused there
-                                    request.peer_key, list(request.memory_files))
+                                    request.peer_key, list(request.memory_files), list(request.inline_files))
         finally:
             if waiting:
                 self._waiters.release()

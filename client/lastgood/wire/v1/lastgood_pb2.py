@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1flastgood/wire/v1/lastgood.proto\x12\x0blastgood.v1\"\xc5\x01\n\x16\x42\x65ginCheckpointRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x11\n\tparent_id\x18\x04 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\t\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\x12\n\ngeneration\x18\x07 \x01(\x03\x12\x16\n\x0e\x65xpected_bytes\x18\x08 \x01(\x03\x12\x0c\n\x04tier\x18\t \x01(\t\x12\x10\n\x08replicas\x18\n \x01(\x05\"W\n\x17\x42\x65ginCheckpointResponse\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\x03\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\"\xb2\x01\n\x0bShardHeader\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\x03\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x11\n\tfile_name\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x03\x12\x10\n\x08xxh3_128\x18\x05 \x01(\t\x12\x12\n\nspool_file\x18\x06 \x01(\t\x12\x10\n\x08spool_id\x18\x07 \x01(\t\x12\x15\n\rrange_digests\x18\x08 \x01(\t\x12\x0e\n\x06\x66ollow\x18\t \x01(\x08\"2\n\rSpoolProgress\x12\x0f\n\x07written\x18\x01 \x01(\x03\x12\x10\n\x08xxh3_128\x18\x02 \x01(\t\"\x86\x01\n\x0fPutShardRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.lastgood.v1.ShardHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x12.\n\x08progress\x18\x03 \x01(\x0b\x32\x1a.lastgood.v1.SpoolProgressH\x00\x42\x06\n\x04\x62ody\"K\n\x10PutShardResponse\x12\x17\n\x0f\x61lready_present\x18\x01 \x01(\x08\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x10\n\x08xxh3_128\x18\x03 \x01(\t\"\x9e\x01\n\x11\x43ommitRankRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\x03\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\r\n\x05\x66iles\x18\x03 \x03(\t\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\x12\x10\n\x08peer_key\x18\x05 \x01(\t\x12-\n\x0cmemory_files\x18\x06 \x03(\x0b\x32\x17.lastgood.v1.MemoryFile\":\n\nMemoryFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x10\n\x08xxh3_128\x18\x03 \x01(\t\"R\n\x12\x43ommitRankResponse\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\x03\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x15\n\rmissing_ranks\x18\x03 \x03(\x05\"M\n\x16\x41\x62ortCheckpointRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\")\n\x17\x41\x62ortCheckpointResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\"8\n\x12GetManifestRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\x03\x12\x0b\n\x03run\x18\x02 \x01(\t\"L\n\x13GetManifestResponse\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x10\n\x08manifest\x18\x03 \x01(\x0c\"{\n\x0fGetShardRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\x03\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x11\n\tfile_name\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0e\n\x06length\x18\x05 \x01(\x03\x12\x10\n\x08spool_id\x18\x06 \x01(\t\"5\n\x10GetShardResponse\x12\r\n\x05\x63hunk\x18\x01 \x01(\x0c\x12\x12\n\nspool_file\x18\x02 \x01(\t2\x80\x04\n\x0b\x43heckpoints\x12\\\n\x0f\x42\x65ginCheckpoint\x12#.lastgood.v1.BeginCheckpointRequest\x1a$.lastgood.v1.BeginCheckpointResponse\x12I\n\x08PutShard\x12\x1c.lastgood.v1.PutShardRequest\x1a\x1d.lastgood.v1.PutShardResponse(\x01\x12M\n\nCommitRank\x12\x1e.lastgood.v1.CommitRankRequest\x1a\x1f.lastgood.v1.CommitRankResponse\x12\\\n\x0f\x41\x62ortCheckpoint\x12#.lastgood.v1.AbortCheckpointRequest\x1a$.lastgood.v1.AbortCheckpointResponse\x12P\n\x0bGetManifest\x12\x1f.lastgood.v1.GetManifestRequest\x1a .lastgood.v1.GetManifestResponse\x12I\n\x08GetShard\x12\x1c.lastgood.v1.GetShardRequest\x1a\x1d.lastgood.v1.GetShardResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1flastgood/wire/v1/lastgood.proto\x12\x0blastgood.v1\"\xc5\x01\n\x16\x42\x65ginCheckpointRequest\x12\x0b\n\x03run\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x11\n\tparent_id\x18\x04 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x05 \x01(\t\x12\x0c\n\x04rank\x18\x06 \x01(\x05\x12\x12\n\ngeneration\x18\x07 \x01(\x03\x12\x16\n\x0e\x65xpected_bytes\x18\x08 \x01(\x03\x12\x0c\n\x04tier\x18\t \x01(\t\x12\x10\n\x08replicas\x18\n \x01(\x05\"W\n\x17\x42\x65ginCheckpointResponse\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\x03\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x15\n\rlease_seconds\x18\x03 \x01(\x01\"\xb2\x01\n\x0bShardHeader\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\x03\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x11\n\tfile_name\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x03\x12\x10\n\x08xxh3_128\x18\x05 \x01(\t\x12\x12\n\nspool_file\x18\x06 \x01(\t\x12\x10\n\x08spool_id\x18\x07 \x01(\t\x12\x15\n\rrange_digests\x18\x08 \x01(\t\x12\x0e\n\x06\x66ollow\x18\t \x01(\x08\"2\n\rSpoolProgress\x12\x0f\n\x07written\x18\x01 \x01(\x03\x12\x10\n\x08xxh3_128\x18\x02 \x01(\t\"\x86\x01\n\x0fPutShardRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.lastgood.v1.ShardHeaderH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x12.\n\x08progress\x18\x03 \x01(\x0b\x32\x1a.lastgood.v1.SpoolProgressH\x00\x42\x06\n\x04\x62ody\"K\n\x10PutShardResponse\x12\x17\n\x0f\x61lready_present\x18\x01 \x01(\x08\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x10\n\x08xxh3_128\x18\x03 \x01(\t\"\xcd\x01\n\x11\x43ommitRankRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\x03\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\r\n\x05\x66iles\x18\x03 \x03(\t\x12\x14\n\x0cwait_seconds\x18\x04 \x01(\x01\x12\x10\n\x08peer_key\x18\x05 \x01(\t\x12-\n\x0cmemory_files\x18\x06 \x03(\x0b\x32\x17.lastgood.v1.MemoryFile\x12-\n\x0cinline_files\x18\x07 \x03(\x0b\x32\x17.lastgood.v1.InlineFile\":\n\nInlineFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08xxh3_128\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\":\n\nMemoryFile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x03\x12\x10\n\x08xxh3_128\x18\x03 \x01(\t\"R\n\x12\x43ommitRankResponse\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\x03\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x15\n\rmissing_ranks\x18\x03 \x03(\x05\"M\n\x16\x41\x62ortCheckpointRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\x03\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\")\n\x17\x41\x62ortCheckpointResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\"8\n\x12GetManifestRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\x03\x12\x0b\n\x03run\x18\x02 \x01(\t\"L\n\x13GetManifestResponse\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x10\n\x08manifest\x18\x03 \x01(\x0c\"{\n\x0fGetShardRequest\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\x03\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x11\n\tfile_name\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0e\n\x06length\x18\x05 \x01(\x03\x12\x10\n\x08spool_id\x18\x06 \x01(\t\"5\n\x10GetShardResponse\x12\r\n\x05\x63hunk\x18\x01 \x01(\x0c\x12\x12\n\nspool_file\x18\x02 \x01(\t2\x80\x04\n\x0b\x43heckpoints\x12\\\n\x0f\x42\x65ginCheckpoint\x12#.lastgood.v1.BeginCheckpointRequest\x1a$.lastgood.v1.BeginCheckpointResponse\x12I\n\x08PutShard\x12\x1c.lastgood.v1.PutShardRequest\x1a\x1d.lastgood.v1.PutShardResponse(\x01\x12M\n\nCommitRank\x12\x1e.lastgood.v1.CommitRankRequest\x1a\x1f.lastgood.v1.CommitRankResponse\x12\\\n\x0f\x41\x62ortCheckpoint\x12#.lastgood.v1.AbortCheckpointRequest\x1a$.lastgood.v1.AbortCheckpointResponse\x12P\n\x0bGetManifest\x12\x1f.lastgood.v1.GetManifestRequest\x1a .lastgood.v1.GetManifestResponse\x12I\n\x08GetShard\x12\x1c.lastgood.v1.GetShardRequest\x1a\x1d.lastgood.v1.GetShardResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,23 +44,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTSHARDRESPONSE']._serialized_start=707
   _globals['_PUTSHARDRESPONSE']._serialized_end=782
   _globals['_COMMITRANKREQUEST']._serialized_start=785
-  _globals['_COMMITRANKREQUEST']._serialized_end=943
-  _globals['_MEMORYFILE']._serialized_start=945
-  _globals['_MEMORYFILE']._serialized_end=1003
-  _globals['_COMMITRANKRESPONSE']._serialized_start=1005
-  _globals['_COMMITRANKRESPONSE']._serialized_end=1087
-  _globals['_ABORTCHECKPOINTREQUEST']._serialized_start=1089
-  _globals['_ABORTCHECKPOINTREQUEST']._serialized_end=1166
-  _globals['_ABORTCHECKPOINTRESPONSE']._serialized_start=1168
-  _globals['_ABORTCHECKPOINTRESPONSE']._serialized_end=1209
-  _globals['_GETMANIFESTREQUEST']._serialized_start=1211
-  _globals['_GETMANIFESTREQUEST']._serialized_end=1267
-  _globals['_GETMANIFESTRESPONSE']._serialized_start=1269
-  _globals['_GETMANIFESTRESPONSE']._serialized_end=1345
-  _globals['_GETSHARDREQUEST']._serialized_start=1347
-  _globals['_GETSHARDREQUEST']._serialized_end=1470
-  _globals['_GETSHARDRESPONSE']._serialized_start=1472
-  _globals['_GETSHARDRESPONSE']._serialized_end=1525
-  _globals['_CHECKPOINTS']._serialized_start=1528
-  _globals['_CHECKPOINTS']._serialized_end=2040
+  _globals['_COMMITRANKREQUEST']._serialized_end=990
+  _globals['_INLINEFILE']._serialized_start=992
+  _globals['_INLINEFILE']._serialized_end=1050
+  _globals['_MEMORYFILE']._serialized_start=1052
+  _globals['_MEMORYFILE']._serialized_end=1110
+  _globals['_COMMITRANKRESPONSE']._serialized_start=1112
+  _globals['_COMMITRANKRESPONSE']._serialized_end=1194
+  _globals['_ABORTCHECKPOINTREQUEST']._serialized_start=1196
+  _globals['_ABORTCHECKPOINTREQUEST']._serialized_end=1273
+  _globals['_ABORTCHECKPOINTRESPONSE']._serialized_start=1275
+  _globals['_ABORTCHECKPOINTRESPONSE']._serialized_end=1316
+  _globals['_GETMANIFESTREQUEST']._serialized_start=1318
+  _globals['_GETMANIFESTREQUEST']._serialized_end=1374
+  _globals['_GETMANIFESTRESPONSE']._serialized_start=1376
+  _globals['_GETMANIFESTRESPONSE']._serialized_end=1452
+  _globals['_GETSHARDREQUEST']._serialized_start=1454
+  _globals['_GETSHARDREQUEST']._serialized_end=1577
+  _globals['_GETSHARDRESPONSE']._serialized_start=1579
+  _globals['_GETSHARDRESPONSE']._serialized_end=1632
+  _globals['_CHECKPOINTS']._serialized_start=1635
+  _globals['_CHECKPOINTS']._serialized_end=2147
 # @@protoc_insertion_point(module_scope)

@@ -91,20 +91,32 @@ class PutShardResponse(_message.Message):
     def __init__(self, already_present: _Optional[bool] = ..., size: _Optional[int] = ..., xxh3_128: _Optional[str] = ...) -> None: ...
 
 class CommitRankRequest(_message.Message):
-    __slots__ = ("checkpoint_id", "rank", "files", "wait_seconds", "peer_key", "memory_files")
+    __slots__ = ("checkpoint_id", "rank", "files", "wait_seconds", "peer_key", "memory_files", "inline_files")
     CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PEER_KEY_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FILES_FIELD_NUMBER: _ClassVar[int]
+    INLINE_FILES_FIELD_NUMBER: _ClassVar[int]
     checkpoint_id: int
     rank: int
     files: _containers.RepeatedScalarFieldContainer[str]
     wait_seconds: float
     peer_key: str
     memory_files: _containers.RepeatedCompositeFieldContainer[MemoryFile]
-    def __init__(self, checkpoint_id: _Optional[int] = ..., rank: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., wait_seconds: _Optional[float] = ..., peer_key: _Optional[str] = ..., memory_files: _Optional[_Iterable[_Union[MemoryFile, _Mapping]]] = ...) -> None: ...
+    inline_files: _containers.RepeatedCompositeFieldContainer[InlineFile]
+    def __init__(self, checkpoint_id: _Optional[int] = ..., rank: _Optional[int] = ..., files: _Optional[_Iterable[str]] = ..., wait_seconds: _Optional[float] = ..., peer_key: _Optional[str] = ..., memory_files: _Optional[_Iterable[_Union[MemoryFile, _Mapping]]] = ..., inline_files: _Optional[_Iterable[_Union[InlineFile, _Mapping]]] = ...) -> None: ...
+
+class InlineFile(_message.Message):
+    __slots__ = ("name", "xxh3_128", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    XXH3_128_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    xxh3_128: str
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., xxh3_128: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class MemoryFile(_message.Message):
     __slots__ = ("name", "size", "xxh3_128")

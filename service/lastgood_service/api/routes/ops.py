@@ -30,6 +30,7 @@ def info(ctx: Ctx):
                 max_shard_bytes=s.max_shard_bytes, lease_seconds=s.lease_seconds,
                 verification=Verification(s.verification), range_block_bytes=s.range_block_bytes,
                 max_request_bytes=s.max_request_bytes,  # api/limits.py: a hand-over that would not fit drops them
+                inline_bytes=s.inline_bytes,  # a small state's files travel with its vote (CommitRank.inline_files)
                 spool=ctx.spool.info() if ctx.spool else None,
                 direct_fs=ctx.direct_fs.info() if ctx.direct_fs else None,
                 direct_s3=DirectUploads(ctx.commits).info()).to_dict()  # direct S3 uploads (domain/dataplane/grants.py)

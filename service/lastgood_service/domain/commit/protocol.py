@@ -36,13 +36,13 @@ from ...catalog.models import (ABANDONED, COMMITTED, CORRUPT, DECLARED, DURABLE,
                                Shard, Vote)
 from ...failpoints import Failpoint, reach
 from .. import keys
-from ..errors import Conflict, FailedPrecondition, Fenced, InvalidArgument, NotFound
+from ..errors import Conflict, FailedPrecondition, Fenced, InvalidArgument, NotFound, TooLarge
 from ..events import add_event
 from ..runs import branches, fencing, last_good
 from . import indexes, tiering
 from .core import key_prefix
 from .put import CommitPut
-from .types import CommitPlan, VoteResult
+from .types import CommitPlan, ShardHeader, VoteResult
 
 log = logging.getLogger("lastgood.commit")
 
@@ -144,13 +144,20 @@ class CommitProtocol(CommitPut):
     # ---------------------------------------------------------------- vote and commit
     @txtimer.label("vote")
     def vote(self, checkpoint_id: int, rank: int, files: list[str], wait_seconds: float = 0.0,
-             peer_key: str = "", memory_files: list | None = None) -> VoteResult:
+             peer_key: str = "", memory_files: list | None = None,
+             inline_files: list | None = None) -> VoteResult:
         """`peer_key`: the commitment of the rank's peer-check secret (lastgood/wire/peerkey.py), or "".
         `memory_files`: a memory checkpoint's files, declared by this vote (tiering.py); `files`
-        then names exactly them, or nothing."""
+        then names exactly them, or nothing. `inline_files`: small files (name, xxh3-128, bytes)
+        that travel with the vote, each taken as put_shard takes a streamed one before the
+        vote is recorded (a small state's save: one call fewer); `files` names them too."""
         self.gate.check()
         if memory_files:
+            if inline_files:
+                raise InvalidArgument("a memory vote declares its files; it carries no bytes (inline_files)")
             files = self._declare_memory(checkpoint_id, rank, files, memory_files)
+        if inline_files:
+            self._take_inline(checkpoint_id, rank, files, inline_files)
         if len(set(files)) != len(files):
             raise InvalidArgument("the vote lists a file twice")
         if peer_key and not peerkey.is_commitment(peer_key):
@@ -165,6 +172,22 @@ class CommitProtocol(CommitPut):
         if result.status == COMMITTED and self.settings.failpoint == Failpoint.LOSE_COMMIT_REPLY:
             raise RuntimeError("failpoint lose_commit_reply: the commit happened, its reply is lost")
         return result
+
+    def _take_inline(self, checkpoint_id: int, rank: int, files: list[str], inline_files: list) -> None:
+        """The files a vote carries (CommitRank.inline_files), each put as a one-chunk stream
+        would be: checked, hashed, published durably and recorded VERIFIED, or refused with
+        nothing recorded; a file recorded already with the same bytes (the vote sent again
+        after a lost reply) is already present. Bounded before a byte is written: in all at
+        most settings.inline_bytes, each named once and among the vote's `files`."""
+        total = sum(len(f.data) for f in inline_files)
+        if total > self.settings.inline_bytes:
+            raise TooLarge(f"a vote carries {total} bytes of files; this service takes at most "
+                           f"{self.settings.inline_bytes} (GET /api/v1/info: inline_bytes): stream them")
+        inline = [f.name for f in inline_files]
+        if len(set(inline)) != len(inline) or not set(inline) <= set(files):
+            raise InvalidArgument("each file a vote carries is named once, and among the vote's files")
+        for f in inline_files:
+            self.put_shard(ShardHeader(checkpoint_id, rank, f.name, len(f.data), f.xxh3_128), (bytes(f.data),))
 
     def _declare_memory(self, checkpoint_id: int, rank: int, files: list[str], memory_files: list) -> list[str]:
         """Record a memory vote's files DECLARED before the vote itself (tiering.declare); the
