@@ -70,7 +70,8 @@ BIG = 1024 * 1024 + 1
 
 
 @pytest.mark.parametrize("case", ["wrong-hash", "over-the-limit", "not-among-the-files", "named-twice", "bad-name",
-                                  "not-safetensors", "with-memory-files", "after-a-vote"])
+                                  "not-safetensors", "with-memory-files", "after-a-vote", "second-file-bad-hash",
+                                  "second-file-not-safetensors"])
 def test_a_vote_with_bad_inline_files_is_refused_and_changes_nothing(svc, cl, run_name, case):
     data = make_shard(0)
     cid = cl.begin(run_name, world_size=2).checkpoint_id
@@ -90,13 +91,18 @@ def test_a_vote_with_bad_inline_files_is_refused_and_changes_nothing(svc, cl, ru
         inline = [(shard_name(0), b"not a safetensors file at all")]
     elif case == "with-memory-files":
         memory = True
+    elif case.startswith("second-file"):  # the good first file is not recorded either
+        files = [shard_name(0), "b.safetensors"]
+        inline = [(shard_name(0), data), ("b.safetensors", data if case.endswith("hash") else b"\0" * 64)]
+        if case.endswith("hash"):
+            digests, code = {"b.safetensors": hash_bytes(b"other bytes")}, SC.DATA_LOSS
     elif case == "after-a-vote":  # the rank voted already: its vote named all its files
         assert cl.vote(cid, 0, [], wait=0).status == "PENDING"
         code = SC.FAILED_PRECONDITION
     before = snapshot(svc, run_name)
     rpc_error(code, vote, cl, cid, 0, files, inline, wait=0, digests=digests, memory=memory)
     assert_unchanged(before, snapshot(svc, run_name))
-    if case == "wrong-hash":  # recorded as a streamed file's mismatch is
+    if case in ("wrong-hash", "second-file-bad-hash"):  # recorded as a streamed file's mismatch is
         assert [e["data"]["received"] for e in events(svc, run_name) if e["kind"] == "hash_mismatch"] == \
             [hash_bytes(data)]
     if case == "after-a-vote":

@@ -36,12 +36,12 @@ from ...catalog.models import (ABANDONED, COMMITTED, CORRUPT, DECLARED, DURABLE,
                                Shard, Vote)
 from ...failpoints import Failpoint, reach
 from .. import keys
-from ..errors import Conflict, FailedPrecondition, Fenced, InvalidArgument, NotFound, TooLarge
+from ..errors import Conflict, FailedPrecondition, Fenced, HashMismatch, InvalidArgument, NotFound, TooLarge
 from ..events import add_event
 from ..runs import branches, fencing, last_good
 from . import indexes, tiering
 from .core import key_prefix
-from .put import CommitPut
+from .put import CommitPut, read_header
 from .types import CommitPlan, ShardHeader, VoteResult
 
 log = logging.getLogger("lastgood.commit")
@@ -177,8 +177,10 @@ class CommitProtocol(CommitPut):
         """The files a vote carries (CommitRank.inline_files), each put as a one-chunk stream
         would be: checked, hashed, published durably and recorded VERIFIED, or refused with
         nothing recorded; a file recorded already with the same bytes (the vote sent again
-        after a lost reply) is already present. Bounded before a byte is written: in all at
-        most settings.inline_bytes, each named once and among the vote's `files`."""
+        after a lost reply) is already present. Every file is checked before any is written
+        (its name, size, hash, a safetensors file's header), so one bad file leaves the others
+        unrecorded too: in all at most settings.inline_bytes, each named once and among the
+        vote's `files`."""
         total = sum(len(f.data) for f in inline_files)
         if total > self.settings.inline_bytes:
             raise TooLarge(f"a vote carries {total} bytes of files; this service takes at most "
@@ -186,8 +188,18 @@ class CommitProtocol(CommitPut):
         inline = [f.name for f in inline_files]
         if len(set(inline)) != len(inline) or not set(inline) <= set(files):
             raise InvalidArgument("each file a vote carries is named once, and among the vote's files")
-        for f in inline_files:
-            self.put_shard(ShardHeader(checkpoint_id, rank, f.name, len(f.data), f.xxh3_128), (bytes(f.data),))
+        headers = [ShardHeader(checkpoint_id, rank, f.name, len(f.data), f.xxh3_128) for f in inline_files]
+        for h, f in zip(headers, inline_files):
+            self.check_header(h)
+            digest = hash_bytes(f.data)
+            if digest != h.xxh3_128:
+                self.record_mismatch(h, digest)
+                raise HashMismatch(f"xxh3-128 of {h.file_name}'s bytes is {digest}, the client declared "
+                                   f"{h.xxh3_128}: the vote and its files are refused")
+            if h.file_name.endswith(".safetensors"):
+                read_header(bytearray(f.data), h.size, final=True)
+        for h, f in zip(headers, inline_files):
+            self.put_shard(h, (f.data,))
 
     def _declare_memory(self, checkpoint_id: int, rank: int, files: list[str], memory_files: list) -> list[str]:
         """Record a memory vote's files DECLARED before the vote itself (tiering.declare); the
