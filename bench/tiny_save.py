@@ -205,26 +205,15 @@ def main(argv: list[str] | None = None) -> int:
     def sd():
         return {"model": model.state_dict(), "optimizer": opt.state_dict()}
 
-    def checkpointer() -> float:
-        step[0] += 1
-        t0 = time.perf_counter()
-        ckpt.save(step[0], state)
-        ckpt.wait()
-        return time.perf_counter() - t0
-
-    def checkpointer_handed_over() -> float:
-        step[0] += 1
-        t0 = time.perf_counter()
-        handed.save(step[0], state)
-        handed.wait()
-        return time.perf_counter() - t0
-
-    def checkpointer_every_beat() -> float:
-        step[0] += 1
-        t0 = time.perf_counter()
-        beating.save(step[0], state)
-        beating.wait()
-        return time.perf_counter() - t0
+    def saving(c):
+        """One save of the state through Checkpointer `c`, to its acknowledged commit."""
+        def once() -> float:
+            step[0] += 1
+            t0 = time.perf_counter()
+            c.save(step[0], state)
+            c.wait()
+            return time.perf_counter() - t0
+        return once
 
     def lastgood_dcp() -> float:
         step[0] += 1
@@ -242,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work / "dcp", ignore_errors=True)
         return took
 
-    cases = {"checkpointer": checkpointer, "checkpointer_handed_over": checkpointer_handed_over,
-             "checkpointer_every_beat": checkpointer_every_beat,
+    cases = {"checkpointer": saving(ckpt), "checkpointer_handed_over": saving(handed),
+             "checkpointer_every_beat": saving(beating),
              "lastgood_dcp": lastgood_dcp, "dcp": stock_dcp, "floor": floor,
              "floor_lastgood": floor_lastgood}
     times: dict[str, list[float]] = {c: [] for c in CASES}
