@@ -122,6 +122,7 @@ class CommitProtocol(CommitPut):
                 if ck.status == PENDING and ck.lease_expires_at < self.lease_from_now() - self._lease_slack():
                     ck.lease_expires_at = self.lease_from_now()
                 return ck
+            parent = None
             if parent_id is not None:
                 parent = s.get(Checkpoint, parent_id)
                 if parent is None or parent.run_id != run.id:
@@ -133,10 +134,10 @@ class CommitProtocol(CommitPut):
             now = self.clock()
             ck = Checkpoint(run_id=run.id, step=step, attempt=attempt, world_size=world_size,
                             parent_id=parent_id, status=PENDING, bytes=0, lease_expires_at=self.lease_from_now(),
-                            created_at=now, generation=generation, tier=tier, replicas=replicas)
+                            created_at=now, generation=generation, tier=tier, replicas=replicas,
+                            branch=branches.of_begun(parent))  # its stored branch (domain/runs/branches.py)
             s.add(ck)
             s.flush()
-            branches.settle(s, run.id, ck.id)  # its stored branch (domain/runs/branches.py)
             add_event(s, "begin", run.id, ck.id, step=step, world_size=world_size, attempt=attempt, rank=rank,
                       **({"tier": tier, "replicas": replicas} if tier != DURABLE else {}))
             return ck

@@ -10,6 +10,8 @@ before it. So `settle(s, run, from_id)` recomputes the run's suffix from `from_i
 what it needs of the prefix read through indexes: the parents' branches, which of them a
 committed child already claimed, and the highest branch number so far. A commit settles
 from its own row: the suffix is the row and whatever began after it (usually nothing).
+A begin needs no settle (`of_begun`): a row not committed takes its parent's branch and
+changes no other row's, before or after it.
 
 Callers hold the run's row lock, so two settles of one run never interleave: a begin
 holds it shared, a commit exclusively (domain/commit/protocol.py); on SQLite every writer
@@ -23,6 +25,15 @@ from sqlalchemy.orm import Session
 
 from ...catalog.models import Checkpoint
 from .lineage import assign_branches
+
+
+def of_begun(parent: Checkpoint | None) -> int:
+    """The branch of a checkpoint being begun (not committed): its parent's, or the run's
+    first for a root (assign_branches's rule for a row not committed, with the parent's
+    stored branch). A begin thus writes its row's branch with the row, without reading the
+    run's suffix (5 queries, ~1.3 ms of a tiny save's begin: docs/performance.md)."""
+    parent_id = None if parent is None else parent.id
+    return assign_branches([(0, parent_id, False)], {} if parent is None else {parent.id: parent.branch})[0]
 
 
 def settle(s: Session, run_id: int, from_id: int) -> int:
