@@ -341,3 +341,44 @@ def test_a_service_outage_gives_memory_saves_up_and_the_agents_keep_the_last_com
                 b.stop()
     finally:
         svc.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fresh", [False, True], ids=["adopted", "control-fresh"])
+def test_a_restarted_agent_adopts_its_predecessors_segments_and_serves_them(tmp_path, run_name, fresh):
+    """An agent killed and started again on its node (same --shm-root, same address) holds
+    what the killed one held: it hashes the segments, reports them as its copies, and the live
+    list keeps them. Its partner is gone too, so only the restarted agent can serve the memory
+    checkpoint: the restore reads it from there, bit-exact. Control: started with --fresh it
+    removes them, and the restore falls back to the durable ancestor."""
+    import time
+
+    svc = ServiceProc(tmp_path / "svc", dict(FAST)).start()
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    held = lambda agent: {s["checkpoint_id"] for s in agent.status()["segments"]}  # noqa: E731
+    try:
+        with tempfile.TemporaryDirectory(prefix="lastgood-adopt-", dir=base) as d:
+            port = _free_port()
+            a = AgentProc("node-a", port, Path(d) / "a", {}, "--live-every", "0.3", url=svc.url)
+            b = AgentProc("node-b", _free_port(), Path(d) / "b", {}, "--live-every", "0.3", url=svc.url)
+            try:
+                _, m_id, durable, memory = _save_durable_then_memory(svc, a, run_name)
+                _wait(lambda: m_id in held(a) and m_id in held(b))
+                a.proc.kill()  # SIGKILL: nothing of it runs on the way out
+                a.proc.wait(10)
+                b.stop()  # the partner's copy is gone with it
+                a = AgentProc("node-a", port, Path(d) / "a", {}, "--live-every", "0.3",
+                              *(["--fresh"] if fresh else []), url=svc.url)
+                step, restored, reads = _restore(svc, a, run_name)
+                if fresh:
+                    assert step == 1 and _same(restored, durable) and held(a) == set()
+                    return
+                assert step == 2 and _same(restored, memory) and reads == {"memory_copies": [a.address]}
+                assert [e["kind"] for e in a.status()["events"]].count("adopted") == 1
+                time.sleep(1.0)  # several live polls: an adopted checkpoint that is live stays
+                assert m_id in held(a)
+            finally:
+                a.stop()
+                b.stop()
+    finally:
+        svc.stop()

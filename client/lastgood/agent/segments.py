@@ -17,6 +17,11 @@ while ago is handed back to the host and comes back slowly: docs/performance.md)
 against the budget and is the first thing given up for room, and it keeps at most the bytes of
 the checkpoint freed last (what the next one takes: so held and pooled together stay within
 the node's formula, docs/memory-tier.md). An agent starts with an empty pool.
+
+Adoption: an agent that replaces one on the node (it crashed, or was stopped) takes up what
+that one left under the root (`adopt`): every complete file is hashed and held again, as a
+rank's sealed files are; what is left of a copy being received (`.part`) and of a reservation
+nothing was written to is removed. `drop_all` instead removes it all (`lastgood agent --fresh`).
 """
 
 from __future__ import annotations
@@ -65,6 +70,14 @@ def check_key(run: str, checkpoint_id: int, rank: int, name: str | None = None) 
         raise ValueError(f"rank must be 0..{(1 << 20) - 1}, got {rank!r}")
     if name is not None:
         names.check_file_name(name)
+
+
+def _a_file_name(name: str) -> bool:
+    try:
+        names.check_file_name(name)
+        return True
+    except names.InvalidName:
+        return False
 
 
 POOL = ".free"  # the recycled files' folder under the root: a run name starts with a letter or digit
@@ -289,6 +302,44 @@ class Segments:
                 self._readers[key] -= 1
                 if not self._readers[key]:
                     del self._readers[key]
+
+    def adopt(self) -> list[tuple[str, int, int, list[dict]]]:
+        """Hold again what an earlier agent left under the root: (run, checkpoint id, rank,
+        [{name, size, xxh3_128}]) of each rank's files, hashed now (seal), in key order, for the
+        agent to report (the service lists a new agent's copies only once it has). A path that
+        is no segment's (a name no run, id or rank can have) is left alone; a `.part` file (a
+        copy whose receiving was cut off) and an empty folder are removed."""
+        found = []
+        for run_dir in sorted(p for p in self.root.iterdir() if p.is_dir() and p.name != POOL):
+            for cid_dir in sorted(p for p in run_dir.iterdir() if p.is_dir()):
+                for rank_dir in sorted(p for p in cid_dir.iterdir() if p.is_dir()):
+                    try:
+                        run, cid, rank = run_dir.name, int(cid_dir.name), int(rank_dir.name)
+                        check_key(run, cid, rank)
+                    except ValueError:
+                        continue
+                    files = []
+                    for f in sorted(rank_dir.iterdir()):
+                        if f.name.endswith(".part"):
+                            f.unlink(missing_ok=True)
+                        elif f.is_file() and not f.is_symlink() and _a_file_name(f.name):
+                            files.append(f.name)
+                    if files:
+                        found.append((run, cid, rank, self.seal(run, cid, rank, files)))
+                    else:
+                        with contextlib.suppress(OSError):
+                            rank_dir.rmdir()
+                with contextlib.suppress(OSError):
+                    cid_dir.rmdir()  # only if empty
+        return found
+
+    def drop_all(self) -> list:
+        """Remove what an earlier agent left under the root (every run's folder; the pool is
+        this agent's already); nothing is adopted."""
+        for run_dir in self.root.iterdir():
+            if run_dir.is_dir() and not run_dir.is_symlink() and run_dir.name != POOL:
+                shutil.rmtree(run_dir, ignore_errors=True)
+        return []
 
     def listing(self) -> list[dict]:
         with self._lock:

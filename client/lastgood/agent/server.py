@@ -16,6 +16,7 @@ import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from lastgood.errors import Refused
 from lastgood.wire import tiers
 from lastgood.wire.codes import HASH_MISMATCH
 from lastgood.wire.hashing import is_valid_hex
@@ -38,7 +39,7 @@ class Agent:
     def __init__(self, segments: Segments, host: str, *, rack: str = "", switch: str = "",
                  bind: tuple[str, int] = ("127.0.0.1", 0), advertise: str | None = None,
                  service: ServiceLink | None = None, peers: dict[str, str] | None = None,
-                 rate: float | None = None, live_every: float = 5.0) -> None:
+                 rate: float | None = None, live_every: float = 5.0, adopt: bool = True) -> None:
         self.segments = segments
         self.host, self.rack, self.switch = (tiers.check_label("host", host),
                                              tiers.check_label("rack", rack) if rack else "",
@@ -50,12 +51,42 @@ class Agent:
         self.events: list[dict] = []
         self.replicator = Replicator(segments, TokenBucket(rate), self.event)
         self._stop = threading.Event()
+        self.adopt = adopt
+        self._unreported: list[tuple[str, int, int, list[dict]]] = []  # adopted, not yet reported
 
     # ---------------------------------------------------------------- life
+    def _take_over(self) -> None:
+        """What an earlier agent left on the node (segments.adopt): held again and reported
+        (the service lists a new agent's copies only once reported, and its live list keeps
+        only those), or removed (`adopt=False`: `lastgood agent --fresh`). Until a report of
+        an adopted rank is answered, the live loop frees none of its checkpoint."""
+        if not self.adopt:
+            self.segments.drop_all()
+            return
+        self._unreported = self.segments.adopt()
+        if self._unreported:
+            self.event("adopted", checkpoints=sorted({(r, c) for r, c, _, _ in self._unreported}),
+                       files=sum(len(f) for *_, f in self._unreported),
+                       bytes=sum(x["size"] for *_, f in self._unreported for x in f))
+
+    def _report_adopted(self) -> None:
+        left = []
+        for run, cid, rank, files in self._unreported:
+            try:
+                self.service.report(cid, rank, files)
+            except Refused:  # answered (gone, decided otherwise): the live list settles it
+                continue
+            except SERVICE_ERRORS as e:
+                self.event("report_failed", run=run, checkpoint_id=cid, rank=rank, detail=str(e)[:300])
+                left.append((run, cid, rank, files))
+        self._unreported = left
+
     def start(self) -> None:
+        self._take_over()
         if self.service is not None:
             self.service.address = self.address
-            self.register()
+            if self.register():
+                self._report_adopted()
         self.replicator.start()
         threading.Thread(target=self.httpd.serve_forever, name="lastgood-agent-http", daemon=True).start()
         if self.service is not None:
@@ -128,6 +159,7 @@ class Agent:
     def _live_loop(self) -> None:
         while not self._stop.wait(self.live_every):
             if self.service.agent_id is not None or self.register():
+                self._report_adopted()
                 self.free_dead()
 
     def free_dead(self) -> None:
@@ -137,7 +169,8 @@ class Agent:
         except SERVICE_ERRORS as e:
             self.event("live_unknown", detail=str(e)[:300])
             return
-        for key in self.segments.keys() - live:
+        unreported = {(run, cid) for run, cid, _, _ in self._unreported}
+        for key in self.segments.keys() - live - unreported:
             self.segments.free(*key)
 
     def status(self) -> dict:

@@ -56,10 +56,13 @@ def _peers(_ctx, _param, values):
                    "(memory checkpoints cannot commit; for tests of the agents' own protocol).")
 @click.option("--live-every", type=click.FloatRange(0.1), default=5.0, show_default=True, metavar="SECONDS",
               help="Ask the service this often which checkpoints are live; free the rest.")
+@click.option("--fresh", is_flag=True,
+              help="Remove what an earlier agent left under --shm-root instead of adopting it (by default "
+                   "a restarted agent hashes those segments, holds and reports them again).")
 @pass_state
 def agent(st: State, host: str, rack: str, switch: str, listen: str, advertise: str | None, shm_root: str,
           memory_budget: int | None, replication_rate: int | None, peers: dict[str, str], standalone: bool,
-          live_every: float) -> None:
+          live_every: float, fresh: bool) -> None:
     """Run the node agent of the memory tier until SIGTERM/SIGINT.
 
     \b
@@ -69,7 +72,7 @@ def agent(st: State, host: str, rack: str, switch: str, listen: str, advertise: 
     """
     node = start_agent(st, host=host, rack=rack, switch=switch, listen=listen, advertise=advertise,
                        shm_root=shm_root, memory_budget=memory_budget, replication_rate=replication_rate,
-                       peers=peers, standalone=standalone, live_every=live_every)
+                       peers=peers, standalone=standalone, live_every=live_every, adopt=not fresh)
     click.echo(json.dumps({"address": node.address,
                            "agent_id": node.service.agent_id if node.service else None}), nl=True)
     done = threading.Event()
@@ -81,7 +84,8 @@ def agent(st: State, host: str, rack: str, switch: str, listen: str, advertise: 
 
 def start_agent(st: State, *, host: str, listen: str, shm_root: str, memory_budget: int | None,
                 replication_rate: int | None, rack: str = "", switch: str = "", advertise: str | None = None,
-                peers: dict[str, str] | None = None, standalone: bool = False, live_every: float = 5.0):
+                peers: dict[str, str] | None = None, standalone: bool = False, live_every: float = 5.0,
+                adopt: bool = True):
     """A started node agent (lastgood.agent.server.Agent), for `agent` and `supervise --memory-budget`."""
     from lastgood.agent.segments import Segments
     from lastgood.agent.server import Agent
@@ -97,7 +101,8 @@ def start_agent(st: State, *, host: str, listen: str, shm_root: str, memory_budg
         if not (peers or standalone):
             link = ServiceLink(RestClient(st.url, st.timeout, st.token, retry=NO_RETRY), host, rack, switch, "")
         node = Agent(Segments(shm_root, memory_budget), host, rack=rack, switch=switch, bind=(addr, int(port)),
-                     advertise=advertise, service=link, peers=peers, rate=replication_rate, live_every=live_every)
+                     advertise=advertise, service=link, peers=peers, rate=replication_rate, live_every=live_every,
+                     adopt=adopt)
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from None
     node.start()
