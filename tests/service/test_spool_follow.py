@@ -24,6 +24,7 @@ from lastgood.datapath.transport import Transport
 from lastgood.wire.v1 import lastgood_pb2 as pb
 
 from .helpers import Client, assert_unchanged, make_shard, metric, rpc_error, shard_blob, shard_name, snapshot
+from tests.conftest import through_its_data_path
 
 SC = grpc.StatusCode
 
@@ -238,6 +239,7 @@ def test_files_refused_a_stream_to_follow_them_are_streamed(make_service, run_na
         with lastgood.Checkpointer(svc.url, run=run_name) as ckpt:
             ckpt.config = dataclasses.replace(ckpt.config, file_bytes=64 << 10)  # four files
             assert ckpt.transport.spool["follow"]
+            through_its_data_path(ckpt.transport)  # files of 64 KiB: followed, not carried by the vote
             ckpt.save(1, lastgood.TrainState(**state))
             ckpt.wait()
             cid = ckpt.last_saved.checkpoint_id
