@@ -84,11 +84,16 @@ def _restore(svc, a, run):
 def test_memory_save_restores_from_own_agent_then_partner(nodes, run_name):
     svc, a, b = nodes
     _, m_id, _, memory = _save_durable_then_memory(svc, a, run_name)
+    served = lambda agent: agent.status()["served_bytes"]  # noqa: E731
+    before_a, before_b = served(a), served(b)
     step, fresh, reads = _restore(svc, a, run_name)
     assert step == 2 and _same(fresh, memory) and reads == {"memory_copies": [a.address]}
+    # the own agent's copy was read from its path on this host, not through the agent's socket
+    assert served(a) == before_a
     _flip(a.root, run_name, m_id)  # the own agent's copy damaged: the partner's is read
     step, fresh, reads = _restore(svc, a, run_name)
     assert step == 2 and _same(fresh, memory) and reads == {"memory_copies": [b.address]}
+    assert served(b) > before_b  # CONTROL: a partner's copy comes over HTTP
 
 
 def test_both_copies_damaged_falls_back_to_the_durable_ancestor(nodes, run_name):

@@ -52,6 +52,8 @@ class Agent:
         self.replicator = Replicator(segments, TokenBucket(rate), self.event)
         self._stop = threading.Event()
         self.adopt = adopt
+        self.served_bytes = 0  # segment bytes sent to readers (ranks restoring, ranged reads)
+        self._served = threading.Lock()
         self._unreported: list[tuple[str, int, int, list[dict]]] = []  # adopted, not yet reported
 
     # ---------------------------------------------------------------- life
@@ -108,6 +110,10 @@ class Agent:
         self.replicator.stop()
         self.httpd.shutdown()
         self.httpd.server_close()
+
+    def served(self, nbytes: int) -> None:
+        with self._served:
+            self.served_bytes += nbytes
 
     def event(self, kind: str, **fields) -> None:
         log.warning("%s %s", kind, fields)
@@ -179,7 +185,7 @@ class Agent:
                 "budget": self.segments.budget, "held_bytes": self.segments.held_bytes(),
                 "pooled_bytes": self.segments.pooled_bytes(), "recycled_files": self.segments.recycled,
                 "segments": self.segments.listing(), "freed": [list(k) for k in self.segments.freed],
-                "replicated_bytes": self.replicator.sent_bytes, "replication_jobs_done": self.replicator.done,
+                "replicated_bytes": self.replicator.sent_bytes, "served_bytes": self.served_bytes, "replication_jobs_done": self.replicator.done,
                 "replication_seconds": round(self.replicator.sent_seconds, 6),
                 "events": list(self.events)}
 
@@ -228,6 +234,13 @@ def _handler(agent: Agent):
         def _segment(self) -> tuple[str, int, int, str]:
             return self._key(tiers.AGENT_SEGMENTS_PATH, True)
 
+        def _local(self) -> None:
+            """Where a held file lies on this host, for a rank here to read it itself (no copy
+            through this process; the rank hashes what it reads against the manifest)."""
+            key = self._key(tiers.AGENT_LOCAL_PATH, True)
+            size, digest = agent.segments.digest(*key)
+            self._answer(200, {"path": str(agent.segments.path(*key)), "size": size, "xxh3_128": digest})
+
         def _guarded(self, fn) -> None:
             try:
                 fn()
@@ -248,6 +261,8 @@ def _handler(agent: Agent):
                 return self._answer(200, agent.status())
             if path.startswith(tiers.AGENT_SEGMENTS_PATH + "/"):
                 return self._guarded(self._read)
+            if path.startswith(tiers.AGENT_LOCAL_PATH + "/"):
+                return self._guarded(self._local)
             if path.startswith(tiers.AGENT_REPLICATION_PATH + "/"):
                 return self._guarded(self._replication)
             self._answer(404, {"error": "no_route", "detail": path[:200]})
@@ -279,6 +294,7 @@ def _handler(agent: Agent):
                 self.end_headers()
                 self.wfile.flush()
                 self.connection.sendfile(f, start, end - start)   # os.sendfile: no copy through Python
+            agent.served(end - start)
 
         def do_PUT(self) -> None:
             if not urllib.parse.urlsplit(self.path).path.startswith(tiers.AGENT_SEGMENTS_PATH + "/"):

@@ -6,6 +6,12 @@ the copies in order, every byte hashed against the manifest's digest.
 agent first, then partner agents); a copy that is missing, cut short or whose bytes do not
 hash to the manifest's digest is skipped; no good copy left raises CorruptCheckpoint, and
 the restorer falls back to the newest good ancestor on every rank alike.
+
+From the rank's own agent (`local=`) a file is read from where it lies on this host
+(`read_local`: the agent says where, GET tiers.AGENT_LOCAL_PATH; the rank reads it straight
+into its buffer, hashing each piece as it lands), not through the agent's socket: 0.34 s of a
+256 MiB restore's 0.59 s was that socket here. Where the path is not this host's (an agent
+elsewhere, a container without its tmpfs) the file is read over HTTP as from a partner.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import os
 from dataclasses import dataclass
 
 from lastgood.errors import CorruptCheckpoint
@@ -151,25 +158,73 @@ def read_range(address: str, run: str, checkpoint_id: int, rank: int, name: str,
         conn.close()
 
 
+PIECE = 8 << 20  # a local read lands and is hashed piece by piece, while it is in the CPU's cache
+
+
+def read_local(address: str, run: str, checkpoint_id: int, rank: int, name: str, size: int,
+               timeout: float = 30.0, into=None) -> tuple[object, str] | None:
+    """The file as the agent at `address` holds it on this host, read from its path: (the
+    bytes, their xxh3-128); None when the path is not there from here (the caller reads over
+    HTTP). Unverified: the caller compares the digest with the manifest's."""
+    from urllib.parse import quote
+
+    conn = connect(address, timeout)
+    try:
+        conn.request("GET", f"{tiers.AGENT_LOCAL_PATH}/{quote(run, safe='')}/{checkpoint_id}/{rank}/"
+                            f"{quote(name, safe='')}")
+        resp = conn.getresponse()
+        raw = resp.read(64 * 1024)
+    finally:
+        conn.close()
+    if resp.status != 200:
+        raise LookupError(f"{address}: {resp.status} {raw[:200]!r}")
+    try:
+        path = json.loads(raw)["path"]
+        f = open(path, "rb", buffering=0)
+    except (ValueError, KeyError, TypeError, OSError):
+        return None  # not this host's file system (or not readable from here): over HTTP
+    body = bytearray(size) if into is None else into
+    view, h = memoryview(body).cast("B")[:size], StreamHasher()
+    with f:
+        if os.fstat(f.fileno()).st_size != size:
+            raise LookupError(f"{address}: {path} is not {size} bytes")
+        got = 0
+        while got < size:
+            n = f.readinto(view[got:min(got + PIECE, size)])
+            if not n:
+                raise LookupError(f"{address}: {path} ended after {got} of {size} bytes")
+            h.update(view[got:got + n])
+            got += n
+    return (body if into is None else view), h.hexdigest()
+
+
 def read_verified(copies: list[str], run: str, checkpoint_id: int, rank: int, name: str, size: int,
-                  digest: str, timeout: float = 30.0, into=None) -> tuple[object, str]:
+                  digest: str, timeout: float = 30.0, into=None, local: str | None = None) -> tuple[object, str]:
     """The file's bytes from the first copy whose bytes hash to `digest`, and that copy's
     address. A copy is read whole (a file of a memory checkpoint is one range of one rank),
-    into `into` when given (each copy tried overwrites it; the view returned is of it)."""
+    into `into` when given (each copy tried overwrites it; the view returned is of it).
+    `local`: the address of this host's own agent, whose copy is read from its path
+    (read_local) where this host sees it."""
     if into is not None and memoryview(into).nbytes < size:  # the caller's mistake, not a bad copy
         raise ValueError(f"a buffer of {memoryview(into).nbytes} bytes cannot take {name}'s {size}")
     tried = []
     for address in copies:
         try:
-            data = read_range(address, run, checkpoint_id, rank, name, 0, size, timeout, into) if size else bytearray()
+            got = read_local(address, run, checkpoint_id, rank, name, size, timeout, into) \
+                if address == local and size else None
+            if got is None:
+                data = read_range(address, run, checkpoint_id, rank, name, 0, size, timeout, into) if size \
+                    else bytearray()
+                h = StreamHasher()
+                h.update(data)
+                got = data, h.hexdigest()
         except (OSError, LookupError, ValueError, http.client.HTTPException) as e:
             tried.append(f"{address}: {e}")
             continue
-        h = StreamHasher()
-        h.update(data)
-        if h.hexdigest() == digest:
+        data, found = got
+        if found == digest:
             return data, address
         log.warning("the copy of %s/%s/%s/%s at %s does not match the manifest's digest: next copy",
                     run, checkpoint_id, rank, name, address)
-        tried.append(f"{address}: xxh3-128 {h.hexdigest()} is not the manifest's {digest}")
+        tried.append(f"{address}: xxh3-128 {found} is not the manifest's {digest}")
     raise CorruptCheckpoint(f"no good copy of {run}/{checkpoint_id}/{rank}/{name}: " + "; ".join(tried))

@@ -85,7 +85,7 @@ class MemoryReader:
     """A memory checkpoint's files for restore/files.fetch_rank, from the agents' copies."""
 
     def __init__(self, transport, run: str, manifest, own_agent: str | None) -> None:
-        self.run, self.manifest = run, manifest
+        self.run, self.manifest, self.own = run, manifest, own_agent
         self.order = copy_order(transport.copies(manifest.checkpoint_id), own_agent)
         self.sources: dict[tuple[int, str], str] = {}  # (rank, file) -> the copy read
 
@@ -94,7 +94,7 @@ class MemoryReader:
         if entry is None:
             raise CorruptCheckpoint(f"checkpoint {checkpoint_id} has no file {file_name} for rank {rank}")
         data, source = read_verified(self.order.get((rank, file_name), []), self.run, checkpoint_id, rank,
-                                     file_name, size, entry.xxh3_128, into=into)
+                                     file_name, size, entry.xxh3_128, into=into, local=self.own)
         self.sources[(rank, file_name)] = source
         return memoryview(data), entry.xxh3_128
 

@@ -100,6 +100,8 @@ AGENT_READY_PATH = "/v1/ready"            # POST: a rank's files are in its segm
 AGENT_RESERVE_PATH = "/v1/reserve"        # POST: room for a rank's bytes under the node's budget
 AGENT_SEGMENTS_PATH = "/v1/segments"      # /<run>/<checkpoint id>/<rank>/<file>: GET (ranged), PUT (a partner's copy)
 AGENT_STATUS_PATH = "/v1/status"          # GET: what the agent holds, its budget and events
+AGENT_LOCAL_PATH = "/v1/local"            # GET /<run>/<checkpoint id>/<rank>/<file>: where a held file lies on
+                                          # the agent's host ({path, size, xxh3_128}): a rank there reads it itself
 AGENT_REPLICATION_PATH = "/v1/replication"  # GET /<run>/<checkpoint id>/<rank>: how that rank's replication stands
 AGENT_DIGEST_HEADER = "X-Lastgood-Xxh3-128"  # the holder's own xxh3-128 of the whole file
 
