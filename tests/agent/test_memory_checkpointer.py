@@ -7,6 +7,7 @@ durable saves go on."""
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from pathlib import Path
 
@@ -33,6 +34,37 @@ def nodes(tmp_path_factory):
         a.stop()
         b.stop()
     svc.stop()
+
+
+class _Nodes:
+    """A service of a test's own and two agents on loopback (node-a, node-b) under a tmpfs."""
+
+    def __init__(self, svc, a, b, root: Path) -> None:
+        self.svc, self.a, self.b, self.root = svc, a, b, root
+
+
+@contextlib.contextmanager
+def own_nodes(tmp_path: Path, env: dict, prefix: str):
+    """_Nodes, every process stopped at the end (of an agent a test replaced, the one it left in
+    the object)."""
+    svc = ServiceProc(tmp_path / "svc", {**FAST, **env}).start()
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    try:
+        with tempfile.TemporaryDirectory(prefix=prefix, dir=base) as d:
+            n = _Nodes(svc, AgentProc("node-a", _free_port(), Path(d) / "a", {}, "--live-every", "0.3", url=svc.url),
+                       AgentProc("node-b", _free_port(), Path(d) / "b", {}, "--live-every", "0.3", url=svc.url),
+                       Path(d))
+            try:
+                yield n
+            finally:
+                n.a.stop()
+                n.b.stop()
+    finally:
+        svc.stop()
+
+
+def _held(agent) -> set[int]:
+    return {s["checkpoint_id"] for s in agent.status()["segments"]}
 
 
 def _model(seed: int) -> nn.Module:
@@ -226,40 +258,30 @@ def test_memory_checkpoints_beyond_the_retention_leave_the_agents_within_seconds
     0: they stay committed and held, as before, until the scheduled pass."""
     from lastgood.wire import tiers
 
-    svc = ServiceProc(tmp_path / "svc", {**FAST, "LASTGOOD_MEMORY_GC_SECONDS": memory_gc}).start()
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
-    try:
-        with tempfile.TemporaryDirectory(prefix="lastgood-memgc-", dir=base) as d:
-            a = AgentProc("node-a", _free_port(), Path(d) / "a", {}, "--live-every", "0.3", url=svc.url)
-            b = AgentProc("node-b", _free_port(), Path(d) / "b", {}, "--live-every", "0.3", url=svc.url)
-            try:
-                with lastgood.Checkpointer(svc.url, run=run_name, memory=Interval(every_steps=1), agent=a.address) as ck:
-                    for step in range(1, 7):
-                        ck.save(step, lastgood.TrainState(model=_model(step)), tier="memory")
-                        ck.wait()
-                    assert ck.memory.stats["memory_committed"] == 6
+    with own_nodes(tmp_path, {"LASTGOOD_MEMORY_GC_SECONDS": memory_gc}, 'lastgood-memgc-') as n:
+        svc, a, b = n.svc, n.a, n.b
+        with lastgood.Checkpointer(svc.url, run=run_name, memory=Interval(every_steps=1), agent=a.address) as ck:
+            for step in range(1, 7):
+                ck.save(step, lastgood.TrainState(model=_model(step)), tier="memory")
+                ck.wait()
+            assert ck.memory.stats["memory_committed"] == 6
 
-                def committed() -> list[int]:
-                    items = httpx.get(f"{svc.url}/api/v1/runs/{run_name}/checkpoints", timeout=10).json()["items"]
-                    return sorted(c["step"] for c in items if c["status"] == "COMMITTED")
+        def committed() -> list[int]:
+            items = httpx.get(f"{svc.url}/api/v1/runs/{run_name}/checkpoints", timeout=10).json()["items"]
+            return sorted(c["step"] for c in items if c["status"] == "COMMITTED")
 
-                def held(agent) -> int:
-                    return len(agent.status()["segments"])
+        def held(agent) -> int:
+            return len(agent.status()["segments"])
 
-                want = tiers.DEFAULT_MEMORY_KEEP
-                if memory_gc != "0":
-                    _wait(lambda: committed() == [5, 6] and held(a) == want and held(b) == want, timeout=30)
-                    assert a.status()["pooled_bytes"] > 0 and b.status()["pooled_bytes"] > 0
-                else:
-                    import time
+        want = tiers.DEFAULT_MEMORY_KEEP
+        if memory_gc != "0":
+            _wait(lambda: committed() == [5, 6] and held(a) == want and held(b) == want, timeout=30)
+            assert a.status()["pooled_bytes"] > 0 and b.status()["pooled_bytes"] > 0
+        else:
+            import time
 
-                    time.sleep(3)  # ten live polls and ten would-be memory GC periods
-                    assert committed() == [1, 2, 3, 4, 5, 6] and held(a) == 6 and held(b) == 6
-            finally:
-                a.stop()
-                b.stop()
-    finally:
-        svc.stop()
+            time.sleep(3)  # ten live polls and ten would-be memory GC periods
+            assert committed() == [1, 2, 3, 4, 5, 6] and held(a) == 6 and held(b) == 6
 
 
 @pytest.mark.slow
@@ -271,33 +293,24 @@ def test_a_partner_that_cannot_be_reached_gives_the_memory_save_up_at_once(tmp_p
     import time
 
     # a lease of a production's order: the checkpoint is not abandoned by its lease meanwhile
-    svc = ServiceProc(tmp_path / "svc", {**FAST, "LASTGOOD_LEASE_SECONDS": "120"}).start()
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
-    try:
-        with tempfile.TemporaryDirectory(prefix="lastgood-partner-", dir=base) as d:
-            a = AgentProc("node-a", _free_port(), Path(d) / "a", {}, "--live-every", "0.3", url=svc.url)
-            b = AgentProc("node-b", _free_port(), Path(d) / "b", {}, "--live-every", "0.3", url=svc.url)
-            b.proc.kill()  # gone, but still listed within the agents' TTL: A's partner
-            b.proc.wait(10)
-            try:
-                with lastgood.Checkpointer(svc.url, run=run_name, memory=Interval(every_steps=2), agent=a.address,
-                                           commit_timeout=45) as ck:
-                    t0 = time.monotonic()
-                    ck.save(2, lastgood.TrainState(model=_model(2)), tier="memory")
-                    ck.save(3, lastgood.TrainState(model=_model(3)))
-                    ck.wait()
-                    took = time.monotonic() - t0
-                    assert ck.memory.stats == {"memory_committed": 0, "memory_given_up": 1}
-                    assert ck.last_saved.step == 3
-                assert took < 20, took
-                events = httpx.get(f"{svc.url}/api/v1/runs/{run_name}/events", params={"kind": "memory_given_up"},
-                                   timeout=10).json()["items"]
-                assert len(events) == 1 and "partner" in events[0]["data"]["reason"], events
-                assert b.address in events[0]["data"]["reason"]
-            finally:
-                a.stop()
-    finally:
-        svc.stop()
+    with own_nodes(tmp_path, {"LASTGOOD_LEASE_SECONDS": "120"}, 'lastgood-partner-') as n:
+        svc, a, b = n.svc, n.a, n.b
+        b.proc.kill()  # gone, but still listed within the agents' TTL: A's partner
+        b.proc.wait(10)
+        with lastgood.Checkpointer(svc.url, run=run_name, memory=Interval(every_steps=2), agent=a.address,
+                                   commit_timeout=45) as ck:
+            t0 = time.monotonic()
+            ck.save(2, lastgood.TrainState(model=_model(2)), tier="memory")
+            ck.save(3, lastgood.TrainState(model=_model(3)))
+            ck.wait()
+            took = time.monotonic() - t0
+            assert ck.memory.stats == {"memory_committed": 0, "memory_given_up": 1}
+            assert ck.last_saved.step == 3
+        assert took < 20, took
+        events = httpx.get(f"{svc.url}/api/v1/runs/{run_name}/events", params={"kind": "memory_given_up"},
+                           timeout=10).json()["items"]
+        assert len(events) == 1 and "partner" in events[0]["data"]["reason"], events
+        assert b.address in events[0]["data"]["reason"]
 
 
 @pytest.mark.slow
@@ -312,40 +325,29 @@ def test_a_service_outage_gives_memory_saves_up_and_the_agents_keep_the_last_com
 
     from lastgood.remote.retry import RetryPolicy
 
-    svc = ServiceProc(tmp_path / "svc", dict(FAST)).start()
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
-    try:
-        with tempfile.TemporaryDirectory(prefix="lastgood-outage-", dir=base) as d:
-            a = AgentProc("node-a", _free_port(), Path(d) / "a", {}, "--live-every", "0.3", url=svc.url)
-            b = AgentProc("node-b", _free_port(), Path(d) / "b", {}, "--live-every", "0.3", url=svc.url)
-            held = lambda agent: {s["checkpoint_id"] for s in agent.status()["segments"]}  # noqa: E731
-            try:
-                with lastgood.Checkpointer(svc.url, run=run_name, memory=Interval(every_steps=1), agent=a.address,
-                                           retry=RetryPolicy(deadline=3.0), heartbeat_seconds=0) as ck:
-                    ck.save(1, lastgood.TrainState(model=_model(1)), tier="memory")
-                    ck.wait()
-                    assert ck.memory.stats == {"memory_committed": 1, "memory_given_up": 0}
-                    first = ck.parent_id
-                    _wait(lambda: first in held(a) and first in held(b))
-                    svc.stop()
-                    ck.save(2, lastgood.TrainState(model=_model(2)), tier="memory")
-                    ck.wait()
-                    assert ck.memory.stats == {"memory_committed": 1, "memory_given_up": 1}
-                    time.sleep(1.5)  # several failed live polls on each agent
-                    assert first in held(a) and first in held(b)
-                    svc.start(keep_ports=True)
-                    ck.save(3, lastgood.TrainState(model=_model(3)), tier="memory")
-                    ck.wait()
-                    assert ck.memory.stats == {"memory_committed": 2, "memory_given_up": 1}
-                fresh = _model(99)
-                with lastgood.Checkpointer(svc.url, run=run_name, read_only=True, agent=a.address) as reader:
-                    assert reader.restore(lastgood.TrainState(model=fresh)) == 3
-                assert _same(fresh, _model(3))
-            finally:
-                a.stop()
-                b.stop()
-    finally:
-        svc.stop()
+    with own_nodes(tmp_path, {}, 'lastgood-outage-') as n:
+        svc, a, b = n.svc, n.a, n.b
+        with lastgood.Checkpointer(svc.url, run=run_name, memory=Interval(every_steps=1), agent=a.address,
+                                   retry=RetryPolicy(deadline=3.0), heartbeat_seconds=0) as ck:
+            ck.save(1, lastgood.TrainState(model=_model(1)), tier="memory")
+            ck.wait()
+            assert ck.memory.stats == {"memory_committed": 1, "memory_given_up": 0}
+            first = ck.parent_id
+            _wait(lambda: first in _held(a) and first in _held(b))
+            svc.stop()
+            ck.save(2, lastgood.TrainState(model=_model(2)), tier="memory")
+            ck.wait()
+            assert ck.memory.stats == {"memory_committed": 1, "memory_given_up": 1}
+            time.sleep(1.5)  # several failed live polls on each agent
+            assert first in _held(a) and first in _held(b)
+            svc.start(keep_ports=True)
+            ck.save(3, lastgood.TrainState(model=_model(3)), tier="memory")
+            ck.wait()
+            assert ck.memory.stats == {"memory_committed": 2, "memory_given_up": 1}
+        fresh = _model(99)
+        with lastgood.Checkpointer(svc.url, run=run_name, read_only=True, agent=a.address) as reader:
+            assert reader.restore(lastgood.TrainState(model=fresh)) == 3
+        assert _same(fresh, _model(3))
 
 
 @pytest.mark.slow
@@ -358,32 +360,20 @@ def test_a_restarted_agent_adopts_its_predecessors_segments_and_serves_them(tmp_
     removes them, and the restore falls back to the durable ancestor."""
     import time
 
-    svc = ServiceProc(tmp_path / "svc", dict(FAST)).start()
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
-    held = lambda agent: {s["checkpoint_id"] for s in agent.status()["segments"]}  # noqa: E731
-    try:
-        with tempfile.TemporaryDirectory(prefix="lastgood-adopt-", dir=base) as d:
-            port = _free_port()
-            a = AgentProc("node-a", port, Path(d) / "a", {}, "--live-every", "0.3", url=svc.url)
-            b = AgentProc("node-b", _free_port(), Path(d) / "b", {}, "--live-every", "0.3", url=svc.url)
-            try:
-                _, m_id, durable, memory = _save_durable_then_memory(svc, a, run_name)
-                _wait(lambda: m_id in held(a) and m_id in held(b))
-                a.proc.kill()  # SIGKILL: nothing of it runs on the way out
-                a.proc.wait(10)
-                b.stop()  # the partner's copy is gone with it
-                a = AgentProc("node-a", port, Path(d) / "a", {}, "--live-every", "0.3",
-                              *(["--fresh"] if fresh else []), url=svc.url)
-                step, restored, reads = _restore(svc, a, run_name)
-                if fresh:
-                    assert step == 1 and _same(restored, durable) and held(a) == set()
-                    return
-                assert step == 2 and _same(restored, memory) and reads == {"memory_copies": [a.address]}
-                assert [e["kind"] for e in a.status()["events"]].count("adopted") == 1
-                time.sleep(1.0)  # several live polls: an adopted checkpoint that is live stays
-                assert m_id in held(a)
-            finally:
-                a.stop()
-                b.stop()
-    finally:
-        svc.stop()
+    with own_nodes(tmp_path, {}, 'lastgood-adopt-') as n:
+        svc, a, b = n.svc, n.a, n.b
+        _, m_id, durable, memory = _save_durable_then_memory(svc, a, run_name)
+        _wait(lambda: m_id in _held(a) and m_id in _held(b))
+        a.proc.kill()  # SIGKILL: nothing of it runs on the way out
+        a.proc.wait(10)
+        b.stop()  # the partner's copy is gone with it
+        a = n.a = AgentProc("node-a", int(a.address.rsplit(":", 1)[1]), n.root / "a", {}, "--live-every", "0.3",
+                            *(["--fresh"] if fresh else []), url=svc.url)
+        step, restored, reads = _restore(svc, a, run_name)
+        if fresh:
+            assert step == 1 and _same(restored, durable) and _held(a) == set()
+            return
+        assert step == 2 and _same(restored, memory) and reads == {"memory_copies": [a.address]}
+        assert [e["kind"] for e in a.status()["events"]].count("adopted") == 1
+        time.sleep(1.0)  # several live polls: an adopted checkpoint that is live stays
+        assert m_id in _held(a)
