@@ -21,6 +21,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
+from urllib.parse import quote
 
 from lastgood.errors import CorruptCheckpoint
 from lastgood.wire import tiers
@@ -28,6 +29,13 @@ from lastgood.wire.hashing import StreamHasher
 
 log = logging.getLogger("lastgood.agent")
 CHUNK = 1 << 20
+
+
+def _route(prefix: str, run: str, checkpoint_id: int, rank: int, name: str | None = None) -> str:
+    """An agent route's path: `prefix`/<run>/<checkpoint id>/<rank>[/<file>], quoted (the agent's
+    server parses them back in one place, agent/server.py `_key`)."""
+    tail = "" if name is None else "/" + quote(name, safe="")
+    return f"{prefix}/{quote(run, safe='')}/{checkpoint_id}/{rank}{tail}"
 
 
 class AgentRefused(Exception):
@@ -96,14 +104,12 @@ class AgentClient:
         """How the agent's replication of this rank's files stands ({"state": queued | sent |
         failed, "partner", "detail"}), or None when the agent does not say (it knows no such
         job, predates the route, or does not answer within `timeout`)."""
-        from urllib.parse import quote
-
         try:
             conn = connect(self.address, self.timeout if timeout is None else timeout)
         except OSError:
             return None
         try:
-            conn.request("GET", f"{tiers.AGENT_REPLICATION_PATH}/{quote(run, safe='')}/{checkpoint_id}/{rank}")
+            conn.request("GET", _route(tiers.AGENT_REPLICATION_PATH, run, checkpoint_id, rank))
             resp = conn.getresponse()
             raw = resp.read()
             return json.loads(raw) if resp.status == 200 else None
@@ -135,12 +141,10 @@ def read_range(address: str, run: str, checkpoint_id: int, rank: int, name: str,
     received straight into `into` (a writable buffer of at least `length` bytes: the
     restore's staging buffer, so no second copy) and a view of them returned, else into a
     new bytearray."""
-    from urllib.parse import quote
-
     conn = connect(address, timeout)
     try:
-        conn.request("GET", f"{tiers.AGENT_SEGMENTS_PATH}/{quote(run, safe='')}/{checkpoint_id}/{rank}/"
-                            f"{quote(name, safe='')}", headers={"Range": f"bytes={start}-{start + length - 1}"})
+        conn.request("GET", _route(tiers.AGENT_SEGMENTS_PATH, run, checkpoint_id, rank, name),
+                     headers={"Range": f"bytes={start}-{start + length - 1}"})
         resp = conn.getresponse()
         if resp.status != 206:
             raise LookupError(f"{address}: {resp.status} {resp.read(200)!r}")
@@ -166,12 +170,9 @@ def read_local(address: str, run: str, checkpoint_id: int, rank: int, name: str,
     """The file as the agent at `address` holds it on this host, read from its path: (the
     bytes, their xxh3-128); None when the path is not there from here (the caller reads over
     HTTP). Unverified: the caller compares the digest with the manifest's."""
-    from urllib.parse import quote
-
     conn = connect(address, timeout)
     try:
-        conn.request("GET", f"{tiers.AGENT_LOCAL_PATH}/{quote(run, safe='')}/{checkpoint_id}/{rank}/"
-                            f"{quote(name, safe='')}")
+        conn.request("GET", _route(tiers.AGENT_LOCAL_PATH, run, checkpoint_id, rank, name))
         resp = conn.getresponse()
         raw = resp.read(64 * 1024)
     finally:
